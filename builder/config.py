@@ -1,0 +1,335 @@
+"""The typed build config (docs/contracts.md section 1).
+
+``BuildConfig.from_yaml(path, overrides=["engine.max_batch_size=64"])`` returns frozen dataclasses,
+validated at construction. Every mistake raises :class:`ConfigError` with one line
+``<file>: <key.path>: <problem>; allowed: <...>``. Checks that need the model's shape (tp_size vs
+KV heads, max_seq_len vs context, int4 group size vs in-features) live in :func:`check_against_model`,
+which the import stage calls once the checkpoint's config is known.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from builder.schema import ConfigError, all_key_paths, build, opt
+
+__all__ = ["BuildConfig", "ConfigError", "check_against_model", "QUANT_FORMATS"]
+
+QUANT_FORMATS = ("none", "fp8", "nvfp4", "int4_awq", "int8_sq", "w4a8_awq")
+GROUPED_FORMATS = ("int4_awq", "w4a8_awq")  # formats whose group_size must divide in-features
+KNOWN_SMS = (80, 86, 89, 90, 100, 103, 120)
+
+
+def _power_of_two(v: int) -> str | None:
+    return None if v > 0 and v & (v - 1) == 0 else f"{v} is not a power of two"
+
+
+def _nonempty(v: str) -> str | None:
+    return None if v.strip() else "must not be empty"
+
+
+def _sms(v: tuple[int, ...]) -> str | None:
+    if not v:
+        return "needs at least one target SM"
+    bad = [s for s in v if s not in KNOWN_SMS]
+    return f"unknown SM {bad[0]}" if bad else None
+
+
+def _tree_paths(v: tuple[tuple[int, ...], ...]) -> str | None:
+    if not v:
+        return "needs at least one path"
+    if any(not p or min(p) < 0 for p in v):
+        return "every path must be a non-empty list of child indices >= 0"
+    seen = set(v)
+    for p in v:  # a static tree must be prefix-closed, or nodes would have no parent to attach to
+        if len(p) > 1 and p[:-1] not in seen:
+            return f"path {list(p)} has no parent path {list(p[:-1])}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    source: str = opt("smollm2", check=_nonempty,
+                      allowed="smollm2 | path to a HF checkpoint folder | path to a .gguf file")
+    architecture: str = opt("auto", choices=("auto", "llama", "mistral", "qwen2"))
+    dtype: str = opt("bfloat16", choices=("bfloat16", "float16", "float32"))
+    max_position_embeddings: int | None = opt(None, min=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationConfig:
+    dataset: str = opt("builtin", check=_nonempty, allowed="builtin | path to a JSONL file with a 'text' field")
+    num_samples: int = opt(32, min=1, max=4096)
+    max_seq_len: int = opt(256, min=8, max=32768)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationConfig:
+    format: str = opt("fp8", choices=QUANT_FORMATS)
+    kv_cache: str = opt("fp8", choices=("none", "fp8"))
+    group_size: int = opt(64, choices=(16, 32, 64, 128, 256))
+    exclude: tuple[str, ...] = opt(("lm_head",))
+    calibration: CalibrationConfig = opt(CalibrationConfig())
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTrainConfig:
+    steps: int = opt(200, min=1)
+    learning_rate: float = opt(3.0e-4, min=0.0, max=1.0)
+    seq_len: int = opt(128, min=8)
+    dataset: str = opt("builtin", check=_nonempty, allowed="builtin | path to a JSONL file with a 'text' field")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = opt("none", choices=("none", "eagle3"))
+    draft: str = opt("train", check=_nonempty, allowed="train | path to an EAGLE-3 HF checkpoint")
+    max_draft_len: int = opt(4, min=1, max=16)
+    tree: str = opt("chain", choices=("chain", "static", "dynamic"))
+    tree_choices: tuple[tuple[int, ...], ...] | None = opt(None, check=_tree_paths,
+                                                             allowed="null | list of paths, e.g. [[0],[1],[0,0]]")
+    top_k: int = opt(4, min=1, max=64)
+    depth: int = opt(4, min=1, max=16)
+    aux_layers: tuple[int, ...] | None = opt(None, allowed="null | list of layer indices")
+    train: DraftTrainConfig = opt(DraftTrainConfig())
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = opt(64, min=1, max=4096)
+    max_num_tokens: int = opt(2048, min=1)
+    max_seq_len: int = opt(2048, min=2)
+    max_input_len: int = opt(1536, min=1)
+    kv_block_size: int = opt(16, min=1, max=1024, check=_power_of_two, allowed="a power of two, 1..1024")
+    kv_cache_free_mem_fraction: float = opt(0.9, min=0.01, max=1.0)
+    max_kv_tokens: int | None = opt(None, min=1)
+    enable_prefix_caching: bool = opt(True)
+    enable_chunked_prefill: bool = opt(True)
+    scheduler_policy: str = opt("max_utilization", choices=("max_utilization", "guaranteed_no_evict"))
+    tp_size: int = opt(1, choices=(1, 2, 4, 8))
+    target_sms: tuple[int, ...] = opt((90, 100), check=_sms, allowed=" | ".join(map(str, KNOWN_SMS)))
+    attention_backend: str = opt("auto", choices=("auto", "torch", "triton"))
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyConfig:
+    enabled: bool = opt(True)
+    num_prompts: int = opt(8, min=1, max=1024)
+    min_top1_agreement: float | None = opt(None, min=0.0, max=1.0)
+    max_mean_kl: float | None = opt(None, min=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingConfig:
+    model_name: str = opt("ensemble", check=_nonempty)
+    engine_instances: int = opt(1, min=1, max=64)
+    preprocessing_instances: int = opt(1, min=1, max=64)
+    postprocessing_instances: int = opt(1, min=1, max=64)
+    stream_interval: int = opt(1, min=1)
+    http_port: int = opt(8000, min=1, max=65535)
+    grpc_port: int = opt(8001, min=1, max=65535)
+    metrics_port: int = opt(8002, min=1, max=65535)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputConfig:
+    dir: str | None = opt(None, allowed="null (build/<config file stem>) | a folder path")
+
+
+# Sections that do not change what the engine computes; left out of the config hash.
+_UNHASHED_SECTIONS = ("output",)
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildConfig:
+    model: ModelConfig = opt(ModelConfig())
+    quantization: QuantizationConfig = opt(QuantizationConfig())
+    speculative: SpeculativeConfig = opt(SpeculativeConfig())
+    engine: EngineConfig = opt(EngineConfig())
+    verify: VerifyConfig = opt(VerifyConfig())
+    serving: ServingConfig = opt(ServingConfig())
+    output: OutputConfig = opt(OutputConfig())
+    # Where the config came from: "<file>" in errors, stem for the default output folder.
+    file: str = dataclasses.field(default="<config>", compare=False)
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -> "BuildConfig":
+        path = Path(path)
+        file = str(path)
+        if not path.is_file():
+            what = "is a folder, not a config file" if path.is_dir() else "config file not found"
+            raise ConfigError(file, "", what, "a YAML file, e.g. configs/smollm2-135m-fp8.yaml")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(file, "", f"invalid YAML: {where}{problem}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(file, "", "invalid YAML: not UTF-8 text") from None
+        if data is None:
+            data = {}
+        return cls.from_dict(data, file=file, overrides=overrides)
+
+    @classmethod
+    def from_dict(cls, data: dict, file: str = "<config>",
+                  overrides: tuple[str, ...] | list[str] = ()) -> "BuildConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(file, "", f"the top level must be a mapping of sections, got {type(data).__name__}",
+                              ", ".join(_section_names()))
+        data = apply_overrides(data, overrides, file)
+        cfg = build(cls, data, file)
+        cfg = dataclasses.replace(cfg, file=file)
+        cfg._check_combinations()
+        return cfg
+
+    def _check_combinations(self) -> None:
+        e, s, f = self.engine, self.speculative, self.file
+        if e.max_input_len >= e.max_seq_len:
+            raise ConfigError(f, "engine.max_input_len", f"{e.max_input_len} must be below engine.max_seq_len "
+                              f"({e.max_seq_len}) to leave room for output", f"1..{e.max_seq_len - 1}")
+        if not e.enable_chunked_prefill and e.max_num_tokens < e.max_input_len:
+            raise ConfigError(f, "engine.max_num_tokens", f"{e.max_num_tokens} cannot hold a whole prompt of "
+                              f"engine.max_input_len={e.max_input_len} without chunked prefill",
+                              f">= {e.max_input_len}, or engine.enable_chunked_prefill=true")
+        if e.max_num_tokens < e.max_batch_size:
+            raise ConfigError(f, "engine.max_num_tokens", f"{e.max_num_tokens} is below engine.max_batch_size "
+                              f"({e.max_batch_size}): a full batch could not decode one token each",
+                              f">= {e.max_batch_size}")
+        if e.max_kv_tokens is not None and e.max_kv_tokens < e.max_seq_len:
+            raise ConfigError(f, "engine.max_kv_tokens", f"{e.max_kv_tokens} cannot hold one sequence of "
+                              f"engine.max_seq_len={e.max_seq_len}", f"null or >= {e.max_seq_len}")
+        mpe = self.model.max_position_embeddings
+        if mpe is not None and e.max_seq_len > mpe:
+            raise ConfigError(f, "engine.max_seq_len", f"{e.max_seq_len} exceeds the model's context "
+                              f"(model.max_position_embeddings={mpe})", f"2..{mpe}")
+        if s.tree == "static" and s.tree_choices is None:
+            raise ConfigError(f, "speculative.tree_choices", "required when speculative.tree=static",
+                              "list of paths, e.g. [[0],[1],[0,0]]")
+        if s.tree != "static" and s.tree_choices is not None:
+            raise ConfigError(f, "speculative.tree_choices", f"only used with speculative.tree=static "
+                              f"(tree is {s.tree})", "null")
+        ports = {"http_port": self.serving.http_port, "grpc_port": self.serving.grpc_port,
+                 "metrics_port": self.serving.metrics_port}
+        if len(set(ports.values())) != len(ports):
+            raise ConfigError(f, "serving", f"ports must differ, got {ports}", "three distinct ports")
+
+    # ---- hashing and export -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The normalized config as plain JSON-able data (tuples become lists)."""
+        d = dataclasses.asdict(self)
+        d.pop("file")
+        return json.loads(json.dumps(d))
+
+    def section_hash(self, section: str) -> str:
+        """sha256 of one section's normalized JSON: stable across runs, key order and YAML layout."""
+        d = self.to_dict()
+        if section not in d:
+            raise KeyError(f"unknown config section {section!r}; sections: {', '.join(d)}")
+        return _sha256_json(d[section])
+
+    def config_hash(self) -> str:
+        """sha256 of every section that changes the engine (output location excluded)."""
+        d = {k: v for k, v in self.to_dict().items() if k not in _UNHASHED_SECTIONS}
+        return _sha256_json(d)
+
+    @property
+    def stem(self) -> str:
+        return Path(self.file).stem if self.file != "<config>" else "engine"
+
+    def output_dir(self, override: str | Path | None = None) -> Path:
+        """--output beats output.dir, which beats build/<config file stem>."""
+        if override is not None:
+            return Path(override)
+        if self.output.dir is not None:
+            return Path(self.output.dir)
+        return Path("build") / self.stem
+
+
+def _sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _section_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(BuildConfig) if f.name != "file"]
+
+
+def _section_paths() -> set[str]:
+    """Key paths that name a whole (sub)section, which an override may replace as a mapping."""
+    leaves = all_key_paths(BuildConfig)
+    return {".".join(p.split(".")[:i]) for p in leaves for i in range(1, p.count(".") + 1)}
+
+
+def apply_overrides(data: dict, overrides: tuple[str, ...] | list[str], file: str) -> dict:
+    """Return a copy of ``data`` with ``key.path=value`` overrides applied (values parsed as YAML)."""
+    data = json.loads(json.dumps(data, default=str))  # deep copy; YAML here is plain data
+    leaves = [p for p in all_key_paths(BuildConfig) if p != "file"]
+    sections = _section_paths()
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(file, item, "override must look like key.path=value",
+                              "e.g. engine.max_batch_size=64")
+        if key not in leaves and key not in sections:
+            close = difflib.get_close_matches(key, leaves, n=1, cutoff=0.6)
+            problem = f"unknown key in override '{item}'" + (f"; did you mean '{close[0]}'?" if close else "")
+            raise ConfigError(file, key, problem, "any key of docs/contracts.md section 1, e.g. "
+                              "quantization.format")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            raise ConfigError(file, key, f"override value {raw!r} is not valid YAML") from None
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    return data
+
+
+def check_against_model(cfg: BuildConfig, model: dict[str, Any]) -> None:
+    """Checks that need the checkpoint's shape; ``model`` holds engine.json "model" keys.
+
+    Raises ConfigError in the same one-line style as construction, naming the config key to change.
+    """
+    f, e, q = cfg.file, cfg.engine, cfg.quantization
+    kv, heads = model["num_kv_heads"], model["num_heads"]
+    if kv % e.tp_size or heads % e.tp_size:
+        ok = [t for t in (1, 2, 4, 8) if kv % t == 0 and heads % t == 0]
+        raise ConfigError(f, "engine.tp_size", f"{e.tp_size} does not divide the model's {kv} KV heads "
+                          f"and {heads} attention heads", " | ".join(map(str, ok)))
+    mpe = model.get("max_position_embeddings")
+    if mpe and e.max_seq_len > mpe:
+        raise ConfigError(f, "engine.max_seq_len", f"{e.max_seq_len} exceeds the model's context of "
+                          f"{mpe} tokens", f"2..{mpe}")
+    in_features = {"hidden_size (qkv, gate_up)": model["hidden_size"],
+                   "num_heads*head_dim (o)": heads * model["head_dim"],
+                   "intermediate_size (down)": model["intermediate_size"]}
+    if q.format in GROUPED_FORMATS:
+        for what, n in in_features.items():
+            if n % q.group_size:
+                ok = [g for g in (16, 32, 64, 128, 256) if all(v % g == 0 for v in in_features.values())]
+                raise ConfigError(f, "quantization.group_size", f"{q.group_size} does not divide the model's "
+                                  f"{what} = {n}", " | ".join(map(str, ok)) or "none fits this model")
+    if q.format == "nvfp4":
+        for what, n in in_features.items():
+            if n % 16:
+                raise ConfigError(f, "quantization.format", f"nvfp4 needs in-features divisible by 16, "
+                                  f"the model's {what} = {n}", "fp8 | int8_sq | none")
+    aux = cfg.speculative.aux_layers
+    if cfg.speculative.method != "none" and aux is not None:
+        bad = [a for a in aux if not 0 <= a < model["num_layers"]]
+        if bad:
+            raise ConfigError(f, "speculative.aux_layers", f"layer {bad[0]} does not exist",
+                              f"0..{model['num_layers'] - 1}")
