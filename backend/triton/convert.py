@@ -1,0 +1,230 @@
+"""Triton tensors -> validated request fields, with one-line errors that name the Triton input.
+
+Pure numpy; no Triton, no torch. Every model (preprocessing, engine, bls) reads its inputs through
+:func:`read_inputs`, driven by the :data:`INPUTS` table, so names, dtypes, defaults and range checks
+live in one place. A problem raises :class:`InvalidRequest`, which the models turn into a Triton
+error response (the server keeps serving).
+
+Shapes: every model uses ``max_batch_size: 0`` (the engine batches in flight, not Triton), so a
+scalar input arrives as shape ``[1]``; ``[1, 1]`` (clients that add a batch dimension) is accepted too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+__all__ = [
+    "InvalidRequest", "InputSpec", "INPUTS", "EngineLimits", "read_inputs", "decode_text",
+    "sampling_kwargs", "check_prompt", "to_words_list", "from_words_list",
+]
+
+
+class InvalidRequest(ValueError):
+    """A client mistake; the message is one line naming the input and the allowed values."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    kind: str                      # "bytes" | "int" | "float" | "bool"
+    default: Any = None            # None = optional with no value
+    many: bool = False             # a list ([-1]) rather than a scalar ([1])
+    check: Callable[[Any], str | None] | None = None   # returns the problem, or None
+    allowed: str = ""
+
+
+def _finite(v: float) -> str | None:
+    return None if math.isfinite(v) else f"{v} is not finite"
+
+
+def _ge(lo: float) -> Callable[[Any], str | None]:
+    return lambda v: _finite(v) or (None if v >= lo else f"{v} is below {lo}")
+
+
+def _gt(lo: float) -> Callable[[Any], str | None]:
+    return lambda v: _finite(v) or (None if v > lo else f"{v} must be above {lo}")
+
+
+def _top_p(v: float) -> str | None:
+    return None if math.isfinite(v) and 0.0 < v <= 1.0 else f"{v} is outside (0, 1]"
+
+
+# One table for every model: the ensemble/bls inputs (NVIDIA tensorrtllm_backend names) and the
+# engine-only ones. A model reads the subset its config.pbtxt declares.
+INPUTS: dict[str, InputSpec] = {
+    "text_input": InputSpec("bytes", allowed="a UTF-8 string"),
+    "max_tokens": InputSpec("int", 16, check=_gt(0), allowed=">= 1 and within the engine's max_seq_len"),
+    "stream": InputSpec("bool", False),
+    "temperature": InputSpec("float", 1.0, check=_ge(0.0), allowed=">= 0 (0 = greedy)"),
+    "top_k": InputSpec("int", 0, check=_ge(0), allowed=">= 0 (0 = off)"),
+    "top_p": InputSpec("float", 1.0, check=_top_p, allowed="(0, 1]"),
+    "repetition_penalty": InputSpec("float", 1.0, check=_gt(0.0), allowed="> 0 (1 = off)"),
+    "presence_penalty": InputSpec("float", 0.0, check=_finite, allowed="a finite number"),
+    "frequency_penalty": InputSpec("float", 0.0, check=_finite, allowed="a finite number"),
+    "min_tokens": InputSpec("int", 0, check=_ge(0), allowed=">= 0 and <= max_tokens"),
+    "seed": InputSpec("int", None, check=_ge(0), allowed="an unsigned 64-bit integer"),
+    "end_id": InputSpec("int", None, check=_ge(0), allowed="a token id"),
+    "pad_id": InputSpec("int", None, check=_ge(0), allowed="a token id"),
+    "stop_words": InputSpec("bytes", (), many=True, allowed="a list of UTF-8 strings"),
+    "bad_words": InputSpec("bytes", (), many=True, allowed="a list of UTF-8 strings"),
+    "return_log_probs": InputSpec("bool", False),
+    "exclude_input_in_output": InputSpec("bool", False),
+    "apply_chat_template": InputSpec("bool", False),
+    # engine model only
+    "input_ids": InputSpec("int", None, many=True, allowed="a non-empty list of token ids"),
+    "input_lengths": InputSpec("int", None, check=_gt(0), allowed="len(input_ids)"),
+    "request_output_len": InputSpec("int", 16, check=_gt(0), allowed=">= 1 and within max_seq_len"),
+    "streaming": InputSpec("bool", False),
+    "stop_words_list": InputSpec("int", None, many=True, allowed="[2, N] NVIDIA words list"),
+    "bad_words_list": InputSpec("int", None, many=True, allowed="[2, N] NVIDIA words list"),
+}
+
+_KINDS = {"bytes": "OSU", "int": "iu", "float": "f", "bool": "b"}
+_TRITON_TYPE = {"bytes": "BYTES", "int": "INT32/INT64/UINT64", "float": "FP32", "bool": "BOOL"}
+
+
+def _scalar(name: str, arr: np.ndarray) -> Any:
+    if arr.size != 1 or arr.ndim > 2:
+        raise InvalidRequest(f"input '{name}': expected one value (shape [1]), got shape {list(arr.shape)}")
+    return arr.reshape(-1)[0]
+
+
+def decode_text(name: str, value: Any) -> str:
+    """BYTES element -> str; refuses bytes that are not UTF-8 instead of guessing."""
+    if isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(f"input '{name}': not valid UTF-8 (byte {e.start}: {e.reason})") from None
+
+
+def _convert(name: str, spec: InputSpec, arr: Any) -> Any:
+    if not isinstance(arr, np.ndarray):
+        raise InvalidRequest(f"input '{name}': expected a tensor, got {type(arr).__name__}")
+    if arr.dtype.kind not in _KINDS[spec.kind]:
+        raise InvalidRequest(f"input '{name}': wrong dtype {arr.dtype}; expected {_TRITON_TYPE[spec.kind]}")
+    if spec.many:
+        if spec.kind == "bytes":
+            return tuple(decode_text(name, v) for v in arr.reshape(-1))
+        if name.endswith("_words_list"):
+            return arr
+        if arr.ndim > 2 or (arr.ndim == 2 and arr.shape[0] != 1):
+            raise InvalidRequest(f"input '{name}': expected a 1-D list, got shape {list(arr.shape)}")
+        return [int(v) for v in arr.reshape(-1)]
+    v = _scalar(name, arr)
+    if spec.kind == "bytes":
+        return decode_text(name, v)
+    if spec.kind == "bool":
+        return bool(v)
+    if spec.kind == "int":
+        return int(v)
+    return float(v)
+
+
+def read_inputs(tensors: Mapping[str, np.ndarray], names: tuple[str, ...] | list[str],
+                required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Convert and range-check the named inputs; absent optional ones take the table's default."""
+    unknown = [n for n in tensors if n not in INPUTS]
+    if unknown:
+        raise InvalidRequest(f"unknown input '{unknown[0]}'; known: {', '.join(names)}")
+    out: dict[str, Any] = {}
+    for name in names:
+        spec = INPUTS[name]
+        if name not in tensors or tensors[name] is None:
+            if name in required:
+                raise InvalidRequest(f"input '{name}' is required ({spec.allowed or spec.kind})")
+            out[name] = spec.default
+            continue
+        value = _convert(name, spec, tensors[name])
+        if spec.check is not None and not spec.many:
+            problem = spec.check(value)
+            if problem:
+                raise InvalidRequest(f"input '{name}': {problem}; allowed: {spec.allowed}")
+        out[name] = value
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    """The limits a request is checked against, read from the bundle's engine.json ``engine``."""
+    max_input_len: int
+    max_seq_len: int
+
+    @classmethod
+    def from_engine_json(cls, engine_json: Mapping[str, Any]) -> "EngineLimits":
+        e = engine_json["engine"]
+        return cls(max_input_len=int(e["max_input_len"]), max_seq_len=int(e["max_seq_len"]))
+
+
+def check_prompt(prompt_ids: list[int], limits: EngineLimits, vocab_size: int | None = None) -> None:
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty (0 tokens); send a non-empty text_input / input_ids")
+    if len(prompt_ids) > limits.max_input_len:
+        raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens, more than the engine's "
+                             f"max_input_len={limits.max_input_len}; shorten it or rebuild with a larger "
+                             "engine.max_input_len")
+    if vocab_size is not None:
+        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"input 'input_ids': token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
+
+
+def sampling_kwargs(values: Mapping[str, Any], prompt_len: int, limits: EngineLimits,
+                    max_tokens_name: str = "max_tokens") -> dict[str, Any]:
+    """Request fields -> ``SamplingParams`` keyword arguments (contract section 4).
+
+    ``max_tokens`` is checked against the room the prompt leaves in ``max_seq_len`` so a request that
+    could never finish is refused up front instead of being cut short silently.
+    """
+    max_tokens = values[max_tokens_name]
+    room = limits.max_seq_len - prompt_len
+    if max_tokens > room:
+        raise InvalidRequest(f"input '{max_tokens_name}': {max_tokens} is beyond the engine limit: "
+                             f"the prompt has {prompt_len} tokens and max_seq_len is {limits.max_seq_len}; "
+                             f"allowed: 1..{max(room, 0)}")
+    if values["min_tokens"] > max_tokens:
+        raise InvalidRequest(f"input 'min_tokens': {values['min_tokens']} exceeds {max_tokens_name}="
+                             f"{max_tokens}; allowed: 0..{max_tokens}")
+    kw: dict[str, Any] = dict(
+        max_tokens=max_tokens, min_tokens=values["min_tokens"], temperature=values["temperature"],
+        top_k=values["top_k"], top_p=values["top_p"], repetition_penalty=values["repetition_penalty"],
+        presence_penalty=values["presence_penalty"], frequency_penalty=values["frequency_penalty"],
+        seed=values["seed"], logprobs=1 if values["return_log_probs"] else 0,
+    )
+    if values.get("end_id") is not None:
+        kw["stop_token_ids"] = (values["end_id"],)
+    return kw
+
+
+def to_words_list(words: list[list[int]]) -> np.ndarray:
+    """Token sequences -> NVIDIA's ``[2, N]`` INT32 words list (ids; end offsets padded with -1)."""
+    words = [list(w) for w in words if len(w)]
+    flat = [int(t) for w in words for t in w]
+    out = np.full((2, max(len(flat), 1)), -1, dtype=np.int32)
+    out[0, :len(flat)] = flat
+    out[1, :len(words)] = np.cumsum([len(w) for w in words], dtype=np.int64)
+    return out
+
+
+def from_words_list(name: str, arr: np.ndarray | None) -> list[list[int]]:
+    """The inverse of :func:`to_words_list`, with shape checks (``[1, 2, N]`` from batched clients too)."""
+    if arr is None:
+        return []
+    a = np.asarray(arr)
+    if a.ndim == 3 and a.shape[0] == 1:
+        a = a[0]
+    if a.ndim != 2 or a.shape[0] != 2:
+        raise InvalidRequest(f"input '{name}': expected shape [2, N] (ids; end offsets), got {list(a.shape)}")
+    ids, ends = a[0].tolist(), [int(e) for e in a[1].tolist() if e >= 0]
+    words, start = [], 0
+    for end in ends:
+        if end < start or end > len(ids):
+            raise InvalidRequest(f"input '{name}': offset {end} is out of order or beyond {len(ids)} ids")
+        if end > start:
+            words.append([int(t) for t in ids[start:end]])
+        start = end
+    return words

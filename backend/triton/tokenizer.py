@@ -1,0 +1,72 @@
+"""The bundle's tokenizer for serving: encode (optionally through the chat template), decode, words.
+
+Uses the ``tokenizers`` library only (the runtime's allowed imports); the chat template is rendered
+with jinja2, imported lazily because only requests with ``apply_chat_template`` need it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+__all__ = ["TextTokenizer", "load_tokenizer", "tokenizer_dir_of"]
+
+
+def tokenizer_dir_of(engine_dir: str | Path) -> Path:
+    """``<bundle>/tokenizer`` (contract section 3), or the folder itself when it holds tokenizer.json."""
+    p = Path(engine_dir)
+    for cand in (p / "tokenizer", p):
+        if (cand / "tokenizer.json").is_file():
+            return cand
+    raise FileNotFoundError(f"{p}: no tokenizer/tokenizer.json in the engine bundle; rebuild with make build")
+
+
+class TextTokenizer:
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None,
+                 special: dict[str, str] | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.special = special or {}
+        self._template = None  # compiled lazily
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        if chat:
+            text = self.render_chat(text)
+            # the template already spells out the special tokens; adding BOS again would double it
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text).ids
+
+    def render_chat(self, user_text: str) -> str:
+        if not self.chat_template:
+            raise ValueError("apply_chat_template: this engine's tokenizer has no chat_template")
+        if self._template is None:
+            import jinja2.sandbox  # only chat requests pay for it
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(messages=[{"role": "user", "content": user_text}],
+                                     add_generation_prompt=True, **self.special)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def words(self, words: tuple[str, ...] | list[str]) -> list[list[int]]:
+        """Stop/bad words -> token sequences, tokenized as continuations (no special tokens)."""
+        return [self.tokenizer.encode(w, add_special_tokens=False).ids for w in words if w]
+
+
+def load_tokenizer(engine_or_tokenizer_dir: str | Path) -> TextTokenizer:
+    d = tokenizer_dir_of(engine_or_tokenizer_dir)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    cfg: dict = {}
+    if (d / "tokenizer_config.json").is_file():
+        cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+    template = cfg.get("chat_template")
+    if not template and (d / "chat_template.jinja").is_file():  # transformers >= 4.5x writes it apart
+        template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+    special = {k: v for k in ("bos_token", "eos_token") if isinstance(v := cfg.get(k), str)}
+    return TextTokenizer(tok, template if isinstance(template, str) else None, special)

@@ -1,0 +1,72 @@
+"""Incremental detokenization with the real SmolLM2 tokenizer (byte-level BPE)."""
+from __future__ import annotations
+
+import pytest
+
+from backend.triton.detok import REPLACEMENT, StreamDetokenizer, decode_piece
+
+MULTIBYTE = "Tokyo 東京タワー and a cat 🐱🐈‍⬛ café — naïve 日本語テキスト."
+
+
+def _stream(tok, prompt, out_ids, stops=(), interval=1):
+    det = StreamDetokenizer(tok, prompt, stops, interval=interval)
+    chunks = []
+    for i, t in enumerate(out_ids):
+        c = det.push([t], finished=i == len(out_ids) - 1)
+        if c is not None:
+            chunks.append(c)
+        if det.finished:
+            break
+    return chunks
+
+
+def test_multibyte_tokens_really_split_characters(text_tokenizer):
+    # guards the tests below: some single tokens of this text decode to a broken character
+    ids = text_tokenizer.encode(MULTIBYTE)
+    assert any(REPLACEMENT in text_tokenizer.decode([t]) for t in ids)
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_stream_never_emits_broken_characters(text_tokenizer, interval):
+    prompt = text_tokenizer.encode("Say something:")
+    ids = text_tokenizer.encode(MULTIBYTE)
+    chunks = _stream(text_tokenizer, prompt, ids, interval=interval)
+    assert all(REPLACEMENT not in c.text for c in chunks)
+    assert "".join(c.text for c in chunks) == text_tokenizer.decode(ids)
+    assert chunks[-1].finished and sum(len(c.ids) for c in chunks) == len(ids)
+    # what postprocessing computes from (context, ids) alone matches what the host decided
+    for c in chunks:
+        assert decode_piece(text_tokenizer, c.context, c.ids) == c.text
+
+
+def test_stop_string_cuts_text_and_finishes(text_tokenizer):
+    ids = text_tokenizer.encode(" The answer is 42. END of story, more text follows")
+    chunks = _stream(text_tokenizer, [], ids, stops=("END",))
+    text = "".join(c.text for c in chunks)
+    assert text == " The answer is 42. "
+    last = chunks[-1]
+    assert last.finished and last.stop == "END" and last.trim > 0
+    piece = decode_piece(text_tokenizer, last.context, last.ids)
+    assert piece[: len(piece) - last.trim] == last.text
+    # tokens after the stop are not consumed
+    assert sum(len(c.ids) for c in chunks) < len(ids)
+
+
+def test_stop_string_prefix_is_held_back(text_tokenizer):
+    # "EN" may become "END": it must not be sent before the next token decides
+    ids = text_tokenizer.encode(" go ENOUGH said")
+    det = StreamDetokenizer(text_tokenizer, [], ("END",))
+    sent = ""
+    for t in ids[:-1]:
+        c = det.push([t])
+        sent += c.text if c else ""
+    assert "END" not in sent
+    c = det.push([ids[-1]], finished=True)
+    assert sent + c.text == text_tokenizer.decode(ids) and c.stop is None
+
+
+def test_finished_with_nothing_pending_still_gives_a_final_chunk(text_tokenizer):
+    det = StreamDetokenizer(text_tokenizer, [1, 2], ())
+    c = det.push([], finished=True)
+    assert c is not None and c.finished and c.ids == [] and c.text == ""
+    assert det.push([5], finished=True) is None
