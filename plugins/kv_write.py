@@ -1,0 +1,52 @@
+"""Triton kernel: scatter this step's K/V into the paged cache through a slot mapping.
+Reference: plugins/reference/kv_cache.py (write_kv_ref)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import check, next_pow2, round_to_e4m3, scale_tensor
+
+
+@triton.jit
+def kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+                    stride_kt, stride_kh, stride_vt, stride_vh,
+                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+                    KV_FP8: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        h = tl.arange(0, HEADS_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        mask = (h < NUM_KV_HEADS)[:, None]
+        # the cache is contiguous [blocks, block_size, Hkv, D]: a flat slot is one Hkv*D row
+        dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h[:, None] * HEAD_DIM + d[None, :]
+        k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+        if KV_FP8:
+            k = round_to_e4m3(k.to(tl.float32) / tl.load(k_scale_ptr))
+            v = round_to_e4m3(v.to(tl.float32) / tl.load(v_scale_ptr))
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale=None, v_scale=None) -> None:
+    """In-place. k, v: [T, Hkv, D] (last dim contiguous); caches: contiguous
+    [num_blocks, block_size, Hkv, D] of k's dtype or float8_e4m3fn (stored = x / scale);
+    slot_mapping: [T] int (-1 = skip). Same semantics as reference.kv_cache.write_kv_ref."""
+    T, H, D = k.shape
+    check(v.shape == k.shape, f"write_kv: v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
+    check(k_cache.shape[2:] == (H, D) and v_cache.shape == k_cache.shape,
+          f"write_kv: cache shape {tuple(k_cache.shape)} does not hold [*, *, {H}, {D}]")
+    check(k_cache.is_contiguous() and v_cache.is_contiguous(), "write_kv: caches must be contiguous")
+    check(k.stride(-1) == 1 and v.stride(-1) == 1, "write_kv: k/v head_dim must be contiguous")
+    check(slot_mapping.shape == (T,), f"write_kv: slot_mapping shape {tuple(slot_mapping.shape)} != ({T},)")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if T == 0:
+        return
+    kv_write_kernel[(T,)](
+        k, v, k_cache, v_cache, slot_mapping, scale_tensor(k_scale, k.device), scale_tensor(v_scale, k.device),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        NUM_KV_HEADS=H, HEAD_DIM=D, HEADS_PAD=next_pow2(H), KV_FP8=fp8)

@@ -1,0 +1,160 @@
+"""Triton kernels: paged attention for decode (one query token per sequence), flash-decoding style.
+
+Each program takes one (sequence, KV head, split) and all the query heads that share that KV head
+(GQA), so K/V are read once per group; the group is padded to 16 rows for tl.dot. Long contexts are
+split along the sequence into `num_splits` programs whose partial results (unnormalized output,
+running max, running sum) are merged by a second, small reduction kernel.
+Reference: plugins/reference/attention.py (paged_decode_ref).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import check, next_pow2, scale_tensor
+
+MAX_SPLITS = 32   # the reduction kernel's fixed width; also bounds the partial buffers
+TILE_N = 64       # tokens per inner iteration (independent of the KV block size)
+
+
+@triton.jit
+def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
+                        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                        k_scale_ptr, v_scale_ptr, sm_scale,
+                        stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+                        tokens_per_split, num_splits,
+                        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                        KV_FP8: tl.constexpr, SPLIT: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = sp * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    qh = kvh * GROUP + g
+    gmask = g < GROUP
+    q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    # fold the fp8 K scale into the softmax scale: one multiply per score instead of per element
+    qk_scale = sm_scale * tl.load(k_scale_ptr)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    row = NUM_KV_HEADS * HEAD_DIM
+    for t0 in range(start, end, TILE):
+        tok = t0 + tl.arange(0, TILE)
+        tmask = tok < end
+        page = tl.load(block_tables_ptr + b * stride_bt + tok // BLOCK_SIZE, mask=tmask, other=0)
+        slot = page.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
+        off = slot[:, None] * row + kvh * HEAD_DIM + d[None, :]
+        k = tl.load(k_cache_ptr + off, mask=tmask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + off, mask=tmask[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    acc = acc * tl.load(v_scale_ptr)
+
+    if SPLIT:
+        base = (b * (NUM_KV_HEADS * GROUP) + qh) * num_splits + sp
+        tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
+        tl.store(part_ml_ptr + base * 2, m_i, mask=gmask)
+        tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=gmask)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # an empty sequence yields zeros
+        tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+
+
+@triton.jit
+def paged_decode_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ob, stride_oh, num_splits,
+                               NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    smask = s < num_splits
+    base = (b * NUM_HEADS + h) * num_splits + s
+    m = tl.load(part_ml_ptr + base * 2, mask=smask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + base * 2 + 1, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    # splits past the end of the sequence carry m = -inf; an empty sequence has no finite m at all
+    w = tl.where(m > float("-inf"), tl.exp(m - tl.where(m_max > float("-inf"), m_max, 0.0)), 0.0)
+    acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
+    num = tl.sum(acc * w[:, None], 0)
+    den = tl.sum(l * w, 0)
+    out = num / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def choose_splits(batch: int, num_kv_heads: int, max_seq_len: int, target_programs: int) -> tuple[int, int]:
+    """-> (num_splits, tokens_per_split): enough programs to fill the GPU, each at least one tile."""
+    want = max(1, -(-target_programs // max(1, batch * num_kv_heads)))
+    splits = max(1, min(want, MAX_SPLITS, -(-max_seq_len // TILE_N)))
+    per = -(-max(1, max_seq_len) // splits)
+    per = -(-per // TILE_N) * TILE_N
+    return -(-max(1, max_seq_len) // per), per
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # interpreter: every program costs Python time, fewer is faster
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, k_scale=None, v_scale=None,
+                 max_seq_len: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """q: [B, Hq, D] (last dim contiguous); caches: contiguous [num_blocks, block_size, Hkv, D]
+    (q's dtype or float8_e4m3fn with per-layer scales); block_tables: [B, max_blocks] int32;
+    seq_lens: [B] int32 (tokens in cache including the query's own). -> [B, Hq, D] in q.dtype.
+    max_seq_len: host-side upper bound of seq_lens (avoids a device sync); num_splits forces the split."""
+    B, Hq, D = q.shape
+    _, bs, Hkv, Dc = k_cache.shape
+    check(Dc == D and v_cache.shape == k_cache.shape, f"paged_decode: cache {tuple(k_cache.shape)} vs q {tuple(q.shape)}")
+    check(Hq % Hkv == 0, f"paged_decode: num_heads {Hq} is not a multiple of num_kv_heads {Hkv}")
+    check(D == next_pow2(D) and D >= 16, f"paged_decode: head_dim {D} must be a power of two >= 16")
+    check(bs == next_pow2(bs), f"paged_decode: block_size {bs} must be a power of two")
+    check(k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1,
+          "paged_decode: caches must be contiguous and q's head_dim contiguous")
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    if num_splits is None:
+        num_splits, per = choose_splits(B, Hkv, max_seq_len, _target_programs(q.device))
+    else:
+        check(1 <= num_splits <= MAX_SPLITS, f"paged_decode: num_splits {num_splits} not in [1, {MAX_SPLITS}]")
+        per = -(-(-(-max(1, max_seq_len) // num_splits)) // TILE_N) * TILE_N
+        num_splits = -(-max(1, max_seq_len) // per)
+    group = Hq // Hkv
+    split = num_splits > 1
+    if split:
+        part_acc = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(B, Hq, num_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused by the SPLIT=False variant
+    paged_decode_kernel[(B, Hkv, num_splits)](
+        out, part_acc, part_ml, q, k_cache, v_cache, block_tables, seq_lens,
+        scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device), float(scale),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        per, num_splits,
+        NUM_KV_HEADS=Hkv, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=D, BLOCK_SIZE=bs,
+        TILE=TILE_N, KV_FP8=k_cache.dtype == torch.float8_e4m3fn, SPLIT=split, num_warps=4)
+    if split:
+        paged_decode_reduce_kernel[(B, Hq)](out, part_acc, part_ml, out.stride(0), out.stride(1), num_splits,
+                                            NUM_HEADS=Hq, HEAD_DIM=D, SPLITS_PAD=MAX_SPLITS, num_warps=4)
+    return out

@@ -1,0 +1,126 @@
+"""Triton kernel: paged attention for prefill and chunked prefill (also speculative verification).
+
+Variable-length batch: each program takes BLOCK_M new tokens of one sequence and one query head and
+runs causal flash attention over that sequence's cache, which already holds both the earlier context
+(prefix cache hits, earlier chunks) and this step's tokens. An optional tree mask (EAGLE token trees)
+restricts which of the new tokens each query sees.
+Reference: plugins/reference/attention.py (paged_prefill_ref).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import check, next_pow2, scale_tensor
+
+# (query rows, key tile) per program: large tiles on a GPU; small ones in the interpreter, where every
+# element costs Python time
+GPU_TILES = (64, 64)
+CPU_TILES = (16, 32)
+
+
+@triton.jit
+def paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr,
+                         context_lens_ptr, tree_mask_ptr, k_scale_ptr, v_scale_ptr, sm_scale,
+                         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_tm,
+                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+                         KV_FP8: tl.constexpr, HAS_TREE: tl.constexpr):
+    mb = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    if mb * BLOCK < q_len:
+        kvh = h // GROUP
+        ctx = tl.load(context_lens_ptr + b)
+        seq_len = ctx + q_len
+        i = mb * BLOCK + tl.arange(0, BLOCK)
+        d = tl.arange(0, HEAD_DIM)
+        imask = i < q_len
+        q = tl.load(q_ptr + (q_start + i)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                    mask=imask[:, None], other=0.0)
+        qpos = ctx + i
+        qk_scale = sm_scale * tl.load(k_scale_ptr)
+
+        m_i = tl.full([BLOCK], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK], tl.float32)
+        acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+        row = NUM_KV_HEADS * HEAD_DIM
+        # causality: no query of this block sees past its last row's position
+        kv_end = tl.minimum(seq_len, ctx + (mb + 1) * BLOCK)
+        for t0 in range(0, kv_end, TILE):
+            tok = t0 + tl.arange(0, TILE)
+            tmask = tok < kv_end
+            page = tl.load(block_tables_ptr + b * stride_bt + tok // BLOCK_SIZE, mask=tmask, other=0)
+            slot = page.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
+            off = slot[:, None] * row + kvh * HEAD_DIM + d[None, :]
+            k = tl.load(k_cache_ptr + off, mask=tmask[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + off, mask=tmask[:, None], other=0.0)
+            if KV_FP8:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            allowed = (tok[None, :] <= qpos[:, None]) & tmask[None, :]
+            if HAS_TREE:
+                j = tok - ctx   # index among this step's tokens; < 0 for context, always visible
+                tm = tl.load(tree_mask_ptr + (q_start + i)[:, None] * stride_tm + j[None, :],
+                             mask=imask[:, None] & (j >= 0)[None, :] & tmask[None, :], other=1)
+                allowed = allowed & (tm != 0)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row can have nothing visible yet in this tile (tree masks): keep exp() away from inf-inf
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc * tl.load(v_scale_ptr) / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + (q_start + i)[:, None] * stride_ot + h * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=imask[:, None])
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                  k_scale=None, v_scale=None, tree_mask: torch.Tensor | None = None,
+                  max_query_len: int | None = None) -> torch.Tensor:
+    """q: [T, Hq, D] (last dim contiguous); caches: contiguous [num_blocks, block_size, Hkv, D]
+    holding the context AND this step's K/V; block_tables: [B, max_blocks] int32; query_start_loc:
+    [B+1] int32; context_lens: [B] int32; tree_mask: optional [T, max_q] bool (column j = j-th new
+    token of the same sequence). max_query_len: host-side bound (avoids a device sync).
+    -> [T, Hq, D] in q.dtype. Same semantics as reference.attention.paged_prefill_ref."""
+    T, Hq, D = q.shape
+    _, bs, Hkv, Dc = k_cache.shape
+    B = query_start_loc.shape[0] - 1
+    check(Dc == D and v_cache.shape == k_cache.shape, f"paged_prefill: cache {tuple(k_cache.shape)} vs q {tuple(q.shape)}")
+    check(Hq % Hkv == 0, f"paged_prefill: num_heads {Hq} is not a multiple of num_kv_heads {Hkv}")
+    check(D == next_pow2(D) and D >= 16, f"paged_prefill: head_dim {D} must be a power of two >= 16")
+    check(bs == next_pow2(bs), f"paged_prefill: block_size {bs} must be a power of two")
+    check(k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1,
+          "paged_prefill: caches must be contiguous and q's head_dim contiguous")
+    check(context_lens.shape == (B,) and block_tables.shape[0] == B,
+          f"paged_prefill: {B} sequences in query_start_loc but context_lens {tuple(context_lens.shape)}, "
+          f"block_tables {tuple(block_tables.shape)}")
+    out = torch.empty_like(q)
+    if T == 0 or B == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if tree_mask is not None:
+        check(tree_mask.dim() == 2 and tree_mask.shape[0] == T,
+              f"paged_prefill: tree_mask shape {tuple(tree_mask.shape)} must be [{T}, max_q]")
+        tm = tree_mask.to(torch.uint8).contiguous()
+    else:
+        tm = out  # unused by the HAS_TREE=False variant
+    block_m, tile_n = GPU_TILES if q.is_cuda else CPU_TILES
+    grid = (triton.cdiv(max(1, max_query_len), block_m), B, Hq)
+    paged_prefill_kernel[grid](
+        out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, tm,
+        scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device), float(scale),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        tm.stride(0) if tree_mask is not None else 0,
+        NUM_KV_HEADS=Hkv, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_SIZE=bs, BLOCK=block_m, TILE=tile_n,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn, HAS_TREE=tree_mask is not None, num_warps=4)
+    return out

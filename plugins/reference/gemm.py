@@ -1,0 +1,54 @@
+"""Reference: linear layers on the quantized weight layouts of docs/contracts.md section 3.
+
+y = x @ W^T with W dequantized in fp32. The dequantizers follow the contract's layout description;
+tests also check them against quant/formats.py (owned by the quant engineer) when it is importable.
+"""
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import quantize_fp8
+
+# e2m1 code -> value for the 8 magnitudes (the 4th bit is the sign)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> int64 [N, K] nibbles; the low nibble is the even element."""
+    p = packed.long()
+    return torch.stack([p & 0xF, p >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def dequant_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """weight uint8 [N, K/2] (e2m1), weight_scale float8_e4m3fn [N, K/16], weight_scale_2 fp32 [] -> fp32 [N, K]."""
+    codes = unpack_nibbles(weight)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=weight.device)
+    vals = table[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    scales = weight_scale.float().repeat_interleave(16, dim=1) * weight_scale_2.float()
+    return vals * scales
+
+
+def dequant_int4_awq(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """weight uint8 [N, K/2] (value = nibble - 8), weight_scale [N, K/group] -> fp32 [N, K]."""
+    vals = (unpack_nibbles(weight) - 8).float()
+    group = vals.shape[1] // weight_scale.shape[1]
+    return vals * weight_scale.float().repeat_interleave(group, dim=1)
+
+
+def nvfp4_linear_ref(x, weight, weight_scale, weight_scale_2):
+    """W4A16 NVFP4: x [M, K] 16-bit -> [M, N] in x.dtype (activations are not quantized)."""
+    return (x.float() @ dequant_nvfp4(weight, weight_scale, weight_scale_2).t()).to(x.dtype)
+
+
+def int4_awq_linear_ref(x, weight, weight_scale, pre_quant_scale=None):
+    """W4A16 INT4-AWQ: x [M, K] -> [M, N] in x.dtype; pre_quant_scale [K] multiplies x first."""
+    xf = x.float() if pre_quant_scale is None else x.float() * pre_quant_scale.float()
+    return (xf @ dequant_int4_awq(weight, weight_scale).t()).to(x.dtype)
+
+
+def fp8_linear_ref(x, weight, weight_scale, input_scale):
+    """FP8 W8A8: x [M, K] quantized to fp8 with the static input_scale, weight float8_e4m3fn [N, K],
+    weight_scale fp32 [N] (per output row) -> [M, N] in x.dtype."""
+    xq = quantize_fp8(x, input_scale).float() * input_scale.float()
+    w = weight.float() * weight_scale.float()[:, None]
+    return (xq @ w.t()).to(x.dtype)
