@@ -1,0 +1,212 @@
+"""Linear layers by quantization format: ONE registry, keyed by the format names of the bundle.
+
+Each class builds from the tensors the bundle stores for one linear (docs/contracts.md section 3,
+names without the ``layers.{i}.qkv.`` prefix) and exposes ``forward(x [T, in]) -> [T, out]``.
+
+Where the hardware has no native kernel for a format (every format on CPU), the weight is
+dequantized ONCE at load to the model dtype, and activation quantization (W8A8 / W4A8 formats) is
+emulated by a quantize-dequantize round trip so accuracy measured here (the build's verify stage)
+reflects what the quantized engine computes on a GPU.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
+
+class LinearFormatError(ValueError):
+    """A bundle's linear tensors do not match its declared quantization format."""
+
+
+def _need(tensors: dict[str, torch.Tensor], name: str, fmt: str, where: str) -> torch.Tensor:
+    if name not in tensors:
+        raise LinearFormatError(f"{where}: format {fmt!r} needs tensor {name!r}; "
+                                f"found: {', '.join(sorted(tensors)) or 'none'}")
+    return tensors[name]
+
+
+def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-tensor static fp8 e4m3 activation quantization, returned dequantized in ``x``'s dtype."""
+    q = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return (q.float() * scale).to(x.dtype)
+
+
+def has_fp8_matmul(device: torch.device) -> bool:
+    """``torch._scaled_mm`` needs fp8 tensor cores: compute capability 8.9 (Ada) or newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class QuantLinear:
+    """Base: a dequantized (or native) weight, an optional bias, and ``forward``."""
+
+    format: ClassVar[str]
+    weight: torch.Tensor  # [out, in] in the compute dtype (dequantized where no native kernel)
+    bias: torch.Tensor | None
+
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 where: str = "linear") -> None:
+        self.where = where
+        self.dtype = dtype
+        self.bias = tensors["bias"].to(device=device, dtype=dtype) if "bias" in tensors else None
+        self._load(tensors, dtype, device)
+
+    def _load(self, tensors, dtype, device) -> None:
+        raise NotImplementedError
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    __call__ = forward
+
+
+class DenseLinear(QuantLinear):
+    """Unquantized: ``weight [out, in]`` in the model dtype."""
+    format = "none"
+
+    def _load(self, tensors, dtype, device) -> None:
+        self.weight = _need(tensors, "weight", self.format, self.where).to(device=device, dtype=dtype)
+
+
+class FP8Linear(QuantLinear):
+    """W8A8 fp8 e4m3: per-row weight scale, per-tensor static input scale."""
+    format = "fp8"
+
+    def _load(self, tensors, dtype, device) -> None:
+        w = _need(tensors, "weight", self.format, self.where).to(device)
+        ws = _need(tensors, "weight_scale", self.format, self.where).to(device).float().reshape(-1)
+        self.input_scale = _need(tensors, "input_scale", self.format, self.where).to(device).float().reshape(())
+        if w.dtype != FP8:
+            raise LinearFormatError(f"{self.where}.weight: fp8 format expects float8_e4m3fn, got {w.dtype}")
+        if ws.numel() == 1:
+            ws = ws.expand(w.shape[0])
+        self.native = has_fp8_matmul(device)
+        if self.native:
+            # _scaled_mm wants the weight column-major ([in, out] view of a row-major [out, in]).
+            self.weight_fp8 = w
+            self.weight_scale = ws.reshape(1, -1).contiguous()
+            self.weight = w  # shape only
+        else:
+            self.weight = (w.float() * ws.view(-1, 1)).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.native:
+            return F.linear(fake_quant_fp8(x, self.input_scale), self.weight, self.bias)
+        xq = (x.float() / self.input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        scale_a = self.input_scale.expand(x.shape[0], 1).contiguous()  # row-wise pairs row-wise b
+        out = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=scale_a, scale_b=self.weight_scale,
+                               out_dtype=self.dtype)
+        return out + self.bias if self.bias is not None else out
+
+
+class NVFP4Linear(QuantLinear):
+    """NVFP4: e2m1 weights with fp8 per-16 block scales and a global scale, dequantized here.
+
+    Activations are fake-quantized to NVFP4 with the static ``input_scale`` (W4A4) to mirror
+    Blackwell's native path; with no ``input_scale`` this is weight-only (W4A16)."""
+    format = "nvfp4"
+
+    def _load(self, tensors, dtype, device) -> None:
+        from quant import formats
+        w = _need(tensors, "weight", self.format, self.where)
+        bs = _need(tensors, "weight_scale", self.format, self.where)
+        gs = _need(tensors, "weight_scale_2", self.format, self.where)
+        self.weight = formats.dequantize_nvfp4(w, bs, gs, dtype=dtype).to(device)
+        self.input_scale = tensors.get("input_scale")
+        if self.input_scale is not None:
+            self.input_scale = self.input_scale.to(device).float().reshape(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is not None:
+            from quant import formats
+            x = formats.fake_quantize_nvfp4_activation(x, self.input_scale)
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int4AWQLinear(QuantLinear):
+    """INT4 AWQ (W4A16): packed nibbles minus 8, per-group scales, optional pre-quant smoothing."""
+    format = "int4_awq"
+
+    def _load(self, tensors, dtype, device) -> None:
+        from quant import formats
+        w = _need(tensors, "weight", self.format, self.where)
+        s = _need(tensors, "weight_scale", self.format, self.where)
+        self.weight = formats.dequantize_int4(w, s, dtype=dtype).to(device)
+        pqs = tensors.get("pre_quant_scale")
+        if pqs is not None:
+            # Folding the smoothing scale into the weight columns is exact: W (s * x) = (W diag s) x.
+            self.weight = (self.weight.float() * pqs.to(device).float().view(1, -1)).to(dtype)
+        self.input_scale = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class W4A8AWQLinear(Int4AWQLinear):
+    """INT4 AWQ weights with fp8 activations (static per-tensor ``input_scale``)."""
+    format = "w4a8_awq"
+
+    def _load(self, tensors, dtype, device) -> None:
+        from quant import formats
+        w = _need(tensors, "weight", self.format, self.where)
+        s = _need(tensors, "weight_scale", self.format, self.where)
+        self.weight = formats.dequantize_int4(w, s, dtype=dtype).to(device)
+        # The activation is smoothed, then quantized: keep the smoothing separate from the weight.
+        pqs = tensors.get("pre_quant_scale")
+        self.pre_quant_scale = pqs.to(device=device, dtype=dtype) if pqs is not None else None
+        self.input_scale = _need(tensors, "input_scale", self.format, self.where).to(device).float().reshape(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre_quant_scale is not None:
+            x = x * self.pre_quant_scale
+        return F.linear(fake_quant_fp8(x, self.input_scale), self.weight, self.bias)
+
+
+class Int8SQLinear(QuantLinear):
+    """INT8 SmoothQuant W8A8: per-row int8 weights, per-tensor static int8 activations."""
+    format = "int8_sq"
+
+    def _load(self, tensors, dtype, device) -> None:
+        w = _need(tensors, "weight", self.format, self.where).to(device)
+        ws = _need(tensors, "weight_scale", self.format, self.where).to(device).float().reshape(-1)
+        if w.dtype != torch.int8:
+            raise LinearFormatError(f"{self.where}.weight: int8_sq format expects int8, got {w.dtype}")
+        if ws.numel() == 1:
+            ws = ws.expand(w.shape[0])
+        self.weight = (w.float() * ws.view(-1, 1)).to(dtype)
+        self.input_scale = _need(tensors, "input_scale", self.format, self.where).to(device).float().reshape(())
+        pqs = tensors.get("pre_quant_scale")
+        self.pre_quant_scale = pqs.to(device=device, dtype=dtype) if pqs is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre_quant_scale is not None:
+            x = x * self.pre_quant_scale
+        q = (x.float() / self.input_scale).round_().clamp_(-128, 127)
+        return F.linear((q * self.input_scale).to(x.dtype), self.weight, self.bias)
+
+
+LINEAR_FORMATS: dict[str, type[QuantLinear]] = {
+    cls.format: cls
+    for cls in (DenseLinear, FP8Linear, NVFP4Linear, Int4AWQLinear, W4A8AWQLinear, Int8SQLinear)
+}
+
+
+def make_linear(fmt: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device | str, where: str = "linear") -> QuantLinear:
+    """Build the linear for ``fmt``. A linear stored unquantized (an excluded module) is detected by
+    its floating-point weight with no scales, whatever the bundle's format."""
+    if fmt not in LINEAR_FORMATS:
+        raise LinearFormatError(f"engine.json: quantization.format: {fmt!r} has no runtime linear; "
+                                f"allowed: {', '.join(LINEAR_FORMATS)}")
+    weight = tensors.get("weight")
+    if weight is not None and weight.is_floating_point() and weight.dtype != FP8 and "weight_scale" not in tensors:
+        fmt = "none"
+    return LINEAR_FORMATS[fmt](tensors, dtype, torch.device(device), where)

@@ -1,0 +1,135 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) that runs an engine bundle's weights.
+
+Weights use the runtime layout of docs/contracts.md section 3 (fused ``qkv`` and ``gate_up``).
+The model owns no KV memory: the runner passes ``kv_caches`` (one ``(k_cache, v_cache)`` per layer)
+and the per-step ``AttentionMetadata``; attention goes through the chosen backend.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from backend.attention import AttentionBackend
+from backend.linear import QuantLinear, make_linear
+from backend.model.config import ModelConfig
+from backend.model.layers import RotaryEmbedding, apply_rope, rms_norm, silu_and_mul
+
+
+def _linear_tensors(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    p = prefix + "."
+    found = {k[len(p):]: v for k, v in weights.items() if k.startswith(p) and "." not in k[len(p):]}
+    if not found:
+        raise KeyError(f"weights.safetensors: no tensors for linear {prefix!r} "
+                       f"(expected {prefix}.weight and its format's scales)")
+    return found
+
+
+def _tensor(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in weights:
+        raise KeyError(f"weights.safetensors: missing tensor {name!r}")
+    return weights[name]
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: torch.Tensor
+    post_attn_norm: torch.Tensor
+    qkv: QuantLinear
+    o: QuantLinear
+    gate_up: QuantLinear
+    down: QuantLinear
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+
+class LlamaModel:
+    """``forward(input_ids [T], meta, kv_caches, capture_hidden_layers) -> (hidden [T, H], captured)``.
+
+    ``captured`` maps each requested layer index ``i`` to the residual stream after layer ``i``
+    (what Hugging Face returns as ``hidden_states[i + 1]``); EAGLE-3 drafts read these.
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], quant_format: str,
+                 attention: AttentionBackend, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype or config.torch_dtype
+        self.attention = attention
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        dt, dev = self.dtype, self.device
+
+        def dense(name: str) -> torch.Tensor:
+            return _tensor(weights, name).to(device=dev, dtype=dt)
+
+        self.embed_tokens = dense("embed_tokens.weight")
+        self.norm = dense("norm.weight")
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else dense("lm_head.weight")
+        self.layers: list[DecoderLayer] = []
+        for i in range(config.num_layers):
+            p = f"layers.{i}"
+            lin = {name: make_linear(quant_format, _linear_tensors(weights, f"{p}.{name}"), dt, dev,
+                                     where=f"{p}.{name}")
+                   for name in ("qkv", "o", "gate_up", "down")}
+            ks, vs = weights.get(f"{p}.attn.k_scale"), weights.get(f"{p}.attn.v_scale")
+            self.layers.append(DecoderLayer(
+                input_norm=dense(f"{p}.input_norm.weight"),
+                post_attn_norm=dense(f"{p}.post_attn_norm.weight"),
+                k_scale=ks.to(dev).float().reshape(()) if ks is not None else None,
+                v_scale=vs.to(dev).float().reshape(()) if vs is not None else None, **lin))
+        self._check_shapes()
+        self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                    config.rope_scaling, dev)
+
+    def _check_shapes(self) -> None:
+        c = self.config
+        want = {"qkv": c.q_size + 2 * c.kv_size, "o": c.hidden_size, "gate_up": 2 * c.intermediate_size,
+                "down": c.hidden_size}
+        for i, layer in enumerate(self.layers):
+            for name, out in want.items():
+                got = getattr(layer, name).out_features
+                if got != out:
+                    raise ValueError(f"weights.safetensors: layers.{i}.{name} has {got} output features; "
+                                     f"model config implies {out}")
+        if tuple(self.embed_tokens.shape) != (c.vocab_size, c.hidden_size):
+            raise ValueError(f"weights.safetensors: embed_tokens.weight is {tuple(self.embed_tokens.shape)}; "
+                             f"expected ({c.vocab_size}, {c.hidden_size})")
+
+    @property
+    def kv_cache_scales(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        return [(layer.k_scale, layer.v_scale) for layer in self.layers]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                capture_hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        c = self.config
+        t = input_ids.shape[0]
+        cos, sin = self.rope.tables(meta.positions, self.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            # Attention block.
+            x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
+            qkv = layer.qkv(x)
+            q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)
+            q = apply_rope(q.view(t, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.view(t, c.num_kv_heads, c.head_dim)
+            k_cache, v_cache = kv_caches[i]
+            self.attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale)
+            attn = self.attention.forward(q, k_cache, v_cache, meta, self.scale, layer.k_scale, layer.v_scale)
+            hidden = hidden + layer.o(attn.reshape(t, c.q_size))
+            # MLP block.
+            x = rms_norm(hidden, layer.post_attn_norm, c.rms_norm_eps)
+            hidden = hidden + layer.down(silu_and_mul(layer.gate_up(x)))
+            if i in capture_hidden_layers:
+                captured[i] = hidden
+        return rms_norm(hidden, self.norm, c.rms_norm_eps), captured
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, H]`` (already normed) -> fp32 logits ``[N, vocab]``."""
+        return F.linear(hidden, self.lm_head).float()
