@@ -1,0 +1,198 @@
+"""One LoadGen run: settings -> dataset -> server -> SUT/QSL -> logs -> accuracy / TEST06.
+
+Logs go to `<output>/mlperf/<scenario>/<mode>/` (mode = PerformanceOnly | AccuracyOnly | TEST06),
+with `run.json` beside LoadGen's files recording what produced them (the submission packager
+reads it).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import logging
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from harness.mlperf import accuracy, compliance, settings
+from harness.mlperf.datasets import REPO_ROOT, Sample, load_dataset
+
+log = logging.getLogger(__name__)
+REFERENCE_FILE = "reference.json"
+
+
+@dataclasses.dataclass
+class RunRequest:
+    config: Path                       # engine config (configs/<engine>.yaml)
+    scenario: str
+    mode: str                          # PerformanceOnly | AccuracyOnly
+    benchmark: str | None = None
+    test_run: bool = False
+    compliance: str | None = None      # "TEST06" or None
+    server_url: str | None = None
+    output: Path | None = None
+    dataset_path: Path | None = None
+    user_conf: Path | None = None
+    mlperf_conf: Path | None = None
+    num_clients: int = 4
+    save_reference: bool = False       # write the decoded outputs as the benchmark's reference
+
+
+def _engine_paths(config: Path, output: Path | None) -> tuple[Path, str, int]:
+    from builder.config import BuildConfig
+
+    cfg = BuildConfig.from_yaml(config)
+    return cfg.output_dir(output), cfg.stem, cfg.serving.grpc_port
+
+
+def reference_path(benchmark: settings.Benchmark, out_dir: Path) -> Path | None:
+    """Where the unquantized engine's outputs for `benchmark` are stored (None: dataset has them)."""
+    if benchmark.dataset_kind != "mtbench":
+        return None
+    if benchmark.reference_engine_config:
+        ref_out, _, _ = _engine_paths(REPO_ROOT / benchmark.reference_engine_config, None)
+        return (ref_out if ref_out.is_absolute() else REPO_ROOT / ref_out) / "mlperf" / REFERENCE_FILE
+    return out_dir / "mlperf" / REFERENCE_FILE
+
+
+def load_samples(benchmark: settings.Benchmark, out_dir: Path, dataset_path: Path | None) -> list[Sample]:
+    refs = None
+    ref_file = reference_path(benchmark, out_dir)
+    if ref_file is not None and ref_file.is_file():
+        data = json.loads(ref_file.read_text())
+        if data.get("max_output_tokens") == benchmark.max_output_tokens:
+            refs = {int(k): v for k, v in data["outputs"].items()}
+        else:
+            log.warning("%s was made with max_output_tokens=%s, not %s: ignored", ref_file,
+                        data.get("max_output_tokens"), benchmark.max_output_tokens)
+    return load_dataset(benchmark.dataset_kind, dataset_path or benchmark.dataset_path,
+                        tokenizer_dir=out_dir / "engine" / "tokenizer",
+                        cache_dir=REPO_ROOT / "build" / "cache" / "mlperf", references=refs)
+
+
+def server_reachable(url: str) -> bool:
+    import tritonclient.grpc as grpcclient
+
+    try:
+        with contextlib.closing(grpcclient.InferenceServerClient(url)) as c:
+            return c.is_server_ready(client_timeout=2.0)
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def ensure_server(url: str | None, repo: Path, default_port: int):
+    """Yield the gRPC url of a ready server: the given/default one if it answers, else a server
+    started on free ports from `repo` (serving's TritonServer) and stopped afterwards."""
+    url = url or f"127.0.0.1:{default_port}"
+    if server_reachable(url):
+        yield url
+        return
+    if not (repo / "engine").is_dir():
+        raise RuntimeError(f"no Triton server at {url} and no model repository at {repo} to start one "
+                           f"(build it first: make build CONFIG=...)")
+    from harness.serve import TritonServer
+
+    log.info("no server at %s: starting one from %s", url, repo)
+    with TritonServer(repo) as server:
+        yield server.grpc_url
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def parse_summary(path: Path) -> dict[str, str]:
+    """`key : value` lines of mlperf_log_summary.txt (first occurrence of each key)."""
+    out: dict[str, str] = {}
+    for line in Path(path).read_text().splitlines():
+        m = re.match(r"^\s*([^:=]+?)\s*:\s*(.+?)\s*$", line)
+        if m and m.group(1) not in out:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def run(req: RunRequest) -> dict:
+    import mlperf_loadgen as lg
+    from harness.mlperf.sut import SampleLibrary, TritonSUT
+
+    table = settings.load_benchmarks()
+    bench = table.get(req.benchmark)
+    config = Path(req.config) if req.config else REPO_ROOT / bench.engine_config
+    out_dir, stem, grpc_port = _engine_paths(config, req.output)
+    mode_dir = req.compliance or req.mode
+    mode = "PerformanceOnly" if req.compliance else req.mode
+    run_settings = settings.build_run_settings(bench, req.scenario, mode, test_run=req.test_run, table=table,
+                                               mlperf_conf=req.mlperf_conf, user_conf=req.user_conf)
+    if req.compliance not in (None, "TEST06"):
+        raise settings.SettingsError(f"--compliance {req.compliance!r}; allowed: TEST06")
+    samples = load_samples(bench, out_dir, req.dataset_path)  # before touching the log folder
+    engine_json = out_dir / "engine" / "engine.json"
+    eos = bench.eos_token_ids
+    if eos is None:
+        if not engine_json.is_file():
+            raise RuntimeError(f"{engine_json}: engine bundle not found (build it: make build CONFIG={config})")
+        eos = tuple(json.loads(engine_json.read_text())["model"]["eos_token_ids"])
+    log_dir = out_dir / "mlperf" / req.scenario / mode_dir
+    if log_dir.exists():
+        shutil.rmtree(log_dir)  # stale logs from an earlier run must not be mistaken for this one's
+    log_dir.mkdir(parents=True)
+    ts = settings.to_loadgen(run_settings, log_dir / "loadgen.conf")
+    (log_dir / "user.conf").write_text(run_settings.user_conf_text)
+    audit = log_dir / "audit.config"  # absent for normal runs: LoadGen must not pick up a stray one
+    if req.compliance == "TEST06":
+        compliance.write_audit_config(audit, min_query_count=table.test_run["min_query_count"] if req.test_run else None)
+
+    log_settings = lg.LogSettings()
+    log_settings.log_output.outdir = str(log_dir)
+    log_settings.log_output.copy_summary_to_stdout = False
+    log_settings.enable_trace = False
+    started = time.time()
+    with ensure_server(req.server_url, out_dir / "model_repository", grpc_port) as url:
+        sut_obj = TritonSUT(url, samples, max_output_tokens=bench.max_output_tokens,
+                            min_output_tokens=bench.min_output_tokens, num_clients=req.num_clients)
+        qsl_obj = SampleLibrary(samples, ts.performance_sample_count_override or len(samples))
+        sut = lg.ConstructSUT(sut_obj.issue_queries, sut_obj.flush_queries)
+        qsl = qsl_obj.construct()
+        try:
+            lg.StartTestWithLogSettings(sut, qsl, ts, log_settings, str(audit))
+            sut_obj.wait_idle(60)
+        finally:
+            lg.DestroyQSL(qsl)
+            lg.DestroySUT(sut)
+            sut_obj.close()
+    result: dict = {"benchmark": bench.name, "scenario": req.scenario, "mode": mode_dir,
+                    "test_run": req.test_run, "config": str(config), "engine_stem": stem,
+                    "server_url": url, "log_dir": str(log_dir), "commit": _git_commit(),
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "command": " ".join([Path(sys.executable).name, "-m", "harness.mlperf", *sys.argv[1:]]),
+                    "wall_s": round(time.time() - started, 1), "sut_errors": sut_obj.errors[:20],
+                    "summary": parse_summary(log_dir / "mlperf_log_summary.txt"),
+                    "round": table.round}
+    acc_log = log_dir / "mlperf_log_accuracy.json"
+    if mode_dir == "AccuracyOnly":
+        targets = settings.load_accuracy_targets().get(bench.name)
+        acc = accuracy.evaluate(acc_log, samples, out_dir / "engine" / "tokenizer", bench.accuracy_metric,
+                                targets, log_dir / "accuracy.txt")
+        result["accuracy"] = {"metrics": acc["metrics"], "levels": acc["levels"]}
+        if req.save_reference:
+            ref = out_dir / "mlperf" / REFERENCE_FILE
+            ref.write_text(json.dumps({"engine": str(out_dir / "engine"), "max_output_tokens": bench.max_output_tokens,
+                                       "outputs": {str(k): v for k, v in acc["texts"].items()}}, indent=1))
+            result["reference_written"] = str(ref)
+    if req.compliance == "TEST06":
+        verdict = compliance.verify_test06(acc_log, req.scenario, eos)
+        (log_dir / "verify_accuracy.txt").write_text(compliance.report_text(verdict))
+        result["test06"] = verdict
+    (log_dir / "run.json").write_text(json.dumps(result, indent=1))
+    if sut_obj.errors:
+        raise RuntimeError(f"{len(sut_obj.errors)} request(s) failed, first: {sut_obj.errors[0]} (logs: {log_dir})")
+    return result
