@@ -1,0 +1,458 @@
+"""Iteration-level (continuous) batching scheduler (pure Python, no torch).
+
+Every ``schedule()`` re-forms the batch within ``max_num_tokens`` (tokens computed this step) and
+``max_batch_size`` (sequences running at once), in this order:
+
+1. running decodes (one token each, plus draft tokens when speculative decoding proposed some),
+2. running prefills that continue a chunked prompt,
+3. new or preempted requests, highest priority first, FCFS among equals; admission stops at the
+   first request that does not fit (skipping it would starve long prompts).
+
+Running requests are kept sorted by (priority desc, arrival), so the preemption victim when blocks
+run out is always the tail: the lowest-priority, latest request. Preemption is by recompute: its
+blocks are freed (full ones stay in the prefix cache, which usually makes the recompute cheap) and it
+goes back to the waiting queue with its original place.
+
+Policies (``POLICIES``): ``max_utilization`` admits whatever fits now; ``guaranteed_no_evict``
+admits a request only if the blocks for its whole life (prompt + max_tokens) are free after
+reserving the same for every running request, so running requests never need preemption.
+
+The executor calls ``schedule()``, runs the model on the returned ``SchedulerOutput``, samples one
+token (or, with speculation, the accepted drafts plus one) per sequence whose ``sample`` flag is set,
+and calls ``update(output, sampled)``.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from backend.kv_cache import BlockManager
+from backend.request import Request, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    request: Request
+    start_pos: int        # tokens already in the KV cache before this step
+    num_new_tokens: int   # query length this step (includes num_spec_tokens)
+    is_prefill: bool      # (part of) a prompt or a recompute, rather than a decode
+    sample: bool          # this step reaches the end of the known tokens: sample a token
+    num_spec_tokens: int = 0   # trailing draft tokens (request.spec_token_ids[:n]) to verify
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]            # prefills first, then decodes
+    preempted: list[Request] = field(default_factory=list)
+    # Requests that finished or were aborted since the previous schedule(): input preparation
+    # drops their cached rows.
+    finished_request_ids: list[str] = field(default_factory=list)
+    num_prefills: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(1 for s in self.scheduled if s.sample)
+
+
+def _sort_key(req: Request) -> tuple[int, int]:
+    return (-req.priority, req.arrival_seq)
+
+
+class MaxUtilization:
+    """Admit greedily; when a running request needs a block and none is free, preempt."""
+    name = "max_utilization"
+
+    def begin(self, scheduler: "Scheduler") -> None:
+        pass
+
+    def admit(self, scheduler: "Scheduler", request: Request) -> bool:
+        return True
+
+    def admitted(self, scheduler: "Scheduler", request: Request) -> None:
+        pass
+
+
+class GuaranteedNoEvict:
+    """Admit only requests whose whole life fits next to the running requests' reservations."""
+    name = "guaranteed_no_evict"
+
+    def __init__(self) -> None:
+        self._reserved = 0
+
+    def begin(self, scheduler: "Scheduler") -> None:
+        need = scheduler.blocks_for_life
+        self._reserved = sum(max(need(r) - len(r.block_ids), 0) for r in scheduler.running)
+
+    def admit(self, scheduler: "Scheduler", request: Request) -> bool:
+        bm = scheduler.block_manager
+        life = scheduler.life_tokens(request)
+        return bm.num_blocks_needed(request, life) <= bm.num_free_blocks - self._reserved
+
+    def admitted(self, scheduler: "Scheduler", request: Request) -> None:
+        self._reserved += max(scheduler.blocks_for_life(request) - len(request.block_ids), 0)
+
+
+POLICIES: dict[str, Callable[[], object]] = {
+    MaxUtilization.name: MaxUtilization,
+    GuaranteedNoEvict.name: GuaranteedNoEvict,
+}
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int,
+                 policy: str = "max_utilization", enable_chunked_prefill: bool = True,
+                 max_seq_len: int | None = None, eos_token_ids: Iterable[int] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"engine.scheduler_policy: {policy!r}; allowed: {', '.join(POLICIES)}")
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"engine.max_batch_size: {max_batch_size!r}; allowed: an integer >= 1")
+        if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
+            raise ValueError(f"engine.max_num_tokens: {max_num_tokens!r}; allowed: an integer >= 1")
+        self.block_manager = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.policy = POLICIES[policy]()
+        self.policy_name = policy
+        self.enable_chunked_prefill = enable_chunked_prefill
+        capacity = block_manager.num_blocks * block_manager.block_size
+        self.max_seq_len = capacity if max_seq_len is None else max_seq_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.running: list[Request] = []          # sorted by (priority desc, arrival)
+        self._waiting: list[tuple[int, int, Request]] = []   # heap; aborted entries skipped lazily
+        self._num_waiting = 0
+        self.requests: dict[str, Request] = {}    # every unfinished request
+        self._finished_ids: list[str] = []
+        self._next_seq = 0
+        # Counters.
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.num_prefill_tokens_computed = 0
+        self.num_decode_tokens_computed = 0
+        self.num_generated_tokens = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
+
+    # -- sizes --------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def life_tokens(self, request: Request) -> int:
+        """Most tokens ``request`` can ever hold in the KV cache."""
+        return min(request.max_total_tokens, self.max_seq_len)
+
+    def blocks_for_life(self, request: Request) -> int:
+        return -(-self.life_tokens(request) // self.block_manager.block_size)
+
+    # -- queue operations ---------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a request. Raises ValueError (nothing queued) when it can never be served."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use by an unfinished request")
+        n = request.num_prompt_tokens
+        if n >= self.max_seq_len:
+            raise ValueError(f"request {rid!r}: prompt of {n} tokens leaves no room to generate; "
+                             f"allowed: at most max_seq_len - 1 = {self.max_seq_len - 1}")
+        if not self.enable_chunked_prefill and n > self.max_num_tokens:
+            raise ValueError(f"request {rid!r}: prompt of {n} tokens exceeds engine.max_num_tokens "
+                             f"({self.max_num_tokens}) and chunked prefill is off")
+        bm = self.block_manager
+        capacity = bm.num_blocks * bm.block_size
+        if self.blocks_for_life(request) > bm.num_blocks:
+            raise ValueError(f"request {rid!r}: prompt + max_tokens = {self.life_tokens(request)} "
+                             f"tokens can never fit the KV cache of {capacity} tokens")
+        if request.status is not RequestStatus.WAITING:
+            raise ValueError(f"request {rid!r}: status {request.status.name}; allowed: WAITING")
+        stops = set(request.params.stop_token_ids)
+        if not request.params.ignore_eos:
+            stops |= self.eos_token_ids
+        request.stop_ids = frozenset(stops)
+        request.arrival_seq = self._next_seq
+        self._next_seq += 1
+        self.requests[rid] = request
+        self._push_waiting(request)
+
+    def _push_waiting(self, request: Request) -> None:
+        heapq.heappush(self._waiting, (-request.priority, request.arrival_seq, request))
+        self._num_waiting += 1
+
+    def _peek_waiting(self) -> Request | None:
+        heap = self._waiting
+        while heap:
+            req = heap[0][2]
+            if req.is_finished:          # aborted while waiting: drop lazily
+                heapq.heappop(heap)
+                continue
+            return req
+        return None
+
+    def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+              error: str | None = None) -> Request | None:
+        """Finish a request at any point (cancel, or ``FINISHED_ERROR`` with ``error``) and free its
+        blocks. Returns the request, or None when it is unknown or already finished."""
+        assert status.is_finished
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is _RUNNING:
+            self.running.remove(req)
+        else:
+            self._num_waiting -= 1       # the heap entry is skipped when it reaches the top
+        self.block_manager.free(req)
+        req.status = status
+        req.error = error
+        req.finished_time = self.clock()
+        req.spec_token_ids = []
+        self._finished_ids.append(request_id)
+        return req
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        budget = self.max_num_tokens
+        running = self.running
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        preempted: list[Request] = []
+        continuing: list[Request] = []
+        append_slots = bm.append_slots
+        max_seq_len = self.max_seq_len
+
+        # 1. Running decodes (exactly the last sampled token lacks KV).
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            i += 1
+            num_tokens = len(req.all_token_ids)
+            start = req.num_computed_tokens
+            if num_tokens - start > 1:
+                continuing.append(req)
+                continue
+            k = len(req.spec_token_ids)
+            if k:
+                # No draft past the request's end or the step budget.
+                room = min(req.max_total_tokens, max_seq_len) - num_tokens - 1
+                k = max(min(k, room, budget - 1), 0)
+            while not append_slots(req, 1, k):
+                if self._preempt_tail(req, decodes, prefills, preempted):
+                    break
+            if req.status is not _RUNNING:
+                break                    # it was the tail itself: nothing after it remains
+            decodes.append(ScheduledSeq(req, start, 1 + k, False, True, k))
+            budget -= 1 + k
+        # Running requests past the budget may still be prefilling: pick them up too.
+        for req in running[i:]:
+            if len(req.all_token_ids) - req.num_computed_tokens > 1:
+                continuing.append(req)
+
+        # 2. Running prefills continuing a chunked prompt.
+        for req in continuing:
+            if budget <= 0:
+                break
+            if req.status is not _RUNNING:
+                continue                 # preempted above
+            start = req.num_computed_tokens
+            remaining = len(req.all_token_ids) - start
+            n = min(remaining, budget)
+            while not append_slots(req, n):
+                if self._preempt_tail(req, decodes, prefills, preempted):
+                    break
+            if req.status is not _RUNNING:
+                continue
+            prefills.append(ScheduledSeq(req, start, n, True, n == remaining))
+            budget -= n
+
+        # 3. New and preempted requests (not in a step that had to preempt: no room anyway).
+        if not preempted:
+            budget = self._admit(budget, prefills)
+
+        # Counting and output.
+        num_prefill_tokens = 0
+        for s in prefills:
+            num_prefill_tokens += s.num_new_tokens
+        out = SchedulerOutput(prefills + decodes, preempted, self._finished_ids,
+                              len(prefills), num_prefill_tokens, self.max_num_tokens - budget
+                              - num_prefill_tokens)
+        self._finished_ids = []
+        if out.scheduled:
+            self.num_steps += 1
+        assert out.num_tokens <= self.max_num_tokens and len(out.scheduled) <= self.max_batch_size
+        return out
+
+    def _admit(self, budget: int, prefills: list[ScheduledSeq]) -> int:
+        bm = self.block_manager
+        running = self.running
+        policy = self.policy
+        if budget > 0 and self._num_waiting and len(running) < self.max_batch_size:
+            policy.begin(self)
+        while budget > 0 and len(running) < self.max_batch_size:
+            req = self._peek_waiting()
+            if req is None:
+                break
+            length = len(req.all_token_ids)
+            # A recompute after preemption may be chunked even when chunking is off: its prompt now
+            # includes generated tokens and might never fit one step.
+            if not self.enable_chunked_prefill and req.num_preemptions == 0:
+                if length - bm.lookup(req) > budget:
+                    break
+            if not policy.admit(self, req):
+                break
+            cached = bm.allocate_for(req, budget)
+            if cached is None:
+                break
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            req.status = _RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = self.clock()
+            bisect.insort(running, req, key=_sort_key)
+            policy.admitted(self, req)
+            n = req.num_slots - cached
+            # The first computation of a request is a prefill even when it is one token long.
+            prefills.append(ScheduledSeq(req, cached, n, True, cached + n == length))
+            budget -= n
+        return budget
+
+    def _preempt_tail(self, needy: Request, decodes: list[ScheduledSeq],
+                      prefills: list[ScheduledSeq], preempted: list[Request]) -> bool:
+        """Preempt the lowest-priority, latest running request to free blocks for ``needy``.
+        Returns True when ``needy`` itself was the victim (the caller stops trying)."""
+        victim = self.running.pop()
+        for lst in (decodes, prefills):
+            for j, s in enumerate(lst):
+                if s.request is victim:  # already scheduled this step: unschedule it
+                    del lst[j]
+                    break
+        self.block_manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(victim)
+        preempted.append(victim)
+        return victim is needy
+
+    # -- results ------------------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int | Sequence[int]]
+               ) -> list[Request]:
+        """Apply one step's results. ``sampled_token_ids[j]`` belongs to the j-th scheduled sequence
+        whose ``sample`` flag is set (scheduled order): an int, or with speculation a list of the
+        accepted draft tokens followed by one more token. Returns the requests that finished."""
+        bm = self.block_manager
+        now = self.clock()
+        finished: list[Request] = []
+        j = 0
+        for s in output.scheduled:
+            req = s.request
+            if not s.sample:
+                if req.status is _RUNNING:
+                    assert req.num_computed_tokens == s.start_pos
+                    req.num_computed_tokens += s.num_new_tokens
+                    self.num_prefill_tokens_computed += s.num_new_tokens
+                continue
+            toks = sampled_token_ids[j]
+            j += 1
+            if req.status is not _RUNNING:
+                continue                 # aborted while the step ran
+            assert req.num_computed_tokens == s.start_pos
+            if s.is_prefill:
+                self.num_prefill_tokens_computed += s.num_new_tokens
+            else:
+                self.num_decode_tokens_computed += s.num_new_tokens
+            if s.num_spec_tokens:
+                accepted = len(toks) - 1
+                assert 0 <= accepted <= s.num_spec_tokens, (toks, s.num_spec_tokens)
+                rejected = s.num_spec_tokens - accepted
+                bm.rollback(req, rejected)
+                req.num_computed_tokens += s.num_new_tokens - rejected
+                req.num_draft_tokens += s.num_spec_tokens
+                req.num_accepted_draft_tokens += accepted
+                self.num_draft_tokens += s.num_spec_tokens
+                self.num_accepted_draft_tokens += accepted
+                req.spec_token_ids = []
+            else:
+                req.num_computed_tokens += s.num_new_tokens
+                if req.spec_token_ids:
+                    req.spec_token_ids = []
+                if not isinstance(toks, int):
+                    assert len(toks) == 1, f"{len(toks)} tokens sampled without drafts"
+                    toks = toks[0]
+            if isinstance(toks, int):
+                done = self._append_token(req, toks)
+            else:
+                for t in toks:
+                    done = self._append_token(req, t)
+                    if done:
+                        break
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            if done:
+                self._finish(req, done, now)
+                finished.append(req)
+        assert j == len(sampled_token_ids), (
+            f"{len(sampled_token_ids)} sampled entries for {j} sampling sequences")
+        return finished
+
+    def _append_token(self, req: Request, tok: int) -> RequestStatus | None:
+        req.output_token_ids.append(tok)
+        req.all_token_ids.append(tok)
+        self.num_generated_tokens += 1
+        n_out = len(req.output_token_ids)
+        # The first min_tokens tokens never stop generation (the sampler masks stops there too).
+        if tok in req.stop_ids and n_out > req.params.min_tokens:
+            req.stop_token = tok
+            return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.params.max_tokens or len(req.all_token_ids) >= self.max_seq_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.status = status
+        req.finished_time = now
+        req.spec_token_ids = []
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    def stats(self) -> dict:
+        out = {"running": len(self.running), "waiting": self._num_waiting,
+               "steps": self.num_steps, "preemptions": self.num_preemptions,
+               "prefill_tokens_computed": self.num_prefill_tokens_computed,
+               "decode_tokens_computed": self.num_decode_tokens_computed,
+               "generated_tokens": self.num_generated_tokens,
+               "draft_tokens": self.num_draft_tokens,
+               "accepted_draft_tokens": self.num_accepted_draft_tokens}
+        out.update(self.block_manager.stats())
+        return out
+
+
+__all__ = ["POLICIES", "GuaranteedNoEvict", "MaxUtilization", "ScheduledSeq", "Scheduler",
+           "SchedulerOutput"]
