@@ -1,0 +1,60 @@
+"""Attention backend on the project's own Triton kernels (plugins/): registry key "triton".
+
+Same interface and semantics as ``backend.attention.torch_backend.TorchAttentionBackend`` (see
+``backend.attention.AttentionBackend``). Per step it launches at most two attention kernels per layer:
+the varlen paged-prefill kernel for prefill rows (and for speculative rows with several query tokens or a
+tree mask), and the split-K paged-decode kernel for one-token decode rows.
+
+On CPU the kernels only run under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
+imported): slow, meant for tests.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from plugins.kv_write import write_kv as _write_kv
+from plugins.paged_decode import paged_decode
+from plugins.paged_prefill import paged_prefill
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("engine.attention_backend: 'triton' needs an NVIDIA GPU (or TRITON_INTERPRET=1 "
+                         "for tests); allowed on this machine: torch, auto")
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+        """Scatter ``k, v [T, Hkv, D]`` into the caches at ``slot_mapping [T]`` (-1 = skip)."""
+        _check_device(k)
+        _write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def forward(self, q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None) -> torch.Tensor:
+        """``q [T, Hq, D]`` -> ``[T, Hq, D]``: causal attention over each sequence's cache."""
+        _check_device(q)
+        num_p, num_seqs = meta.num_prefills, int(meta.seq_lens.shape[0])
+        p_tok = meta.num_prefill_tokens
+        num_d = num_seqs - num_p
+        # one-token decodes take the decode kernel; multi-token (speculative) rows and trees take the
+        # prefill kernel, which handles any query length
+        plain_decode = meta.tree_mask is None and num_d > 0 and meta.num_decode_tokens == num_d
+        if not plain_decode:
+            return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                 meta.context_lens, scale, k_scale, v_scale, tree_mask=meta.tree_mask,
+                                 max_query_len=meta.max_query_len)
+        out = torch.empty_like(q)
+        if num_p:
+            out[:p_tok] = paged_prefill(q[:p_tok], k_cache, v_cache, meta.block_tables[:num_p],
+                                        meta.query_start_loc[:num_p + 1], meta.context_lens[:num_p],
+                                        scale, k_scale, v_scale, max_query_len=meta.max_query_len)
+        out[p_tok:] = paged_decode(q[p_tok:], k_cache, v_cache, meta.block_tables[num_p:],
+                                   meta.seq_lens[num_p:], scale, k_scale, v_scale,
+                                   max_seq_len=meta.max_seq_len)
+        return out
+
+
+__all__ = ["TritonAttentionBackend"]
