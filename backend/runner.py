@@ -1,0 +1,150 @@
+"""Model runner: the weights, the KV cache tensors and one forward pass per step.
+
+The runner is the only part of the executor that touches tensors of the model's size. It knows
+nothing about requests: the executor gives it ``input_ids``, the step's ``AttentionMetadata`` and
+which token rows need logits, and gets logits (and captured hidden states) back.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backend.attention import get_backend, resolve_backend_name
+from backend.kv_cache import kv_bytes_per_token, kv_capacity_blocks
+from backend.model.config import ModelConfig
+from backend.model.llama import LlamaModel
+
+# engine.kv_cache_dtype values -> torch dtype ("auto"/None = the model dtype).
+KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
+             "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Model architectures this runtime builds, by engine.json model.architecture.
+MODEL_CLASSES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel}
+# On CPU the KV pool comes from RAM shared with everything else; a tenth is plenty for serving.
+CPU_RAM_FRACTION = 0.1
+
+
+class EngineError(ValueError):
+    """The engine bundle or an engine override is unusable: one line saying what to fix."""
+
+
+@dataclass
+class EngineSpec:
+    """What the runtime reads from a bundle: ``engine.json`` sections plus the bundle path."""
+    path: Path
+    doc: dict[str, Any]
+    model: ModelConfig
+    engine: dict[str, Any]
+    quant_format: str
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.engine.get("kv_cache_dtype") or self.model.dtype
+
+
+def load_engine_spec(path: str | os.PathLike, overrides: dict[str, Any] | None = None,
+                     verify_hashes: bool = False) -> EngineSpec:
+    """Read ``<path>/engine.json`` (via ``backend.bundle.load_bundle`` when available, which also
+    checks the format version and file hashes) and apply ``engine.*`` overrides by key."""
+    path = Path(path)
+    doc = None
+    try:
+        from backend.bundle import load_bundle  # builder-core's loader: format + hash checks
+    except ImportError:
+        load_bundle = None
+    if load_bundle is not None:
+        bundle = load_bundle(path, verify_hashes=verify_hashes)
+        doc = getattr(bundle, "engine_json", None) or getattr(bundle, "doc", None)
+    if doc is None:
+        ej = path / "engine.json"
+        if not ej.is_file():
+            raise EngineError(f"{ej}: not found; build an engine with: make build CONFIG=...")
+        doc = json.loads(ej.read_text())
+        if doc.get("format") != "kiln-engine" or doc.get("format_version") != 1:
+            raise EngineError(f"{ej}: format {doc.get('format')!r} version {doc.get('format_version')!r}; "
+                              "allowed: kiln-engine version 1 (rebuild with: make build CONFIG=...)")
+    engine = dict(doc.get("engine") or {})
+    for key, value in (overrides or {}).items():
+        if key not in engine and key not in ("kv_cache_dtype", "max_kv_tokens", "attention_backend"):
+            raise EngineError(f"engine override {key!r}: unknown key; allowed: {', '.join(sorted(engine))}")
+        engine[key] = value
+    quant = doc.get("quantization") or {}
+    return EngineSpec(path=path, doc=doc, model=ModelConfig.from_dict(doc["model"]), engine=engine,
+                      quant_format=quant.get("format", "none"))
+
+
+def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    f = path / "weights.safetensors"
+    if not f.is_file():
+        raise EngineError(f"{f}: not found; rebuild with: make build CONFIG=...")
+    return load_file(str(f), device=str(device) if device.type != "cuda" else f"cuda:{device.index or 0}")
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and ``execute`` for one step."""
+
+    def __init__(self, spec: EngineSpec, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None, weights: dict[str, torch.Tensor] | None = None) -> None:
+        self.spec = spec
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise EngineError("device 'cuda' requested but no CUDA GPU is visible; allowed here: cpu")
+        cfg = spec.model
+        self.dtype = dtype or cfg.torch_dtype
+        backend_name = resolve_backend_name(spec.engine.get("attention_backend", "auto"), str(self.device))
+        self.attention = get_backend(backend_name, str(self.device))
+        cls = MODEL_CLASSES[cfg.architecture]
+        weights = weights if weights is not None else load_weights(spec.path, self.device)
+        self.model = cls(cfg, weights, spec.quant_format, self.attention, self.device, self.dtype)
+        del weights
+
+        kv_name = spec.kv_cache_dtype
+        if kv_name not in KV_DTYPES:
+            raise EngineError(f"engine.kv_cache_dtype: {kv_name!r}; allowed: {', '.join(KV_DTYPES)}")
+        self.kv_dtype = KV_DTYPES[kv_name] if kv_name != cfg.dtype else self.dtype
+        if self.kv_dtype == torch.float8_e4m3fn and any(k is None for k, _ in self.model.kv_cache_scales):
+            raise EngineError("engine.json: kv_cache_dtype fp8 needs layers.{i}.attn.k_scale/v_scale in "
+                              "weights.safetensors; rebuild with quantization.kv_cache=fp8")
+        self.block_size = int(spec.engine.get("kv_block_size", 16))
+        self.num_blocks = self._plan_kv_blocks()
+        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+                          for _ in range(cfg.num_layers)]
+
+    def _plan_kv_blocks(self) -> int:
+        cfg, eng = self.spec.model, self.spec.engine
+        per_tok = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                     torch.empty((), dtype=self.kv_dtype).element_size())
+        free_dev = None
+        if self.device.type == "cuda":
+            free_dev, _ = torch.cuda.mem_get_info(self.device)
+        max_seq = int(eng.get("max_seq_len", cfg.max_position_embeddings))
+        try:
+            return kv_capacity_blocks(
+                self.block_size, per_tok, max_kv_tokens=eng.get("max_kv_tokens"),
+                free_device_bytes=free_dev,
+                free_mem_fraction=float(eng.get("kv_cache_free_mem_fraction", 0.9)),
+                cpu_ram_fraction=CPU_RAM_FRACTION,
+                max_useful_tokens=int(eng.get("max_batch_size", 64)) * max_seq,
+                min_tokens=min(max_seq, self.block_size))
+        except ValueError as exc:
+            raise EngineError(str(exc)) from exc
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    @torch.inference_mode()
+    def execute(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor,
+                capture_hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run one step. ``logits_indices [N]`` picks the token rows whose next-token logits are
+        needed (the last token of each sequence that samples this step); returns fp32 ``[N, V]``."""
+        hidden, captured = self.model.forward(input_ids, meta, self.kv_caches, capture_hidden_layers)
+        logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+        return logits, captured
