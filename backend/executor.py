@@ -67,7 +67,12 @@ class Speculator(Protocol):
       sequence (scheduled order); returns, per sampling sequence, the accepted draft tokens followed by
       one token sampled from the target (the list the scheduler's ``update`` takes).
     * ``propose(out, inputs, captured, finished)``: after ``update``; sets ``request.spec_token_ids``
-      for running requests (the scheduler reserves slots for them next step).
+      for running requests (the scheduler reserves slots for them next step). ``captured[i]`` is the
+      output of target layer ``i`` for EVERY token of the step (``[T, hidden]``, the step's token
+      order: ``inputs.meta.query_start_loc`` delimits sequences); ``inputs.logits_counts`` tells how
+      many rows each sampling sequence had. Requests with ``params.speculative = False`` must get
+      no drafts.
+    Greedy requests must produce exactly the tokens they would without speculation.
     """
     capture_hidden_layers: tuple[int, ...]
 
