@@ -15,5 +15,6 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x = (x.float() + residual.float()).to(x.dtype)
     h = x.float()
     y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    y = (y * weight.float()).to(x.dtype)
+    # cast back before the weight multiply, as HF Llama does, so bf16 results match it bit for bit
+    y = (weight.float() * y.to(x.dtype).float()).to(x.dtype)
     return y if residual is None else (y, x)
