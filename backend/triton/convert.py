@@ -127,7 +127,7 @@ def _convert(name: str, spec: InputSpec, arr: Any) -> Any:
 def read_inputs(tensors: Mapping[str, np.ndarray], names: tuple[str, ...] | list[str],
                 required: tuple[str, ...] = ()) -> dict[str, Any]:
     """Convert and range-check the named inputs; absent optional ones take the table's default."""
-    unknown = [n for n in tensors if n not in INPUTS]
+    unknown = [n for n in tensors if n not in names]
     if unknown:
         raise InvalidRequest(f"unknown input '{unknown[0]}'; known: {', '.join(names)}")
     out: dict[str, Any] = {}

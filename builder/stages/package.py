@@ -1,0 +1,114 @@
+"""Package stage: render model_repository/ templates into ``<output>/model_repository``.
+
+Templates are ``<model>/config.pbtxt.tmpl`` with ``${name}`` placeholders plus files copied as they
+are (each thin ``1/model.py``). Unlike NVIDIA's fill_template.py, which leaves an unknown
+``${...}`` in place for Triton to choke on at load time, rendering here fails at build time on a
+placeholder with no value, on a malformed one, and on a value no template uses.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Mapping
+
+from builder.stages.base import StageContext, StageError
+
+__all__ = ["TEMPLATE_ROOT", "MODELS", "RenderError", "render_text", "render_repository",
+           "template_values", "run"]
+
+TEMPLATE_ROOT = Path(__file__).resolve().parents[2] / "model_repository"
+TEMPLATE_SUFFIX = ".tmpl"
+# template folder -> the value naming its rendered folder (the ensemble takes serving.model_name)
+MODELS: dict[str, str] = {
+    "preprocessing": "preprocessing_name", "engine": "engine_name", "postprocessing": "postprocessing_name",
+    "ensemble": "ensemble_name", "bls": "bls_name",
+}
+_PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+class RenderError(StageError):
+    """A template problem: one line naming the file, the placeholder and what is known."""
+
+
+def render_text(text: str, values: Mapping[str, object], source: str = "<template>") -> tuple[str, set[str]]:
+    """Fill ``${name}`` placeholders; return the text and the names used."""
+    used: set[str] = set()
+
+    def fill(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in values:
+            raise RenderError(f"{source}: unknown placeholder ${{{name}}}; known: {', '.join(sorted(values))}")
+        used.add(name)
+        return str(values[name])
+
+    out = _PLACEHOLDER.sub(fill, text)
+    left = out.find("${")
+    if left >= 0:
+        line = out.count("\n", 0, left) + 1
+        snippet = out[left:left + 24].split("\n")[0]
+        raise RenderError(f"{source}: line {line}: unfilled or malformed placeholder {snippet!r}; "
+                          "allowed: ${name} with name in [A-Za-z0-9_]")
+    return out, used
+
+
+def render_repository(values: Mapping[str, object], out_dir: Path, template_root: Path = TEMPLATE_ROOT) -> list[str]:
+    """Render every model of ``template_root`` into ``out_dir``; return the model names written."""
+    names = [str(values[MODELS[m]]) for m in MODELS]
+    if len(set(names)) != len(names):
+        raise RenderError(f"model names must differ, got {names} (serving.model_name clashes with a "
+                          "fixed model name)")
+    used: set[str] = set()
+    for model in MODELS:
+        src = template_root / model
+        if not (src / ("config.pbtxt" + TEMPLATE_SUFFIX)).is_file():
+            raise RenderError(f"{src}: config.pbtxt{TEMPLATE_SUFFIX} missing from the templates")
+        dest = out_dir / str(values[MODELS[model]])
+        for path in sorted(src.rglob("*")):
+            if path.is_dir() or "__pycache__" in path.parts:
+                continue
+            rel = path.relative_to(src)
+            if path.name.endswith(TEMPLATE_SUFFIX):
+                text, names_used = render_text(path.read_text(encoding="utf-8"), values, str(path))
+                used |= names_used
+                target = dest / str(rel)[: -len(TEMPLATE_SUFFIX)]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(text, encoding="utf-8")
+            else:
+                target = dest / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, target)
+    unused = sorted(set(values) - used - set(MODELS.values()))
+    if unused:
+        raise RenderError(f"{template_root}: value(s) {', '.join(unused)} are used by no template")
+    return names
+
+
+def template_values(serving, engine_dir: str, device: str = "auto") -> dict[str, object]:
+    """The placeholder table, from the config's ``serving`` section (contracts section 1)."""
+    return {
+        "ensemble_name": serving.model_name,
+        "engine_name": "engine",
+        "bls_name": "bls",
+        "preprocessing_name": "preprocessing",
+        "postprocessing_name": "postprocessing",
+        "engine_dir": engine_dir,
+        "device": device,
+        "stream_interval": serving.stream_interval,
+        "engine_instances": serving.engine_instances,
+        "preprocessing_instances": serving.preprocessing_instances,
+        "postprocessing_instances": serving.postprocessing_instances,
+    }
+
+
+def run(ctx: StageContext) -> dict:
+    compiled = ctx.results.get("compile")
+    if compiled is None or compiled.path is None:
+        raise StageError("package: no engine bundle (the compile stage did not run)")
+    # relative to the repository root so build/<stem>/ can be moved or mounted as a whole
+    engine_rel = os.path.relpath(compiled.path.resolve(), (ctx.root / "model_repository").resolve())
+    values = template_values(ctx.config.serving, engine_rel)
+    models = render_repository(values, ctx.out_dir)
+    ctx.log(f"model repository: {', '.join(models)} (serve with: make serve)")
+    return {"models": models, "engine_dir": engine_rel, "ensemble": ctx.config.serving.model_name}

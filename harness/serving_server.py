@@ -1,0 +1,233 @@
+"""Start and stop a real Triton Inference Server: the ``TritonServer`` context manager.
+
+Used by ``harness/serve.py`` (``make serve``), the serving tests and the benchmark. It finds
+``tritonserver`` on PATH (NVIDIA's container) or else the one in the ``nvidia-pytriton`` wheel,
+assembles the Python backend folder as symlinks (copies break the stub's relative library path and
+the server then hangs at load), puts this interpreter's ``bin/`` first on PATH (the stub runs the
+first ``python3`` it finds, so it must see Kiln and numpy<2), binds 127.0.0.1 on free ports, waits
+until ready, and on exit stops the whole process group and removes its shared-memory files.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+__all__ = ["TritonServer", "TritonBinary", "find_tritonserver", "free_port", "ServerError"]
+
+ROOT = Path(__file__).resolve().parents[1]
+STUB_PY = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonBinary:
+    path: Path
+    backend_dir: Path | None   # None: the server's own default (NVIDIA container)
+    source: str                # "PATH" | "nvidia-pytriton"
+
+
+def _pytriton_root() -> Path | None:
+    import importlib.util
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+
+
+def assemble_backend_dir(tritonserver_root: Path, dest: Path) -> Path:
+    """``dest/python/`` with symlinks to the wheel's Python backend and this Python's stub."""
+    py = dest / "python"
+    py.mkdir(parents=True, exist_ok=True)
+    links = {
+        "libtriton_python.so": tritonserver_root / "backends/python/libtriton_python.so",
+        "triton_python_backend_utils.py": tritonserver_root / "backends/python/triton_python_backend_utils.py",
+        "triton_python_backend_stub": tritonserver_root / f"python_backend_stubs/{STUB_PY}/triton_python_backend_stub",
+    }
+    for name, target in links.items():
+        if not target.exists():
+            raise ServerError(f"{target}: missing from nvidia-pytriton (Python {STUB_PY} stub needed)")
+        link = py / name
+        if link.is_symlink() or link.exists():
+            if link.is_symlink() and os.readlink(link) == str(target):
+                continue
+            link.unlink()
+        link.symlink_to(target)
+    return dest
+
+
+def find_tritonserver(build_dir: Path = ROOT / "build") -> TritonBinary:
+    on_path = _which_tritonserver()
+    if on_path is not None:
+        return TritonBinary(on_path, None, "PATH")
+    root = _pytriton_root()
+    if root is None or not (root / "bin/tritonserver").is_file():
+        raise ServerError("no tritonserver on PATH and nvidia-pytriton is not installed; run: make setup")
+    backends = assemble_backend_dir(root, build_dir / "triton-backends")
+    return TritonBinary(root / "bin/tritonserver", backends, "nvidia-pytriton")
+
+
+def _which_tritonserver() -> Path | None:
+    import shutil
+    found = shutil.which("tritonserver")
+    return Path(found) if found else None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TritonServer:
+    """``with TritonServer(repo) as srv: srv.http_url, srv.grpc_url, srv.metrics_url``.
+
+    Ports default to free ones. ``model_control="explicit"`` starts with ``load_models`` only.
+    """
+
+    def __init__(self, model_repository: str | Path, *, http_port: int | None = None,
+                 grpc_port: int | None = None, metrics_port: int | None = None, host: str = "127.0.0.1",
+                 log_file: str | Path | None = None, model_control: str = "none",
+                 load_models: tuple[str, ...] = (), startup_timeout: float = 300.0,
+                 exit_timeout: int = 10, verbose: int = 0, extra_args: tuple[str, ...] = ()):
+        self.repo = Path(model_repository).resolve()
+        if not self.repo.is_dir():
+            raise ServerError(f"{self.repo}: model repository not found; build it with: make build")
+        self.host = host
+        self.ports = {"http": http_port or free_port(), "grpc": grpc_port or free_port(),
+                      "metrics": metrics_port or free_port()}
+        if len(set(self.ports.values())) != 3:
+            raise ServerError(f"ports must differ: {self.ports}")
+        self.log_file = Path(log_file) if log_file else ROOT / "build" / "logs" / f"tritonserver-{os.getpid()}-{self.ports['http']}.log"
+        self.model_control = model_control
+        self.load_models = tuple(load_models)
+        self.startup_timeout = startup_timeout
+        self.exit_timeout = exit_timeout
+        self.verbose = verbose
+        self.extra_args = tuple(extra_args)
+        # per-server shared-memory prefix: cleanup removes only this server's regions, never another's
+        self.shm_prefix = f"kiln_{os.getpid()}_{self.ports['http']}_"
+        self.proc: subprocess.Popen | None = None
+        self.binary: TritonBinary | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.ports['http']}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.ports['grpc']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.ports['metrics']}/metrics"
+
+    def command(self) -> list[str]:
+        b = self.binary
+        cmd = [str(b.path), f"--model-repository={self.repo}",
+               f"--http-address={self.host}", f"--http-port={self.ports['http']}",
+               f"--grpc-address={self.host}", f"--grpc-port={self.ports['grpc']}",
+               f"--metrics-address={self.host}", f"--metrics-port={self.ports['metrics']}",
+               "--allow-gpu-metrics=false", f"--exit-timeout-secs={self.exit_timeout}",
+               f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+               f"--log-verbose={self.verbose}", f"--model-control-mode={self.model_control}"]
+        if b.backend_dir is not None:
+            cmd.append(f"--backend-directory={b.backend_dir}")
+        cmd += [f"--load-model={m}" for m in self.load_models]
+        return cmd + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        venv_bin = str(Path(sys.executable).parent)
+        env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        # each stub would otherwise start one torch thread per core: 2 cores shared by many stubs
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2))))
+        return env
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> "TritonServer":
+        self.binary = find_tritonserver()
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_file, "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env(), start_new_session=True)
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"tritonserver exited with code {self.proc.returncode} during start-up; "
+                                  f"log {self.log_file}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.25)
+        raise ServerError(f"tritonserver not ready after {self.startup_timeout:.0f} s; log {self.log_file}:\n"
+                          f"{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> int | None:
+        """SIGTERM the server's process group (server + stubs), SIGKILL after the exit timeout."""
+        if self.proc is None:
+            return None
+        code = self.proc.poll()
+        if code is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                code = self.proc.wait(timeout=self.exit_timeout + 20)
+            except subprocess.TimeoutExpired:
+                code = None
+        # stubs left behind (a crashed or hung one) share the group: make sure none survive
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if code is None:
+            code = self.proc.wait(timeout=10)
+        self._log.close()
+        for f in glob.glob(f"/dev/shm/{self.shm_prefix}*"):
+            try:
+                os.unlink(f)
+            except OSError:
+                pass
+        self.proc = None
+        return code
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None

@@ -1,0 +1,18 @@
+"""Triton model: BLS version of the ensemble (decoupled). Logic: backend/triton/bls.py."""
+import triton_python_backend_utils as pb_utils
+
+from backend.triton.bls import BlsHost
+from backend.triton.model_args import engine_dir, model_config, parameter
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        cfg = model_config(args)
+        self.host = BlsHost(pb_utils, engine_dir(args, cfg), parameter(cfg, "engine_model"))
+
+    def execute(self, requests):
+        self.host.execute(requests)  # each request streams on a worker thread
+        return None
+
+    def finalize(self):
+        self.host.shutdown()

@@ -1,0 +1,20 @@
+"""Triton model: the Kiln engine (decoupled). Logic: backend/triton/engine_host.py."""
+import triton_python_backend_utils as pb_utils
+
+from backend.triton.engine_host import EngineHost
+from backend.triton.model_args import engine_dir, model_config, parameter
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        cfg = model_config(args)
+        self.host = EngineHost(pb_utils, engine_dir(args, cfg), device=parameter(cfg, "device", "cpu"),
+                               stream_interval=int(parameter(cfg, "stream_interval", "1")),
+                               model_name=args["model_name"], instance=args["model_instance_name"])
+
+    def execute(self, requests):
+        self.host.execute(requests)  # only enqueues; responses come from the executor thread
+        return None
+
+    def finalize(self):
+        self.host.shutdown()

@@ -1,0 +1,23 @@
+"""Triton model: stateless detokenization of one engine response. Logic: backend/triton/postprocess.py."""
+import triton_python_backend_utils as pb_utils
+
+from backend.triton.model_args import engine_dir, model_config
+from backend.triton.postprocess import postprocess_tensors
+from backend.triton.tokenizer import load_tokenizer
+
+_INPUTS = ("output_ids", "context_ids", "text_trim", "echo_text", "output_log_probs")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.tok = load_tokenizer(engine_dir(args, model_config(args)))
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            tensors = {n: t.as_numpy() for n in _INPUTS
+                       if (t := pb_utils.get_input_tensor_by_name(request, n)) is not None}
+            out = postprocess_tensors(self.tok, tensors)
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(k, v) for k, v in out.items()]))
+        return responses

@@ -1,0 +1,25 @@
+"""Triton model: tokenization and request validation. Logic: backend/triton/preprocess.py."""
+import triton_python_backend_utils as pb_utils
+
+from backend.triton.convert import InvalidRequest
+from backend.triton.model_args import engine_dir, model_config
+from backend.triton.preprocess import TEXT_INPUT_NAMES, Preprocessor, preprocessing_outputs
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.pre = Preprocessor(engine_dir(args, model_config(args)))
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            tensors = {n: t.as_numpy() for n in TEXT_INPUT_NAMES
+                       if (t := pb_utils.get_input_tensor_by_name(request, n)) is not None}
+            try:
+                out = preprocessing_outputs(self.pre.prepare(tensors))
+            except InvalidRequest as e:
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e))))
+                continue
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(k, v) for k, v in out.items()]))
+        return responses
