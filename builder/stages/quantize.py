@@ -1,0 +1,37 @@
+"""Quantize stage: the imported HF checkpoint -> a ModelOpt unified HF checkpoint (``quant/``).
+
+The recipe table, calibration and export live in ``quant.quantize.quantize_checkpoint(hf_dir,
+out_dir, qcfg) -> info`` (owned by the quant engineer); this stage only decides whether there is
+anything to do and hands over the config section.
+"""
+from __future__ import annotations
+
+import importlib
+
+from builder.stages.base import StageContext, StageError
+
+
+def skip_reason(ctx: StageContext) -> str | None:
+    q = ctx.config.quantization
+    imported = ctx.results["import"].info
+    if imported.get("prequantized"):
+        return f"the source is already quantized by ModelOpt ({imported['prequantized']['quant_algo']})"
+    if q.format == "none" and q.kv_cache == "none":
+        return "quantization.format and quantization.kv_cache are none"
+    return None
+
+
+def run(ctx: StageContext) -> dict:
+    q = ctx.config.quantization
+    try:
+        quantize = importlib.import_module("quant.quantize")
+    except ModuleNotFoundError as e:
+        if e.name not in ("quant.quantize", "quant"):
+            raise
+        raise StageError(f"{ctx.config.file}: quantization.format: '{q.format}' (kv_cache '{q.kv_cache}') "
+                         f"needs quant/quantize.py, which is not in this checkout; allowed: none "
+                         f"(quantization.format=none quantization.kv_cache=none)") from None
+    hf_dir = ctx.results["import"].path
+    with ctx.progress(f"ModelOpt {q.format} (kv {q.kv_cache}): calibrate + export"):
+        info = quantize.quantize_checkpoint(hf_dir, ctx.out_dir, q)
+    return dict(info or {})
