@@ -1,0 +1,113 @@
+"""Triton kernel: W4A16 GEMM, y = x @ dequant(W)^T with 4-bit weights unpacked inside the GEMM.
+
+Formats (docs/contracts.md section 3), both packing two 4-bit values per byte, low nibble = even k:
+- int4_awq: value = nibble - 8, times weight_scale [N, K/group] (model dtype); pre_quant_scale [K] is
+  applied to x on the host (one elementwise multiply, cheaper than per tile).
+- nvfp4: e2m1 codes, times float8_e4m3fn weight_scale [N, K/16] and the fp32 weight_scale_2 [].
+Even and odd k are multiplied as two half-width dots, so packed bytes never need interleaving.
+Reference: plugins/reference/gemm.py.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import check
+
+FMT_INT4_AWQ = 0
+FMT_NVFP4 = 1
+FORMATS = {"int4_awq": FMT_INT4_AWQ, "nvfp4": FMT_NVFP4}
+
+
+@triton.jit
+def _decode(nib, FMT: tl.constexpr):
+    """4-bit codes (int32) -> fp32 values (before scaling)."""
+    if FMT == 0:
+        val = (nib - 8).to(tl.float32)
+    else:
+        mag = nib & 7
+        e = mag >> 1
+        m = (mag & 1).to(tl.float32)
+        # e2m1: subnormal m*0.5 when e == 0, else (1 + m/2) * 2^(e-1)
+        val = tl.where(e == 0, m * 0.5, (2.0 + m) * (1 << e).to(tl.float32) * 0.25)
+        val = tl.where(nib >= 8, -val, val)
+    return val
+
+
+@triton.jit
+def w4a16_gemm_kernel(out_ptr, x_ptr, w_ptr, ws_ptr, ws2_ptr, M, N, K,
+                      stride_xm, stride_om, stride_wn, stride_sn,
+                      FMT: tl.constexpr, GROUP: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    half = tl.arange(0, BLOCK_K // 2)
+    mmask = rm < M
+    nmask = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if FMT == 1:
+        global_scale = tl.load(ws2_ptr)
+    for k0 in range(0, K, BLOCK_K):
+        kp = k0 // 2 + half                 # packed column
+        kmask = kp < K // 2
+        wmask = nmask[:, None] & kmask[None, :]
+        packed = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + kp[None, :], mask=wmask, other=0).to(tl.int32)
+        scale = tl.load(ws_ptr + rn[:, None].to(tl.int64) * stride_sn + (2 * kp[None, :]) // GROUP,
+                        mask=wmask, other=0.0).to(tl.float32)
+        if FMT == 1:
+            scale = scale * global_scale
+        w_even = (_decode(packed & 15, FMT) * scale).to(x_ptr.dtype.element_ty)
+        w_odd = (_decode(packed >> 4, FMT) * scale).to(x_ptr.dtype.element_ty)
+        xmask = mmask[:, None] & kmask[None, :]
+        xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + 2 * kp[None, :]
+        x_even = tl.load(xp, mask=xmask, other=0.0)
+        x_odd = tl.load(xp + 1, mask=xmask, other=0.0)
+        acc += tl.dot(x_even, tl.trans(w_even))
+        acc += tl.dot(x_odd, tl.trans(w_odd))
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+def gemm_tiles(M: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): decode-sized M uses the smallest tl.dot tile."""
+    return (16 if M <= 16 else 64), 64, 64
+
+
+def w4a16_linear(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 weight_scale_2: torch.Tensor | None = None, pre_quant_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, K] fp16/bf16/fp32 (rows contiguous); weight: uint8 [N, K/2]; weight_scale: [N, K/group]
+    (int4_awq, model dtype) or float8_e4m3fn [N, K/16] (nvfp4); weight_scale_2: fp32 [] (nvfp4);
+    pre_quant_scale: [K] (int4_awq, optional). -> [M, N] in x.dtype."""
+    check(fmt in FORMATS, f"w4a16_linear: format {fmt!r}; allowed: {', '.join(FORMATS)}")
+    check(x.dim() == 2, f"w4a16_linear: x must be [M, K], got {tuple(x.shape)}")
+    M, K = x.shape
+    N = weight.shape[0]
+    check(weight.dtype == torch.uint8 and weight.shape == (N, K // 2) and K % 2 == 0,
+          f"w4a16_linear: weight must be uint8 [N, {K // 2}] for K={K}, got {weight.dtype} {tuple(weight.shape)}")
+    check(weight_scale.dim() == 2 and weight_scale.shape[0] == N and weight_scale.shape[1] > 0
+          and K % weight_scale.shape[1] == 0, f"w4a16_linear: weight_scale shape {tuple(weight_scale.shape)} "
+          f"does not divide K={K} into groups")
+    group = K // weight_scale.shape[1]
+    check(group % 2 == 0, f"w4a16_linear: group size {group} must be even")
+    if fmt == "nvfp4":
+        check(group == 16 and weight_scale.dtype == torch.float8_e4m3fn and weight_scale_2 is not None,
+              "w4a16_linear: nvfp4 needs float8_e4m3fn weight_scale [N, K/16] and weight_scale_2")
+        ws2 = weight_scale_2.reshape(1).float()
+    else:
+        ws2 = weight_scale  # unused by the int4 variant
+    if pre_quant_scale is not None:
+        x = x * pre_quant_scale.to(x.dtype)
+    x = x.contiguous()
+    weight, weight_scale = weight.contiguous(), weight_scale.contiguous()
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    bm, bn, bk = gemm_tiles(M)
+    w4a16_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+        out, x, weight, weight_scale, ws2, M, N, K, x.stride(0), out.stride(0), weight.stride(0),
+        weight_scale.stride(0), FMT=FORMATS[fmt], GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=4, num_stages=3)
+    return out
