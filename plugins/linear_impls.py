@@ -1,0 +1,39 @@
+"""Adapters giving every linear implementation the registry's one signature:
+fn(x [M, K], weight, weight_scale=None, weight_scale_2=None, input_scale=None, pre_quant_scale=None)
+-> [M, N] in x.dtype. Tensor names are the bundle's (docs/contracts.md section 3)."""
+from __future__ import annotations
+
+import torch
+
+from .gemm_fp8 import fp8_linear
+from .gemm_w4a16 import w4a16_linear
+from .reference.gemm import fp8_linear_ref, int4_awq_linear_ref, nvfp4_linear_ref
+
+
+def dense(x, weight, **_):
+    return torch.nn.functional.linear(x, weight.to(x.dtype))
+
+
+def nvfp4_triton(x, weight, weight_scale, weight_scale_2, input_scale=None, **_):
+    # W4A16: input_scale (for W4A4 activation quantization) is deliberately unused
+    return w4a16_linear(x, "nvfp4", weight, weight_scale, weight_scale_2)
+
+
+def nvfp4_torch(x, weight, weight_scale, weight_scale_2, input_scale=None, **_):
+    return nvfp4_linear_ref(x, weight, weight_scale, weight_scale_2)
+
+
+def int4_awq_triton(x, weight, weight_scale, pre_quant_scale=None, **_):
+    return w4a16_linear(x, "int4_awq", weight, weight_scale, pre_quant_scale=pre_quant_scale)
+
+
+def int4_awq_torch(x, weight, weight_scale, pre_quant_scale=None, **_):
+    return int4_awq_linear_ref(x, weight, weight_scale, pre_quant_scale)
+
+
+def fp8_triton(x, weight, weight_scale, input_scale, **_):
+    return fp8_linear(x, weight, weight_scale, input_scale)
+
+
+def fp8_torch(x, weight, weight_scale, input_scale, **_):
+    return fp8_linear_ref(x, weight, weight_scale, input_scale)

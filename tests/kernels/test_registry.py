@@ -1,0 +1,50 @@
+"""The registry picks Triton kernels for GPUs/interpreter and references on CPU, and refuses clearly."""
+import pytest
+import torch
+
+from plugins import registry
+from plugins.reference.attention import paged_decode_ref
+from plugins.rmsnorm import rms_norm
+
+
+def test_every_registered_target_imports_and_both_kinds_exist():
+    for (op, kind, fmt), impl in registry.REGISTRY.items():
+        assert callable(impl.load()), (op, kind, fmt)
+        assert (op, "torch" if kind == "triton" else "triton", fmt) in registry.REGISTRY
+
+
+def test_cpu_defaults(monkeypatch):
+    assert registry.get("rms_norm", "cpu", torch.float16) is rms_norm  # conftest sets TRITON_INTERPRET=1
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert registry.get("paged_decode", "cpu", torch.bfloat16) is paged_decode_ref
+    with pytest.raises(ValueError, match="need an NVIDIA GPU"):
+        registry.get("paged_decode", "cpu", torch.float16, kind="triton")
+
+
+def test_refusals_name_the_problem():
+    with pytest.raises(ValueError, match="unknown op 'matmul'"):
+        registry.get("matmul", "cpu", torch.float16)
+    with pytest.raises(ValueError, match="for format 'int8_sq'; allowed: fp8, int4_awq, none, nvfp4"):
+        registry.get("linear", "cpu", torch.float16, fmt="int8_sq")
+    with pytest.raises(ValueError, match="does not take torch.int8"):
+        registry.get("rms_norm", "cpu", torch.int8, kind="torch")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4_awq", "fp8", "none"])
+def test_linear_kinds_agree(device, fmt):
+    n, k = 64, 128
+    x = torch.randn(3, k, device=device).half()
+    t = {"weight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device)}
+    if fmt == "nvfp4":
+        t.update(weight_scale=torch.rand(n, k // 16, device=device).to(torch.float8_e4m3fn),
+                 weight_scale_2=torch.tensor(0.1, device=device), input_scale=torch.tensor(1.0, device=device))
+    elif fmt == "int4_awq":
+        t.update(weight_scale=(torch.rand(n, k // 64, device=device) * 0.1).half())
+    elif fmt == "fp8":
+        t = {"weight": torch.randn(n, k, device=device).to(torch.float8_e4m3fn),
+             "weight_scale": torch.rand(n, device=device), "input_scale": torch.tensor(0.05, device=device)}
+    else:
+        t = {"weight": torch.randn(n, k, device=device).half()}
+    a = registry.get("linear", device, torch.float16, fmt, kind="triton")(x, **t).float()
+    b = registry.get("linear", device, torch.float16, fmt, kind="torch")(x, **t).float()
+    assert (a - b).abs().max() <= 2e-3 * max(1.0, b.abs().max().item())
