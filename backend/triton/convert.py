@@ -79,6 +79,7 @@ INPUTS: dict[str, InputSpec] = {
     "streaming": InputSpec("bool", False),
     "stop_words_list": InputSpec("int", None, many=True, allowed="[2, N] NVIDIA words list"),
     "bad_words_list": InputSpec("int", None, many=True, allowed="[2, N] NVIDIA words list"),
+    "echo_text": InputSpec("bytes", ""),
 }
 
 _KINDS = {"bytes": "OSU", "int": "iu", "float": "f", "bool": "b"}

@@ -182,7 +182,9 @@ class EngineHost:
             T("sequence_length", np.asarray([len(st.req.prompt_ids) + st.n_tokens], np.int32)),
             T("output_log_probs", np.asarray(lp, np.float32)),
             T("finish_reason", np.asarray([reason.encode()], dtype=object)),
+            T("echo_text", np.asarray([st.req.echo_text.encode("utf-8")], dtype=object)),
         ])
+        st.req.echo_text = ""  # only the first response carries it
         try:
             st.sender.send(resp, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
         except Exception:  # noqa: BLE001 - the client went away: stop generating for it

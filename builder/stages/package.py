@@ -65,6 +65,7 @@ def render_repository(values: Mapping[str, object], out_dir: Path, template_root
         if not (src / ("config.pbtxt" + TEMPLATE_SUFFIX)).is_file():
             raise RenderError(f"{src}: config.pbtxt{TEMPLATE_SUFFIX} missing from the templates")
         dest = out_dir / str(values[MODELS[model]])
+        (dest / "1").mkdir(parents=True, exist_ok=True)  # Triton needs a version folder, even an ensemble's
         for path in sorted(src.rglob("*")):
             if path.is_dir() or "__pycache__" in path.parts:
                 continue
