@@ -191,8 +191,10 @@ class BlockManager:
         """Make room for ``num_new_tokens`` tokens after ``request.num_computed_tokens`` plus
         ``num_tentative`` unverified speculative ones. Returns False (nothing changed) when the pool
         is exhausted: the scheduler then preempts someone."""
+        assert request.num_tentative_tokens == 0, "roll back tentative slots before reserving more"
         self._commit(request)
         target = request.num_computed_tokens + num_new_tokens + num_tentative
+        assert target >= request.num_slots, "append_slots cannot shrink a reservation"
         blocks = request.block_ids
         need = -(-target // self.block_size) - len(blocks)
         if need > 0:

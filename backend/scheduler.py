@@ -250,8 +250,8 @@ class Scheduler:
             i += 1
             num_tokens = len(req.all_token_ids)
             start = req.num_computed_tokens
-            if num_tokens - start > 1:
-                continuing.append(req)
+            if num_tokens - start > 1 or not req.output_token_ids:
+                continuing.append(req)   # still prefilling (its last prompt token included)
                 continue
             k = len(req.spec_token_ids)
             if k:
@@ -267,7 +267,7 @@ class Scheduler:
             budget -= 1 + k
         # Running requests past the budget may still be prefilling: pick them up too.
         for req in running[i:]:
-            if len(req.all_token_ids) - req.num_computed_tokens > 1:
+            if len(req.all_token_ids) - req.num_computed_tokens > 1 or not req.output_token_ids:
                 continuing.append(req)
 
         # 2. Running prefills continuing a chunked prompt.
