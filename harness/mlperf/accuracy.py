@@ -96,7 +96,8 @@ def evaluate(log_path: Path, samples, tokenizer_dir: Path, metric: str, targets:
     lines = [repr(metrics)]
     if any(r is None for r in refs):
         lines.append("ROUGE not computed: the dataset has no reference outputs "
-                     "(for smollm2: python -m harness.mlperf.reference, see harness/mlperf/README.md)")
+                     "(for smollm2 run the unquantized engine once: python -m harness.mlperf --config "
+                     "configs/smollm2-135m-bf16.yaml --mode AccuracyOnly --save-reference)")
         verdict = {}
     elif targets is None:
         verdict = {}

@@ -1,0 +1,1 @@
+"""MLPerf Inference submission packager (`python -m harness.submission`, `make submission`)."""
