@@ -1,6 +1,8 @@
 """Helpers shared by the kernels: fp8 rounding that is exact everywhere, and small host utilities."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -43,3 +45,61 @@ def check(cond: bool, msg: str) -> None:
     """User-facing argument check: a one-line ValueError (asserts are for our own invariants)."""
     if not cond:
         raise ValueError(msg)
+
+
+# ---- one launch path for JIT and ahead-of-time kernels -------------------------------------------
+
+TORCH_TO_TRITON = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+                   torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}
+
+
+def variant_key(fn_name: str, constexprs: dict, num_warps: int, num_stages: int) -> str:
+    """The identity of one compiled kernel variant: AOT entries are looked up by it at launch."""
+    consts = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in sorted(constexprs.items()))
+    return f"{fn_name}[{consts}]w{num_warps}s{num_stages}"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One kernel at fixed constexprs, with the Triton types of its runtime arguments (for AOT)."""
+    fn: object                 # the @triton.jit function
+    types: dict                # runtime argument name -> Triton type ("*bf16", "i32", "fp32", ...)
+    constexprs: dict
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def key(self) -> str:
+        return variant_key(self.fn.__name__, self.constexprs, self.num_warps, self.num_stages)
+
+    def signature(self) -> dict:
+        """Every argument of the kernel, in order: its type, or "constexpr"."""
+        names = self.fn.arg_names
+        missing = set(names) - set(self.types) - set(self.constexprs)
+        extra = (set(self.types) | set(self.constexprs)) - set(names)
+        assert not missing and not extra, f"{self.fn.__name__}: missing {missing}, unknown {extra}"
+        return {n: ("constexpr" if n in self.constexprs else self.types[n]) for n in names}
+
+
+def launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 4, num_stages: int = 3, aot=None):
+    """Run `fn` on `grid` with its runtime `args` (in order) and `constexprs`: through the bundle's
+    ahead-of-time cubin when `aot` (a plugins.launcher.KernelSet) has this variant, else by JIT."""
+    if aot is not None and aot.launch(variant_key(fn.__name__, constexprs, num_warps, num_stages), grid, args):
+        return
+    fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+
+
+@dataclass(frozen=True)
+class EngineShapes:
+    """What decides which kernel variants an engine needs (read from engine.json by plugins.aot)."""
+    act: str                   # activation dtype as a Triton type name: "bf16" | "fp16" | "fp32"
+    kv: str                    # KV cache element type: act or "fp8e4nv"
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    block_size: int
+    quant_format: str
+    group_size: int | None
+    speculative: bool

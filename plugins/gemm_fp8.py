@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check
+from .common import Variant, check, launch
 from .reference.kv_cache import quantize_fp8
 
 
@@ -43,7 +43,7 @@ def scaled_mm_usable(x: torch.Tensor, N: int) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
-               use_scaled_mm: bool | None = None) -> torch.Tensor:
+               use_scaled_mm: bool | None = None, aot=None) -> torch.Tensor:
     """x: [M, K] 16/32-bit; weight: float8_e4m3fn [N, K]; weight_scale: fp32 [N]; input_scale: fp32 [].
     -> [M, N] in x.dtype. use_scaled_mm=None picks torch._scaled_mm when usable."""
     check(x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1],
@@ -63,9 +63,22 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    bm = 16 if M <= 16 else 64
+    bm = _block_m(M)
     w = weight.contiguous()
-    fp8_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, 64))](
-        out, xq, w, ws, xs, M, N, K, xq.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+    launch(fp8_gemm_kernel, (triton.cdiv(M, bm), triton.cdiv(N, 64)),
+           (out, xq, w, ws, xs, M, N, K, xq.stride(0), w.stride(0), out.stride(0)),
+           dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64), aot=aot)
     return out
+
+
+def _block_m(M: int) -> int:
+    return 16 if M <= 16 else 64
+
+
+def aot_variants(e) -> list[Variant]:
+    """The Triton fallback (GPUs or dtypes where torch._scaled_mm is not usable), per M tile."""
+    if e.quant_format != "fp8":
+        return []
+    types = dict(out_ptr=f"*{e.act}", x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", ws_ptr="*fp32", xs_ptr="*fp32",
+                 M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32")
+    return [Variant(fp8_gemm_kernel, types, dict(BLOCK_M=_block_m(m), BLOCK_N=64, BLOCK_K=64)) for m in (1, 64)]

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check
+from .common import Variant, check, launch
 
 FMT_INT4_AWQ = 0
 FMT_NVFP4 = 1
@@ -77,7 +77,8 @@ def gemm_tiles(M: int) -> tuple[int, int, int]:
 
 
 def w4a16_linear(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 weight_scale_2: torch.Tensor | None = None, pre_quant_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 weight_scale_2: torch.Tensor | None = None, pre_quant_scale: torch.Tensor | None = None,
+                 aot=None) -> torch.Tensor:
     """x: [M, K] fp16/bf16/fp32 (rows contiguous); weight: uint8 [N, K/2]; weight_scale: [N, K/group]
     (int4_awq, model dtype) or float8_e4m3fn [N, K/16] (nvfp4); weight_scale_2: fp32 [] (nvfp4);
     pre_quant_scale: [K] (int4_awq, optional). -> [M, N] in x.dtype."""
@@ -106,8 +107,25 @@ def w4a16_linear(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: 
     if M == 0 or N == 0:
         return out
     bm, bn, bk = gemm_tiles(M)
-    w4a16_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        out, x, weight, weight_scale, ws2, M, N, K, x.stride(0), out.stride(0), weight.stride(0),
-        weight_scale.stride(0), FMT=FORMATS[fmt], GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=4, num_stages=3)
+    launch(w4a16_gemm_kernel, (triton.cdiv(M, bm), triton.cdiv(N, bn)),
+           (out, x, weight, weight_scale, ws2, M, N, K, x.stride(0), out.stride(0), weight.stride(0),
+            weight_scale.stride(0)),
+           dict(FMT=FORMATS[fmt], GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), aot=aot)
+    return out
+
+
+def aot_variants(e) -> list[Variant]:
+    """One variant per M tile for the engine's 4-bit format (M, N, K are runtime arguments)."""
+    if e.quant_format not in FORMATS:
+        return []
+    nvfp4 = e.quant_format == "nvfp4"
+    types = dict(out_ptr=f"*{e.act}", x_ptr=f"*{e.act}", w_ptr="*u8", ws_ptr="*fp8e4nv" if nvfp4 else f"*{e.act}",
+                 ws2_ptr="*fp32" if nvfp4 else f"*{e.act}", M="i32", N="i32", K="i32", stride_xm="i32",
+                 stride_om="i32", stride_wn="i32", stride_sn="i32")
+    group = 16 if nvfp4 else int(e.group_size)
+    out = []
+    for m in (1, 64):
+        bm, bn, bk = gemm_tiles(m)
+        out.append(Variant(w4a16_gemm_kernel, types, dict(FMT=FORMATS[e.quant_format], GROUP=group, BLOCK_M=bm,
+                                                          BLOCK_N=bn, BLOCK_K=bk)))
     return out

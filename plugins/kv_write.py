@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check, next_pow2, round_to_e4m3, scale_tensor
+from .common import Variant, check, launch, next_pow2, round_to_e4m3, scale_tensor
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_pt
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale=None, v_scale=None) -> None:
+             slot_mapping: torch.Tensor, k_scale=None, v_scale=None, aot=None) -> None:
     """In-place. k, v: [T, Hkv, D] (last dim contiguous); caches: contiguous
     [num_blocks, block_size, Hkv, D] of k's dtype or float8_e4m3fn (stored = x / scale);
     slot_mapping: [T] int (-1 = skip). Same semantics as reference.kv_cache.write_kv_ref."""
@@ -46,7 +46,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if T == 0:
         return
-    kv_write_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping, scale_tensor(k_scale, k.device), scale_tensor(v_scale, k.device),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        NUM_KV_HEADS=H, HEAD_DIM=D, HEADS_PAD=next_pow2(H), KV_FP8=fp8)
+    args = (k, v, k_cache, v_cache, slot_mapping.long(), scale_tensor(k_scale, k.device),
+            scale_tensor(v_scale, k.device), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+    launch(kv_write_kernel, (T,), args, _constexprs(H, D, fp8), aot=aot)
+
+
+def _constexprs(heads: int, head_dim: int, fp8: bool) -> dict:
+    return dict(NUM_KV_HEADS=heads, HEAD_DIM=head_dim, HEADS_PAD=next_pow2(heads), KV_FP8=fp8)
+
+
+def aot_variants(e) -> list[Variant]:
+    """The variants an engine with shapes `e` (common.EngineShapes) launches."""
+    types = dict(k_ptr=f"*{e.act}", v_ptr=f"*{e.act}", k_cache_ptr=f"*{e.kv}", v_cache_ptr=f"*{e.kv}",
+                 slot_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                 stride_kt="i32", stride_kh="i32", stride_vt="i32", stride_vh="i32")
+    return [Variant(kv_write_kernel, types, _constexprs(e.num_kv_heads, e.head_dim, e.kv == "fp8e4nv"))]

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check, next_pow2, scale_tensor
+from .common import Variant, check, launch, next_pow2, scale_tensor
 
 MAX_SPLITS = 32   # the reduction kernel's fixed width; also bounds the partial buffers
 TILE_N = 64       # tokens per inner iteration (independent of the KV block size)
@@ -116,7 +116,7 @@ def _target_programs(device: torch.device) -> int:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, k_scale=None, v_scale=None,
-                 max_seq_len: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+                 max_seq_len: int | None = None, num_splits: int | None = None, aot=None) -> torch.Tensor:
     """q: [B, Hq, D] (last dim contiguous); caches: contiguous [num_blocks, block_size, Hkv, D]
     (q's dtype or float8_e4m3fn with per-layer scales); block_tables: [B, max_blocks] int32;
     seq_lens: [B] int32 (tokens in cache including the query's own). -> [B, Hq, D] in q.dtype.
@@ -147,14 +147,42 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_ml = torch.empty(B, Hq, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused by the SPLIT=False variant
-    paged_decode_kernel[(B, Hkv, num_splits)](
-        out, part_acc, part_ml, q, k_cache, v_cache, block_tables, seq_lens,
-        scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device), float(scale),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        per, num_splits,
-        NUM_KV_HEADS=Hkv, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=D, BLOCK_SIZE=bs,
-        TILE=TILE_N, KV_FP8=k_cache.dtype == torch.float8_e4m3fn, SPLIT=split, num_warps=4)
+    args = (out, part_acc, part_ml, q, k_cache, v_cache, block_tables, seq_lens,
+            scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device), float(scale),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), per, num_splits)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    launch(paged_decode_kernel, (B, Hkv, num_splits), args, _constexprs(Hkv, group, D, bs, fp8, split), aot=aot)
     if split:
-        paged_decode_reduce_kernel[(B, Hq)](out, part_acc, part_ml, out.stride(0), out.stride(1), num_splits,
-                                            NUM_HEADS=Hq, HEAD_DIM=D, SPLITS_PAD=MAX_SPLITS, num_warps=4)
+        launch(paged_decode_reduce_kernel, (B, Hq),
+               (out, part_acc, part_ml, out.stride(0), out.stride(1), num_splits),
+               _reduce_constexprs(Hq, D), aot=aot)
+    return out
+
+
+def _constexprs(hkv, group, head_dim, block_size, fp8, split) -> dict:
+    return dict(NUM_KV_HEADS=hkv, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
+                BLOCK_SIZE=block_size, TILE=TILE_N, KV_FP8=fp8, SPLIT=split)
+
+
+def _reduce_constexprs(heads, head_dim) -> dict:
+    return dict(NUM_HEADS=heads, HEAD_DIM=head_dim, SPLITS_PAD=MAX_SPLITS)
+
+
+def aot_variants(e) -> list[Variant]:
+    """The variants an engine with shapes `e` (common.EngineShapes) launches: with and without split."""
+    group = e.num_heads // e.num_kv_heads
+    types = dict(out_ptr=f"*{e.act}", part_acc_ptr="*fp32", part_ml_ptr="*fp32", q_ptr=f"*{e.act}",
+                 k_cache_ptr=f"*{e.kv}", v_cache_ptr=f"*{e.kv}", block_tables_ptr="*i32", seq_lens_ptr="*i32",
+                 k_scale_ptr="*fp32", v_scale_ptr="*fp32", sm_scale="fp32", stride_qb="i32", stride_qh="i32",
+                 stride_ob="i32", stride_oh="i32", stride_bt="i32", tokens_per_split="i32", num_splits="i32")
+    out = []
+    for split in (False, True):
+        t = dict(types)
+        if not split:   # the unused partial buffers are the output tensor itself
+            t.update(part_acc_ptr=f"*{e.act}", part_ml_ptr=f"*{e.act}")
+        out.append(Variant(paged_decode_kernel, t, _constexprs(e.num_kv_heads, group, e.head_dim, e.block_size,
+                                                                e.kv == "fp8e4nv", split)))
+    rtypes = dict(out_ptr=f"*{e.act}", part_acc_ptr="*fp32", part_ml_ptr="*fp32", stride_ob="i32",
+                  stride_oh="i32", num_splits="i32")
+    out.append(Variant(paged_decode_reduce_kernel, rtypes, _reduce_constexprs(e.num_heads, e.head_dim)))
     return out

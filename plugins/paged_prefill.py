@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check, next_pow2, scale_tensor
+from .common import Variant, check, launch, next_pow2, scale_tensor
 
 # (query rows, key tile) per program: large tiles on a GPU; small ones in the interpreter, where every
 # element costs Python time
@@ -85,7 +85,7 @@ def paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
                   k_scale=None, v_scale=None, tree_mask: torch.Tensor | None = None,
-                  max_query_len: int | None = None) -> torch.Tensor:
+                  max_query_len: int | None = None, aot=None) -> torch.Tensor:
     """q: [T, Hq, D] (last dim contiguous); caches: contiguous [num_blocks, block_size, Hkv, D]
     holding the context AND this step's K/V; block_tables: [B, max_blocks] int32; query_start_loc:
     [B+1] int32; context_lens: [B] int32; tree_mask: optional [T, max_q] bool (column j = j-th new
@@ -116,11 +116,31 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         tm = out  # unused by the HAS_TREE=False variant
     block_m, tile_n = GPU_TILES if q.is_cuda else CPU_TILES
     grid = (triton.cdiv(max(1, max_query_len), block_m), B, Hq)
-    paged_prefill_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, tm,
-        scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device), float(scale),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        tm.stride(0) if tree_mask is not None else 0,
-        NUM_KV_HEADS=Hkv, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_SIZE=bs, BLOCK=block_m, TILE=tile_n,
-        KV_FP8=k_cache.dtype == torch.float8_e4m3fn, HAS_TREE=tree_mask is not None, num_warps=4)
+    args = (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, tm,
+            scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device), float(scale),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+            tm.stride(0) if tree_mask is not None else 0)
+    launch(paged_prefill_kernel, grid, args,
+           _constexprs(Hkv, Hq // Hkv, D, bs, block_m, tile_n, k_cache.dtype == torch.float8_e4m3fn,
+                       tree_mask is not None), aot=aot)
+    return out
+
+
+def _constexprs(hkv, group, head_dim, block_size, block_m, tile_n, fp8, tree) -> dict:
+    return dict(NUM_KV_HEADS=hkv, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK=block_m,
+                TILE=tile_n, KV_FP8=fp8, HAS_TREE=tree)
+
+
+def aot_variants(e) -> list[Variant]:
+    """GPU variants an engine with shapes `e` launches; the tree-mask one only with speculation."""
+    out = []
+    for tree in ((False, True) if e.speculative else (False,)):
+        types = dict(out_ptr=f"*{e.act}", q_ptr=f"*{e.act}", k_cache_ptr=f"*{e.kv}", v_cache_ptr=f"*{e.kv}",
+                     block_tables_ptr="*i32", query_start_ptr="*i32", context_lens_ptr="*i32",
+                     tree_mask_ptr="*u8" if tree else f"*{e.act}", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                     sm_scale="fp32", stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_oh="i32",
+                     stride_bt="i32", stride_tm="i32")
+        out.append(Variant(paged_prefill_kernel, types,
+                           _constexprs(e.num_kv_heads, e.num_heads // e.num_kv_heads, e.head_dim, e.block_size,
+                                       *GPU_TILES, e.kv == "fp8e4nv", tree)))
     return out

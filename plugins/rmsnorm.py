@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check, next_pow2
+from .common import Variant, check, launch, next_pow2
 
 
 @triton.jit
@@ -28,7 +28,7 @@ def rms_norm_kernel(out_ptr, res_out_ptr, x_ptr, res_ptr, w_ptr, eps,
     tl.store(out_ptr + t * stride_o + c, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, aot=None):
     """x: [T, H] (rows contiguous); weight: [H]; residual: optional [T, H].
     -> normalized [T, H], or (normalized(x + residual), x + residual) with a residual; dtype of x."""
     check(x.dim() == 2 and x.stride(-1) == 1, f"rms_norm: x must be [T, H] with contiguous rows, got {tuple(x.shape)}")
@@ -40,7 +40,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res_out = torch.empty_like(x) if residual is not None else out
     if T:
         r = residual if residual is not None else x
-        rms_norm_kernel[(T,)](out, res_out, x, r, weight, float(eps), x.stride(0), r.stride(0), out.stride(0),
-                              res_out.stride(0), HIDDEN=H, BLOCK=next_pow2(H), HAS_RESIDUAL=residual is not None,
-                              num_warps=4 if H <= 4096 else 8)
+        launch(rms_norm_kernel, (T,), (out, res_out, x, r, weight, float(eps), x.stride(0), r.stride(0),
+                                       out.stride(0), res_out.stride(0)),
+               _constexprs(H, residual is not None), num_warps=_warps(H), aot=aot)
     return out if residual is None else (out, res_out)
+
+
+def _warps(hidden: int) -> int:
+    return 4 if hidden <= 4096 else 8
+
+
+def _constexprs(hidden: int, residual: bool) -> dict:
+    return dict(HIDDEN=hidden, BLOCK=next_pow2(hidden), HAS_RESIDUAL=residual)
+
+
+def aot_variants(e) -> list[Variant]:
+    """With and without the fused residual add, at the model's hidden size."""
+    types = dict(out_ptr=f"*{e.act}", res_out_ptr=f"*{e.act}", x_ptr=f"*{e.act}", res_ptr=f"*{e.act}",
+                 w_ptr=f"*{e.act}", eps="fp32", stride_x="i32", stride_r="i32", stride_o="i32", stride_ro="i32")
+    return [Variant(rms_norm_kernel, types, _constexprs(e.hidden_size, r), num_warps=_warps(e.hidden_size))
+            for r in (False, True)]

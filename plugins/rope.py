@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check, next_pow2
+from .common import Variant, check, launch, next_pow2
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def rope_kernel(q_ptr, k_ptr, pos_ptr, cos_sin_ptr, stride_qt, stride_qh, stride
     _rotate(k_ptr, t, stride_kt, stride_kh, cos, sin, NUM_K_HEADS, K_PAD, HALF)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, aot=None):
     """In place. q: [T, Hq, D], k: [T, Hkv, D] (head_dim contiguous; views of a fused qkv are fine);
     positions: [T] int; cos_sin: [max_pos, 2, D/2] fp32 contiguous -> (q, k)."""
     T, Hq, D = q.shape
@@ -49,6 +49,16 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
     check(q.stride(-1) == 1 and k.stride(-1) == 1, "apply_rope: head_dim of q and k must be contiguous")
     if T:
         Hk = k.shape[1]
-        rope_kernel[(T,)](q, k, positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                          NUM_Q_HEADS=Hq, NUM_K_HEADS=Hk, Q_PAD=next_pow2(Hq), K_PAD=next_pow2(Hk), HALF=D // 2)
+        launch(rope_kernel, (T,), (q, k, positions.long(), cos_sin, q.stride(0), q.stride(1), k.stride(0),
+                                   k.stride(1)), _constexprs(Hq, Hk, D), aot=aot)
     return q, k
+
+
+def _constexprs(hq: int, hk: int, head_dim: int) -> dict:
+    return dict(NUM_Q_HEADS=hq, NUM_K_HEADS=hk, Q_PAD=next_pow2(hq), K_PAD=next_pow2(hk), HALF=head_dim // 2)
+
+
+def aot_variants(e) -> list[Variant]:
+    types = dict(q_ptr=f"*{e.act}", k_ptr=f"*{e.act}", pos_ptr="*i64", cos_sin_ptr="*fp32",
+                 stride_qt="i32", stride_qh="i32", stride_kt="i32", stride_kh="i32")
+    return [Variant(rope_kernel, types, _constexprs(e.num_heads, e.num_kv_heads, e.head_dim))]
