@@ -99,14 +99,12 @@ class InputPreparer:
             self._row_src[row] = blocks
             self._row_len[row] = n
         elif n != old:
-            bt = self._bt[row]
-            if n > old:
-                if n > self.max_blocks_per_seq:
-                    raise ValueError(f"request {rid!r} holds {n} KV blocks; the block table has "
-                                     f"room for {self.max_blocks_per_seq}")
-                bt[old:n] = blocks[old:]
-            else:
-                bt[n:old] = 0            # rolled back: keep the zero padding exact
+            # Same list object: the BlockManager only appended to it (shrinking makes a new list).
+            assert n > old, f"block table of {rid!r} shrank in place"
+            if n > self.max_blocks_per_seq:
+                raise ValueError(f"request {rid!r} holds {n} KV blocks; the block table has "
+                                 f"room for {self.max_blocks_per_seq}")
+            self._bt[row, old:n] = blocks[old:]
             self._row_len[row] = n
         return row
 

@@ -235,12 +235,15 @@ class BlockManager:
         assert request.num_slots >= request.num_computed_tokens
         keep = -(-request.num_slots // self.block_size)
         blocks = request.block_ids
-        ref, free = self.ref_counts, self._free
-        while len(blocks) > keep:
-            b = blocks.pop()
-            assert ref[b] == 1 and self.block_hash[b] is None, "rolled back a shared or cached block"
-            ref[b] = 0
-            free.append(b)
+        if len(blocks) > keep:
+            ref, free = self.ref_counts, self._free
+            for b in reversed(blocks[keep:]):
+                assert ref[b] == 1 and self.block_hash[b] is None, "rolled back a shared or cached block"
+                ref[b] = 0
+                free.append(b)
+            # A new list, never an in-place shrink: consumers that cache a copy of a block table
+            # (input preparation) rely on "same list object => only appended to".
+            request.block_ids = blocks[:keep]
 
     def _commit(self, request: Request) -> None:
         """Register the hashes of blocks that became full with computed, accepted tokens."""

@@ -1,0 +1,188 @@
+"""Step input preparation: exact tensors for hand-checked batches, and agreement with the block
+manager over random workloads (no model: the "model" is a deterministic function of the tokens)."""
+import random
+
+import pytest
+import torch
+
+from backend.inputs import InputPreparer
+from backend.kv_cache import BlockManager
+from backend.request import Request
+from backend.sampling_params import SamplingParams
+from backend.scheduler import Scheduler
+
+
+def make(rid, prompt, max_tokens=8):
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def setup(num_blocks=16, bs=4, budget=16, batch=8):
+    bm = BlockManager(num_blocks, bs)
+    sched = Scheduler(bm, max_batch_size=batch, max_num_tokens=budget)
+    prep = InputPreparer(bs, max_blocks_per_seq=8, initial_rows=2)
+    return bm, sched, prep
+
+
+def test_hand_checked_mixed_prefill_and_decode_batch():
+    bm, sched, prep = setup()
+    a, b = make("a", [10, 11, 12, 13, 14, 15]), make("b", [20, 21, 22])
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    first = prep.prepare(out)
+    # Step 1: two prefills. a -> blocks [0, 1], b -> block [2].
+    assert first.input_ids.tolist() == [10, 11, 12, 13, 14, 15, 20, 21, 22]
+    assert first.meta.slot_mapping.tolist() == [0, 1, 2, 3, 4, 5, 8, 9, 10]
+    assert first.logits_indices.tolist() == [5, 8]
+    sched.update(out, [100, 200])
+
+    c = make("c", [30, 31, 32, 33, 34])
+    sched.add(c)
+    out = sched.schedule()
+    step = prep.prepare(out)
+    m = step.meta
+    # Prefill c (blocks 3, 4) first, then decodes of a (position 6) and b (position 3).
+    assert step.input_ids.tolist() == [30, 31, 32, 33, 34, 100, 200]
+    assert m.positions.tolist() == [0, 1, 2, 3, 4, 6, 3]
+    assert m.slot_mapping.tolist() == [12, 13, 14, 15, 16, 6, 11]
+    assert m.block_tables.tolist() == [[3, 4], [0, 1], [2, 0]]
+    assert m.seq_lens.tolist() == [5, 7, 4]
+    assert m.query_start_loc.tolist() == [0, 5, 6, 7]
+    assert m.context_lens.tolist() == [0, 6, 3]
+    assert (m.num_prefills, m.num_prefill_tokens, m.num_decode_tokens) == (1, 5, 2)
+    assert (m.max_query_len, m.max_seq_len, m.num_seqs, m.num_decodes) == (5, 7, 3, 2)
+    assert m.tree_mask is None
+    assert step.logits_indices.tolist() == [4, 5, 6]
+    assert [s.request.request_id for s in step.sample_seqs] == ["c", "a", "b"]
+    assert step.logits_counts is None
+    for t in (step.input_ids, m.positions, m.slot_mapping, step.logits_indices):
+        assert t.dtype == torch.int64
+    for t in (m.block_tables, m.seq_lens, m.query_start_loc, m.context_lens):
+        assert t.dtype == torch.int32
+
+
+def test_chunk_that_does_not_sample_has_no_logits_row():
+    bm, sched, prep = setup(budget=6)
+    sched.add(make("a", [1, 2]))
+    out = sched.schedule()
+    sched.update(out, [prep.prepare(out).input_ids.tolist()[-1]])
+    sched.add(make("long", range(40, 50)))        # 10 tokens: chunk of 5 after a's decode
+    out = sched.schedule()
+    step = prep.prepare(out)
+    assert [(s.request.request_id, s.num_new_tokens, s.sample) for s in out.scheduled] == \
+        [("long", 5, False), ("a", 1, True)]
+    assert step.logits_indices.tolist() == [5]
+    assert step.meta.positions.tolist() == [0, 1, 2, 3, 4, 2]
+    assert step.meta.seq_lens.tolist() == [5, 3]
+
+
+def test_speculative_rows_and_block_table_padding_after_rollback():
+    bm, sched, prep = setup()
+    r = make("s", [5, 6, 7], max_tokens=20)
+    sched.add(r)
+    out = sched.schedule()
+    prep.prepare(out)
+    sched.update(out, [8])                         # 4 tokens, 3 computed, block [0]
+    r.spec_token_ids = [40, 41, 42, 43, 44, 45]
+    out = sched.schedule()
+    step = prep.prepare(out)
+    m = step.meta
+    assert step.input_ids.tolist() == [8, 40, 41, 42, 43, 44, 45]
+    assert m.positions.tolist() == list(range(3, 10))
+    assert m.slot_mapping.tolist() == [3, 4, 5, 6, 7, 8, 9]
+    assert m.block_tables.tolist() == [[0, 1, 2]]
+    assert step.logits_indices.tolist() == list(range(7)) and step.logits_counts == [7]
+    assert (m.num_prefills, m.num_decode_tokens, m.max_query_len) == (0, 7, 7)
+    sched.update(out, [[99]])                      # every draft rejected: blocks 1, 2 returned
+    assert r.block_ids == [0] and r.num_slots == 4
+    bm._free.reverse()                             # make the next block differ from the old one
+    out = sched.schedule()
+    step = prep.prepare(out)                       # position 4 needs a block again
+    new_block = r.block_ids[1]
+    assert new_block not in (0, 1) and step.meta.block_tables.tolist() == [[0, new_block]]
+    assert prep._bt[prep._row_of["s"]].tolist() == [0, new_block, 0, 0, 0, 0, 0, 0]   # exact
+
+
+def test_rows_are_released_and_reused_and_grow_past_the_initial_size():
+    bm, sched, prep = setup(num_blocks=64, batch=8, budget=64)
+    reqs = [make(f"r{i}", [3 + i, 4, 5], max_tokens=2) for i in range(5)]
+    for r in reqs:
+        sched.add(r)
+    out = sched.schedule()
+    step = prep.prepare(out)
+    assert prep.num_rows_in_use == 5              # grew from 2 rows
+    assert step.meta.block_tables.tolist() == [[i] for i in range(5)]
+    sched.update(out, [1] * 5)
+    out = sched.schedule()
+    prep.prepare(out)
+    sched.update(out, [1] * 5)                     # all finish (max_tokens=2)
+    sched.add(make("new", [7, 7, 7, 7, 7]))
+    out = sched.schedule()
+    assert sorted(out.finished_request_ids) == sorted(r.request_id for r in reqs)
+    step = prep.prepare(out)
+    assert prep.num_rows_in_use == 1
+    new_blocks = out.scheduled[0].request.block_ids
+    assert step.meta.block_tables.tolist() == [new_blocks]
+
+
+def test_preempted_request_gets_a_fresh_row():
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_batch_size=4, max_num_tokens=64)
+    prep = InputPreparer(4, 4)
+    a, b = make("a", range(10, 16), max_tokens=8), make("b", range(20, 26), max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    preempted = False
+    while sched.has_unfinished():
+        out = sched.schedule()
+        preempted |= bool(out.preempted)
+        step = prep.prepare(out)
+        expected = [bm.slot(s.request, p) for s in out.scheduled
+                    for p in range(s.start_pos, s.start_pos + s.num_new_tokens)]
+        assert step.meta.slot_mapping.tolist() == expected
+        for i, s in enumerate(out.scheduled):
+            row = step.meta.block_tables[i].tolist()
+            assert row[:len(s.request.block_ids)] == s.request.block_ids
+            assert not any(row[len(s.request.block_ids):])
+        sched.update(out, [t % 50 + 3 for t in range(out.num_sampled)])
+    assert preempted
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_workload_matches_block_manager(seed):
+    rng = random.Random(seed)
+    bm = BlockManager(60, 4)
+    sched = Scheduler(bm, max_batch_size=6, max_num_tokens=24, max_seq_len=120)
+    prep = InputPreparer(4, 30, initial_rows=1)
+    for i in range(20):
+        sched.add(make(f"r{i}", [rng.randrange(3, 40) for _ in range(rng.randrange(1, 50))],
+                       max_tokens=rng.randrange(1, 15)))
+    while sched.has_unfinished():
+        out = sched.schedule()
+        for s in out.scheduled:
+            if not s.is_prefill and rng.random() < 0.3:
+                s.request.spec_token_ids = []      # drafts only matter when scheduled with them
+        step = prep.prepare(out)
+        m = step.meta
+        ids, slots, pos = [], [], []
+        for s in out.scheduled:
+            r = s.request
+            for p in range(s.start_pos, s.start_pos + s.num_new_tokens):
+                ids.append(r.all_token_ids[p])
+                slots.append(bm.slot(r, p))
+                pos.append(p)
+        assert step.input_ids.tolist() == ids
+        assert m.slot_mapping.tolist() == slots and m.positions.tolist() == pos
+        assert m.seq_lens.tolist() == [s.start_pos + s.num_new_tokens for s in out.scheduled]
+        assert m.num_tokens == len(ids) == out.num_tokens
+        sched.update(out, [rng.randrange(3, 40) for _ in range(out.num_sampled)])
+    assert bm.num_free_blocks == 60
+
+
+def test_block_table_overflow_is_a_clear_error():
+    bm = BlockManager(16, 4)
+    sched = Scheduler(bm, max_batch_size=2, max_num_tokens=64)
+    prep = InputPreparer(4, max_blocks_per_seq=2)
+    sched.add(make("big", range(3, 15)))          # 12 tokens = 3 blocks
+    with pytest.raises(ValueError, match=r"request 'big' holds 3 KV blocks; the block table has room for 2"):
+        prep.prepare(sched.schedule())
