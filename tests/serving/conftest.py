@@ -28,3 +28,49 @@ def tokenizer_dir() -> Path:
 def text_tokenizer(tokenizer_dir):
     from backend.triton.tokenizer import load_tokenizer
     return load_tokenizer(tokenizer_dir)
+
+
+# A small engine: a KV pool of 4096 tokens (256 blocks) so "all blocks free again" is meaningful and
+# 64 concurrent streams really compete for it; bf16 (faster than fp32 on CPU).
+SERVING_CONFIG = "smollm2-135m-bf16"
+SERVING_OVERRIDES = ["engine.max_kv_tokens=4096", "engine.max_seq_len=1024", "engine.max_input_len=512",
+                     "engine.max_batch_size=64", "engine.max_num_tokens=1024", "verify.enabled=false"]
+
+
+@pytest.fixture(scope="session")
+def serving_build(request) -> Path:
+    """build/<...>/ with engine/ and model_repository/ produced by the real build pipeline.
+
+    Uses builder-core's ``build_bundle`` fixture when it exists (shared cache across test areas);
+    otherwise runs the pipeline itself into build/test-cache (stages are cached between runs).
+    """
+    try:
+        bundle = Path(request.getfixturevalue("build_bundle")(SERVING_CONFIG, SERVING_OVERRIDES))
+        root = bundle.parent
+    except pytest.FixtureLookupError:
+        from builder.config import BuildConfig
+        from builder.pipeline import run_pipeline
+        cfg = BuildConfig.from_yaml(ROOT / "configs" / f"{SERVING_CONFIG}.yaml", SERVING_OVERRIDES)
+        root = run_pipeline(cfg, ROOT / "build" / "test-cache" / "serving-bf16", log=lambda m: None).root
+    repo = root / "model_repository"
+    if not (repo / "engine" / "config.pbtxt").is_file():
+        # the bundle fixture may stop at compile: render the repository the way the package stage does
+        from builder.config import BuildConfig
+        from builder.stages.package import render_repository, template_values
+        import os
+        cfg = BuildConfig.from_yaml(ROOT / "configs" / f"{SERVING_CONFIG}.yaml", SERVING_OVERRIDES)
+        tmp = root / f"model_repository.tmp-{os.getpid()}"
+        render_repository(template_values(cfg.serving, "../engine"), tmp)
+        tmp.replace(repo)
+    return root
+
+
+@pytest.fixture(scope="module")
+def triton_server(serving_build):
+    """ONE real Triton server per test module: explicit model control with every model loaded, so
+    the model-control test can unload and reload the engine."""
+    from harness.serving_server import TritonServer
+    models = ("preprocessing", "engine", "postprocessing", "ensemble", "bls")
+    with TritonServer(serving_build / "model_repository", model_control="explicit", load_models=models,
+                      exit_timeout=3) as srv:
+        yield srv

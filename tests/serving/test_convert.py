@@ -1,0 +1,141 @@
+"""Pure conversion: Triton tensors -> validated requests, with one-line errors (no server needed)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from backend.sampling_params import SamplingParams
+from backend.triton.convert import EngineLimits, InvalidRequest, from_words_list, to_words_list
+from backend.triton.engine_request import parse_engine_request
+from backend.triton.postprocess import postprocess_tensors
+from backend.triton.preprocess import Preprocessor, preprocessing_outputs
+
+LIMITS = EngineLimits(max_input_len=32, max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def pre(tokenizer_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("engine")
+    (d / "engine.json").write_text(json.dumps({"engine": {"max_input_len": 64, "max_seq_len": 128},
+                                               "model": {"vocab_size": 49152}}))
+    (d / "tokenizer").symlink_to(tokenizer_dir)
+    return Preprocessor(d)
+
+
+def text(s: str | bytes) -> np.ndarray:
+    return np.array([s.encode() if isinstance(s, str) else s], dtype=object)
+
+
+def f32(v):
+    return np.array([v], dtype=np.float32)
+
+
+def i32(v):
+    return np.array([v], dtype=np.int32)
+
+
+def test_defaults_and_engine_tensors(pre):
+    prep = pre.prepare({"text_input": text("Hello there"), "stop_words": np.array([b"\n\n", b"END"], dtype=object)})
+    assert prep.prompt_ids == pre.tokenizer.encode("Hello there")
+    assert prep.values["max_tokens"] == 16 and prep.values["temperature"] == 1.0
+    assert prep.echo_text == "Hello there"  # non-streaming, input not excluded: NVIDIA's default
+    out = preprocessing_outputs(prep)
+    assert out["out_seed"].tolist() == [-1] and out["out_end_id"].tolist() == [-1]
+    assert out["echo_text"].tolist() == [b"Hello there"]
+    assert from_words_list("stop_words_list", out["stop_words_list"]) == pre.tokenizer.words(["\n\n", "END"])
+
+
+def test_streaming_never_echoes_the_prompt(pre):
+    assert pre.prepare({"text_input": text("Hi"), "stream": np.array([True])}).echo_text == ""
+    assert pre.prepare({"text_input": text("Hi"), "exclude_input_in_output": np.array([True])}).echo_text == ""
+
+
+@pytest.mark.parametrize("tensors, message", [
+    ({}, "input 'text_input' is required"),
+    ({"text_input": text(b"caf\xc3")}, "input 'text_input': not valid UTF-8"),
+    ({"text_input": text(b"\xff\xfe")}, "not valid UTF-8"),
+    ({"text_input": text("x"), "max_tokens": i32(0)}, "input 'max_tokens': 0 must be above 0"),
+    ({"text_input": text("x"), "max_tokens": i32(-3)}, "input 'max_tokens'"),
+    ({"text_input": text("x"), "max_tokens": i32(128)}, "beyond the engine limit"),
+    ({"text_input": text("word " * 80)}, "more than the engine's max_input_len=64"),
+    ({"text_input": text("")}, "the prompt is empty"),
+    ({"text_input": text("x"), "temperature": f32(-0.5)}, "input 'temperature': -0.5 is below 0"),
+    ({"text_input": text("x"), "temperature": f32(np.nan)}, "is not finite"),
+    ({"text_input": text("x"), "top_p": f32(0.0)}, "input 'top_p': 0.0 is outside (0, 1]"),
+    ({"text_input": text("x"), "top_p": f32(1.5)}, "input 'top_p': 1.5 is outside (0, 1]"),
+    ({"text_input": text("x"), "top_k": i32(-1)}, "input 'top_k': -1 is below 0"),
+    ({"text_input": text("x"), "min_tokens": i32(20)}, "input 'min_tokens': 20 exceeds max_tokens=16"),
+    ({"text_input": text("x"), "repetition_penalty": f32(0.0)}, "input 'repetition_penalty'"),
+    ({"text_input": text("x"), "max_tokens": f32(4.0)}, "input 'max_tokens': wrong dtype float32"),
+    ({"text_input": np.array([1], dtype=np.int32)}, "input 'text_input': wrong dtype int32"),
+    ({"text_input": text("x"), "max_tokens": np.array([4, 5], dtype=np.int32)}, "expected one value"),
+    ({"text_input": np.array([b"a", b"b"], dtype=object)}, "expected one value (shape [1]), got shape [2]"),
+    ({"text_input": text("x"), "stop_words": np.array([b"\xff"], dtype=object)}, "input 'stop_words'"),
+    ({"text_input": text("x"), "frobnicate": i32(1)}, "unknown input 'frobnicate'"),
+])
+def test_invalid_text_requests(pre, tensors, message):
+    with pytest.raises(InvalidRequest) as e:
+        pre.prepare(tensors)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_chat_template_renders_chatml(pre):
+    prep = pre.prepare({"text_input": text("What is 2+2?"), "apply_chat_template": np.array([True])})
+    rendered = pre.tokenizer.decode(prep.prompt_ids)
+    assert "What is 2+2?" in rendered and rendered != "What is 2+2?"
+    assert pre.tokenizer.render_chat("Q").rstrip().endswith("assistant")
+
+
+def engine_tensors(ids, **kw):
+    t = {"input_ids": np.array(ids, dtype=np.int32), "request_output_len": i32(8)}
+    t.update(kw)
+    return t
+
+
+def test_engine_request_round_trip(pre, text_tokenizer):
+    prep = pre.prepare({"text_input": text("Hello"), "temperature": f32(0.0), "top_k": i32(5),
+                        "seed": np.array([7], dtype=np.uint64), "stop_words": np.array([b"END"], dtype=object),
+                        "bad_words": np.array([b" spam"], dtype=object), "return_log_probs": np.array([True])})
+    req = parse_engine_request(prep.engine_tensors(), LIMITS, 49152, text_tokenizer)
+    assert req.prompt_ids == prep.prompt_ids and not req.streaming and req.return_log_probs
+    assert req.stop_strings == ("END",)
+    params = SamplingParams(**req.sampling)
+    params.validate(LIMITS.max_seq_len - len(req.prompt_ids), 49152)
+    assert (params.temperature, params.top_k, params.seed, params.logprobs) == (0.0, 5, 7, 1)
+    assert params.bad_token_ids == (tuple(text_tokenizer.words([" spam"])[0]),)
+
+
+@pytest.mark.parametrize("tensors, message", [
+    (engine_tensors([]), "the prompt is empty"),
+    (engine_tensors([1, 2, 49152]), "token id 49152 is outside the vocabulary"),
+    (engine_tensors(list(range(40))), "more than the engine's max_input_len=32"),
+    (engine_tensors([1, 2], request_output_len=i32(0)), "input 'request_output_len': 0 must be above 0"),
+    (engine_tensors([1, 2], request_output_len=i32(63)), "beyond the engine limit"),
+    (engine_tensors([1, 2], input_lengths=i32(3)), "exceeds the 2 ids"),
+    (engine_tensors([1, 2], bad_words_list=np.array([1, 2], dtype=np.int32)), "expected shape [2, N]"),
+    ({"request_output_len": i32(4)}, "input 'input_ids' is required"),
+])
+def test_invalid_engine_requests(text_tokenizer, tensors, message):
+    with pytest.raises(InvalidRequest) as e:
+        parse_engine_request(tensors, LIMITS, 49152, text_tokenizer)
+    assert message in str(e.value)
+
+
+def test_words_list_round_trip():
+    words = [[5], [7, 8, 9], [], [3, 3]]
+    arr = to_words_list(words)
+    assert arr.shape == (2, 6) and arr.dtype == np.int32
+    assert from_words_list("w", arr) == [[5], [7, 8, 9], [3, 3]]
+    assert from_words_list("w", to_words_list([])) == []
+    assert from_words_list("w", arr[None]) == [[5], [7, 8, 9], [3, 3]]  # [1, 2, N] from batched clients
+
+
+def test_postprocess_applies_context_trim_and_echo(text_tokenizer):
+    ids = text_tokenizer.encode(" world. STOP here")
+    out = postprocess_tensors(text_tokenizer, {
+        "output_ids": np.array(ids, np.int32), "context_ids": np.array(text_tokenizer.encode("Hello"), np.int32),
+        "text_trim": i32(len(" STOP here")), "echo_text": text("Hello")})
+    assert out["text_output"][0].decode() == "Hello world."
