@@ -135,8 +135,8 @@ def _run_stage(spec: StageSpec, cfg: BuildConfig, root: Path, results: dict[str,
                force: bool, log: Callable[[str], None], progress_factory) -> StageResult:
     module = _load_module(spec)
     if module is None:
-        log(f"[{spec.name}] unavailable: {spec.module} has not landed yet; skipping")
-        return StageResult(spec.name, "unavailable", None, "", {}, reason=f"{spec.module} not present")
+        return StageResult(spec.name, "unavailable", None, "", {},
+                           reason=f"{spec.module} is not in this checkout; stage skipped")
     dest = root / spec.dest
     ctx = StageContext(cfg, spec.name, root, dest, results, force, log, progress_factory)
     reason = module.skip_reason(ctx) if hasattr(module, "skip_reason") else None

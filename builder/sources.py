@@ -92,19 +92,67 @@ def _read_magic(path: Path) -> bytes:
         return fh.read(4)
 
 
-def _gguf_architecture(path: Path) -> str:
-    import gguf  # only needed for GGUF sources
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
-    if _read_magic(path) != b"GGUF":
-        raise StageError(f"{path}: not a GGUF file (bad magic); allowed: a GGUF v2/v3 file")
+
+def _gguf_field(path: Path, wanted: str):
+    """Read one metadata value from a GGUF header without parsing the rest of the file.
+
+    gguf.GGUFReader parses every field (49k tokenizer strings: ~20 s on a busy 2-core machine);
+    the architecture is among the first keys, so a sequential scan stops almost at once.
+    """
+    with open(path, "rb") as fh:
+        def read(fmt: str):
+            size = struct.calcsize(fmt)
+            raw = fh.read(size)
+            if len(raw) < size:
+                raise ValueError("file ends inside the metadata header")
+            return struct.unpack(fmt, raw)[0]
+
+        def read_str() -> str:
+            n = read("<Q")
+            raw = fh.read(n)
+            if len(raw) < n:
+                raise ValueError("file ends inside the metadata header")
+            return raw.decode("utf-8", "replace")
+
+        def read_value(vtype: int):
+            if vtype in _GGUF_SCALARS:
+                return read(_GGUF_SCALARS[vtype])
+            if vtype == 8:
+                return read_str()
+            if vtype == 9:
+                item_type, count = read("<I"), read("<Q")
+                return [read_value(item_type) for _ in range(count)] if count < 64 else _skip(item_type, count)
+            raise ValueError(f"unknown GGUF value type {vtype}")
+
+        def _skip(item_type: int, count: int) -> None:
+            if item_type in _GGUF_SCALARS:
+                fh.seek(struct.calcsize(_GGUF_SCALARS[item_type]) * count, 1)
+            else:
+                for _ in range(count):
+                    read_value(item_type)
+
+        if fh.read(4) != b"GGUF":
+            raise ValueError("bad magic (not a GGUF file)")
+        version = read("<I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (supported: 2, 3)")
+        read("<Q")  # tensor count
+        for _ in range(read("<Q")):
+            key, value = read_str(), read_value(read("<I"))
+            if key == wanted:
+                return value
+    return None
+
+
+def _gguf_architecture(path: Path) -> str:
     try:
-        reader = gguf.GGUFReader(str(path))
-        field = reader.fields["general.architecture"]
-        arch = field.contents()
-    except KeyError:
-        raise StageError(f"{path}: GGUF has no general.architecture field") from None
-    except Exception as e:  # the reader raises assorted errors on truncated or corrupted files
-        raise StageError(f"{path}: unreadable GGUF ({type(e).__name__}: {e}); the file may be truncated") from None
+        arch = _gguf_field(path, "general.architecture")
+    except (ValueError, struct.error, OSError) as e:
+        raise StageError(f"{path}: unreadable GGUF ({e}); the file may be truncated or corrupted") from None
+    if arch is None:
+        raise StageError(f"{path}: GGUF has no general.architecture field")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise StageError(f"{path}: GGUF architecture '{arch}' is not supported; allowed: "
                          f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")

@@ -7,6 +7,7 @@ provides it) and finally ``engine.json`` with the sha256 of every other file.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib
 import json
 import shutil
@@ -71,7 +72,8 @@ def run(ctx: StageContext) -> dict:
         "kernels": [],
         "speculative": speculative,
         "tools": _tool_versions(),
-        "hashes": {"config": cfg.config_hash(), "source": imported["source_sha256"]},
+        # the sections that shaped this bundle (compile is not rebuilt when only verify/serving change)
+        "hashes": {"config": _sections_hash(cfg, ctx.name), "source": imported["source_sha256"]},
         "verify": None,
     }
     engine["kernels"] = _compile_kernels(ctx, engine, out)
@@ -80,6 +82,12 @@ def run(ctx: StageContext) -> dict:
     (out / "engine.json").write_text(json.dumps(engine, indent=2) + "\n")
     return {"format": fmt, "files": len(engine["files"]), "kernels": len(engine["kernels"]),
             "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
+
+
+def _sections_hash(cfg, stage: str) -> str:
+    from builder.stages import get
+    parts = {s: cfg.section_hash(s) for s in get(stage).sections}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 def _family(name: str) -> str:

@@ -1,0 +1,84 @@
+"""What the CLI shows: progress on long work, and the end-of-build summary (bundle location,
+contents with sizes and formats, per-stage timing)."""
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from builder.stages.base import StageResult
+
+
+def progress_factory(console: Console):
+    """ctx.progress(description, total) backed by rich: a bar when total is known, else a spinner."""
+    @contextmanager
+    def factory(description: str, total: int | None) -> Iterator:
+        columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
+        with Progress(*columns, console=console, transient=True) as bar:
+            task = bar.add_task(description, total=total)
+            t0 = time.perf_counter()
+            yield lambda n=1: bar.advance(task, n)
+        console.print(f"  {description}: {time.perf_counter() - t0:.1f} s")
+    return factory
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def stage_line(result: StageResult) -> str:
+    if result.status == "built":
+        return f"[{result.name}] built in {result.seconds:.1f} s"
+    if result.status == "cached":
+        return f"[{result.name}] up to date (cached)"
+    return f"[{result.name}] {result.status}: {result.reason}"
+
+
+def _tensor_formats(weights: Path) -> str:
+    from safetensors import safe_open
+
+    counts: dict[str, int] = {}
+    with safe_open(str(weights), "pt") as f:
+        for name in f.keys():
+            if name.endswith(".weight"):
+                dt = str(f.get_slice(name).get_dtype())
+                counts[dt] = counts.get(dt, 0) + 1
+    return ", ".join(f"{n} x {dt}" for dt, n in sorted(counts.items()))
+
+
+def print_summary(console: Console, root: Path, results: dict[str, StageResult], total_seconds: float) -> None:
+    bundle = results.get("compile")
+    if bundle is not None and bundle.path is not None:
+        engine = json.loads((bundle.path / "engine.json").read_text())
+        q, m = engine["quantization"], engine["model"]
+        console.print(f"\nEngine bundle: {bundle.path}")
+        console.print(f"  model {m['architecture']} {m['num_layers']} layers, hidden {m['hidden_size']}, "
+                      f"{m['num_heads']}/{m['num_kv_heads']} heads; weights {q['format']}, KV cache "
+                      f"{engine['engine']['kv_cache_dtype']}; targets sm {engine['targets']['sms']}; "
+                      f"{len(engine['kernels'])} AOT kernels")
+        files = Table("file", "size", "contents", box=None, pad_edge=False)
+        for rel in ["engine.json"] + sorted(engine["files"]):
+            p = bundle.path / rel
+            what = {"engine.json": f"manifest, format_version {engine['format_version']}",
+                    "weights.safetensors": _tensor_formats(p) if rel == "weights.safetensors" else ""}.get(rel, "")
+            files.add_row(rel, human_bytes(p.stat().st_size), what)
+        console.print(files)
+    repo = results.get("package")
+    if repo is not None and repo.path is not None:
+        console.print(f"Triton model repository: {repo.path}")
+    timing = Table("stage", "status", "seconds", "note", title="Stages", box=None, pad_edge=False)
+    for r in results.values():
+        secs = f"{r.seconds:.1f}" if r.status == "built" else (f"({r.seconds:.1f})" if r.status == "cached" else "-")
+        timing.add_row(r.name, r.status, secs, r.reason)
+    timing.add_row("total", "", f"{total_seconds:.1f}", "wall time of this run")
+    console.print(timing)
