@@ -100,7 +100,11 @@ class StreamDetokenizer:
                 return None
             if self.stops and self._may_start_stop(piece):
                 return None
-        chunk = Chunk(list(self.pending), list(self.context), piece, finished=finished)
+        trim = 0
+        if finished:  # generation ended inside a character (length limit): drop the broken tail
+            trim = len(piece) - len(piece.rstrip(REPLACEMENT))
+        chunk = Chunk(list(self.pending), list(self.context), piece[: len(piece) - trim], trim=trim,
+                      finished=finished)
         if self.pending:
             self.context = (self.context + self.pending)[-CONTEXT_TOKENS:]
         self.pending = []

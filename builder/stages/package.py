@@ -59,30 +59,37 @@ def render_repository(values: Mapping[str, object], out_dir: Path, template_root
     if len(set(names)) != len(names):
         raise RenderError(f"model names must differ, got {names} (serving.model_name clashes with a "
                           "fixed model name)")
+    # render everything in memory first: a template error leaves nothing half-written
     used: set[str] = set()
+    files: list[tuple[Path, str | None, Path]] = []   # (target, rendered text | None = copy, source)
     for model in MODELS:
         src = template_root / model
         if not (src / ("config.pbtxt" + TEMPLATE_SUFFIX)).is_file():
             raise RenderError(f"{src}: config.pbtxt{TEMPLATE_SUFFIX} missing from the templates")
         dest = out_dir / str(values[MODELS[model]])
-        (dest / "1").mkdir(parents=True, exist_ok=True)  # Triton needs a version folder, even an ensemble's
+        files.append((dest / "1", None, src))  # Triton needs a version folder, even an ensemble's
         for path in sorted(src.rglob("*")):
             if path.is_dir() or "__pycache__" in path.parts:
                 continue
-            rel = path.relative_to(src)
+            rel = str(path.relative_to(src))
             if path.name.endswith(TEMPLATE_SUFFIX):
                 text, names_used = render_text(path.read_text(encoding="utf-8"), values, str(path))
                 used |= names_used
-                target = dest / str(rel)[: -len(TEMPLATE_SUFFIX)]
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(text, encoding="utf-8")
+                files.append((dest / rel[: -len(TEMPLATE_SUFFIX)], text, path))
             else:
-                target = dest / rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(path, target)
+                files.append((dest / rel, None, path))
     unused = sorted(set(values) - used - set(MODELS.values()))
     if unused:
         raise RenderError(f"{template_root}: value(s) {', '.join(unused)} are used by no template")
+    for target, text, source in files:
+        if source.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if text is None:
+            shutil.copy2(source, target)
+        else:
+            target.write_text(text, encoding="utf-8")
     return names
 
 

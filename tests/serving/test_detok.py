@@ -70,3 +70,11 @@ def test_finished_with_nothing_pending_still_gives_a_final_chunk(text_tokenizer)
     c = det.push([], finished=True)
     assert c is not None and c.finished and c.ids == [] and c.text == ""
     assert det.push([5], finished=True) is None
+
+
+def test_generation_ending_inside_a_character_drops_the_broken_tail(text_tokenizer):
+    ids = text_tokenizer.encode("ok 🐱")
+    cut = next(i for i in range(1, len(ids)) if text_tokenizer.decode(ids[:i]).endswith(REPLACEMENT))
+    chunks = _stream(text_tokenizer, [], ids[:cut])
+    assert "".join(c.text for c in chunks) == text_tokenizer.decode(ids[:cut]).rstrip(REPLACEMENT)
+    assert chunks[-1].trim > 0
