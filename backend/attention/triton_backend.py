@@ -26,12 +26,23 @@ def _check_device(t: torch.Tensor) -> None:
 
 
 class TritonAttentionBackend:
+    """``aot``: the bundle's ahead-of-time kernels (plugins.launcher.KernelSet, see ``load_aot``);
+    None = Triton JIT."""
     name = "triton"
+
+    def __init__(self, aot=None) -> None:
+        self.aot = aot
+
+    def load_aot(self, bundle_dir, kernel_entries: list[dict], device) -> None:
+        """Use the cubins listed in engine.json "kernels" (falls back to JIT, with a warning, when the
+        device, driver or Triton cannot use them)."""
+        from plugins.launcher import KernelSet
+        self.aot = KernelSet.from_bundle(bundle_dir, kernel_entries, device)
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         """Scatter ``k, v [T, Hkv, D]`` into the caches at ``slot_mapping [T]`` (-1 = skip)."""
         _check_device(k)
-        _write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        _write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, aot=self.aot)
 
     def forward(self, q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None) -> torch.Tensor:
         """``q [T, Hq, D]`` -> ``[T, Hq, D]``: causal attention over each sequence's cache."""
@@ -45,15 +56,15 @@ class TritonAttentionBackend:
         if not plain_decode:
             return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                  meta.context_lens, scale, k_scale, v_scale, tree_mask=meta.tree_mask,
-                                 max_query_len=meta.max_query_len)
+                                 max_query_len=meta.max_query_len, aot=self.aot)
         out = torch.empty_like(q)
         if num_p:
             out[:p_tok] = paged_prefill(q[:p_tok], k_cache, v_cache, meta.block_tables[:num_p],
                                         meta.query_start_loc[:num_p + 1], meta.context_lens[:num_p],
-                                        scale, k_scale, v_scale, max_query_len=meta.max_query_len)
+                                        scale, k_scale, v_scale, max_query_len=meta.max_query_len, aot=self.aot)
         out[p_tok:] = paged_decode(q[p_tok:], k_cache, v_cache, meta.block_tables[num_p:],
                                    meta.seq_lens[num_p:], scale, k_scale, v_scale,
-                                   max_seq_len=meta.max_seq_len)
+                                   max_seq_len=meta.max_seq_len, aot=self.aot)
         return out
 
 

@@ -1,0 +1,181 @@
+"""Ahead-of-time compilation of every kernel an engine uses, for each target SM, with no GPU.
+
+`compile_for_bundle(engine_json, sms, out_dir)` writes `out_dir/sm<sm>/<variant>.{cubin,ptx,json}` and
+returns the entries for engine.json's "kernels" list. The variants come from each kernel module's
+`aot_variants(shapes)`, beside the wrapper that picks the same constexprs at launch, so what is
+compiled is what the runtime asks for. The .json records what a launcher needs without Triton:
+entry name, parameters in order, num_warps, shared memory, scratch sizes, constexprs, versions, hashes.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import gemm_fp8, gemm_w4a16, kv_write, paged_decode, paged_prefill, rmsnorm, rope
+from .common import EngineShapes, Variant
+
+KERNEL_MODULES = (kv_write, paged_decode, paged_prefill, rmsnorm, rope, gemm_w4a16, gemm_fp8)
+DEFAULT_SMS = (90, 100)
+META_VERSION = 1
+_ACT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+class AotError(ValueError):
+    """engine.json lacks something the kernels need, or a target cannot be compiled."""
+
+
+def engine_shapes(engine_json: dict) -> EngineShapes:
+    """The kernel-relevant shapes of an engine.json dict (docs/contracts.md section 3)."""
+    try:
+        m, q, e = engine_json["model"], engine_json["quantization"], engine_json["engine"]
+        act = _ACT.get(m["dtype"])
+        if act is None:
+            raise AotError(f"engine.json: model.dtype: {m['dtype']!r}; allowed: {', '.join(_ACT)}")
+        kv_dtype = e.get("kv_cache_dtype") or ("fp8_e4m3" if q.get("kv_cache") == "fp8" else m["dtype"])
+        return EngineShapes(
+            act=act, kv="fp8e4nv" if str(kv_dtype).startswith("fp8") else act,
+            num_heads=int(m["num_heads"]), num_kv_heads=int(m["num_kv_heads"]), head_dim=int(m["head_dim"]),
+            hidden_size=int(m["hidden_size"]), intermediate_size=int(m["intermediate_size"]),
+            block_size=int(e["kv_block_size"]), quant_format=str(q.get("format", "none")),
+            group_size=q.get("group_size"), speculative=bool(engine_json.get("speculative")))
+    except KeyError as exc:
+        raise AotError(f"engine.json: missing key {exc.args[0]!r} needed to compile kernels") from exc
+
+
+def plan(engine_json: dict) -> list[Variant]:
+    """Every kernel variant the engine launches (deduplicated, stable order)."""
+    shapes = engine_shapes(engine_json)
+    seen: dict[str, Variant] = {}
+    for mod in KERNEL_MODULES:
+        for v in mod.aot_variants(shapes):
+            seen.setdefault(v.key, v)
+    return list(seen.values())
+
+
+def variant_file_stem(v: Variant) -> str:
+    """A short file name: kernel name + hash of the full variant key (the key itself is in the .json)."""
+    return f"{v.fn.__name__}-{hashlib.sha256(v.key.encode()).hexdigest()[:12]}"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def ptx_params(ptx: str, entry: str) -> list[str]:
+    """The .param types of the kernel entry in PTX, in order (includes Triton's trailing scratch pointers)."""
+    m = re.search(r"\.entry\s+" + re.escape(entry) + r"\s*\(([^)]*)\)", ptx)
+    if m is None:
+        raise AotError(f"PTX has no entry {entry!r}")
+    return re.findall(r"\.param\s+\.(\w+)", m.group(1))
+
+
+def compile_variant(v: Variant, sm: int) -> tuple[object, dict]:
+    """-> (compiled kernel, metadata dict). Pointer arguments are compiled as 16-byte aligned (the
+    launcher checks this at run time and falls back to JIT for an unaligned view)."""
+    sig = v.signature()
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items()) if t.startswith("*")}
+    src = ASTSource(v.fn, sig, v.constexprs, attrs)
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", sm, 32),
+                           options={"num_warps": v.num_warps, "num_stages": v.num_stages})
+    except Exception as exc:  # triton raises many types; the variant and SM are what the user needs
+        raise AotError(f"AOT compile of {v.key} for sm_{sm} failed: {exc}") from exc
+    md = k.metadata
+    params = [n for n, t in sig.items() if t != "constexpr"]
+    ptx_types = ptx_params(k.asm["ptx"], md.name)
+    meta = {
+        "meta_version": META_VERSION, "name": variant_file_stem(v), "key": v.key, "kernel": v.fn.__name__,
+        "entry": md.name, "sm": sm, "num_warps": md.num_warps, "num_stages": md.num_stages,
+        "num_ctas": md.num_ctas, "shared": md.shared,
+        "global_scratch_size": md.global_scratch_size, "global_scratch_align": md.global_scratch_align,
+        "profile_scratch_size": getattr(md, "profile_scratch_size", 0),
+        "profile_scratch_align": getattr(md, "profile_scratch_align", 1),
+        "signature": [[n, t] for n, t in sig.items()], "params": params,
+        "constexprs": {n: (int(c) if isinstance(c, bool) else c) for n, c in v.constexprs.items()},
+        "aligned_pointers": 16, "ptx_param_types": ptx_types, "extra_params": len(ptx_types) - len(params),
+        "triton_version": triton.__version__, "target": f"cuda:{sm}",
+    }
+    return k, meta
+
+
+def compile_for_bundle(engine_json: dict, sms: list[int] | None, out_dir: str | os.PathLike) -> list[dict]:
+    """Compile every kernel the engine uses for each SM in `sms` (default 90 and 100) into
+    `out_dir/sm<sm>/`. -> engine.json "kernels" entries, paths relative to out_dir's parent (the bundle)."""
+    sms = list(sms or DEFAULT_SMS)
+    for sm in sms:
+        if not isinstance(sm, int) or sm < 80:
+            raise AotError(f"engine.target_sms: {sm!r} is not supported; allowed: integers >= 80 (e.g. 90, 100)")
+    out_dir = Path(out_dir)
+    variants = plan(engine_json)  # validates engine.json before anything is written
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return _compile_in_subprocess(engine_json, sms, out_dir)
+    prefix = out_dir.name
+    entries = []
+    for sm in sms:
+        sm_dir = out_dir / f"sm{sm}"
+        sm_dir.mkdir(parents=True, exist_ok=True)
+        for v in variants:
+            k, meta = compile_variant(v, sm)
+            stem = meta["name"]
+            cubin, ptx = k.asm["cubin"], k.asm["ptx"].encode()
+            meta["sha256"] = {"cubin": _sha256(cubin), "ptx": _sha256(ptx)}
+            (sm_dir / f"{stem}.cubin").write_bytes(cubin)
+            (sm_dir / f"{stem}.ptx").write_bytes(ptx)
+            meta_bytes = (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode()
+            (sm_dir / f"{stem}.json").write_bytes(meta_bytes)
+            rel = f"{prefix}/sm{sm}/{stem}"
+            entries.append({"name": stem, "key": v.key, "sm": sm, "cubin": f"{rel}.cubin", "ptx": f"{rel}.ptx",
+                            "meta": f"{rel}.json", "sha256": {"cubin": meta["sha256"]["cubin"],
+                                                              "ptx": meta["sha256"]["ptx"],
+                                                              "meta": _sha256(meta_bytes)}})
+    return entries
+
+
+def _compile_in_subprocess(engine_json: dict, sms: list[int], out_dir: Path) -> list[dict]:
+    """Under TRITON_INTERPRET=1 (the CPU tests) @triton.jit yields interpreter objects that cannot be
+    compiled, so compile in a child process that imports the kernels normally."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with tempfile.TemporaryDirectory() as tmp:
+        eng, res = Path(tmp) / "engine.json", Path(tmp) / "entries.json"
+        eng.write_text(json.dumps(engine_json))
+        cmd = [sys.executable, "-m", "plugins.aot", str(eng), str(out_dir), "--sms", *map(str, sms), "--entries", str(res)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            raise AotError(f"AOT compile subprocess failed: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}")
+        return json.loads(res.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m plugins.aot",
+                                 description="Compile an engine's kernels ahead of time (no GPU needed).")
+    ap.add_argument("engine_json", help="path to engine.json (or any JSON with its model/quantization/engine)")
+    ap.add_argument("out_dir", help="output folder (a bundle's kernels/)")
+    ap.add_argument("--sms", type=int, nargs="+", default=list(DEFAULT_SMS))
+    ap.add_argument("--entries", help="write the engine.json kernel entries here (default: stdout)")
+    a = ap.parse_args(argv)
+    try:
+        entries = compile_for_bundle(json.loads(Path(a.engine_json).read_text()), a.sms, a.out_dir)
+    except AotError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    text = json.dumps(entries, indent=1)
+    if a.entries:
+        Path(a.entries).write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Ahead-of-time compilation with no GPU: sm_90 and sm_100 cubins + PTX + metadata for every kernel a
+SmolLM2-shaped engine uses; metadata agrees with the kernel signatures and the launcher's packing;
+hashes match; the plan covers every variant the runtime launches; bad engine.json is refused."""
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+
+from plugins import aot, paged_prefill
+from plugins.launcher import KernelSet, pack_params, ptx_types_of
+
+ENGINE = {  # SmolLM2-135M as the builder writes it (docs/contracts.md section 3), NVFP4 + fp8 KV + EAGLE
+    "model": {"architecture": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_layers": 30,
+              "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "dtype": "bfloat16"},
+    "quantization": {"format": "nvfp4", "kv_cache": "fp8", "group_size": None},
+    "engine": {"kv_block_size": 16, "kv_cache_dtype": "fp8_e4m3"},
+    "speculative": {"method": "eagle3"},
+}
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bundle")
+    entries = aot.compile_for_bundle(ENGINE, [90, 100], root / "kernels")
+    return root, entries
+
+
+def test_every_variant_compiled_for_both_sms(bundle):
+    root, entries = bundle
+    keys = {v.key for v in aot.plan(ENGINE)}
+    assert any("HAS_TREE=1" in k for k in keys) and any(k.startswith("w4a16_gemm_kernel") for k in keys)
+    for sm in (90, 100):
+        assert {e["key"] for e in entries if e["sm"] == sm} == keys
+    for e in entries:
+        cubin = (root / e["cubin"]).read_bytes()
+        ptx = (root / e["ptx"]).read_text()
+        assert len(cubin) > 1000 and cubin[:4] == b"\x7fELF", e["cubin"]
+        assert f".target sm_{e['sm']}" in ptx
+        assert e["cubin"].startswith(f"kernels/sm{e['sm']}/")
+
+
+def test_metadata_matches_signature_and_hashes(bundle):
+    root, entries = bundle
+    variants = {v.key: v for v in aot.plan(ENGINE)}
+    for e in entries:
+        meta_bytes = (root / e["meta"]).read_bytes()
+        meta = json.loads(meta_bytes)
+        v = variants[meta["key"]]
+        assert meta["params"] == [n for n in v.fn.arg_names if n not in v.constexprs]
+        assert meta["constexprs"] == {k: int(x) for k, x in v.constexprs.items()}
+        assert meta["num_warps"] == v.num_warps and meta["shared"] >= 0
+        # what the launcher will pass is exactly what the compiled entry point declares
+        assert ptx_types_of(meta) == meta["ptx_param_types"], meta["key"]
+        assert meta["extra_params"] == 2   # Triton 3.7: global + profile scratch pointers
+        for kind in ("cubin", "ptx"):
+            digest = hashlib.sha256((root / e[kind]).read_bytes()).hexdigest()
+            assert digest == e["sha256"][kind] == meta["sha256"][kind]
+        assert hashlib.sha256(meta_bytes).hexdigest() == e["sha256"]["meta"]
+        assert meta["triton_version"] and meta["sm"] == e["sm"]
+
+
+def test_pack_params_follows_metadata(bundle):
+    root, entries = bundle
+    meta = json.loads((root / next(e for e in entries if "kv_write" in e["key"])["meta"]).read_text())
+    t = torch.zeros(64, dtype=torch.float32)
+    args = [t] * 7 + [1, 2, 3, 4]
+    params = pack_params(meta, tuple(args))
+    assert len(params) == len(meta["ptx_param_types"])
+    with pytest.raises(ValueError, match="arguments"):
+        pack_params(meta, tuple(args[:-1]))
+    with pytest.raises(ValueError, match="aligned"):
+        pack_params(meta, (t[1:],) + tuple(args[1:]))
+
+
+def test_no_gpu_means_jit_with_a_warning(bundle):
+    root, entries = bundle
+    with pytest.warns(RuntimeWarning, match="using Triton JIT"):
+        ks = KernelSet.from_bundle(root, entries, "cpu")
+    assert ks.launch(entries[0]["key"], (1,), ()) is False
+
+
+class _Recorder:
+    """Stands in for a KernelSet: records each variant the runtime asks for, then lets it JIT."""
+    def __init__(self):
+        self.keys = set()
+
+    def launch(self, key, grid, args):
+        self.keys.add(key)
+        return False
+
+
+def test_plan_covers_what_the_backend_launches(monkeypatch, device):
+    # the interpreter uses small prefill tiles; give it the GPU ones so keys are the GPU's
+    monkeypatch.setattr(paged_prefill, "CPU_TILES", paged_prefill.GPU_TILES)
+    from backend.attention.triton_backend import TritonAttentionBackend
+    from tests.kernels.test_triton_backend import _step
+    rec = _Recorder()
+    be = TritonAttentionBackend(aot=rec)
+    kv = torch.float8_e4m3fn
+    for ctx, qlens, p, tree in (([0, 40, 7], [5, 1, 1], 1, None), ([30], [3], 0, torch.ones(3, 3, dtype=torch.bool))):
+        meta, nb = _step(ctx, qlens, p, 16, device, tree=tree)
+        kc = torch.zeros(nb, 16, 3, 64, device=device).to(kv)
+        vc = torch.zeros_like(kc)
+        q = torch.randn(sum(qlens), 9, 64, device=device).bfloat16()
+        k = torch.randn(sum(qlens), 3, 64, device=device).bfloat16()
+        s = torch.tensor(0.1, device=device)
+        be.write_kv(k, k, kc, vc, meta.slot_mapping, s, s)
+        for splits in (1, 3):
+            monkeypatch.setattr("plugins.paged_decode._target_programs", lambda dev, n=splits: n * 1000)
+            be.forward(q, kc, vc, meta, 0.125, s, s)
+    planned = {v.key for v in aot.plan(ENGINE)}
+    assert rec.keys and rec.keys <= planned, rec.keys - planned
+
+
+def test_bad_engine_json_is_refused(tmp_path):
+    broken = json.loads(json.dumps(ENGINE))
+    del broken["model"]["head_dim"]
+    with pytest.raises(aot.AotError, match="missing key 'head_dim'"):
+        aot.compile_for_bundle(broken, [90], tmp_path / "k")
+    with pytest.raises(aot.AotError, match="target_sms: 75"):
+        aot.compile_for_bundle(ENGINE, [75], tmp_path / "k")
+    assert not os.path.exists(tmp_path / "k")
