@@ -11,6 +11,7 @@ rows to compute logits for. This is the hot path of host overhead, so:
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,41 +115,51 @@ class InputPreparer:
         seqs = output.scheduled
         assert seqs, "nothing scheduled"
         nseq = len(seqs)
-        rows = [0] * nseq
-        starts = [0] * nseq
-        counts = [0] * nseq
-        ids: list[int] = []
-        sample_seqs: list[ScheduledSeq] = []
-        logits_counts: list[int] = []
-        any_spec = False
-        row_fn = self._row
-        for i, s in enumerate(seqs):
-            req = s.request
-            rows[i] = row_fn(req.request_id, req.block_ids)
-            start = s.start_pos
-            n = s.num_new_tokens
-            starts[i] = start
-            counts[i] = n
-            toks = req.all_token_ids
-            k = s.num_spec_tokens
-            if n == 1:
-                ids.append(toks[start])
-            elif k:
-                ids.append(toks[start])
-                ids.extend(req.spec_token_ids[:k])
-                any_spec = True
-            else:
-                ids.extend(toks[start:start + n])
-            if s.sample:
-                sample_seqs.append(s)
-                logits_counts.append(1 + k)
+        num_prefills = output.num_prefills
+        any_spec = output.num_spec_tokens > 0
 
+        # Per sequence (Python): block-table rows, brought up to date only when they changed.
+        row_of, row_src, row_len = self._row_of, self._row_src, self._row_len
+        rows: list[int] = []
+        rows_append = rows.append
+        for s in seqs:
+            req = s.request
+            blocks = req.block_ids
+            row = row_of.get(req.request_id)
+            if row is None or row_src[row] is not blocks or row_len[row] != len(blocks):
+                row = self._row(req.request_id, blocks)
+            rows_append(row)
+        starts = [s.start_pos for s in seqs]
+        uniform = not num_prefills and not any_spec      # every query is one token
+        counts = None if uniform else [s.num_new_tokens for s in seqs]
+        ids: list[int] = []
+        for s in seqs[:num_prefills]:
+            ids.extend(s.request.all_token_ids[s.start_pos:s.start_pos + s.num_new_tokens])
+        decodes = seqs[num_prefills:]
+        if any_spec:
+            for s in decodes:
+                ids.append(s.request.all_token_ids[s.start_pos])
+                if s.num_spec_tokens:
+                    ids.extend(s.request.spec_token_ids[:s.num_spec_tokens])
+        else:
+            ids += [s.request.all_token_ids[s.start_pos] for s in decodes]
+        prefill_samples = [s.sample for s in seqs[:num_prefills]]
+        all_sample = all(prefill_samples)
+        sample_seqs = decodes if all_sample and not num_prefills else (
+            [s for s in seqs[:num_prefills] if s.sample] + decodes)
+
+        # Per token (numpy).
         bs = self.block_size
-        counts_np = np.array(counts, dtype=np.int64)
-        starts_np = np.array(starts, dtype=np.int64)
-        rows_np = np.array(rows, dtype=np.int64)
-        qsl = np.zeros(nseq + 1, dtype=np.int64)
-        np.cumsum(counts_np, out=qsl[1:])
+        # array() + frombuffer: the fastest list -> ndarray conversion for Python ints.
+        starts_np = np.frombuffer(array("q", starts), dtype=np.int64)
+        rows_np = np.frombuffer(array("q", rows), dtype=np.int64)
+        if uniform:
+            counts_np = np.ones(nseq, dtype=np.int64)
+            qsl = np.arange(nseq + 1, dtype=np.int64)
+        else:
+            counts_np = np.frombuffer(array("q", counts), dtype=np.int64)
+            qsl = np.zeros(nseq + 1, dtype=np.int64)
+            np.cumsum(counts_np, out=qsl[1:])
         num_tokens = int(qsl[-1])
         seq_lens = starts_np + counts_np
         max_seq_len = int(seq_lens.max())
@@ -164,52 +175,55 @@ class InputPreparer:
         width = -(-max_seq_len // bs)
         block_tables = bt[rows_np, :width]
 
-        ends = qsl[1:]
-        if not any_spec and len(sample_seqs) == nseq:
-            logits_idx = ends - 1
-        elif not any_spec:
-            logits_idx = np.array([int(ends[i]) - 1 for i, s in enumerate(seqs) if s.sample],
-                                  dtype=np.int64)
-        else:
+        logits_counts = None
+        if any_spec:
             idx: list[int] = []
+            ends = qsl[1:].tolist()
             for i, s in enumerate(seqs):
                 if s.sample:
-                    e = int(ends[i])
+                    e = ends[i]
                     idx.extend(range(e - 1 - s.num_spec_tokens, e))
             logits_idx = np.array(idx, dtype=np.int64)
+            logits_counts = [1 + s.num_spec_tokens for s in sample_seqs]
+        elif all_sample:
+            logits_idx = qsl[1:] - 1
+        else:
+            keep = np.ones(nseq, dtype=bool)
+            keep[:num_prefills] = prefill_samples
+            logits_idx = (qsl[1:] - 1)[keep]
 
-        ids_np = np.array(ids, dtype=np.int64)
+        ids_np = np.frombuffer(array("q", ids), dtype=np.int64)
         i64 = self._to_device([ids_np, positions, slots, logits_idx], np.int64, torch.int64)
         i32 = self._to_device([block_tables.reshape(-1), seq_lens, qsl, starts_np], np.int32,
                               torch.int32)
         t_ids, t_pos, t_slots, t_logits = i64
         t_bt, t_seq_lens, t_qsl, t_ctx = i32
-        num_prefills = output.num_prefills
         num_prefill_tokens = int(qsl[num_prefills])
         meta = AttentionMetadata(
             positions=t_pos, slot_mapping=t_slots, block_tables=t_bt.view(nseq, width),
             seq_lens=t_seq_lens, query_start_loc=t_qsl, context_lens=t_ctx,
             num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens,
             num_decode_tokens=num_tokens - num_prefill_tokens,
-            max_query_len=int(counts_np.max()), max_seq_len=max_seq_len)
+            max_query_len=1 if uniform else int(counts_np.max()), max_seq_len=max_seq_len)
         self._flip ^= 1
-        return StepInputs(t_ids, meta, t_logits, sample_seqs, logits_counts if any_spec else None)
+        return StepInputs(t_ids, meta, t_logits, sample_seqs, logits_counts)
 
     def _to_device(self, arrays: list[np.ndarray], np_dtype, torch_dtype) -> list[torch.Tensor]:
-        """Concatenate ``arrays`` into one buffer, move it in one copy, return views."""
+        """GPU: concatenate ``arrays`` into one pinned buffer, copy it in one transfer, return
+        views. CPU: wrap each array without copying (a concatenation would only cost time)."""
+        if not self._pinned:
+            return [torch.from_numpy(a if a.dtype == np_dtype else a.astype(np_dtype))
+                    for a in arrays]
         sizes = [a.size for a in arrays]
         total = sum(sizes)
-        if self._pinned:
-            key = (torch_dtype, self._flip)
-            buf = self._staging.get(key)
-            if buf is None or buf.numel() < total:
-                buf = torch.empty(max(total, 4096) * 2, dtype=torch_dtype, pin_memory=True)
-                self._staging[key] = buf
-            host = buf[:total]
-            np.concatenate(arrays, out=host.numpy(), casting="unsafe")
-            dev = host.to(self.device, non_blocking=True)
-        else:
-            dev = torch.from_numpy(np.concatenate(arrays).astype(np_dtype, copy=False))
+        key = (torch_dtype, self._flip)
+        buf = self._staging.get(key)
+        if buf is None or buf.numel() < total:
+            buf = torch.empty(max(total, 4096) * 2, dtype=torch_dtype, pin_memory=True)
+            self._staging[key] = buf
+        host = buf[:total]
+        np.concatenate(arrays, out=host.numpy(), casting="unsafe")
+        dev = host.to(self.device, non_blocking=True)
         out = []
         off = 0
         for n in sizes:

@@ -54,7 +54,7 @@ class Request:
         "num_tentative_tokens",
         "spec_token_ids", "num_draft_tokens", "num_accepted_draft_tokens", "stop_ids",
         "first_scheduled_time", "first_token_time", "last_token_time", "finished_time",
-        "num_preemptions", "error", "stop_token",
+        "num_preemptions", "error", "stop_token", "token_limit", "sched_seq",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -85,6 +85,9 @@ class Request:
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
         self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)  # scheduler adds eos
+        # Most tokens (prompt + output) this request may reach; the scheduler caps it at max_seq_len.
+        self.token_limit = len(self.prompt_token_ids) + params.max_tokens
+        self.sched_seq = None              # the scheduler's reusable ScheduledSeq for decode steps
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

@@ -55,6 +55,7 @@ class SchedulerOutput:
     num_prefills: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_spec_tokens: int = 0                 # draft tokens scored this step (0 = no speculation)
 
     @property
     def num_tokens(self) -> int:
@@ -192,6 +193,7 @@ class Scheduler:
         if not request.params.ignore_eos:
             stops |= self.eos_token_ids
         request.stop_ids = frozenset(stops)
+        request.token_limit = self.life_tokens(request)
         request.arrival_seq = self._next_seq
         self._next_seq += 1
         self.requests[rid] = request
@@ -243,28 +245,48 @@ class Scheduler:
         append_slots = bm.append_slots
         max_seq_len = self.max_seq_len
 
-        # 1. Running decodes (exactly the last sampled token lacks KV).
+        # 1. Running decodes (exactly the last sampled token lacks KV). This loop runs for every
+        # sequence every step: the common case is kept to a few attribute reads and writes.
+        bs = bm.block_size
+        caching = bm.enable_prefix_caching
+        spec_total = 0
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             i += 1
             num_tokens = len(req.all_token_ids)
             start = req.num_computed_tokens
-            if num_tokens - start > 1 or not req.output_token_ids:
+            if num_tokens - start != 1 or not req.output_token_ids:
                 continuing.append(req)   # still prefilling (its last prompt token included)
                 continue
             k = len(req.spec_token_ids)
             if k:
                 # No draft past the request's end or the step budget.
-                room = min(req.max_total_tokens, max_seq_len) - num_tokens - 1
-                k = max(min(k, room, budget - 1), 0)
-            while not append_slots(req, 1, k):
-                if self._preempt_tail(req, decodes, prefills, preempted):
-                    break
-            if req.status is not _RUNNING:
-                break                    # it was the tail itself: nothing after it remains
-            decodes.append(ScheduledSeq(req, start, 1 + k, False, True, k))
+                k = max(min(k, req.token_limit - num_tokens - 1, budget - 1), 0)
+            if (not k and num_tokens <= len(req.block_ids) * bs
+                    and (not caching or start // bs <= req.num_committed_blocks)):
+                # The slot is in the last block and no block awaits its hash: all that
+                # BlockManager.append_slots(req, 1) would do is this.
+                req.num_slots = num_tokens
+            else:
+                while not append_slots(req, 1, k):
+                    if self._preempt_tail(req, decodes, prefills, preempted):
+                        break
+                if req.status is not _RUNNING:
+                    break                # it was the tail itself: nothing after it remains
+            # One ScheduledSeq per request, refreshed in place: building hundreds of objects per
+            # step was a third of the host overhead. (An output is valid until the next schedule.)
+            seq = req.sched_seq
+            if seq is None:
+                seq = req.sched_seq = ScheduledSeq(req, start, 1 + k, False, True, k)
+            else:
+                seq.start_pos = start
+                if seq.num_spec_tokens != k:
+                    seq.num_new_tokens = 1 + k
+                    seq.num_spec_tokens = k
+            decodes.append(seq)
             budget -= 1 + k
+            spec_total += k
         # Running requests past the budget may still be prefilling: pick them up too.
         for req in running[i:]:
             if len(req.all_token_ids) - req.num_computed_tokens > 1 or not req.output_token_ids:
@@ -297,7 +319,7 @@ class Scheduler:
             num_prefill_tokens += s.num_new_tokens
         out = SchedulerOutput(prefills + decodes, preempted, self._finished_ids,
                               len(prefills), num_prefill_tokens, self.max_num_tokens - budget
-                              - num_prefill_tokens)
+                              - num_prefill_tokens, spec_total)
         self._finished_ids = []
         if out.scheduled:
             self.num_steps += 1
@@ -364,73 +386,91 @@ class Scheduler:
         """Apply one step's results. ``sampled_token_ids[j]`` belongs to the j-th scheduled sequence
         whose ``sample`` flag is set (scheduled order): an int, or with speculation a list of the
         accepted draft tokens followed by one more token. Returns the requests that finished."""
-        bm = self.block_manager
         now = self.clock()
         finished: list[Request] = []
+        seqs = output.scheduled
+        nsampled = len(sampled_token_ids)
         j = 0
-        for s in output.scheduled:
+        decode_tokens = 0
+        generated = 0
+        for s in seqs:
             req = s.request
-            if not s.sample:
+            if not s.sample:             # a prompt chunk that does not reach the end yet
                 if req.status is _RUNNING:
                     assert req.num_computed_tokens == s.start_pos
                     req.num_computed_tokens += s.num_new_tokens
                     self.num_prefill_tokens_computed += s.num_new_tokens
                 continue
-            toks = sampled_token_ids[j]
+            assert j < nsampled, f"{nsampled} sampled entries for more sampling sequences"
+            tok = sampled_token_ids[j]
             j += 1
             if req.status is not _RUNNING:
                 continue                 # aborted while the step ran
             assert req.num_computed_tokens == s.start_pos
-            if s.is_prefill:
-                self.num_prefill_tokens_computed += s.num_new_tokens
+            if s.is_prefill or s.num_spec_tokens or type(tok) is not int:
+                done = self._update_general(req, s, tok)
             else:
-                self.num_decode_tokens_computed += s.num_new_tokens
-            if s.num_spec_tokens:
-                accepted = len(toks) - 1
-                assert 0 <= accepted <= s.num_spec_tokens, (toks, s.num_spec_tokens)
-                rejected = s.num_spec_tokens - accepted
-                bm.rollback(req, rejected)
-                req.num_computed_tokens += s.num_new_tokens - rejected
-                req.num_draft_tokens += s.num_spec_tokens
-                req.num_accepted_draft_tokens += accepted
-                self.num_draft_tokens += s.num_spec_tokens
-                self.num_accepted_draft_tokens += accepted
-                req.spec_token_ids = []
-            else:
-                req.num_computed_tokens += s.num_new_tokens
+                # Plain decode: the hot path, inlined.
+                req.num_computed_tokens += 1
+                decode_tokens += 1
+                generated += 1
                 if req.spec_token_ids:
                     req.spec_token_ids = []
-                if not isinstance(toks, int):
-                    assert len(toks) == 1, f"{len(toks)} tokens sampled without drafts"
-                    toks = toks[0]
-            if isinstance(toks, int):
-                done = self._append_token(req, toks)
-            else:
-                for t in toks:
-                    done = self._append_token(req, t)
-                    if done:
-                        break
+                out_ids = req.output_token_ids
+                out_ids.append(tok)
+                req.all_token_ids.append(tok)
+                done = None
+                if tok in req.stop_ids:
+                    # The first min_tokens tokens never stop generation (the sampler masks them).
+                    if len(out_ids) > req.params.min_tokens:
+                        req.stop_token = tok
+                        done = RequestStatus.FINISHED_STOPPED
+                if done is None and len(req.all_token_ids) >= req.token_limit:
+                    done = RequestStatus.FINISHED_LENGTH
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
             if done:
                 self._finish(req, done, now)
                 finished.append(req)
-        assert j == len(sampled_token_ids), (
-            f"{len(sampled_token_ids)} sampled entries for {j} sampling sequences")
+        assert j == nsampled, f"{nsampled} sampled entries for {j} sampling sequences"
+        self.num_decode_tokens_computed += decode_tokens
+        self.num_generated_tokens += generated
         return finished
 
-    def _append_token(self, req: Request, tok: int) -> RequestStatus | None:
-        req.output_token_ids.append(tok)
-        req.all_token_ids.append(tok)
-        self.num_generated_tokens += 1
-        n_out = len(req.output_token_ids)
-        # The first min_tokens tokens never stop generation (the sampler masks stops there too).
-        if tok in req.stop_ids and n_out > req.params.min_tokens:
-            req.stop_token = tok
-            return RequestStatus.FINISHED_STOPPED
-        if n_out >= req.params.max_tokens or len(req.all_token_ids) >= self.max_seq_len:
-            return RequestStatus.FINISHED_LENGTH
+    def _update_general(self, req: Request, s: ScheduledSeq, toks) -> RequestStatus | None:
+        """Prefill completions, speculative verifications and list-shaped results."""
+        if s.is_prefill:
+            self.num_prefill_tokens_computed += s.num_new_tokens
+        else:
+            self.num_decode_tokens_computed += s.num_new_tokens
+        if s.num_spec_tokens:
+            accepted = len(toks) - 1
+            assert 0 <= accepted <= s.num_spec_tokens, (toks, s.num_spec_tokens)
+            rejected = s.num_spec_tokens - accepted
+            self.block_manager.rollback(req, rejected)
+            req.num_computed_tokens += s.num_new_tokens - rejected
+            req.num_draft_tokens += s.num_spec_tokens
+            req.num_accepted_draft_tokens += accepted
+            self.num_draft_tokens += s.num_spec_tokens
+            self.num_accepted_draft_tokens += accepted
+        else:
+            req.num_computed_tokens += s.num_new_tokens
+            if type(toks) is not int:
+                assert len(toks) == 1, f"{len(toks)} tokens sampled without drafts"
+        if req.spec_token_ids:
+            req.spec_token_ids = []
+        if type(toks) is int:
+            toks = (toks,)
+        for tok in toks:                 # tokens after a finishing one are dropped
+            req.output_token_ids.append(tok)
+            req.all_token_ids.append(tok)
+            self.num_generated_tokens += 1
+            if tok in req.stop_ids and len(req.output_token_ids) > req.params.min_tokens:
+                req.stop_token = tok
+                return RequestStatus.FINISHED_STOPPED
+            if len(req.all_token_ids) >= req.token_limit:
+                return RequestStatus.FINISHED_LENGTH
         return None
 
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
