@@ -186,3 +186,23 @@ def test_block_table_overflow_is_a_clear_error():
     sched.add(make("big", range(3, 15)))          # 12 tokens = 3 blocks
     with pytest.raises(ValueError, match=r"request 'big' holds 3 KV blocks; the block table has room for 2"):
         prep.prepare(sched.schedule())
+
+
+def test_host_overhead_benchmark_runs_and_records_its_context(tmp_path):
+    import json
+
+    from backend import bench_overhead
+
+    out = tmp_path / "host.json"
+    assert bench_overhead.main(["--num-seqs", "8", "--steps", "5", "--max-num-tokens", "64",
+                                "--max-seq-len", "1024", "--output", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {"machine", "date", "command", "commit", "config", "results"} <= set(doc)
+    assert doc["machine"]["cpu"] and "stub" in doc["what"]
+    for name in ("decode", "churn"):
+        r = doc["results"][name]
+        assert r["steps"] == 5 and r["mean_batch_size"] == 8
+        assert set(r["breakdown_us_mean"]) == set(bench_overhead.PARTS)
+        assert r["host_overhead_ms_per_step"]["p50"] > 0
+    with pytest.raises(SystemExit):
+        bench_overhead.main(["--scenarios", "decode,bogus", "--output", "-"])
