@@ -51,9 +51,11 @@ class InputPreparer:
         # the request) and how many of its entries are in the row.
         self._row_src: list[list[int] | None] = [None] * initial_rows
         self._row_len: list[int] = [0] * initial_rows
-        # Pinned staging buffers (GPU only), two of each so a step's asynchronous copy can still be
-        # in flight while the next step is prepared.
-        self._pinned = self.device.type == "cuda"
+        # Off-CPU devices: pack each dtype group into one staging buffer (pinned when CUDA is
+        # there), two of each so a step's asynchronous copy can still be in flight while the next
+        # step is prepared.
+        self._pack = self.device.type != "cpu"
+        self._pin = self._pack and torch.cuda.is_available()
         self._staging: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._flip = 0
 
@@ -211,7 +213,7 @@ class InputPreparer:
     def _to_device(self, arrays: list[np.ndarray], np_dtype, torch_dtype) -> list[torch.Tensor]:
         """GPU: concatenate ``arrays`` into one pinned buffer, copy it in one transfer, return
         views. CPU: wrap each array without copying (a concatenation would only cost time)."""
-        if not self._pinned:
+        if not self._pack:
             return [torch.from_numpy(a if a.dtype == np_dtype else a.astype(np_dtype))
                     for a in arrays]
         sizes = [a.size for a in arrays]
@@ -219,11 +221,13 @@ class InputPreparer:
         key = (torch_dtype, self._flip)
         buf = self._staging.get(key)
         if buf is None or buf.numel() < total:
-            buf = torch.empty(max(total, 4096) * 2, dtype=torch_dtype, pin_memory=True)
+            buf = torch.empty(max(total, 4096) * 2, dtype=torch_dtype, pin_memory=self._pin)
             self._staging[key] = buf
         host = buf[:total]
         np.concatenate(arrays, out=host.numpy(), casting="unsafe")
-        dev = host.to(self.device, non_blocking=True)
+        dev = host.to(self.device, non_blocking=self._pin)
+        if dev.data_ptr() == host.data_ptr():
+            dev = dev.clone()            # same device: never hand out views of the staging buffer
         out = []
         off = 0
         for n in sizes:
