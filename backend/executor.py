@@ -136,11 +136,14 @@ class RequestHandle:
 class Executor:
     def __init__(self, bundle_path, device: str = "cpu", dtype: torch.dtype | str | None = None,
                  speculator: Speculator | None = None, start: bool = True,
-                 **engine_overrides: Any) -> None:
+                 weights: dict[str, torch.Tensor] | None = None, **engine_overrides: Any) -> None:
+        """``engine_overrides`` replace ``engine.json`` engine keys (e.g. ``max_kv_tokens=4096``).
+        ``weights`` reuses tensors already loaded from this bundle (several executors, one copy).
+        ``start=False`` runs no thread: the caller drives ``step()`` (``generate`` does it)."""
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         self.spec = load_engine_spec(bundle_path, engine_overrides)
-        self.runner = ModelRunner(self.spec, device=device, dtype=dtype)
+        self.runner = ModelRunner(self.spec, device=device, dtype=dtype, weights=weights)
         eng, cfg = self.spec.engine, self.spec.model
         self.max_seq_len = int(eng.get("max_seq_len", cfg.max_position_embeddings))
         self.max_input_len = int(eng.get("max_input_len", self.max_seq_len - 1))
