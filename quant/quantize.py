@@ -1,0 +1,222 @@
+"""Quantize an HF checkpoint with NVIDIA ModelOpt and export the unified HF checkpoint.
+
+    info = quantize_checkpoint(hf_dir, out_dir, qcfg, progress=None)
+
+`qcfg` is the `quantization` section of the build config (docs/contracts.md section 1): any object
+or mapping with `format`, `kv_cache`, `group_size`, `exclude` and `calibration.{dataset,
+num_samples, max_seq_len}`. The model is loaded in bf16, calibrated on the GPU when there is one
+(CPU otherwise), and exported with `export_hf_checkpoint` into a temporary folder that replaces
+`out_dir` only when complete. What the exported tensors look like per format: quant/README.md.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from quant.calibration import build_calibration_set
+from quant.recipes import (KV_RECIPES, QuantConfigError, check_exclude, check_group_size, check_kv_cache,
+                           get_recipe, modelopt_config)
+
+# progress(phase, done, total): called as calibration batches and export steps complete
+Progress = Callable[[str, int, int], None]
+
+INFO_FILE = "kiln_quant.json"
+# Files of the source checkpoint that the export does not write but a self-contained checkpoint needs
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+
+
+def _field(obj: Any, name: str, default: Any = None) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    """The `quantization` section, checked; accepts builder's typed config or a plain dict."""
+
+    format: str = "fp8"
+    kv_cache: str = "fp8"
+    group_size: int | None = 64
+    exclude: tuple[str, ...] = ("lm_head",)
+    dataset: str = "builtin"
+    num_samples: int = 32
+    max_seq_len: int = 256
+
+    def __post_init__(self) -> None:
+        get_recipe(self.format)
+        check_kv_cache(self.kv_cache)
+        if isinstance(self.exclude, str) or not all(isinstance(p, str) for p in self.exclude):
+            raise QuantConfigError(f"quantization.exclude: {self.exclude!r} is not a list of module-name patterns; "
+                                   f"allowed: e.g. [\"lm_head\"]")
+
+    @classmethod
+    def from_config(cls, qcfg: Any) -> "QuantSettings":
+        if isinstance(qcfg, QuantSettings):
+            return qcfg
+        calib = _field(qcfg, "calibration", {}) or {}
+        d = cls()
+        exclude = _field(qcfg, "exclude", d.exclude)
+        return cls(format=_field(qcfg, "format", d.format), kv_cache=_field(qcfg, "kv_cache", d.kv_cache),
+                   group_size=_field(qcfg, "group_size", d.group_size),
+                   exclude=tuple(exclude) if isinstance(exclude, (list, tuple)) else exclude,
+                   dataset=str(_field(calib, "dataset", d.dataset)),
+                   num_samples=_field(calib, "num_samples", d.num_samples),
+                   max_seq_len=_field(calib, "max_seq_len", d.max_seq_len))
+
+
+def _tqdm_progress() -> Progress:
+    """Default display: one tqdm bar per phase on stderr (tqdm hides itself when not a terminal)."""
+    from tqdm import tqdm  # noqa: PLC0415
+
+    bars: dict[str, Any] = {}
+
+    def update(phase: str, done: int, total: int) -> None:
+        bar = bars.get(phase)
+        if bar is None:
+            bar = bars[phase] = tqdm(total=total, desc=phase, file=sys.stderr, disable=None, leave=False)
+        bar.total = max(total, done)
+        bar.n = done
+        bar.refresh()
+        if done >= total:
+            bar.close()
+
+    return update
+
+
+def _quantized_linears(model, exclude: tuple[str, ...]) -> dict[str, int]:
+    """name -> in_features of the nn.Linear modules the recipe will quantize."""
+    import torch  # noqa: PLC0415
+
+    skip = tuple(exclude) + ("lm_head", "*lm_head*")  # every ModelOpt recipe leaves lm_head alone
+    return {n: m.in_features for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and not any(fnmatch.fnmatchcase(n, p) for p in skip)}
+
+
+def _load_model(hf_dir: Path, device: str):
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{hf_dir}: not an HF checkpoint (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.bfloat16).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    # export_hf_checkpoint iterates config.architectures; a checkpoint converted from GGUF has None
+    if not model.config.architectures:
+        model.config.architectures = [type(model).__name__]
+    return model, tokenizer
+
+
+def _calibrate(model, cfg: dict, samples: list, device: str, progress: Progress):
+    import modelopt.torch.quantization as mtq  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    passes = [0]
+
+    def forward_loop(m) -> None:
+        # ModelOpt may call this more than once (AWQ and SmoothQuant search per pass): count passes
+        passes[0] += 1
+        phase = f"calibrate (pass {passes[0]})"
+        with torch.no_grad():
+            for i, ids in enumerate(samples, 1):
+                m(input_ids=ids.to(device))
+                progress(phase, i, len(samples))
+
+    model = mtq.quantize(model, cfg, forward_loop)
+    return model, passes[0]
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file() and not (dst / name).exists():
+            shutil.copy2(src / name, dst / name)
+
+
+def quantize_checkpoint(hf_dir: str | Path, out_dir: str | Path, qcfg: Any,
+                        progress: Progress | None = None) -> dict:
+    """Quantize `hf_dir` per `qcfg` and write the ModelOpt unified HF checkpoint to `out_dir`.
+
+    Returns (and writes to `out_dir/kiln_quant.json`) the format, kv_cache, group_size, exclude
+    patterns, ModelOpt's `quant_algo`/`exclude_modules`, tool versions, device, calibration stats
+    and the seconds per phase. Raises QuantConfigError / CalibrationDataError (ValueError) with one
+    line on a user mistake; `out_dir` is untouched unless the export completed.
+    """
+    import torch  # noqa: PLC0415
+
+    settings = QuantSettings.from_config(qcfg)
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    progress = progress or _tqdm_progress()
+    recipe = get_recipe(settings.format)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    timings: dict[str, float] = {}
+
+    t = time.perf_counter()
+    model, tokenizer = _load_model(hf_dir, device)
+    timings["load_s"] = time.perf_counter() - t
+
+    module_names = [n for n, _ in model.named_modules() if n]
+    exclude = check_exclude(settings.exclude, module_names)
+    group_size = check_group_size(settings.format, settings.group_size, _quantized_linears(model, exclude))
+
+    t = time.perf_counter()
+    calib = build_calibration_set(tokenizer, settings.dataset, settings.num_samples, settings.max_seq_len)
+    cfg = modelopt_config(settings.format, settings.kv_cache, group_size, exclude)
+    model, passes = _calibrate(model, cfg, calib.samples, device, progress)
+    timings["calibrate_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    tmp = out_dir.parent / f"{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        from modelopt.torch.export import export_hf_checkpoint  # noqa: PLC0415
+
+        progress("export", 0, 1)
+        export_hf_checkpoint(model, export_dir=str(tmp))
+        progress("export", 1, 1)
+        _copy_side_files(hf_dir, tmp)
+        hf_quant = json.loads((tmp / "hf_quant_config.json").read_text())["quantization"]
+        # The compile stage picks the packing from quant_algo: a mismatch here would mis-pack silently
+        assert hf_quant.get("quant_algo") == recipe.export_algo, (hf_quant.get("quant_algo"), recipe.export_algo)
+        timings["export_s"] = time.perf_counter() - t
+        info = _info(settings, group_size, exclude, hf_quant, calib.stats(), passes, device, timings)
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return info
+
+
+def _info(settings: QuantSettings, group_size, exclude, hf_quant: dict, calib: dict, passes: int,
+          device: str, timings: dict) -> dict:
+    import modelopt  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    return {
+        "format": settings.format,
+        "kv_cache": settings.kv_cache,
+        "kv_cache_dtype": "fp8_e4m3" if KV_RECIPES[settings.kv_cache] else None,
+        "group_size": group_size,
+        "exclude": list(exclude),
+        "quant_algo": hf_quant.get("quant_algo"),
+        "kv_cache_quant_algo": hf_quant.get("kv_cache_quant_algo"),
+        "exclude_modules": hf_quant.get("exclude_modules", []),
+        "source": f"modelopt {modelopt.__version__}",
+        "tools": {"modelopt": modelopt.__version__, "torch": torch.__version__,
+                  "transformers": transformers.__version__},
+        "device": device,
+        "calibration": dict(calib, passes=passes),
+        "timings": {k: round(v, 3) for k, v in timings.items()},
+    }
