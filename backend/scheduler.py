@@ -317,9 +317,14 @@ class Scheduler:
         num_prefill_tokens = 0
         for s in prefills:
             num_prefill_tokens += s.num_new_tokens
-        out = SchedulerOutput(prefills + decodes, preempted, self._finished_ids,
-                              len(prefills), num_prefill_tokens, self.max_num_tokens - budget
-                              - num_prefill_tokens, spec_total)
+        if preempted:
+            # Victims may have been unscheduled after their tokens were counted: recount.
+            num_decode_tokens = sum(s.num_new_tokens for s in decodes)
+            spec_total = sum(s.num_spec_tokens for s in decodes)
+        else:
+            num_decode_tokens = self.max_num_tokens - budget - num_prefill_tokens
+        out = SchedulerOutput(prefills + decodes, preempted, self._finished_ids, len(prefills),
+                              num_prefill_tokens, num_decode_tokens, spec_total)
         self._finished_ids = []
         if out.scheduled:
             self.num_steps += 1

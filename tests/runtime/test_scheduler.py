@@ -39,6 +39,9 @@ def run(sched, max_steps=10_000, check=True, model=next_token):
         out, _ = step(sched, model)
         outputs.append(out)
         if check:
+            assert out.num_tokens == sum(s.num_new_tokens for s in out.scheduled)
+            assert out.num_prefill_tokens == sum(s.num_new_tokens for s in out.scheduled
+                                                 if s.is_prefill)
             assert out.num_tokens <= sched.max_num_tokens
             assert len(out.scheduled) <= sched.max_batch_size
             assert len(sched.running) <= sched.max_batch_size
@@ -397,3 +400,23 @@ def test_add_rejects_requests_that_can_never_run():
     with pytest.raises(ValueError, match=r"prompt_token_ids is empty"):
         make("empty", [])
     assert sched.num_waiting == 1 and list(sched.requests) == ["ok"]
+
+
+def test_high_priority_prefill_preempts_an_already_scheduled_decode():
+    bm = BlockManager(6, 4)                        # 24 tokens
+    sched = Scheduler(bm, max_batch_size=4, max_num_tokens=8)
+    low = make("low", range(3, 11), max_tokens=10, ignore_eos=True)
+    sched.add(low)
+    step(sched)                                    # low: 8-token prefill
+    hog = make("hog", range(20, 34), max_tokens=2, ignore_eos=True, priority=5)
+    sched.add(hog)
+    step(sched)                                    # low decodes, hog's first chunk (7 tokens)
+    out = sched.schedule()
+    # low's decode was scheduled first, then hog's chunk needed its blocks: low is unscheduled.
+    assert out.preempted == [low] and low.status is RequestStatus.PREEMPTED
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("hog", 7)]
+    assert (out.num_prefill_tokens, out.num_decode_tokens, out.num_tokens) == (7, 0, 7)
+    sched.update(out, [next_token(hog.all_token_ids)])
+    run(sched)
+    assert low.output_token_ids == reference_output(low.prompt_token_ids, 10)
+    assert bm.num_free_blocks == 6
