@@ -14,12 +14,12 @@ import os
 import shutil
 from pathlib import Path
 
+
 from builder import sources
 from builder.config import check_against_model, ConfigError
 from builder.model_spec import model_spec
 from builder.stages.base import StageContext, StageError
 
-HF_ARCH_NAME = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 # ModelOpt's quant_algo -> our quantization.format
@@ -42,8 +42,7 @@ def run(ctx: StageContext) -> dict:
     with ctx.progress(f"hashing {src.path.name}", total) as advance:
         digest = sources.sha256_files(files, None if src.kind == "gguf" else src.path, advance)
     if src.kind == "gguf":
-        with ctx.progress(f"dequantizing {src.path.name} to {ctx.config.model.dtype}") as _:
-            _import_gguf(src, ctx.out_dir, ctx.config.model.dtype)
+        _import_gguf(ctx, src, ctx.out_dir, ctx.config.model.dtype)
     else:
         _import_hf(src, ctx.out_dir)
     _ensure_tokenizer(ctx.out_dir, src)
@@ -90,30 +89,13 @@ def _import_hf(src: sources.Source, out: Path) -> None:
             shutil.copy2(f, out / f.name)
 
 
-def _import_gguf(src: sources.Source, out: Path, dtype_name: str) -> None:
+def _import_gguf(ctx: StageContext, src: sources.Source, out: Path, dtype_name: str) -> None:
     import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
-    dtype = getattr(torch, dtype_name)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name, dtype=dtype)
-    except Exception as e:  # transformers raises many types on unreadable GGUF content
-        raise StageError(f"{src.path}: transformers could not load this GGUF ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    config = model.config
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
-             if not (tied and k == "lm_head.weight")}  # a tied head is the embedding: store it once
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the GGUF quantization is gone once dequantized
-    config.architectures = [HF_ARCH_NAME[src.architecture]]
-    config.dtype = dtype_name
-    config.to_json_file(str(out / "config.json"))
-    if model.generation_config is not None:
-        model.generation_config.to_json_file(str(out / "generation_config.json"))
-    _save_tokenizer(str(src.path.parent), out, gguf_file=src.path.name)
+    from builder.gguf_import import convert
+
+    with ctx.progress(f"dequantizing {src.path.name} to {dtype_name}") as advance:
+        convert(src.path, src.architecture, out, getattr(torch, dtype_name), advance)
 
 
 def _save_tokenizer(source: str, out: Path, **kwargs) -> None:
