@@ -150,6 +150,20 @@ def run_scenario(name: str, num_seqs: int, steps: int, block_size: int, max_seq_
     return summary
 
 
+def python_speed_ms(repeats: int = 5) -> float:
+    """Best time of a fixed 1M-iteration pure-Python loop: a yardstick for how fast this
+    interpreter runs right now (a loaded shared machine can be several times slower than usual),
+    so numbers from different machines or moments can be compared."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        acc = 0
+        for i in range(1_000_000):
+            acc += i
+        best = min(best, time.perf_counter() - t)
+    return best * 1000
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -214,12 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         pstats.Stats(profile).sort_stats("cumulative").print_stats(25)
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    yardstick = python_speed_ms()
     doc = {
         "what": "engine step host overhead (scheduler + block manager + input preparation + "
                 "sampling bookkeeping + update) with a stub model returning fixed logits "
                 f"(vocab {STUB_VOCAB}, no compute)",
         "goal": "<= 0.5 ms per step at 256 running sequences (docs: shared/notes/targets.md)",
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "load_avg_1_5_15": load,
+                    "python_1m_loop_ms": round(yardstick, 1),
                     "python": platform.python_version(), "torch": torch.__version__,
                     "note": "shared development machine: timings are noisy"},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

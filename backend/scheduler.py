@@ -250,9 +250,11 @@ class Scheduler:
         bs = bm.block_size
         caching = bm.enable_prefix_caching
         spec_total = 0
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
+        i = 0                            # how many running requests this loop looked at
+        # Iterating while _preempt_tail pops the list's tail is safe: iteration just ends sooner.
+        for req in running:
+            if budget <= 0:
+                break
             i += 1
             num_tokens = len(req.all_token_ids)
             start = req.num_computed_tokens
