@@ -40,6 +40,10 @@ from backend.sampling_params import SamplingParams
 from backend.scheduler import Scheduler
 
 PARTS = ("schedule", "prepare_inputs", "model_stub", "sample", "update")
+# The code this benchmark measures: "-dirty" in the recorded commit means one of these differs.
+_MEASURED_FILES = ("backend/scheduler.py", "backend/kv_cache.py", "backend/inputs.py",
+                   "backend/request.py", "backend/sampling_params.py",
+                   "backend/attention/metadata.py", "backend/bench_overhead.py")
 STUB_VOCAB = 32    # tiny on purpose: the greedy pick must not stand in for a real sampler
 
 
@@ -179,9 +183,9 @@ def _git_commit() -> str:
         root = Path(__file__).resolve().parent.parent
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "backend"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *_MEASURED_FILES], cwd=root,
                                capture_output=True, text=True, check=True).stdout.strip()
-        return sha + ("-dirty(backend)" if dirty else "")
+        return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
