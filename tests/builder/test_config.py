@@ -1,0 +1,190 @@
+"""Config schema: shipped configs validate, every kind of mistake is one clear line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from builder.config import BuildConfig, ConfigError, check_against_model
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
+SMOLLM2_SHAPE = {"num_kv_heads": 3, "num_heads": 9, "head_dim": 64, "hidden_size": 576,
+                 "intermediate_size": 1536, "num_layers": 30, "max_position_embeddings": 8192}
+
+
+def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def error_of(fn, *args, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_configs_validate(path):
+    cfg = BuildConfig.from_yaml(path)
+    assert cfg.file == str(path)
+    assert cfg.stem == path.stem
+
+
+def test_expected_configs_are_shipped():
+    names = {p.name for p in SHIPPED}
+    for name in ("smollm2-135m-fp8.yaml", "smollm2-135m-bf16.yaml", "smollm2-135m-nvfp4.yaml",
+                 "smollm2-135m-int4-awq.yaml", "llama3.1-8b-fp8.yaml", "llama3.1-8b-nvfp4.yaml", "llama70b-fp8.yaml"):
+        assert name in names
+
+
+def test_defaults_match_contract():
+    cfg = BuildConfig.from_dict({})
+    assert cfg.quantization.format == "fp8" and cfg.quantization.kv_cache == "fp8"
+    assert cfg.quantization.exclude == ("lm_head",)
+    assert cfg.engine.kv_block_size == 16 and cfg.engine.target_sms == (90, 100)
+    assert cfg.speculative.train.steps == 200
+    assert cfg.output_dir() == Path("build/engine")
+
+
+def test_missing_file(tmp_path):
+    msg = error_of(BuildConfig.from_yaml, tmp_path / "nope.yaml")
+    assert "nope.yaml" in msg and "not found" in msg
+
+
+def test_invalid_yaml_names_line(tmp_path):
+    p = write(tmp_path, "engine:\n  max_batch_size: [1, 2\n")
+    msg = error_of(BuildConfig.from_yaml, p)
+    assert str(p) in msg and "invalid YAML" in msg and "line" in msg
+
+
+def test_unknown_key_suggests_closest(tmp_path):
+    p = write(tmp_path, "engine:\n  max_batch_sise: 8\n")
+    msg = error_of(BuildConfig.from_yaml, p)
+    assert msg.startswith(f"{p}: engine.max_batch_sise: unknown key")
+    assert "did you mean 'engine.max_batch_size'" in msg
+
+
+def test_unknown_section(tmp_path):
+    msg = error_of(BuildConfig.from_yaml, write(tmp_path, "quantisation:\n  format: fp8\n"))
+    assert "did you mean 'quantization'" in msg
+
+
+def test_wrong_type(tmp_path):
+    msg = error_of(BuildConfig.from_yaml, write(tmp_path, "engine:\n  max_batch_size: lots\n"))
+    assert "engine.max_batch_size: expected an integer, got 'lots'" in msg and "allowed:" in msg
+    # booleans are not integers, even though Python says so
+    assert "expected an integer" in error_of(BuildConfig.from_dict, {"engine": {"tp_size": True}})
+
+
+def test_unknown_quantization_format(tmp_path):
+    msg = error_of(BuildConfig.from_yaml, write(tmp_path, "quantization:\n  format: fp4\n"))
+    assert "quantization.format: invalid value 'fp4'" in msg
+    assert "allowed: none | fp8 | nvfp4 | int4_awq | int8_sq | w4a8_awq" in msg
+
+
+@pytest.mark.parametrize("overrides, key, fragment", [
+    (["engine.kv_block_size=24"], "engine.kv_block_size", "not a power of two"),
+    (["engine.max_input_len=2048"], "engine.max_input_len", "must be below engine.max_seq_len"),
+    (["engine.enable_chunked_prefill=false", "engine.max_num_tokens=512"], "engine.max_num_tokens",
+     "without chunked prefill"),
+    (["engine.max_num_tokens=16", "engine.max_batch_size=32"], "engine.max_num_tokens", "below engine.max_batch_size"),
+    (["engine.max_kv_tokens=100"], "engine.max_kv_tokens", "cannot hold one sequence"),
+    (["engine.target_sms=[]"], "engine.target_sms", "at least one"),
+    (["engine.tp_size=3"], "engine.tp_size", "invalid value 3"),
+    (["model.max_position_embeddings=1024"], "engine.max_seq_len", "exceeds the model's context"),
+    (["speculative.tree=static"], "speculative.tree_choices", "required when speculative.tree=static"),
+    (["speculative.tree_choices=[[0]]"], "speculative.tree_choices", "only used with speculative.tree=static"),
+    (["serving.grpc_port=8000"], "serving", "ports must differ"),
+    (["quantization.calibration.num_samples=0"], "quantization.calibration.num_samples", "too small"),
+    (["model.source="], "model.source", "expected a string"),
+])
+def test_impossible_values_and_combinations(overrides, key, fragment):
+    msg = error_of(BuildConfig.from_dict, {}, "x.yaml", overrides)
+    assert msg.startswith(f"x.yaml: {key}: "), msg
+    assert fragment in msg
+
+
+def test_overrides_parse_yaml_scalars():
+    cfg = BuildConfig.from_dict({}, "x.yaml", ["engine.max_batch_size=8", "engine.enable_prefix_caching=false",
+                                             "engine.target_sms=[90]", "verify.max_mean_kl=0.5",
+                                             "speculative.train={steps: 3}", "model.source=/a=b"])
+    assert cfg.engine.max_batch_size == 8 and cfg.engine.enable_prefix_caching is False
+    assert cfg.engine.target_sms == (90,) and cfg.verify.max_mean_kl == 0.5
+    assert cfg.speculative.train.steps == 3 and cfg.speculative.train.seq_len == 128
+    assert cfg.model.source == "/a=b"
+
+
+def test_override_mistakes():
+    assert "did you mean 'engine.max_batch_size'" in error_of(BuildConfig.from_dict, {}, "x", ["engin.max_batch_size=2"])
+    assert "must look like key.path=value" in error_of(BuildConfig.from_dict, {}, "x", ["engine.max_batch_size"])
+
+
+def test_section_hash_is_stable_and_specific(tmp_path):
+    a = BuildConfig.from_yaml(write(tmp_path, "engine: {max_batch_size: 8, kv_block_size: 32}\n", "a.yaml"))
+    b = BuildConfig.from_yaml(write(tmp_path, "engine:\n  kv_block_size: 32\n  max_batch_size: 8\n", "b.yaml"))
+    c = BuildConfig.from_dict({}, "c.yaml", ["engine.max_batch_size=9", "engine.kv_block_size=32"])
+    assert a.section_hash("engine") == b.section_hash("engine") != c.section_hash("engine")
+    assert a.section_hash("quantization") == c.section_hash("quantization")
+    assert a.config_hash() == b.config_hash()
+    assert len(a.section_hash("model")) == 64
+    with pytest.raises(KeyError):
+        a.section_hash("nope")
+
+
+def test_config_is_frozen():
+    cfg = BuildConfig.from_dict({})
+    with pytest.raises(AttributeError):
+        cfg.engine.max_batch_size = 3
+
+
+@pytest.mark.parametrize("overrides, model, key, fragment", [
+    (["engine.tp_size=2"], {}, "engine.tp_size", "does not divide the model's 3 KV heads"),
+    (["engine.max_seq_len=9000", "engine.max_num_tokens=9000"], {}, "engine.max_seq_len", "exceeds the model's context of 8192"),
+    (["quantization.format=int4_awq", "quantization.group_size=128"], {}, "quantization.group_size",
+     "does not divide the model's hidden_size"),
+    (["quantization.format=nvfp4"], {"intermediate_size": 1544}, "quantization.format", "divisible by 16"),
+    (["speculative.method=eagle3", "speculative.aux_layers=[1, 40]"], {}, "speculative.aux_layers", "layer 40"),
+])
+def test_model_shape_checks(overrides, model, key, fragment):
+    cfg = BuildConfig.from_dict({}, "x.yaml", overrides)
+    msg = error_of(check_against_model, cfg, {**SMOLLM2_SHAPE, **model})
+    assert msg.startswith(f"x.yaml: {key}: ") and fragment in msg
+    if key == "engine.tp_size":
+        assert msg.endswith("allowed: 1")  # the tp sizes that would work for this model
+
+
+def test_model_shape_ok_for_shipped_smollm2_configs():
+    for path in SHIPPED:
+        if path.name.startswith("smollm2"):
+            check_against_model(BuildConfig.from_yaml(path), SMOLLM2_SHAPE)
+
+
+def _cli(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "builder", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_validate(tmp_path):
+    ok = _cli("validate", *map(str, SHIPPED))
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.count("ok: ") == len(SHIPPED)
+    bad = write(tmp_path, "engine:\n  kv_block_size: 12\n")
+    res = _cli("validate", str(SHIPPED[0]), str(bad))
+    assert res.returncode != 0
+    assert res.stderr.strip().splitlines() == [f"error: {bad}: engine.kv_block_size: 12 is not a power of two; "
+                                                 f"allowed: a power of two, 1..1024"]
+
+
+def test_cli_help_explains_options():
+    top = _cli("--help")
+    assert top.returncode == 0 and all(c in top.stdout for c in ("build", "validate", "inspect"))
+    build = _cli("build", "--help")
+    assert build.returncode == 0
+    for option in ("--output", "--force", "--debug", "--until", "key=value", "overrides", "stages"):
+        assert option in build.stdout
