@@ -1,0 +1,149 @@
+"""The EAGLE-3 draft head in plain torch (runs beside the target on CPU or GPU).
+
+One step of the draft for N entries::
+
+    g     = fc(cat(aux_0, aux_1, aux_2))            # only for entries fed by the TARGET; entries fed
+                                                     # by the draft's own previous step pass its
+                                                     # pre-norm output instead (EAGLE's recurrence)
+    x     = cat(rms(embed(token)), hidden_norm(g))   # [N, 2H]: token embedding next to the feature
+    h     = g + o(attn(q(x), k(x), v(x)))            # ONE decoder layer with its own KV cache
+    h     = h + mlp(rms(h))                          # -> pre-norm output (fed to the next step)
+    probs = lm_head(norm(h))                         # over the draft vocabulary; d2t -> target ids
+
+An entry at position p pairs the target's hidden state AT p with the token AT p+1 and predicts the
+token at p+2, exactly how ModelOpt trains it (inputs shifted left by one).
+
+The draft's KV cache is a small contiguous buffer per sequence (:class:`DraftKV`): it holds one
+entry per committed position; tentative entries written while growing a tree are dropped by
+resetting ``length`` (nothing to free).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from backend.model.layers import RotaryEmbedding, apply_rope, rms_norm
+from backend.spec.checkpoint import DraftConfig
+
+_L = "layers.0."
+
+
+@dataclass
+class DraftKV:
+    """Per-sequence draft cache: ``k, v [capacity, Hkv, D]``; entries ``[0, length)`` are committed."""
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    def ensure(self, capacity: int) -> None:
+        if capacity > self.k.shape[0]:
+            new = max(capacity, 2 * self.k.shape[0])
+            grow = new - self.k.shape[0]
+            self.k = torch.cat([self.k, self.k.new_zeros((grow,) + tuple(self.k.shape[1:]))])
+            self.v = torch.cat([self.v, self.v.new_zeros((grow,) + tuple(self.v.shape[1:]))])
+
+
+class Eagle3Draft:
+    """Weights + math of one EAGLE-3 head. Stateless apart from the weights; caches are passed in."""
+
+    def __init__(self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], embed_tokens: torch.Tensor,
+                 target_lm_head: torch.Tensor | None, max_position: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+        def w(name: str) -> torch.Tensor:
+            return tensors[name].to(device=self.device, dtype=dtype)
+
+        self.fc = w("fc.weight")
+        self.input_norm = w(_L + "input_layernorm.weight")
+        self.hidden_norm = w(_L + "hidden_norm.weight")
+        self.post_norm = w(_L + "post_attention_layernorm.weight")
+        # One fused matmul for q|k|v: the three share the same [2H] input.
+        self.qkv = torch.cat([w(_L + "self_attn.q_proj.weight"), w(_L + "self_attn.k_proj.weight"),
+                              w(_L + "self_attn.v_proj.weight")])
+        self.o = w(_L + "self_attn.o_proj.weight")
+        self.gate_up = torch.cat([w(_L + "mlp.gate_proj.weight"), w(_L + "mlp.up_proj.weight")])
+        self.down = w(_L + "mlp.down_proj.weight")
+        self.norm = w("norm.weight")
+        self.embed = embed_tokens.to(device=self.device, dtype=dtype)
+        if cfg.has_lm_head:
+            self.lm_head = w("lm_head.weight")
+        else:
+            assert target_lm_head is not None, "a draft without lm_head needs the target's"
+            self.lm_head = target_lm_head.to(device=self.device, dtype=dtype)
+        # draft id -> target id (identity when the vocabularies are the same).
+        if "d2t" in tensors and cfg.draft_vocab_size < cfg.vocab_size:
+            self.d2t_ids = (torch.arange(cfg.draft_vocab_size) + tensors["d2t"].long()).to(self.device)
+        else:
+            self.d2t_ids = None
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, self.device)
+
+    def new_cache(self, capacity: int = 256) -> DraftKV:
+        shape = (capacity, self.cfg.num_kv_heads, self.cfg.head_dim)
+        return DraftKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                       torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    @torch.inference_mode()
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """``aux [N, A*H]`` (the target's captured layers, concatenated in ``cfg.aux_layers`` order)
+        -> draft feature ``[N, H]``."""
+        return F.linear(aux.to(self.dtype), self.fc)
+
+    @torch.inference_mode()
+    def step(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             cache: DraftKV, write_at: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the decoder layer for N new entries of one sequence.
+
+        ``feats [N, H]``, ``tokens [N]`` (the token AFTER each entry's position), ``positions [N]``.
+        Their keys/values are written at cache rows ``[write_at, write_at + N)``; each entry attends
+        to the committed rows ``[0, cache.length)`` and to the new rows allowed by ``mask [N, N]``
+        (bool; default causal). Returns the pre-norm outputs ``[N, H]``. Does not change
+        ``cache.length``: the caller commits rows it keeps.
+        """
+        c = self.cfg
+        n = feats.shape[0]
+        emb = F.embedding(tokens, self.embed)
+        g = feats.to(self.dtype)
+        hin = rms_norm(g, self.input_norm, c.rms_norm_eps) if c.double_hidden_norm else g
+        x = torch.cat([rms_norm(emb, self.input_norm, c.rms_norm_eps),
+                       rms_norm(hin, self.hidden_norm, c.rms_norm_eps)], dim=-1)
+        q, k, v = F.linear(x, self.qkv).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        cos, sin = self.rope.tables(positions, self.dtype)
+        q = apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
+        v = v.view(n, c.num_kv_heads, c.head_dim)
+        cache.ensure(write_at + n)
+        cache.k[write_at:write_at + n] = k
+        cache.v[write_at:write_at + n] = v
+        past = cache.length
+        keys = torch.cat([cache.k[:past], cache.k[write_at:write_at + n]])
+        vals = torch.cat([cache.v[:past], cache.v[write_at:write_at + n]])
+        if mask is None:
+            mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        full = torch.cat([torch.ones(n, past, dtype=torch.bool, device=self.device), mask.to(self.device)], 1)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+            vals.transpose(0, 1).unsqueeze(0), attn_mask=full.view(1, 1, n, past + n), scale=self.scale,
+            enable_gqa=c.num_heads != c.num_kv_heads)
+        h = g + F.linear(attn.squeeze(0).transpose(0, 1).reshape(n, self.q_size), self.o)
+        gate, up = F.linear(rms_norm(h, self.post_norm, c.rms_norm_eps), self.gate_up).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down)
+
+    @torch.inference_mode()
+    def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """Pre-norm outputs ``[N, H]`` -> fp32 logits over the DRAFT vocabulary ``[N, Vd]``."""
+        return F.linear(rms_norm(prenorm, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.d2t_ids is None else self.d2t_ids[draft_ids]
+
+
+__all__ = ["DraftKV", "Eagle3Draft"]
