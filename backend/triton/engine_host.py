@@ -29,7 +29,7 @@ from backend.triton.tokenizer import load_tokenizer
 
 __all__ = ["EngineHost", "chosen_logprobs"]
 
-POLL_S = 0.02          # cancellation check period: a cancelled stream stops within ~one step
+POLL_S = 0.1           # cancellation check period (each check is an IPC round trip per request)
 STATS_EVERY_S = 0.5    # gauge refresh period
 
 
@@ -217,9 +217,13 @@ class EngineHost:
             with self._lock:
                 streams = list(self._active.values())
             for st in streams:
-                if not st.cancel_asked and not st.done and st.request.is_cancelled():
+                # under the stream's lock: once its FINAL response is sent Triton releases the
+                # request, and asking a released request is_cancelled() crashes the server
+                with st.lock:
+                    if st.done or st.cancel_asked or not st.request.is_cancelled():
+                        continue
                     st.cancel_asked = True
-                    self.executor.cancel(st.rid)
+                self.executor.cancel(st.rid)
             if time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + STATS_EVERY_S
                 self.refresh_metrics()

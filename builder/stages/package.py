@@ -7,6 +7,7 @@ placeholder with no value, on a malformed one, and on a value no template uses.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -16,7 +17,7 @@ from typing import Mapping
 from builder.stages.base import StageContext, StageError
 
 __all__ = ["TEMPLATE_ROOT", "MODELS", "RenderError", "render_text", "render_repository",
-           "template_values", "run"]
+           "template_values", "fingerprint", "run"]
 
 TEMPLATE_ROOT = Path(__file__).resolve().parents[2] / "model_repository"
 TEMPLATE_SUFFIX = ".tmpl"
@@ -108,6 +109,15 @@ def template_values(serving, engine_dir: str, device: str = "auto") -> dict[str,
         "preprocessing_instances": serving.preprocessing_instances,
         "postprocessing_instances": serving.postprocessing_instances,
     }
+
+
+def fingerprint(ctx: StageContext) -> str:
+    """Templates are inputs too: editing one re-renders the repository on the next build."""
+    h = hashlib.sha256()
+    for path in sorted(TEMPLATE_ROOT.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            h.update(str(path.relative_to(TEMPLATE_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def run(ctx: StageContext) -> dict:
