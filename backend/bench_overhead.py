@@ -41,7 +41,8 @@ from backend.scheduler import Scheduler
 
 PARTS = ("schedule", "prepare_inputs", "model_stub", "sample", "update")
 # The code this benchmark measures: "-dirty" in the recorded commit means one of these differs.
-_MEASURED_FILES = ("backend/scheduler.py", "backend/kv_cache.py", "backend/inputs.py",
+_MEASURED_FILES = ("backend/scheduler.py", "backend/scheduler_types.py",
+                   "backend/scheduler_policies.py", "backend/kv_cache.py", "backend/inputs.py",
                    "backend/request.py", "backend/sampling_params.py",
                    "backend/attention/metadata.py", "backend/bench_overhead.py")
 STUB_VOCAB = 32    # tiny on purpose: the greedy pick must not stand in for a real sampler

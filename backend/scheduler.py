@@ -13,9 +13,8 @@ run out is always the tail: the lowest-priority, latest request. Preemption is b
 blocks are freed (full ones stay in the prefix cache, which usually makes the recompute cheap) and it
 goes back to the waiting queue with its original place.
 
-Policies (``POLICIES``): ``max_utilization`` admits whatever fits now; ``guaranteed_no_evict``
-admits a request only if the blocks for its whole life (prompt + max_tokens) are free after
-reserving the same for every running request, so running requests never need preemption.
+Admission policies live in ``scheduler_policies.py`` (``POLICIES``: ``max_utilization``,
+``guaranteed_no_evict``); the step's data types and the waiting queue in ``scheduler_types.py``.
 
 The executor calls ``schedule()``, runs the model on the returned ``SchedulerOutput``, samples one
 token (or, with speculation, the accepted drafts plus one) per sequence whose ``sample`` flag is set,
@@ -24,94 +23,19 @@ and calls ``update(output, sampled)``.
 from __future__ import annotations
 
 import bisect
-import heapq
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 from backend.kv_cache import BlockManager
 from backend.request import Request, RequestStatus
+from backend.scheduler_policies import POLICIES, GuaranteedNoEvict, MaxUtilization
+from backend.scheduler_types import ScheduledSeq, SchedulerOutput, WaitingQueue
 
 _RUNNING = RequestStatus.RUNNING
 
 
-@dataclass(slots=True)
-class ScheduledSeq:
-    request: Request
-    start_pos: int        # tokens already in the KV cache before this step
-    num_new_tokens: int   # query length this step (includes num_spec_tokens)
-    is_prefill: bool      # (part of) a prompt or a recompute, rather than a decode
-    sample: bool          # this step reaches the end of the known tokens: sample a token
-    num_spec_tokens: int = 0   # trailing draft tokens (request.spec_token_ids[:n]) to verify
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq]            # prefills first, then decodes
-    preempted: list[Request] = field(default_factory=list)
-    # Requests that finished or were aborted since the previous schedule(): input preparation
-    # drops their cached rows.
-    finished_request_ids: list[str] = field(default_factory=list)
-    num_prefills: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_spec_tokens: int = 0                 # draft tokens scored this step (0 = no speculation)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    @property
-    def num_sampled(self) -> int:
-        return sum(1 for s in self.scheduled if s.sample)
-
-
 def _sort_key(req: Request) -> tuple[int, int]:
     return (-req.priority, req.arrival_seq)
-
-
-class MaxUtilization:
-    """Admit greedily; when a running request needs a block and none is free, preempt."""
-    name = "max_utilization"
-
-    def begin(self, scheduler: "Scheduler") -> None:
-        pass
-
-    def admit(self, scheduler: "Scheduler", request: Request) -> bool:
-        return True
-
-    def admitted(self, scheduler: "Scheduler", request: Request) -> None:
-        pass
-
-
-class GuaranteedNoEvict:
-    """Admit only requests whose whole life fits next to the running requests' reservations."""
-    name = "guaranteed_no_evict"
-
-    def __init__(self) -> None:
-        self._reserved = 0
-
-    def begin(self, scheduler: "Scheduler") -> None:
-        need = scheduler.blocks_for_life
-        self._reserved = sum(max(need(r) - len(r.block_ids), 0) for r in scheduler.running)
-
-    def admit(self, scheduler: "Scheduler", request: Request) -> bool:
-        bm = scheduler.block_manager
-        life = scheduler.life_tokens(request)
-        return bm.num_blocks_needed(request, life) <= bm.num_free_blocks - self._reserved
-
-    def admitted(self, scheduler: "Scheduler", request: Request) -> None:
-        self._reserved += max(scheduler.blocks_for_life(request) - len(request.block_ids), 0)
-
-
-POLICIES: dict[str, Callable[[], object]] = {
-    MaxUtilization.name: MaxUtilization,
-    GuaranteedNoEvict.name: GuaranteedNoEvict,
-}
 
 
 class Scheduler:
@@ -136,8 +60,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
         self.running: list[Request] = []          # sorted by (priority desc, arrival)
-        self._waiting: list[tuple[int, int, Request]] = []   # heap; aborted entries skipped lazily
-        self._num_waiting = 0
+        self.waiting = WaitingQueue()
         self.requests: dict[str, Request] = {}    # every unfinished request
         self._finished_ids: list[str] = []
         self._next_seq = 0
@@ -153,7 +76,7 @@ class Scheduler:
     # -- sizes --------------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return len(self.waiting)
 
     @property
     def num_running(self) -> int:
@@ -197,21 +120,7 @@ class Scheduler:
         request.arrival_seq = self._next_seq
         self._next_seq += 1
         self.requests[rid] = request
-        self._push_waiting(request)
-
-    def _push_waiting(self, request: Request) -> None:
-        heapq.heappush(self._waiting, (-request.priority, request.arrival_seq, request))
-        self._num_waiting += 1
-
-    def _peek_waiting(self) -> Request | None:
-        heap = self._waiting
-        while heap:
-            req = heap[0][2]
-            if req.is_finished:          # aborted while waiting: drop lazily
-                heapq.heappop(heap)
-                continue
-            return req
-        return None
+        self.waiting.push(request)
 
     def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
               error: str | None = None) -> Request | None:
@@ -224,7 +133,7 @@ class Scheduler:
         if req.status is _RUNNING:
             self.running.remove(req)
         else:
-            self._num_waiting -= 1       # the heap entry is skipped when it reaches the top
+            self.waiting.discard(req)
         self.block_manager.free(req)
         req.status = status
         req.error = error
@@ -337,10 +246,11 @@ class Scheduler:
         bm = self.block_manager
         running = self.running
         policy = self.policy
-        if budget > 0 and self._num_waiting and len(running) < self.max_batch_size:
+        waiting = self.waiting
+        if budget > 0 and waiting and len(running) < self.max_batch_size:
             policy.begin(self)
         while budget > 0 and len(running) < self.max_batch_size:
-            req = self._peek_waiting()
+            req = waiting.peek()
             if req is None:
                 break
             length = len(req.all_token_ids)
@@ -354,8 +264,7 @@ class Scheduler:
             cached = bm.allocate_for(req, budget)
             if cached is None:
                 break
-            heapq.heappop(self._waiting)
-            self._num_waiting -= 1
+            waiting.pop()
             req.status = _RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.clock()
@@ -383,7 +292,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self._push_waiting(victim)
+        self.waiting.push(victim)
         preempted.append(victim)
         return victim is needy
 
@@ -490,7 +399,7 @@ class Scheduler:
         self._finished_ids.append(req.request_id)
 
     def stats(self) -> dict:
-        out = {"running": len(self.running), "waiting": self._num_waiting,
+        out = {"running": len(self.running), "waiting": len(self.waiting),
                "steps": self.num_steps, "preemptions": self.num_preemptions,
                "prefill_tokens_computed": self.num_prefill_tokens_computed,
                "decode_tokens_computed": self.num_decode_tokens_computed,
@@ -502,4 +411,4 @@ class Scheduler:
 
 
 __all__ = ["POLICIES", "GuaranteedNoEvict", "MaxUtilization", "ScheduledSeq", "Scheduler",
-           "SchedulerOutput"]
+           "SchedulerOutput", "WaitingQueue"]

@@ -29,7 +29,8 @@ def snapshot(bm, *reqs):
 
 
 def test_pure_core_imports_no_torch():
-    code = ("import sys; import backend.kv_cache, backend.scheduler, backend.request, "
+    code = ("import sys; import backend.kv_cache, backend.kv_capacity, backend.scheduler, "
+            "backend.scheduler_types, backend.scheduler_policies, backend.request, "
             "backend.sampling_params; bad = [m for m in ('torch', 'numpy') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
