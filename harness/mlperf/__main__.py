@@ -37,6 +37,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--user-conf", type=Path, help="user.conf overriding configs/mlperf/user.conf")
     p.add_argument("--mlperf-conf", type=Path, help="mlperf.conf overriding configs/mlperf/mlperf.conf")
     p.add_argument("--num-clients", type=int, default=4, help="gRPC connections (default 4)")
+    p.add_argument("--log-root", type=Path, help="where <scenario>/<mode>/ logs go (default <output>/mlperf)")
+    p.add_argument("--max-output-tokens", type=int,
+                   help="debug only: cap outputs below the benchmark's length (results are not comparable)")
+    p.add_argument("--test-queries", type=int, help="--test-run size (default from benchmarks.yaml)")
     p.add_argument("--save-reference", action="store_true",
                    help="AccuracyOnly: store the decoded outputs as the benchmark's accuracy reference")
     return p.parse_args(argv)
@@ -59,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                                      server_url=args.server_url, output=args.output,
                                      dataset_path=args.dataset_path, user_conf=args.user_conf,
                                      mlperf_conf=args.mlperf_conf, num_clients=args.num_clients,
-                                     save_reference=args.save_reference))
+                                     save_reference=args.save_reference, log_root=args.log_root,
+                                     max_output_tokens=args.max_output_tokens,
+                                     test_queries=args.test_queries))
                 s = res["summary"]
                 print(f"{name} {scenario} {res['mode']}: result {s.get('Result is', '?')}, "
                       f"tokens/s {s.get('Tokens per second', s.get('Completed tokens per second', '?'))} "

@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import multiprocessing
 import re
 import shutil
 import subprocess
@@ -40,6 +41,9 @@ class RunRequest:
     mlperf_conf: Path | None = None
     num_clients: int = 4
     save_reference: bool = False       # write the decoded outputs as the benchmark's reference
+    log_root: Path | None = None       # default <output>/mlperf
+    max_output_tokens: int | None = None   # debugging/CI only: shorter outputs than the benchmark's
+    test_queries: int | None = None    # --test-run size (default benchmarks.yaml test_run)
 
 
 def _engine_paths(config: Path, output: Path | None) -> tuple[Path, str, int]:
@@ -95,9 +99,9 @@ def ensure_server(url: str | None, repo: Path, default_port: int):
     if not (repo / "engine").is_dir():
         raise RuntimeError(f"no Triton server at {url} and no model repository at {repo} to start one "
                            f"(build it first: make build CONFIG=...)")
-    from harness.serve import TritonServer
+    from harness.serving_server import TritonServer
 
-    log.info("no server at %s: starting one from %s", url, repo)
+    log.info("no server at %s: starting one from %s (free ports)", url, repo)
     with TritonServer(repo) as server:
         yield server.grpc_url
 
@@ -120,12 +124,41 @@ def parse_summary(path: Path) -> dict[str, str]:
     return out
 
 
-def run(req: RunRequest) -> dict:
+def _loadgen_session(run_settings: settings.RunSettings, log_dir: Path, audit: Path, url: str,
+                     samples: list[Sample], num_clients: int) -> None:
+    """Child process: one LoadGen test over the Triton SUT; request errors go to sut_errors.json."""
     import mlperf_loadgen as lg
     from harness.mlperf.sut import SampleLibrary, TritonSUT
 
+    ts = settings.to_loadgen(run_settings, log_dir / "loadgen.conf")
+    log_settings = lg.LogSettings()
+    log_settings.log_output.outdir = str(log_dir)
+    log_settings.log_output.copy_summary_to_stdout = False
+    log_settings.enable_trace = False
+    bench = run_settings.benchmark
+    sut_obj = TritonSUT(url, samples, max_output_tokens=bench.max_output_tokens,
+                        min_output_tokens=bench.min_output_tokens, num_clients=num_clients)
+    qsl_obj = SampleLibrary(samples, ts.performance_sample_count_override or len(samples))
+    sut = lg.ConstructSUT(sut_obj.issue_queries, sut_obj.flush_queries)
+    qsl = qsl_obj.construct()
+    try:
+        lg.StartTestWithLogSettings(sut, qsl, ts, log_settings, str(audit))
+        sut_obj.wait_idle(60)
+    finally:
+        lg.DestroyQSL(qsl)
+        lg.DestroySUT(sut)
+        sut_obj.close()
+        (log_dir / "sut_errors.json").write_text(json.dumps(sut_obj.errors))
+
+
+def run(req: RunRequest) -> dict:
     table = settings.load_benchmarks()
+    if req.test_queries is not None:
+        table = dataclasses.replace(table, test_run={**table.test_run, "min_query_count": req.test_queries,
+                                                     "performance_sample_count_override": req.test_queries})
     bench = table.get(req.benchmark)
+    if req.max_output_tokens is not None:
+        bench = dataclasses.replace(bench, max_output_tokens=req.max_output_tokens)
     config = Path(req.config) if req.config else REPO_ROOT / bench.engine_config
     out_dir, stem, grpc_port = _engine_paths(config, req.output)
     mode_dir = req.compliance or req.mode
@@ -135,46 +168,44 @@ def run(req: RunRequest) -> dict:
     if req.compliance not in (None, "TEST06"):
         raise settings.SettingsError(f"--compliance {req.compliance!r}; allowed: TEST06")
     samples = load_samples(bench, out_dir, req.dataset_path)  # before touching the log folder
+    if req.test_run:
+        # AccuracyOnly runs every sample of the QSL: a test run keeps its QSL to the test size
+        samples = samples[:int(table.test_run["performance_sample_count_override"])]
     engine_json = out_dir / "engine" / "engine.json"
     eos = bench.eos_token_ids
     if eos is None:
         if not engine_json.is_file():
             raise RuntimeError(f"{engine_json}: engine bundle not found (build it: make build CONFIG={config})")
         eos = tuple(json.loads(engine_json.read_text())["model"]["eos_token_ids"])
-    log_dir = out_dir / "mlperf" / req.scenario / mode_dir
+    log_dir = Path(req.log_root or out_dir / "mlperf") / req.scenario / mode_dir
     if log_dir.exists():
         shutil.rmtree(log_dir)  # stale logs from an earlier run must not be mistaken for this one's
     log_dir.mkdir(parents=True)
-    ts = settings.to_loadgen(run_settings, log_dir / "loadgen.conf")
     (log_dir / "user.conf").write_text(run_settings.user_conf_text)
     audit = log_dir / "audit.config"  # absent for normal runs: LoadGen must not pick up a stray one
     if req.compliance == "TEST06":
         compliance.write_audit_config(audit, min_query_count=table.test_run["min_query_count"] if req.test_run else None)
-
-    log_settings = lg.LogSettings()
-    log_settings.log_output.outdir = str(log_dir)
-    log_settings.log_output.copy_summary_to_stdout = False
-    log_settings.enable_trace = False
     started = time.time()
     with ensure_server(req.server_url, out_dir / "model_repository", grpc_port) as url:
-        sut_obj = TritonSUT(url, samples, max_output_tokens=bench.max_output_tokens,
-                            min_output_tokens=bench.min_output_tokens, num_clients=req.num_clients)
-        qsl_obj = SampleLibrary(samples, ts.performance_sample_count_override or len(samples))
-        sut = lg.ConstructSUT(sut_obj.issue_queries, sut_obj.flush_queries)
-        qsl = qsl_obj.construct()
-        try:
-            lg.StartTestWithLogSettings(sut, qsl, ts, log_settings, str(audit))
-            sut_obj.wait_idle(60)
-        finally:
-            lg.DestroyQSL(qsl)
-            lg.DestroySUT(sut)
-            sut_obj.close()
+        # LoadGen reads its embedded mlperf.conf (seeds included) only on the first FromConfig of a
+        # process and flags any second one as invalid, so every test runs in a fresh process.
+        ctx = multiprocessing.get_context("spawn")
+        child = ctx.Process(target=_loadgen_session, name="loadgen",
+                            args=(run_settings, log_dir, audit, url, samples, req.num_clients))
+        child.start()
+        child.join()
+    errors_file = log_dir / "sut_errors.json"
+    sut_errors = json.loads(errors_file.read_text()) if errors_file.is_file() else []
+    if child.exitcode != 0:
+        sut_errors.append(f"LoadGen process exited with code {child.exitcode}")
     result: dict = {"benchmark": bench.name, "scenario": req.scenario, "mode": mode_dir,
                     "test_run": req.test_run, "config": str(config), "engine_stem": stem,
+                    "engine_dir": str((out_dir / "engine").resolve()),
+                    "max_output_tokens": bench.max_output_tokens,
                     "server_url": url, "log_dir": str(log_dir), "commit": _git_commit(),
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "command": " ".join([Path(sys.executable).name, "-m", "harness.mlperf", *sys.argv[1:]]),
-                    "wall_s": round(time.time() - started, 1), "sut_errors": sut_obj.errors[:20],
+                    "wall_s": round(time.time() - started, 1), "sut_errors": sut_errors[:20],
                     "summary": parse_summary(log_dir / "mlperf_log_summary.txt"),
                     "round": table.round}
     acc_log = log_dir / "mlperf_log_accuracy.json"
@@ -193,6 +224,6 @@ def run(req: RunRequest) -> dict:
         (log_dir / "verify_accuracy.txt").write_text(compliance.report_text(verdict))
         result["test06"] = verdict
     (log_dir / "run.json").write_text(json.dumps(result, indent=1))
-    if sut_obj.errors:
-        raise RuntimeError(f"{len(sut_obj.errors)} request(s) failed, first: {sut_obj.errors[0]} (logs: {log_dir})")
+    if sut_errors:
+        raise RuntimeError(f"{len(sut_errors)} error(s), first: {sut_errors[0]} (logs: {log_dir})")
     return result

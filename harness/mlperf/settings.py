@@ -33,7 +33,8 @@ KNOWN_KEYS = frozenset(
     infer_token_latencies token_latency_scaling_factor server_num_issue_query_threads mode
     test05 test05_qsl_rng_seed test05_sample_index_rng_seed test05_schedule_rng_seed""".split()
 )
-_LINE = re.compile(r"^\s*([^.\s]+)\.([^.\s]+)\.([A-Za-z0-9_]+)\s*=\s*(\S+)\s*$")
+# model names may contain dots (wan-2.2-t2v-a14b): scenario and key are the last two fields
+_LINE = re.compile(r"^\s*(\S+)\.([^.\s]+)\.([A-Za-z0-9_]+)\s*=\s*(\S+)\s*$")
 
 
 class SettingsError(ValueError):
@@ -54,12 +55,17 @@ def parse_conf(path: Path) -> list[ConfLine]:
     path = Path(path)
     if not path.is_file():
         raise SettingsError(f"{path}: settings file not found")
+    return parse_conf_text(path.read_text(), str(path))
+
+
+def parse_conf_text(text: str, path: str) -> list[ConfLine]:
+    """Parse conf text; `path` only names the source in errors ("<file>:<line>: ...")."""
     lines = []
-    for n, raw in enumerate(path.read_text().splitlines(), 1):
-        text = raw.split("#", 1)[0].strip()
-        if not text:
+    for n, raw in enumerate(text.splitlines(), 1):
+        body = raw.split("#", 1)[0].strip()
+        if not body:
             continue
-        m = _LINE.match(text)
+        m = _LINE.match(body)
         if not m:
             raise SettingsError(f"{path}:{n}: expected '<model>.<scenario>.<key> = <value>', got {raw.strip()!r}")
         model, scenario, key, value = m.groups()
@@ -73,6 +79,20 @@ def parse_conf(path: Path) -> list[ConfLine]:
             raise SettingsError(f"{path}:{n}: {key} = {value!r} is not a number") from None
         lines.append(ConfLine(model, scenario, key, value, f"{path}:{n}"))
     return lines
+
+
+def loadgen_mlperf_conf_text() -> str:
+    """The official mlperf.conf that the installed LoadGen embeds in its binary.
+
+    LoadGen applies it only on the first `FromConfig` call of a process, so Kiln never relies on
+    that: our mlperf.conf carries the same rule values explicitly (a test keeps them equal)."""
+    import mlperf_loadgen
+
+    data = Path(mlperf_loadgen.__file__).read_bytes()
+    start = data.find(b"# The format of this config file is 'key = value'.")
+    if start < 0:
+        raise SettingsError(f"{mlperf_loadgen.__file__}: no embedded mlperf.conf found")
+    return data[start:data.find(b"\0", start)].decode()
 
 
 def resolve(layers: list[list[ConfLine]], model: str, scenario: str) -> dict[str, ConfLine]:

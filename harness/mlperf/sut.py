@@ -56,6 +56,7 @@ class TritonSUT:
         self._idle = threading.Condition(self._lock)
         self.errors: list[str] = []
         self.completed = 0
+        self._closing = False
         self._ids = itertools.count()
         self._clients = [grpcclient.InferenceServerClient(url) for _ in range(num_clients)]
         cfg = self._clients[0].get_model_config(model_name, as_json=True)["config"]
@@ -88,7 +89,7 @@ class TritonSUT:
                   self._tensor("request_output_len", self.max_output_tokens)]
         # Optional controls, sent only when the model declares them: greedy decoding and
         # token-by-token streaming are what MLPerf's reference SUTs use.
-        optional = {"temperature": 0.0, "top_k": 1, "streaming": True, "stream": True,
+        optional = {"temperature": 0.0, "streaming": True, "stream": True,
                     "min_tokens": self.min_output_tokens, "min_length": self.min_output_tokens}
         inputs += [self._tensor(k, v) for k, v in optional.items() if k in self._inputs]
         return inputs
@@ -116,8 +117,11 @@ class TritonSUT:
         import mlperf_loadgen as lg
 
         if error is not None:
-            rid = getattr(error, "request_id", None) or self._request_id_of(error)
-            self._fail(rid, str(error))
+            if self._closing:  # stop_stream() ends each stream with UNAVAILABLE: not a failure
+                return
+            # tritonclient does not tell which request an error response belongs to; with no way
+            # to attribute it, every pending query is completed and the run is reported failed
+            self._fail(None, str(error))
             return
         resp = result.get_response()
         rid = resp.id
@@ -136,11 +140,6 @@ class TritonSUT:
                 lg.FirstTokenComplete([lg.QuerySampleResponse(p.query_id, first.ctypes.data, first.nbytes)])
         if final:
             self._complete(rid)
-
-    @staticmethod
-    def _request_id_of(error) -> str | None:
-        # tritonclient puts the request id only in the message for stream errors
-        return None
 
     def _complete(self, rid: str) -> None:
         import mlperf_loadgen as lg
@@ -169,6 +168,7 @@ class TritonSUT:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._closing = True
         for c in self._clients:
             try:
                 c.stop_stream()

@@ -122,7 +122,7 @@ def package(build_root: Path, out: Path, org: str, system_name: str | None, roun
         bench = table.get(bench_name)
         perf, acc, t06 = modes.get("PerformanceOnly"), modes.get("AccuracyOnly"), modes.get("TEST06")
         any_run = perf or acc or t06
-        engine_json = Path(any_run["dir"]).parents[2] / "engine" / "engine.json"
+        engine_json = Path(any_run["engine_dir"]) / "engine.json"
         for sub_name in bench.submission.values():
             p = dict(kw, benchmark=sub_name, scenario=scenario)
             if perf:
@@ -146,7 +146,8 @@ def package(build_root: Path, out: Path, org: str, system_name: str | None, roun
             mfile.parent.mkdir(parents=True, exist_ok=True)
             mfile.write_text(json.dumps(_measurements(engine_json, bench), indent=4) + "\n")
             if "mlperf.conf" in layout.extra_scenario_files:
-                shutil.copy2(settings.CONFIG_DIR / "mlperf.conf", sdir / "mlperf.conf")
+                # the official mlperf.conf, as embedded in the LoadGen that produced the logs
+                (sdir / "mlperf.conf").write_text(settings.loadgen_mlperf_conf_text())
             src = tmp / layout.fmt(layout.src_dir, **p)
             src.mkdir(parents=True, exist_ok=True)
             (src / "README.md").write_text(_source_reference())
