@@ -30,6 +30,13 @@ def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtyp
     return x if x.dtype == dtype else x.to(dtype)
 
 
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """``cache[block_table]`` (fp8 gathered as bytes: advanced indexing has no fp8 CPU kernel)."""
+    if cache.dtype == FP8_KV_DTYPE:
+        return cache.view(torch.uint8)[block_table].view(FP8_KV_DTYPE)
+    return cache[block_table]
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -41,8 +48,12 @@ class TorchAttentionBackend:
             slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
         k_flat = k_cache.view(num_blocks * block_size, hkv, d)
         v_flat = v_cache.view(num_blocks * block_size, hkv, d)
-        k_flat.index_copy_(0, slot_mapping, quantize_kv(k, k_scale, k_cache.dtype))
-        v_flat.index_copy_(0, slot_mapping, quantize_kv(v, v_scale, v_cache.dtype))
+        k_new = quantize_kv(k, k_scale, k_cache.dtype)
+        v_new = quantize_kv(v, v_scale, v_cache.dtype)
+        if k_cache.dtype == FP8_KV_DTYPE:  # index_copy_ has no fp8 kernel on CPU: copy the bytes
+            k_flat, v_flat, k_new, v_new = (t.view(torch.uint8) for t in (k_flat, v_flat, k_new, v_new))
+        k_flat.index_copy_(0, slot_mapping, k_new)
+        v_flat.index_copy_(0, slot_mapping, v_new)
 
     def forward(self, q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None) -> torch.Tensor:
         """Causal attention of ``q [T, Hq, D]`` over each sequence's cached keys (see module doc)."""
@@ -80,8 +91,8 @@ class TorchAttentionBackend:
 
         # Gather each sequence's blocks: [nseq, nblk*bs, Hkv, D] -> [nseq, Hkv, S, D].
         bt = meta.block_tables[first:last, :nblk].to(torch.long)
-        k = dequantize_kv(k_cache[bt], k_scale, q.dtype).reshape(nseq, nblk * block_size, hkv, d)
-        v = dequantize_kv(v_cache[bt], v_scale, q.dtype).reshape(nseq, nblk * block_size, hkv, d)
+        k = dequantize_kv(_gather(k_cache, bt), k_scale, q.dtype).reshape(nseq, nblk * block_size, hkv, d)
+        v = dequantize_kv(_gather(v_cache, bt), v_scale, q.dtype).reshape(nseq, nblk * block_size, hkv, d)
         k = k[:, :s_max].transpose(1, 2)
         v = v[:, :s_max].transpose(1, 2)
 

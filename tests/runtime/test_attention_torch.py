@@ -1,0 +1,123 @@
+"""The PyTorch paged attention backend against a naive per-token reference (no model)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from backend.attention import get_backend, resolve_backend_name
+from backend.attention.metadata import AttentionMetadata
+
+BS, HKV, HQ, D = 4, 2, 6, 16
+
+
+def _setup(ctx, qlens, num_prefills, kv_dtype=torch.float32, scale=None, tree=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nb_per = [-(-(c + n) // BS) for c, n in zip(ctx, qlens)]
+    tables, nxt = [], 1  # block 0 stays unused: padding in tables points at it
+    for n in nb_per:
+        tables.append(list(range(nxt + n - 1, nxt - 1, -1)))  # reversed: tables really matter
+        nxt += n
+    width = max(nb_per)
+    kc = torch.zeros(nxt, BS, HKV, D, dtype=kv_dtype)
+    vc = torch.zeros_like(kc)
+    full_k = [torch.randn(c + n, HKV, D, generator=g) for c, n in zip(ctx, qlens)]
+    full_v = [torch.randn(c + n, HKV, D, generator=g) for c, n in zip(ctx, qlens)]
+    be = get_backend("torch")
+
+    def slot(b, p):
+        return tables[b][p // BS] * BS + p % BS
+
+    # Context tokens written through the backend too (one "earlier step").
+    pre = [(b, p) for b in range(len(ctx)) for p in range(ctx[b])]
+    if pre:
+        be.write_kv(torch.stack([full_k[b][p] for b, p in pre]), torch.stack([full_v[b][p] for b, p in pre]),
+                    kc, vc, torch.tensor([slot(b, p) for b, p in pre]), scale, scale)
+    new = [(b, p) for b in range(len(ctx)) for p in range(ctx[b], ctx[b] + qlens[b])]
+    slots = [slot(b, p) for b, p in new] + [-1]  # plus one padding token that must be skipped
+    k_new = torch.stack([full_k[b][p] for b, p in new] + [torch.full((HKV, D), 99.0)])
+    v_new = torch.stack([full_v[b][p] for b, p in new] + [torch.full((HKV, D), 99.0)])
+    be.write_kv(k_new, v_new, kc, vc, torch.tensor(slots), scale, scale)
+    qsl = [0]
+    for n in qlens:
+        qsl.append(qsl[-1] + n)
+    i32 = torch.int32
+    meta = AttentionMetadata(
+        positions=torch.tensor([p for _, p in new]), slot_mapping=torch.tensor(slots[:-1]),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=i32),
+        seq_lens=torch.tensor([c + n for c, n in zip(ctx, qlens)], dtype=i32),
+        query_start_loc=torch.tensor(qsl, dtype=i32), context_lens=torch.tensor(ctx, dtype=i32),
+        num_prefills=num_prefills, num_prefill_tokens=qsl[num_prefills],
+        num_decode_tokens=qsl[-1] - qsl[num_prefills], max_query_len=max(qlens),
+        max_seq_len=max(c + n for c, n in zip(ctx, qlens)), tree_mask=tree)
+    q = torch.randn(qsl[-1], HQ, D, generator=g)
+    return be, q, kc, vc, meta, full_k, full_v
+
+
+def _reference(q, full_k, full_v, ctx, qlens, tree=None):
+    outs, t = [], 0
+    for b, (c, n) in enumerate(zip(ctx, qlens)):
+        k = full_k[b].repeat_interleave(HQ // HKV, 1)
+        v = full_v[b].repeat_interleave(HQ // HKV, 1)
+        for i in range(n):
+            visible = torch.zeros(c + n, dtype=torch.bool)
+            visible[:c + i + 1] = True
+            if tree is not None:
+                visible[c:c + n] &= tree[t, :n]
+            s = torch.einsum("hd,khd->hk", q[t], k) / math.sqrt(D)
+            s[:, ~visible] = float("-inf")
+            outs.append(torch.einsum("hk,khd->hd", s.softmax(-1), v))
+            t += 1
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("ctx, qlens, num_prefills", [
+    ([0], [9], 1),                       # plain prefill
+    ([5, 0], [7, 3], 2),                 # chunked prefill continuing after cached context
+    ([5, 11, 3, 0], [6, 1, 1, 1], 1),    # prefill mixed with decodes (ragged contexts)
+    ([2, 7], [3, 2], 0),                 # ragged decode-like queries (speculative verification)
+])
+def test_matches_reference(ctx, qlens, num_prefills):
+    be, q, kc, vc, meta, fk, fv = _setup(ctx, qlens, num_prefills)
+    out = be.forward(q, kc, vc, meta, 1 / math.sqrt(D))
+    torch.testing.assert_close(out, _reference(q, fk, fv, ctx, qlens), atol=1e-5, rtol=1e-5)
+    assert not (kc == 99.0).any(), "slot -1 must be skipped, not written"
+
+
+def test_tree_mask_restricts_same_step_tokens():
+    ctx, qlens = [6, 4], [4, 3]
+    # Seq 0: tokens 1 and 2 are siblings (both children of 0), token 3 is a child of 2.
+    tree = torch.zeros(7, 4, dtype=torch.bool)
+    for t, allowed in enumerate([[0], [0, 1], [0, 2], [0, 2, 3]]):
+        tree[t, allowed] = True
+    for t, allowed in enumerate([[0], [0, 1], [0, 1, 2]]):  # seq 1: a chain
+        tree[4 + t, allowed] = True
+    be, q, kc, vc, meta, fk, fv = _setup(ctx, qlens, 0, tree=tree)
+    out = be.forward(q, kc, vc, meta, 1 / math.sqrt(D))
+    ref = _reference(q, fk, fv, ctx, qlens, tree)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    plain = _reference(q, fk, fv, ctx, qlens)
+    assert not torch.allclose(out[3], plain[3]), "the tree must change token 3's attention"
+
+
+def test_fp8_cache_stores_scaled_values_and_dequantizes():
+    ctx, qlens = [5, 3], [3, 1]
+    scale = torch.tensor(0.05)
+    be, q, kc, vc, meta, fk, fv = _setup(ctx, qlens, 1, kv_dtype=torch.float8_e4m3fn, scale=scale)
+    assert kc.dtype == torch.float8_e4m3fn
+    out = be.forward(q, kc, vc, meta, 1 / math.sqrt(D), scale, scale)
+    # Exactly what the cache holds: values rounded to e4m3 at x / scale, times scale.
+    def rounded(xs):
+        return [(x / scale).to(torch.float8_e4m3fn).float() * scale for x in xs]
+    ref = _reference(q, rounded(fk), rounded(fv), ctx, qlens)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # ... and e4m3 keeps about two significant digits of the original.
+    assert (out - _reference(q, fk, fv, ctx, qlens)).abs().mean() < 0.03
+
+
+def test_registry_resolves_and_rejects():
+    assert resolve_backend_name("auto", "cpu") == "torch"
+    assert resolve_backend_name("auto", "cuda") == "triton"
+    with pytest.raises(ValueError, match="engine.attention_backend: unknown backend 'flash'"):
+        resolve_backend_name("flash", "cpu")
