@@ -33,6 +33,10 @@ _CTYPE = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "u32": ctypes.c_uint32, 
 _PTX_OF = {"i32": "u32", "u32": "u32", "i64": "u64", "u64": "u64", "fp32": "f32", "i1": "u8", "u8": "u8"}
 
 
+_TRITON_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv",
+                torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+
+
 class LaunchError(RuntimeError):
     pass
 
@@ -55,6 +59,8 @@ def pack_params(meta: dict, args: tuple, scratch_ptrs: tuple[int, int] = (0, 0))
     out = []
     for name, t, a in zip(meta["params"], sig, args):
         if t.startswith("*"):
+            if isinstance(a, torch.Tensor) and _TRITON_NAME.get(a.dtype) != t[1:]:
+                raise ValueError(f"{meta['key']}: {name} is {a.dtype}, the cubin was compiled for {t}")
             ptr = a.data_ptr() if isinstance(a, torch.Tensor) else int(a or 0)
             if ptr % meta.get("aligned_pointers", 1):
                 raise ValueError(f"{meta['key']}: {name} is not {meta['aligned_pointers']}-byte aligned")

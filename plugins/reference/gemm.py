@@ -1,7 +1,6 @@
 """Reference: linear layers on the quantized weight layouts of docs/contracts.md section 3.
 
-y = x @ W^T with W dequantized in fp32. The dequantizers follow the contract's layout description;
-tests also check them against quant/formats.py (owned by the quant engineer) when it is importable.
+y = x @ W^T with W dequantized in fp32.
 """
 from __future__ import annotations
 
@@ -9,30 +8,20 @@ import torch
 
 from .kv_cache import quantize_fp8
 
-# e2m1 code -> value for the 8 magnitudes (the 4th bit is the sign)
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K/2] -> int64 [N, K] nibbles; the low nibble is the even element."""
-    p = packed.long()
-    return torch.stack([p & 0xF, p >> 4], dim=-1).reshape(packed.shape[0], -1)
+# The dequantizers are quant/formats.py's (owned by the quant area, the single definition of the
+# weight layouts that compile and runtime share): the GEMM kernels are tested against them.
+from quant.formats import E2M1_VALUES  # noqa: E402,F401  (re-exported for the tests)
+from quant.formats import dequantize_int4, dequantize_nvfp4  # noqa: E402
 
 
 def dequant_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
     """weight uint8 [N, K/2] (e2m1), weight_scale float8_e4m3fn [N, K/16], weight_scale_2 fp32 [] -> fp32 [N, K]."""
-    codes = unpack_nibbles(weight)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=weight.device)
-    vals = table[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
-    scales = weight_scale.float().repeat_interleave(16, dim=1) * weight_scale_2.float()
-    return vals * scales
+    return dequantize_nvfp4(weight, weight_scale, weight_scale_2)
 
 
 def dequant_int4_awq(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """weight uint8 [N, K/2] (value = nibble - 8), weight_scale [N, K/group] -> fp32 [N, K]."""
-    vals = (unpack_nibbles(weight) - 8).float()
-    group = vals.shape[1] // weight_scale.shape[1]
-    return vals * weight_scale.float().repeat_interleave(group, dim=1)
+    return dequantize_int4(weight, weight_scale)
 
 
 def nvfp4_linear_ref(x, weight, weight_scale, weight_scale_2):

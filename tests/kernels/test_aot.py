@@ -64,14 +64,16 @@ def test_metadata_matches_signature_and_hashes(bundle):
 def test_pack_params_follows_metadata(bundle):
     root, entries = bundle
     meta = json.loads((root / next(e for e in entries if "kv_write" in e["key"])["meta"]).read_text())
-    t = torch.zeros(64, dtype=torch.float32)
-    args = [t] * 7 + [1, 2, 3, 4]
-    params = pack_params(meta, tuple(args))
+    act, kv = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.float8_e4m3fn)
+    args = (act, act, kv, kv, torch.zeros(4, dtype=torch.int64), torch.ones(1), torch.ones(1), 1, 2, 3, 4)
+    params = pack_params(meta, args)
     assert len(params) == len(meta["ptx_param_types"])
     with pytest.raises(ValueError, match="arguments"):
-        pack_params(meta, tuple(args[:-1]))
+        pack_params(meta, args[:-1])
     with pytest.raises(ValueError, match="aligned"):
-        pack_params(meta, (t[1:],) + tuple(args[1:]))
+        pack_params(meta, (act[1:],) + args[1:])
+    with pytest.raises(ValueError, match="compiled for"):
+        pack_params(meta, (act.float(),) + args[1:])   # fp32 k where the engine's kernels take bf16
 
 
 def test_no_gpu_means_jit_with_a_warning(bundle):
