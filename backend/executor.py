@@ -136,13 +136,15 @@ class RequestHandle:
 class Executor:
     def __init__(self, bundle_path, device: str = "cpu", dtype: torch.dtype | str | None = None,
                  speculator: Speculator | None = None, start: bool = True,
-                 weights: dict[str, torch.Tensor] | None = None, **engine_overrides: Any) -> None:
+                 weights: dict[str, torch.Tensor] | None = None, verify_hashes: bool = True,
+                 **engine_overrides: Any) -> None:
         """``engine_overrides`` replace ``engine.json`` engine keys (e.g. ``max_kv_tokens=4096``).
         ``weights`` reuses tensors already loaded from this bundle (several executors, one copy).
-        ``start=False`` runs no thread: the caller drives ``step()`` (``generate`` does it)."""
+        ``start=False`` runs no thread: the caller drives ``step()`` (``generate`` does it).
+        ``verify_hashes`` checks every bundle file's sha256 against engine.json first."""
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        self.spec = load_engine_spec(bundle_path, engine_overrides)
+        self.spec = load_engine_spec(bundle_path, engine_overrides, verify_hashes=verify_hashes)
         self.runner = ModelRunner(self.spec, device=device, dtype=dtype, weights=weights)
         eng, cfg = self.spec.engine, self.spec.model
         self.max_seq_len = int(eng.get("max_seq_len", cfg.max_position_embeddings))

@@ -15,6 +15,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from quant import formats
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 
@@ -53,7 +55,11 @@ class QuantLinear:
         self.where = where
         self.dtype = dtype
         self.bias = tensors["bias"].to(device=device, dtype=dtype) if "bias" in tensors else None
-        self._load(tensors, dtype, device)
+        try:
+            formats.get_format(self.format).check(tensors, where)
+            self._load(tensors, dtype, device)
+        except formats.FormatError as exc:
+            raise LinearFormatError(str(exc)) from exc
 
     def _load(self, tensors, dtype, device) -> None:
         raise NotImplementedError
@@ -65,7 +71,9 @@ class QuantLinear:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    __call__ = forward
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # Not `__call__ = forward`: that would bind the base forward and ignore subclass overrides.
+        return self.forward(x)
 
 
 class DenseLinear(QuantLinear):
@@ -95,7 +103,7 @@ class FP8Linear(QuantLinear):
             self.weight_scale = ws.reshape(1, -1).contiguous()
             self.weight = w  # shape only
         else:
-            self.weight = (w.float() * ws.view(-1, 1)).to(dtype)
+            self.weight = formats.dequantize_fp8(w, ws, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.native:
@@ -115,7 +123,6 @@ class NVFP4Linear(QuantLinear):
     format = "nvfp4"
 
     def _load(self, tensors, dtype, device) -> None:
-        from quant import formats
         w = _need(tensors, "weight", self.format, self.where)
         bs = _need(tensors, "weight_scale", self.format, self.where)
         gs = _need(tensors, "weight_scale_2", self.format, self.where)
@@ -126,8 +133,7 @@ class NVFP4Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_scale is not None:
-            from quant import formats
-            x = formats.fake_quantize_nvfp4_activation(x, self.input_scale)
+                x = formats.fake_quantize_nvfp4_activation(x, self.input_scale)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -136,7 +142,6 @@ class Int4AWQLinear(QuantLinear):
     format = "int4_awq"
 
     def _load(self, tensors, dtype, device) -> None:
-        from quant import formats
         w = _need(tensors, "weight", self.format, self.where)
         s = _need(tensors, "weight_scale", self.format, self.where)
         self.weight = formats.dequantize_int4(w, s, dtype=dtype).to(device)
@@ -155,7 +160,6 @@ class W4A8AWQLinear(Int4AWQLinear):
     format = "w4a8_awq"
 
     def _load(self, tensors, dtype, device) -> None:
-        from quant import formats
         w = _need(tensors, "weight", self.format, self.where)
         s = _need(tensors, "weight_scale", self.format, self.where)
         self.weight = formats.dequantize_int4(w, s, dtype=dtype).to(device)
@@ -179,9 +183,7 @@ class Int8SQLinear(QuantLinear):
         ws = _need(tensors, "weight_scale", self.format, self.where).to(device).float().reshape(-1)
         if w.dtype != torch.int8:
             raise LinearFormatError(f"{self.where}.weight: int8_sq format expects int8, got {w.dtype}")
-        if ws.numel() == 1:
-            ws = ws.expand(w.shape[0])
-        self.weight = (w.float() * ws.view(-1, 1)).to(dtype)
+        self.weight = formats.dequantize_int8(w, ws, dtype=dtype)
         self.input_scale = _need(tensors, "input_scale", self.format, self.where).to(device).float().reshape(())
         pqs = tensors.get("pre_quant_scale")
         self.pre_quant_scale = pqs.to(device=device, dtype=dtype) if pqs is not None else None

@@ -6,7 +6,6 @@ which token rows need logits, and gets logits (and captured hidden states) back.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,25 +47,14 @@ class EngineSpec:
 
 def load_engine_spec(path: str | os.PathLike, overrides: dict[str, Any] | None = None,
                      verify_hashes: bool = False) -> EngineSpec:
-    """Read ``<path>/engine.json`` (via ``backend.bundle.load_bundle`` when available, which also
-    checks the format version and file hashes) and apply ``engine.*`` overrides by key."""
+    """Read ``<path>/engine.json`` through ``backend.bundle.load_bundle`` (format version, files present,
+    optionally their sha256) and apply ``engine.*`` overrides by key."""
+    from backend.bundle import BundleError, load_bundle  # format version + file hash checks
     path = Path(path)
-    doc = None
     try:
-        from backend.bundle import load_bundle  # builder-core's loader: format + hash checks
-    except ImportError:
-        load_bundle = None
-    if load_bundle is not None:
-        bundle = load_bundle(path, verify_hashes=verify_hashes)
-        doc = getattr(bundle, "engine_json", None) or getattr(bundle, "doc", None)
-    if doc is None:
-        ej = path / "engine.json"
-        if not ej.is_file():
-            raise EngineError(f"{ej}: not found; build an engine with: make build CONFIG=...")
-        doc = json.loads(ej.read_text())
-        if doc.get("format") != "kiln-engine" or doc.get("format_version") != 1:
-            raise EngineError(f"{ej}: format {doc.get('format')!r} version {doc.get('format_version')!r}; "
-                              "allowed: kiln-engine version 1 (rebuild with: make build CONFIG=...)")
+        doc = load_bundle(path, verify_hashes=verify_hashes).manifest
+    except BundleError as exc:
+        raise EngineError(str(exc)) from exc
     engine = dict(doc.get("engine") or {})
     for key, value in (overrides or {}).items():
         if key not in engine and key not in ("kv_cache_dtype", "max_kv_tokens", "attention_backend"):
