@@ -80,11 +80,23 @@ def ptx_params(ptx: str, entry: str) -> list[str]:
     return re.findall(r"\.param\s+\.(\w+)", m.group(1))
 
 
+# scalar parameters passed by pointer: may be views into larger tensors, so never assumed aligned
+SCALAR_POINTERS = {"k_scale_ptr", "v_scale_ptr", "ws2_ptr", "xs_ptr"}
+ALIGNED_TYPES = {"*fp16", "*bf16", "*fp32", "*fp8e4nv", "*u8"}
+
+
+def aligned_params(sig: dict) -> list[str]:
+    """Pointers compiled as 16-byte aligned (wider vector loads): the data tensors (activations, caches,
+    weights, buffers). Not the int32/int64 metadata, which the runtime slices per step (e.g.
+    seq_lens[num_prefills:]), nor scalars. The launcher checks these at run time."""
+    return [n for n, t in sig.items() if t in ALIGNED_TYPES and n not in SCALAR_POINTERS]
+
+
 def compile_variant(v: Variant, sm: int) -> tuple[object, dict]:
-    """-> (compiled kernel, metadata dict). Pointer arguments are compiled as 16-byte aligned (the
-    launcher checks this at run time and falls back to JIT for an unaligned view)."""
+    """-> (compiled kernel, metadata dict)."""
     sig = v.signature()
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items()) if t.startswith("*")}
+    aligned = aligned_params(sig)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in aligned}
     src = ASTSource(v.fn, sig, v.constexprs, attrs)
     try:
         k = triton.compile(src, target=GPUTarget("cuda", sm, 32),
@@ -103,7 +115,7 @@ def compile_variant(v: Variant, sm: int) -> tuple[object, dict]:
         "profile_scratch_align": getattr(md, "profile_scratch_align", 1),
         "signature": [[n, t] for n, t in sig.items()], "params": params,
         "constexprs": {n: (int(c) if isinstance(c, bool) else c) for n, c in v.constexprs.items()},
-        "aligned_pointers": 16, "ptx_param_types": ptx_types, "extra_params": len(ptx_types) - len(params),
+        "aligned_pointers": 16, "aligned": aligned, "ptx_param_types": ptx_types, "extra_params": len(ptx_types) - len(params),
         "triton_version": triton.__version__, "target": f"cuda:{sm}",
     }
     return k, meta

@@ -57,12 +57,13 @@ def pack_params(meta: dict, args: tuple, scratch_ptrs: tuple[int, int] = (0, 0))
     if len(args) != len(sig):
         raise ValueError(f"{meta['key']}: {len(args)} arguments, kernel takes {len(sig)}")
     out = []
+    aligned = set(meta.get("aligned", ()))
     for name, t, a in zip(meta["params"], sig, args):
         if t.startswith("*"):
             if isinstance(a, torch.Tensor) and _TRITON_NAME.get(a.dtype) != t[1:]:
                 raise ValueError(f"{meta['key']}: {name} is {a.dtype}, the cubin was compiled for {t}")
             ptr = a.data_ptr() if isinstance(a, torch.Tensor) else int(a or 0)
-            if ptr % meta.get("aligned_pointers", 1):
+            if name in aligned and ptr % meta["aligned_pointers"]:
                 raise ValueError(f"{meta['key']}: {name} is not {meta['aligned_pointers']}-byte aligned")
             out.append(ctypes.c_uint64(ptr))
         else:

@@ -9,16 +9,19 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).fill_(0x7F).view(t.dtype) if t.dtype == torch.float8_e4m3fn else t.fill_(-1)
 
 
-# relative error bounds per compute dtype: fp16 storage (10-bit mantissa) and fp32 (tf32 dots on GPU)
+# relative error bounds per compute dtype: fp16 (10-bit mantissa), bf16 (7-bit), fp32 (exact in the
+# interpreter; on a GPU tl.dot rounds fp32 inputs to tf32, a 10-bit mantissa, hence the looser bound)
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-3}
+TOL_GPU_FP32 = 5e-3
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str, seed: int):
     """max |out - ref| <= TOL[dtype] * max(1, max |ref|), with no NaN anywhere."""
+    tol = TOL_GPU_FP32 if (dtype == torch.float32 and out.is_cuda) else TOL[dtype]
     out, ref = out.float().cpu(), ref.float().cpu()
     assert not torch.isnan(out).any(), f"{what}: NaN in output (unwritten element?) seed={seed}"
     err = (out - ref).abs().max().item() if out.numel() else 0.0
-    bound = TOL[dtype] * max(1.0, ref.abs().max().item() if ref.numel() else 0.0)
+    bound = tol * max(1.0, ref.abs().max().item() if ref.numel() else 0.0)
     assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g} ({dtype}) seed={seed}"
 
 

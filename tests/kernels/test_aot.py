@@ -74,6 +74,9 @@ def test_pack_params_follows_metadata(bundle):
         pack_params(meta, (act[1:],) + args[1:])
     with pytest.raises(ValueError, match="compiled for"):
         pack_params(meta, (act.float(),) + args[1:])   # fp32 k where the engine's kernels take bf16
+    # per-step metadata is sliced by the runtime (seq_lens[num_prefills:]): never required aligned
+    assert "slot_ptr" not in meta["aligned"] and "k_cache_ptr" in meta["aligned"]
+    pack_params(meta, args[:4] + (args[4][1:],) + args[5:])
 
 
 def test_no_gpu_means_jit_with_a_warning(bundle):
