@@ -76,3 +76,11 @@ def test_w4a16_rejects_bad_layouts(device):
         w4a16_linear(x, "int4_awq", _packed(8, 32, device), torch.ones(8, 1, device=device))
     with pytest.raises(ValueError, match="nvfp4 needs"):
         w4a16_linear(x, "nvfp4", _packed(8, 64, device), torch.ones(8, 4, device=device))
+
+
+def test_fp8_linear_rejects_bad_weight(device):
+    x = torch.zeros(2, 64, device=device)
+    with pytest.raises(ValueError, match="allowed: float8_e4m3fn"):
+        fp8_linear(x, torch.zeros(8, 64, device=device), torch.ones(8, device=device), torch.tensor(1.0))
+    with pytest.raises(ValueError, match="do not share K"):
+        fp8_linear(x, torch.zeros(8, 32, device=device).to(torch.float8_e4m3fn), torch.ones(8), torch.tensor(1.0))

@@ -64,6 +64,12 @@ def test_rope_inv_freq_matches_transformers(scaling):
     torch.testing.assert_close(rope_inv_freq(128, 500000.0, scaling), expected.float(), rtol=1e-5, atol=0)
 
 
+def test_rope_rejects_bad_table(device):
+    q, k = torch.zeros(2, 4, 64, device=device), torch.zeros(2, 2, 64, device=device)
+    with pytest.raises(ValueError, match=r"cos_sin shape \(10, 64\)"):
+        apply_rope(q, k, torch.zeros(2, dtype=torch.long, device=device), torch.zeros(10, 64, device=device))
+
+
 def test_rope_rejects_unknown_scaling():
     with pytest.raises(ValueError, match="rope_type: 'dynamic'"):
         rope_inv_freq(64, 1e4, {"rope_type": "dynamic", "factor": 2.0})
