@@ -67,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
                                      max_output_tokens=args.max_output_tokens,
                                      test_queries=args.test_queries))
                 s = res["summary"]
-                print(f"{name} {scenario} {res['mode']}: result {s.get('Result is', '?')}, "
-                      f"tokens/s {s.get('Tokens per second', s.get('Completed tokens per second', '?'))} "
+                tps = s.get("Tokens per second", s.get("Completed tokens per second"))
+                perf = f"LoadGen result {s.get('Result is')}, tokens/s {tps}" if tps else "done"
+                print(f"{name} {scenario} {res['mode']}{' (test run)' if args.test_run else ''}: {perf} "
                       f"-> {res['log_dir']}")
                 if "accuracy" in res:
                     print("  accuracy:", json.dumps(res["accuracy"]))
