@@ -81,8 +81,12 @@ def _pack(name: str, parts: list[dict[str, torch.Tensor]], fmt: str, dtype: torc
     quantized = ["weight_scale" in p for p in parts]
     assert all(quantized) or not any(quantized), f"{name}: fused parts mix quantized and plain weights"
     if any(quantized):
-        from quant.pack import pack_linear  # noqa: PLC0415 (quant/ is only needed for quantized bundles)
-        for suffix, t in pack_linear(fmt, parts).items():
+        from quant.pack import PackError, pack_linear  # noqa: PLC0415 (only quantized bundles need quant/)
+        try:
+            packed = pack_linear(fmt, parts, dtype)
+        except (PackError, ValueError) as e:
+            raise StageError(f"{name}: cannot pack the exported {fmt} tensors: {e}") from None
+        for suffix, t in packed.items():
             yield f"{name}.{suffix}", t
     else:
         unquantized.append(name)
@@ -120,5 +124,9 @@ def runtime_tensors(ckpt: Checkpoint, model: dict, dtype: torch.dtype, fmt: str,
         for ours, candidates in KV_SCALE_NAMES.items():
             found = next((c for c in candidates if f"{base}.{c}" in ckpt), None)
             if found is not None:
-                yield f"layers.{i}.attn.{ours}", ckpt.get(f"{base}.{found}").to(torch.float32).reshape(())
+                scale = ckpt.get(f"{base}.{found}").to(torch.float32).reshape(())
+                if not torch.isfinite(scale) or scale <= 0:
+                    raise StageError(f"{ckpt.path}: {base}.{found} = {float(scale)} is not a positive finite "
+                                     f"KV-cache scale; re-run the quantize stage (--force)")
+                yield f"layers.{i}.attn.{ours}", scale
         advance(1)

@@ -32,6 +32,10 @@ def run(ctx: StageContext) -> dict:
                          f"needs quant/quantize.py, which is not in this checkout; allowed: none "
                          f"(quantization.format=none quantization.kv_cache=none)") from None
     hf_dir = ctx.results["import"].path
-    with ctx.progress(f"ModelOpt {q.format} (kv {q.kv_cache}): calibrate + export"):
+    ctx.log(f"[quantize] ModelOpt {q.format} weights, {q.kv_cache} KV cache: calibrating on "
+            f"{q.calibration.num_samples} samples ({q.calibration.dataset})")
+    try:
         info = quantize.quantize_checkpoint(hf_dir, ctx.out_dir, q)
+    except ValueError as e:  # quant/ raises ValueError subclasses with one line for user mistakes
+        raise StageError(f"{ctx.config.file}: quantization: {e}") from None
     return dict(info or {})
