@@ -116,9 +116,10 @@ def w4a16_linear(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: 
 
 def aot_variants(e) -> list[Variant]:
     """One variant per M tile for the engine's 4-bit format (M, N, K are runtime arguments)."""
-    if e.quant_format not in FORMATS:
+    fmt = "int4_awq" if e.quant_format == "w4a8_awq" else e.quant_format   # W4A8 runs the same GEMM
+    if fmt not in FORMATS:
         return []
-    nvfp4 = e.quant_format == "nvfp4"
+    nvfp4 = fmt == "nvfp4"
     types = dict(out_ptr=f"*{e.act}", x_ptr=f"*{e.act}", w_ptr="*u8", ws_ptr="*fp8e4nv" if nvfp4 else f"*{e.act}",
                  ws2_ptr="*fp32" if nvfp4 else f"*{e.act}", M="i32", N="i32", K="i32", stride_xm="i32",
                  stride_om="i32", stride_wn="i32", stride_sn="i32")
@@ -126,6 +127,6 @@ def aot_variants(e) -> list[Variant]:
     out = []
     for m in (1, 64):
         bm, bn, bk = gemm_tiles(m)
-        out.append(Variant(w4a16_gemm_kernel, types, dict(FMT=FORMATS[e.quant_format], GROUP=group, BLOCK_M=bm,
+        out.append(Variant(w4a16_gemm_kernel, types, dict(FMT=FORMATS[fmt], GROUP=group, BLOCK_M=bm,
                                                           BLOCK_N=bn, BLOCK_K=bk)))
     return out

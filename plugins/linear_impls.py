@@ -8,6 +8,7 @@ import torch
 from .gemm_fp8 import fp8_linear
 from .gemm_w4a16 import w4a16_linear
 from .reference.gemm import fp8_linear_ref, int4_awq_linear_ref, nvfp4_linear_ref
+from .reference.kv_cache import quantize_fp8
 
 
 def dense(x, weight, **_):
@@ -37,3 +38,19 @@ def fp8_triton(x, weight, weight_scale, input_scale, **_):
 
 def fp8_torch(x, weight, weight_scale, input_scale, **_):
     return fp8_linear_ref(x, weight, weight_scale, input_scale)
+
+
+def _fp8_activations(x, input_scale, pre_quant_scale):
+    """W4A8: AWQ smoothing first, then the static fp8 activation quantization (ModelOpt's input quantizer
+    order), returned dequantized so the 4-bit GEMM sees exactly the values an fp8 GEMM would."""
+    if pre_quant_scale is not None:
+        x = x * pre_quant_scale.to(x.dtype)
+    return (quantize_fp8(x, input_scale).float() * input_scale.float()).to(x.dtype)
+
+
+def w4a8_awq_triton(x, weight, weight_scale, input_scale, pre_quant_scale=None, **_):
+    return w4a16_linear(_fp8_activations(x, input_scale, pre_quant_scale), "int4_awq", weight, weight_scale)
+
+
+def w4a8_awq_torch(x, weight, weight_scale, input_scale, pre_quant_scale=None, **_):
+    return int4_awq_linear_ref(_fp8_activations(x, input_scale, pre_quant_scale), weight, weight_scale)

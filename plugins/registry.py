@@ -51,6 +51,8 @@ REGISTRY: dict[tuple[str, str, str | None], Impl] = {
     ("linear", "torch", "nvfp4"): Impl("plugins.linear_impls:nvfp4_torch"),
     ("linear", "triton", "int4_awq"): Impl("plugins.linear_impls:int4_awq_triton"),
     ("linear", "torch", "int4_awq"): Impl("plugins.linear_impls:int4_awq_torch"),
+    ("linear", "triton", "w4a8_awq"): Impl("plugins.linear_impls:w4a8_awq_triton"),
+    ("linear", "torch", "w4a8_awq"): Impl("plugins.linear_impls:w4a8_awq_torch"),
     ("linear", "triton", "fp8"): Impl("plugins.linear_impls:fp8_triton"),
     ("linear", "torch", "fp8"): Impl("plugins.linear_impls:fp8_torch"),
     ("linear", "triton", "none"): Impl("plugins.linear_impls:dense"),

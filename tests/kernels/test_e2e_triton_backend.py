@@ -40,7 +40,7 @@ def test_greedy_tokens_equal_torch_backend(device):
     results = {}
     for name in ("torch", "triton"):
         ex = Executor(bundle, device=device, weights=weights, start=False, attention_backend=name,
-                      max_batch_size=4, kv_block_size=16)
+                      max_batch_size=4, kv_block_size=16, max_kv_tokens=1024)
         try:
             assert ex.runner.attention.name == name
             results[name] = [r.token_ids for r in ex.generate(prompts, params)]

@@ -25,13 +25,13 @@ def test_cpu_defaults(monkeypatch):
 def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match="unknown op 'matmul'"):
         registry.get("matmul", "cpu", torch.float16)
-    with pytest.raises(ValueError, match="for format 'int8_sq'; allowed: fp8, int4_awq, none, nvfp4"):
+    with pytest.raises(ValueError, match="for format 'int8_sq'; allowed: fp8, int4_awq, none, nvfp4, w4a8_awq"):
         registry.get("linear", "cpu", torch.float16, fmt="int8_sq")
     with pytest.raises(ValueError, match="does not take torch.int8"):
         registry.get("rms_norm", "cpu", torch.int8, kind="torch")
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "int4_awq", "fp8", "none"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4_awq", "w4a8_awq", "fp8", "none"])
 def test_linear_kinds_agree(device, fmt):
     n, k = 64, 128
     x = torch.randn(3, k, device=device).half()
@@ -39,8 +39,11 @@ def test_linear_kinds_agree(device, fmt):
     if fmt == "nvfp4":
         t.update(weight_scale=torch.rand(n, k // 16, device=device).to(torch.float8_e4m3fn),
                  weight_scale_2=torch.tensor(0.1, device=device), input_scale=torch.tensor(1.0, device=device))
-    elif fmt == "int4_awq":
-        t.update(weight_scale=(torch.rand(n, k // 64, device=device) * 0.1).half())
+    elif fmt in ("int4_awq", "w4a8_awq"):
+        t.update(weight_scale=(torch.rand(n, k // 64, device=device) * 0.1).half(),
+                 pre_quant_scale=(torch.rand(k, device=device) + 0.5).half())
+        if fmt == "w4a8_awq":
+            t.update(input_scale=torch.tensor(0.02, device=device))
     elif fmt == "fp8":
         t = {"weight": torch.randn(n, k, device=device).to(torch.float8_e4m3fn),
              "weight_scale": torch.rand(n, device=device), "input_scale": torch.tensor(0.05, device=device)}
@@ -49,3 +52,14 @@ def test_linear_kinds_agree(device, fmt):
     a = registry.get("linear", device, torch.float16, fmt, kind="triton")(x, **t).float()
     b = registry.get("linear", device, torch.float16, fmt, kind="torch")(x, **t).float()
     assert (a - b).abs().max() <= 2e-3 * max(1.0, b.abs().max().item())
+
+
+def test_w4a8_quantizes_activations_to_fp8(device):
+    # same weights as int4_awq, but activations pass through fp8 at input_scale: results must differ
+    n, k = 64, 128
+    x = torch.randn(2, k, device=device).half()
+    t = {"weight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device),
+         "weight_scale": (torch.rand(n, 2, device=device) * 0.1).half()}
+    a = registry.get("linear", device, torch.float16, "int4_awq", kind="torch")(x, **t)
+    b = registry.get("linear", device, torch.float16, "w4a8_awq", kind="torch")(x, **t, input_scale=torch.tensor(0.05))
+    assert 0 < (a.float() - b.float()).abs().max() < 0.1 * a.float().abs().max()
