@@ -420,3 +420,54 @@ def test_high_priority_prefill_preempts_an_already_scheduled_decode():
     run(sched)
     assert low.output_token_ids == reference_output(low.prompt_token_ids, 10)
     assert bm.num_free_blocks == 6
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_random_speculation_under_pressure_gives_the_plain_greedy_output(seed, policy):
+    """Greedy speculative decoding with a stand-in target: drafts are partly right, partly wrong;
+    verification keeps the matching prefix plus one target token. Outputs must equal plain greedy
+    decoding, with preemptions, chunked prefill and rollbacks along the way, and nothing leaks."""
+    rng = random.Random(seed)
+    bm = BlockManager(30, 4)
+    sched = Scheduler(bm, max_batch_size=5, max_num_tokens=24, policy=policy, max_seq_len=96)
+    reqs = random_requests(rng, 14, max_prompt=40, max_out=25)
+    for r in reqs:
+        sched.add(r)
+
+    def verify(s):
+        seq = list(s.request.all_token_ids)
+        got = []
+        for d in s.request.spec_token_ids[:s.num_spec_tokens]:
+            want = next_token(seq)
+            if d != want:
+                break
+            got.append(d)
+            seq.append(d)
+        return got + [next_token(seq)]
+
+    steps = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert out.num_tokens == sum(s.num_new_tokens for s in out.scheduled) <= 24
+        assert out.num_spec_tokens == sum(s.num_spec_tokens for s in out.scheduled)
+        sampled = [verify(s) if s.num_spec_tokens else next_token(s.request.all_token_ids)
+                   for s in out.scheduled if s.sample]
+        sched.update(out, sampled)
+        bm.check_invariants()
+        for r in sched.running:                    # propose drafts for the next step
+            if not r.is_prefill and r.output_token_ids and rng.random() < 0.8:
+                seq, drafts = list(r.all_token_ids), []
+                for _ in range(rng.randrange(1, 6)):
+                    t = next_token(seq) if rng.random() < 0.7 else 1
+                    drafts.append(t)
+                    seq.append(t)
+                r.spec_token_ids = drafts
+        steps += 1
+        assert steps < 3000
+    for r in reqs:
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, r.params.max_tokens), r
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_holders == 0
+    assert sched.num_draft_tokens > 0 and 0 < sched.num_accepted_draft_tokens < sched.num_draft_tokens
+    # The pool is small on purpose: max_utilization must have preempted speculating requests.
+    assert (sched.num_preemptions == 0) if policy == "guaranteed_no_evict" else sched.num_preemptions > 0
