@@ -293,3 +293,29 @@ def test_kv_capacity_errors(tmp_path):
     bad.write_text("MemTotal: 1 kB\n")
     with pytest.raises(ValueError, match=r"no MemAvailable line"):
         kv_capacity_blocks(16, 1000, meminfo_path=str(bad))
+
+
+def test_tentative_reservation_fails_atomically_and_reserved_blocks_count():
+    bm = BlockManager(3, BS)
+    r = req("r", range(7))                        # 2 blocks
+    bm.allocate_for(r, 7)
+    compute(bm, r)
+    before = snapshot(bm, r)
+    assert not bm.append_tentative(r, 9)          # 16 slots = 4 blocks > 3
+    assert snapshot(bm, r) == before
+    assert bm.append_tentative(r, 0) and snapshot(bm, r) == before
+    other = req("o", range(50, 54))
+    assert bm.can_allocate(other, 4) and not bm.can_allocate(other, 4, reserved_blocks=1)
+
+
+def test_identical_prefixes_computed_concurrently_keep_one_cached_copy():
+    bm = BlockManager(8, BS)
+    a, b = req("a", range(9)), req("b", range(9))
+    assert bm.allocate_for(a, 9) == 0 and bm.allocate_for(b, 9) == 0   # nothing cached yet
+    compute(bm, a)
+    compute(bm, b)
+    bm.free(a)
+    bm.free(b)                                    # same hashes: b's copies stay uncached
+    assert bm.num_cached_blocks == 2 and bm.num_free_blocks == 8
+    assert bm.lookup(req("c", range(9))) == 8
+    bm.check_invariants()
