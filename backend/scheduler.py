@@ -152,7 +152,6 @@ class Scheduler:
         preempted: list[Request] = []
         continuing: list[Request] = []
         append_slots = bm.append_slots
-        max_seq_len = self.max_seq_len
 
         # 1. Running decodes (exactly the last sampled token lacks KV). This loop runs for every
         # sequence every step: the common case is kept to a few attribute reads and writes.
