@@ -73,7 +73,7 @@ def run_scenario(name: str, num_seqs: int, steps: int, block_size: int, max_seq_
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
     sched = Scheduler(bm, max_batch_size=num_seqs, max_num_tokens=max_num_tokens,
                       policy="max_utilization", enable_chunked_prefill=True, max_seq_len=max_seq_len)
-    prep = InputPreparer(block_size, -(-max_seq_len // block_size))
+    prep = InputPreparer(block_size, -(-max_seq_len // block_size), block_manager=bm)
     model = StubModel(max_num_tokens)
     counter = 0
 

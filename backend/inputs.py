@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from backend.attention.metadata import AttentionMetadata
+from backend.kv_cache import BlockManager
 from backend.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -39,8 +40,14 @@ class InputPreparer:
     """Builds one step's inputs. One instance per executor (it caches block-table rows)."""
 
     def __init__(self, block_size: int, max_blocks_per_seq: int, device: str | torch.device = "cpu",
-                 initial_rows: int = 64) -> None:
+                 initial_rows: int = 64, block_manager: BlockManager | None = None) -> None:
+        """With ``block_manager`` (recommended; it must be the scheduler's), rows are refreshed from
+        its ``block_table_changes`` log; without it every sequence's row is checked every step."""
         assert block_size > 0 and max_blocks_per_seq > 0
+        assert block_manager is None or block_manager.block_size == block_size
+        self.block_manager = block_manager
+        if block_manager is not None:
+            block_manager.track_block_table_changes()
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = torch.device(device)
@@ -111,16 +118,8 @@ class InputPreparer:
             self._row_len[row] = n
         return row
 
-    def prepare(self, output: SchedulerOutput) -> StepInputs:
-        for rid in output.finished_request_ids:
-            self.release(rid)
-        seqs = output.scheduled
-        assert seqs, "nothing scheduled"
-        nseq = len(seqs)
-        num_prefills = output.num_prefills
-        any_spec = output.num_spec_tokens > 0
-
-        # Per sequence (Python): block-table rows, brought up to date only when they changed.
+    def _rows_checked(self, seqs: list[ScheduledSeq]) -> list[int]:
+        """Each sequence's row, refreshed when its block list object or length changed."""
         row_of, row_src, row_len = self._row_of, self._row_src, self._row_len
         rows: list[int] = []
         rows_append = rows.append
@@ -131,6 +130,33 @@ class InputPreparer:
             if row is None or row_src[row] is not blocks or row_len[row] != len(blocks):
                 row = self._row(req.request_id, blocks)
             rows_append(row)
+        return rows
+
+    def prepare(self, output: SchedulerOutput) -> StepInputs:
+        for rid in output.finished_request_ids:
+            self.release(rid)
+        seqs = output.scheduled
+        assert seqs, "nothing scheduled"
+        nseq = len(seqs)
+        num_prefills = output.num_prefills
+        any_spec = output.num_spec_tokens > 0
+
+        # Per sequence (Python): block-table rows, brought up to date only when they changed.
+        row_of = self._row_of
+        bm = self.block_manager
+        if bm is not None:
+            changes = bm.block_table_changes
+            if changes:
+                for req in changes:
+                    if not req.is_finished:      # finished ones were released above
+                        self._row(req.request_id, req.block_ids)
+                changes.clear()
+            try:
+                rows = [row_of[s.request.request_id] for s in seqs]
+            except KeyError:                     # a request this preparer never saw: check all
+                rows = self._rows_checked(seqs)
+        else:
+            rows = self._rows_checked(seqs)
         starts = [s.start_pos for s in seqs]
         uniform = not num_prefills and not any_spec      # every query is one token
         counts = None if uniform else [s.num_new_tokens for s in seqs]

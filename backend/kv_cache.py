@@ -54,6 +54,11 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()   # least recently used first
         self._holders: dict[str, Request] = {}         # requests that hold blocks (leak checks)
+        # Requests whose block list changed (grew, was replaced or emptied) since the consumer
+        # (input preparation) last cleared this list: it then refreshes only those block-table rows
+        # instead of checking every sequence every step. None (off) until a consumer asks for it:
+        # an unread log would grow forever.
+        self.block_table_changes: list[Request] | None = None
         # Counters (tokens): prompt tokens looked up at admission and how many were cached.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -178,6 +183,8 @@ class BlockManager:
                 del evictable[b]
             ref[b] += 1
         request.block_ids = hits + self._take(num_new)
+        if self.block_table_changes is not None:
+            self.block_table_changes.append(request)
         request.num_slots = target
         request.num_tentative_tokens = 0
         request.num_committed_blocks = len(hits)
@@ -208,6 +215,8 @@ class BlockManager:
                 blocks.append(b)
             else:
                 blocks.extend(self._take(need))
+            if self.block_table_changes is not None:
+                self.block_table_changes.append(request)
         request.num_slots = target
         request.num_tentative_tokens = num_tentative
         return True
@@ -222,6 +231,8 @@ class BlockManager:
             if need > self.num_free_blocks:
                 return False
             request.block_ids.extend(self._take(need))
+            if self.block_table_changes is not None:
+                self.block_table_changes.append(request)
         request.num_slots = target
         request.num_tentative_tokens += n
         return True
@@ -246,6 +257,8 @@ class BlockManager:
             # A new list, never an in-place shrink: consumers that cache a copy of a block table
             # (input preparation) rely on "same list object => only appended to".
             request.block_ids = blocks[:keep]
+            if self.block_table_changes is not None:
+                self.block_table_changes.append(request)
 
     def _commit(self, request: Request) -> None:
         """Register the hashes of blocks that became full with computed, accepted tokens."""
@@ -287,12 +300,20 @@ class BlockManager:
                         evictable[b] = None
                     else:
                         free.append(b)
+            if self.block_table_changes is not None:
+                self.block_table_changes.append(request)
         # A new list object: input preparation detects a changed block table by identity.
         request.block_ids = []
         request.num_slots = 0
         request.num_tentative_tokens = 0
         request.num_committed_blocks = 0
         self._holders.pop(request.request_id, None)
+
+    def track_block_table_changes(self) -> list[Request]:
+        """Start logging block-list changes (see ``block_table_changes``); returns the log."""
+        if self.block_table_changes is None:
+            self.block_table_changes = []
+        return self.block_table_changes
 
     def slot(self, request: Request, pos: int) -> int:
         """Flat KV slot of token ``pos`` of ``request`` (block_id * block_size + offset)."""

@@ -125,10 +125,11 @@ def test_rows_are_released_and_reused_and_grow_past_the_initial_size():
     assert step.meta.block_tables.tolist() == [new_blocks]
 
 
-def test_preempted_request_gets_a_fresh_row():
+@pytest.mark.parametrize("change_log", [True, False])
+def test_preempted_request_gets_a_fresh_row(change_log):
     bm = BlockManager(4, 4)
     sched = Scheduler(bm, max_batch_size=4, max_num_tokens=64)
-    prep = InputPreparer(4, 4)
+    prep = InputPreparer(4, 4, block_manager=bm if change_log else None)
     a, b = make("a", range(10, 16), max_tokens=8), make("b", range(20, 26), max_tokens=8)
     sched.add(a)
     sched.add(b)
@@ -149,34 +150,46 @@ def test_preempted_request_gets_a_fresh_row():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_random_workload_matches_block_manager(seed):
+@pytest.mark.parametrize("change_log", [True, False])
+def test_random_workload_matches_block_manager(seed, change_log):
     rng = random.Random(seed)
-    bm = BlockManager(60, 4)
+    bm = BlockManager(40, 4)                       # small: preemptions happen
     sched = Scheduler(bm, max_batch_size=6, max_num_tokens=24, max_seq_len=120)
-    prep = InputPreparer(4, 30, initial_rows=1)
+    prep = InputPreparer(4, 30, initial_rows=1, block_manager=bm if change_log else None)
     for i in range(20):
         sched.add(make(f"r{i}", [rng.randrange(3, 40) for _ in range(rng.randrange(1, 50))],
                        max_tokens=rng.randrange(1, 15)))
     while sched.has_unfinished():
         out = sched.schedule()
-        for s in out.scheduled:
-            if not s.is_prefill and rng.random() < 0.3:
-                s.request.spec_token_ids = []      # drafts only matter when scheduled with them
         step = prep.prepare(out)
         m = step.meta
         ids, slots, pos = [], [], []
         for s in out.scheduled:
             r = s.request
+            known = r.all_token_ids + r.spec_token_ids[:s.num_spec_tokens]   # drafts come last
             for p in range(s.start_pos, s.start_pos + s.num_new_tokens):
-                ids.append(r.all_token_ids[p])
+                ids.append(known[p])
                 slots.append(bm.slot(r, p))
                 pos.append(p)
         assert step.input_ids.tolist() == ids
         assert m.slot_mapping.tolist() == slots and m.positions.tolist() == pos
         assert m.seq_lens.tolist() == [s.start_pos + s.num_new_tokens for s in out.scheduled]
         assert m.num_tokens == len(ids) == out.num_tokens
-        sched.update(out, [rng.randrange(3, 40) for _ in range(out.num_sampled)])
-    assert bm.num_free_blocks == 60
+        for i, s in enumerate(out.scheduled):
+            row = m.block_tables[i].tolist()
+            n = len(s.request.block_ids)
+            assert row[:n] == s.request.block_ids and not any(row[n:])
+        sampled = []
+        for s in out.scheduled:
+            if s.sample:                           # accept a random part of the drafts
+                k = s.num_spec_tokens
+                sampled.append([rng.randrange(3, 40) for _ in range(rng.randrange(k + 1) + 1)]
+                               if k else rng.randrange(3, 40))
+        sched.update(out, sampled)
+        for r in sched.running:
+            if not r.is_prefill and r.output_token_ids and rng.random() < 0.5:
+                r.spec_token_ids = [rng.randrange(3, 40) for _ in range(rng.randrange(1, 5))]
+    assert bm.num_free_blocks == 40 and sched.num_preemptions > 0 and sched.num_draft_tokens > 0
 
 
 def test_block_table_overflow_is_a_clear_error():
@@ -241,6 +254,16 @@ def test_packed_single_copy_path_equals_the_direct_path():
     packed._pack = True
     a, b = _mixed_workload(direct, packed)
     assert a == b and len(a) > 3
+
+
+def test_block_table_change_log_is_off_unless_a_preparer_reads_it():
+    bm = BlockManager(8, 4)
+    r = make("a", [1, 2, 3, 4, 5])
+    bm.allocate_for(r, 5)
+    assert bm.block_table_changes is None         # nobody reads it: it must not grow
+    InputPreparer(4, 8, block_manager=bm)
+    bm.free(r)
+    assert bm.block_table_changes == [r]
 
 
 @pytest.mark.gpu
