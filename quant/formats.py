@@ -9,7 +9,9 @@ runtime layout of docs/contracts.md section 3 (out = output features, in = input
             weight_scale float8_e4m3fn [out, in/16]; weight_scale_2 fp32 []; input_scale fp32 []
   int4_awq  weight uint8 [out, in/2], low nibble = even element, value = nibble - 8;
             weight_scale [out, in/group] (model dtype); pre_quant_scale [in] optional
-  w4a8_awq  as int4_awq plus input_scale fp32 [] (fp8 activations)
+  w4a8_awq  as int4_awq plus input_scale fp32 [] (fp8 activations) and weight_scale_2 fp32 []
+            optional (ModelOpt's fp8 scale for kernels that turn int4 into fp8; weight_scale is
+            absolute, so the dense weight does not use it)
   int8_sq   weight int8 [out, in]; weight_scale fp32 [out]; input_scale fp32 []; pre_quant_scale [in] optional
 
 Every quantizer here rounds to nearest (ties to even) like torch's casts and ModelOpt's export,
@@ -311,7 +313,7 @@ FORMATS: dict[str, WeightFormat] = {
         WeightFormat("int4_awq", ("weight", "weight_scale"), ("pre_quant_scale",),
                      lambda t: _with_pre_quant_scale(dequantize_int4(t["weight"], t["weight_scale"]), t),
                      quantize_int4, "none"),
-        WeightFormat("w4a8_awq", ("weight", "weight_scale", "input_scale"), ("pre_quant_scale",),
+        WeightFormat("w4a8_awq", ("weight", "weight_scale", "input_scale"), ("pre_quant_scale", "weight_scale_2"),
                      lambda t: _with_pre_quant_scale(dequantize_int4(t["weight"], t["weight_scale"]), t),
                      quantize_int4, "fp8"),
         WeightFormat("int8_sq", ("weight", "weight_scale", "input_scale"), ("pre_quant_scale",),

@@ -17,6 +17,8 @@ Scale rules, and why:
             it into the preceding norm for q/k/v and gate/up; it remains on o_proj and down_proj).
             The int4 codes are repacked from ModelOpt's [out/2, in] two's complement layout to the
             runtime's [out, in/2] offset-binary layout; weight_scale is cast to the model dtype.
+  w4a8_awq  as int4_awq; ModelOpt also exports weight_scale_2 (fp8 per-tensor scale of the int4
+            weights, for kernels that convert them to fp8): max over parts, kept as is.
   int8_sq   per-row weight scales concatenate; input_scale max; pre_quant_scale must agree.
 """
 
@@ -115,6 +117,9 @@ def _pack_int4(fmt: str, parts: Sequence[Tensors], dtype: torch.dtype) -> Tensor
         out["pre_quant_scale"] = pqs
     if fmt == "w4a8_awq":
         out["input_scale"] = _max_scalar(parts, "input_scale", fmt)
+        if any("weight_scale_2" in p for p in parts):
+            # Absolute group scales do not depend on it, so the max needs no re-expression
+            out["weight_scale_2"] = _max_scalar(parts, "weight_scale_2", fmt)
     return out
 
 

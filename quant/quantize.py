@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from quant.calibration import build_calibration_set
+from quant.calibration import build_calibration_set, load_texts
 from quant.recipes import (KV_RECIPES, QuantConfigError, check_exclude, check_group_size, check_kv_cache,
                            get_recipe, modelopt_config)
 
@@ -55,6 +55,9 @@ class QuantSettings:
     def __post_init__(self) -> None:
         get_recipe(self.format)
         check_kv_cache(self.kv_cache)
+        for key, v in (("num_samples", self.num_samples), ("max_seq_len", self.max_seq_len)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise QuantConfigError(f"quantization.calibration.{key}: {v!r}; allowed: an integer >= 1")
         if isinstance(self.exclude, str) or not all(isinstance(p, str) for p in self.exclude):
             raise QuantConfigError(f"quantization.exclude: {self.exclude!r} is not a list of module-name patterns; "
                                    f"allowed: e.g. [\"lm_head\"]")
@@ -102,12 +105,21 @@ def _quantized_linears(model, exclude: tuple[str, ...]) -> dict[str, int]:
             if isinstance(m, torch.nn.Linear) and not any(fnmatch.fnmatchcase(n, p) for p in skip)}
 
 
+def _skeleton(hf_dir: Path):
+    """The model's module tree on the meta device (no weights read): enough to check the config."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{hf_dir}: not an HF checkpoint (no config.json)")
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(hf_dir)))
+
+
 def _load_model(hf_dir: Path, device: str):
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
-    if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{hf_dir}: not an HF checkpoint (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.bfloat16).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     # export_hf_checkpoint iterates config.architectures; a checkpoint converted from GGUF has None
@@ -159,13 +171,16 @@ def quantize_checkpoint(hf_dir: str | Path, out_dir: str | Path, qcfg: Any,
     device = "cuda" if torch.cuda.is_available() else "cpu"
     timings: dict[str, float] = {}
 
+    # Every check a user can fail runs before the weights are read or anything is written
+    load_texts(settings.dataset)
+    skeleton = _skeleton(hf_dir)
+    exclude = check_exclude(settings.exclude, [n for n, _ in skeleton.named_modules() if n])
+    group_size = check_group_size(settings.format, settings.group_size, _quantized_linears(skeleton, exclude))
+    del skeleton
+
     t = time.perf_counter()
     model, tokenizer = _load_model(hf_dir, device)
     timings["load_s"] = time.perf_counter() - t
-
-    module_names = [n for n, _ in model.named_modules() if n]
-    exclude = check_exclude(settings.exclude, module_names)
-    group_size = check_group_size(settings.format, settings.group_size, _quantized_linears(model, exclude))
 
     t = time.perf_counter()
     calib = build_calibration_set(tokenizer, settings.dataset, settings.num_samples, settings.max_seq_len)
