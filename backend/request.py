@@ -115,8 +115,9 @@ class Request:
 
     @property
     def is_prefill(self) -> bool:
-        """More than the last token still lacks KV: the next step is (part of) a prefill."""
-        return len(self.all_token_ids) - self.num_computed_tokens > 1
+        """The next step is (part of) a prefill: more than the last token lacks KV, or nothing has
+        been sampled yet (a prompt's last token is still prefill). Same rule as the scheduler."""
+        return len(self.all_token_ids) - self.num_computed_tokens > 1 or not self.output_token_ids
 
     @property
     def max_total_tokens(self) -> int:
