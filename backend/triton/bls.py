@@ -7,7 +7,8 @@ worker thread because a decoupled ``execute()`` must return at once.
 """
 from __future__ import annotations
 
-import threading
+import itertools
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -34,7 +35,7 @@ class BlsHost:
         self.tok = self.pre.tokenizer
         self.engine_model = engine_model
         self.pool = ThreadPoolExecutor(max_workers=MAX_IN_FLIGHT, thread_name_prefix="kiln-bls")
-        self._lock = threading.Lock()
+        self._ids = itertools.count()
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -58,14 +59,23 @@ class BlsHost:
         except Exception as e:  # noqa: BLE001 - a bug must still end the request with one final
             self._final_error(sender, f"bls: {type(e).__name__}: {e}")
             return
+        inner_id = f"bls-{os.getpid()}-{next(self._ids)}"
         inner = pb.InferenceRequest(
-            model_name=self.engine_model, requested_output_names=_ENGINE_OUTPUTS,
+            model_name=self.engine_model, requested_output_names=_ENGINE_OUTPUTS, request_id=inner_id,
             inputs=[pb.Tensor(k, v) for k, v in prep.engine_tensors().items()])
         echo, sent_final = prep.echo_text, False
         try:
             for resp in inner.exec(decoupled=True):
                 if sent_final:
                     continue  # drain whatever the engine still sends after its final
+                if request.is_cancelled():  # the client went away: stop the engine, free its blocks
+                    self._stop_engine(inner_id)
+                    sent_final = True
+                    try:
+                        self._final_error(sender, "request cancelled")
+                    except Exception:  # noqa: BLE001
+                        pass
+                    continue
                 if resp.has_error():
                     self._final_error(sender, resp.error().message())
                     sent_final = True
@@ -92,6 +102,13 @@ class BlsHost:
                     self._final_error(sender, f"bls: {type(e).__name__}: {e}")
                 except Exception:  # noqa: BLE001 - client gone
                     pass
+
+    def _stop_engine(self, inner_id: str) -> None:
+        pb = self.pb
+        stop = pb.InferenceRequest(model_name=self.engine_model, requested_output_names=[], request_id=inner_id,
+                                   inputs=[pb.Tensor("stop_request", np.array([True]))])
+        for _ in stop.exec(decoupled=True):
+            pass
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

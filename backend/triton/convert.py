@@ -80,6 +80,7 @@ INPUTS: dict[str, InputSpec] = {
     "stop_words_list": InputSpec("int", None, many=True, allowed="[2, N] NVIDIA words list"),
     "bad_words_list": InputSpec("int", None, many=True, allowed="[2, N] NVIDIA words list"),
     "echo_text": InputSpec("bytes", ""),
+    "stop_request": InputSpec("bool", False),
 }
 
 _KINDS = {"bytes": "OSU", "int": "iu", "float": "f", "bool": "b"}

@@ -55,6 +55,7 @@ def chosen_logprobs(event: Any) -> list[float]:
 @dataclasses.dataclass
 class _Stream:
     rid: str
+    triton_id: str          # the Triton request id (a stop request names it)
     request: Any
     sender: Any
     req: EngineRequest
@@ -113,6 +114,10 @@ class EngineHost:
 
     def _enqueue(self, request) -> None:
         sender = request.get_response_sender()
+        stop = self.pb.get_input_tensor_by_name(request, "stop_request")
+        if stop is not None and bool(stop.as_numpy().reshape(-1)[0]):
+            self._stop_request(request.request_id(), sender)
+            return
         try:
             req = parse_engine_request(self._tensors(request), self.limits, self.vocab_size, self.tok)
             params = self._params(**req.sampling)
@@ -120,7 +125,7 @@ class EngineHost:
             self._send_error(sender, str(e))
             return
         rid = self._prefix + str(next(self._ids))
-        st = _Stream(rid, request, sender, req, StreamDetokenizer(self.tok, req.prompt_ids, req.stop_strings,
+        st = _Stream(rid, request.request_id(), request, sender, req, StreamDetokenizer(self.tok, req.prompt_ids, req.stop_strings,
                                                                    self.interval), time.monotonic())
         with self._lock:
             self._active[rid] = st
@@ -134,6 +139,20 @@ class EngineHost:
                 if not st.done:
                     st.done = True
                     self._send_error(sender, str(e))
+
+    def _stop_request(self, triton_id: str, sender) -> None:
+        if not triton_id:
+            self._send_error(sender, "stop_request needs the request id of the request to stop")
+            return
+        with self._lock:
+            targets = [st for st in self._active.values() if st.triton_id == triton_id]
+        for st in targets:
+            with st.lock:
+                if st.done or st.cancel_asked:
+                    continue
+                st.cancel_asked = True
+            self.executor.cancel(st.rid)
+        sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     # ---- executor thread -----------------------------------------------------------------------
     def _on_event(self, st: _Stream, ev: Any) -> None:

@@ -20,6 +20,7 @@ ENGINE_INPUT_NAMES = (
     "input_ids", "input_lengths", "request_output_len", "streaming", "temperature", "top_k", "top_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "seed", "end_id",
     "return_log_probs", "stop_words", "stop_words_list", "bad_words_list", "echo_text",
+    "stop_request",
 )
 
 
