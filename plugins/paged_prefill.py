@@ -1,7 +1,8 @@
 """Triton kernel: paged attention for prefill and chunked prefill (also speculative verification).
 
-Variable-length batch: each program takes BLOCK_M new tokens of one sequence and one query head and
-runs causal flash attention over that sequence's cache, which already holds both the earlier context
+Variable-length batch: each program takes BLOCK new tokens of one sequence and all GROUP query heads
+that share one KV head (rows = token x head, so K/V tiles are loaded once per GQA group), and runs
+causal flash attention over that sequence's cache, which already holds both the earlier context
 (prefix cache hits, earlier chunks) and this step's tokens. An optional tree mask (EAGLE token trees)
 restricts which of the new tokens each query sees.
 Reference: plugins/reference/attention.py (paged_prefill_ref).
@@ -14,39 +15,40 @@ import triton.language as tl
 
 from .common import Variant, check, launch, next_pow2, scale_tensor
 
-# (query rows, key tile) per program: large tiles on a GPU; small ones in the interpreter, where every
-# element costs Python time
+# (query rows = tokens x padded GQA group, key tile) per program: large tiles on a GPU; smaller in
+# the interpreter, where each program costs Python time
 GPU_TILES = (64, 64)
-CPU_TILES = (16, 32)
+CPU_TILES = (32, 32)
 
 
 @triton.jit
 def paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr,
                          context_lens_ptr, tree_mask_ptr, k_scale_ptr, v_scale_ptr, sm_scale,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_tm,
-                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
-                         KV_FP8: tl.constexpr, HAS_TREE: tl.constexpr):
+                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+                         TILE: tl.constexpr, KV_FP8: tl.constexpr, HAS_TREE: tl.constexpr):
     mb = tl.program_id(0)
     b = tl.program_id(1)
-    h = tl.program_id(2)
+    kvh = tl.program_id(2)
     q_start = tl.load(query_start_ptr + b)
     q_len = tl.load(query_start_ptr + b + 1) - q_start
     if mb * BLOCK < q_len:
-        kvh = h // GROUP
         ctx = tl.load(context_lens_ptr + b)
         seq_len = ctx + q_len
-        i = mb * BLOCK + tl.arange(0, BLOCK)
+        r = tl.arange(0, BLOCK * GROUP_PAD)   # row = token-major, head-minor
+        i = mb * BLOCK + r // GROUP_PAD
+        h = kvh * GROUP + r % GROUP_PAD
         d = tl.arange(0, HEAD_DIM)
-        imask = i < q_len
-        q = tl.load(q_ptr + (q_start + i)[:, None] * stride_qt + h * stride_qh + d[None, :],
+        imask = (i < q_len) & (r % GROUP_PAD < GROUP)
+        q = tl.load(q_ptr + (q_start + i)[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
                     mask=imask[:, None], other=0.0)
         qpos = ctx + i
         qk_scale = sm_scale * tl.load(k_scale_ptr)
 
-        m_i = tl.full([BLOCK], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK], tl.float32)
-        acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+        m_i = tl.full([BLOCK * GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK * GROUP_PAD], tl.float32)
+        acc = tl.zeros([BLOCK * GROUP_PAD, HEAD_DIM], tl.float32)
         row = NUM_KV_HEADS * HEAD_DIM
         # causality: no query of this block sees past its last row's position
         kv_end = tl.minimum(seq_len, ctx + (mb + 1) * BLOCK)
@@ -78,7 +80,7 @@ def paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         out = acc * tl.load(v_scale_ptr) / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + (q_start + i)[:, None] * stride_ot + h * stride_oh + d[None, :],
+        tl.store(out_ptr + (q_start + i)[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=imask[:, None])
 
 
@@ -114,26 +116,30 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         tm = tree_mask.to(torch.uint8).contiguous()
     else:
         tm = out  # unused by the HAS_TREE=False variant
-    block_m, tile_n = GPU_TILES if q.is_cuda else CPU_TILES
-    grid = (triton.cdiv(max(1, max_query_len), block_m), B, Hq)
+    rows, tile_n = GPU_TILES if q.is_cuda else CPU_TILES
+    group = Hq // Hkv
+    group_pad = next_pow2(group)
+    block_m = max(1, rows // group_pad)   # tokens per program
+    grid = (triton.cdiv(max(1, max_query_len), block_m), B, Hkv)
     args = (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, tm,
             scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device), float(scale),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             tm.stride(0) if tree_mask is not None else 0)
     launch(paged_prefill_kernel, grid, args,
-           _constexprs(Hkv, Hq // Hkv, D, bs, block_m, tile_n, k_cache.dtype == torch.float8_e4m3fn,
+           _constexprs(Hkv, group, D, bs, block_m, tile_n, k_cache.dtype == torch.float8_e4m3fn,
                        tree_mask is not None), aot=aot)
     return out
 
 
 def _constexprs(hkv, group, head_dim, block_size, block_m, tile_n, fp8, tree) -> dict:
-    return dict(NUM_KV_HEADS=hkv, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK=block_m,
-                TILE=tile_n, KV_FP8=fp8, HAS_TREE=tree)
+    return dict(NUM_KV_HEADS=hkv, GROUP=group, GROUP_PAD=next_pow2(group), HEAD_DIM=head_dim,
+                BLOCK_SIZE=block_size, BLOCK=block_m, TILE=tile_n, KV_FP8=fp8, HAS_TREE=tree)
 
 
 def aot_variants(e) -> list[Variant]:
     """GPU variants an engine with shapes `e` launches; the tree-mask one only with speculation."""
     out = []
+    group = e.num_heads // e.num_kv_heads
     for tree in ((False, True) if e.speculative else (False,)):
         types = dict(out_ptr=f"*{e.act}", q_ptr=f"*{e.act}", k_cache_ptr=f"*{e.kv}", v_cache_ptr=f"*{e.kv}",
                      block_tables_ptr="*i32", query_start_ptr="*i32", context_lens_ptr="*i32",
@@ -141,6 +147,7 @@ def aot_variants(e) -> list[Variant]:
                      sm_scale="fp32", stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_oh="i32",
                      stride_bt="i32", stride_tm="i32")
         out.append(Variant(paged_prefill_kernel, types,
-                           _constexprs(e.num_kv_heads, e.num_heads // e.num_kv_heads, e.head_dim, e.block_size,
-                                       *GPU_TILES, e.kv == "fp8e4nv", tree)))
+                           _constexprs(e.num_kv_heads, group, e.head_dim, e.block_size,
+                                       max(1, GPU_TILES[0] // next_pow2(group)), GPU_TILES[1], e.kv == "fp8e4nv",
+                                       tree)))
     return out
