@@ -146,7 +146,8 @@ outp = paged_prefill(qp, k, v, tables, qsl, ctx, 0.088, aot=ks)
 errp = (outp.float() - paged_prefill_ref(qp, k, v, tables, qsl, ctx, 0.088).float()).abs().max().item()
 torch.cuda.synchronize()
 cache = os.environ["TRITON_CACHE_DIR"]
-jit_files = sum(len(f) for _, _, f in os.walk(cache)) if os.path.isdir(cache) else 0
+# a JIT compile leaves a .cubin in the cache (Triton's own driver helpers are .so files: not counted)
+jit_files = sum(n.endswith(".cubin") for _, _, f in os.walk(cache) for n in f) if os.path.isdir(cache) else 0
 print(json.dumps({"launched": ks.launched, "decode_err": err, "prefill_err": errp, "jit_cache_files": jit_files}))
 """
 
