@@ -19,6 +19,8 @@ and may provide::
     def validate(ctx: StageContext, info: dict) -> None:
         '''Checks to run whether the stage ran or was cached (e.g. config vs model shape).'''
 
+    STAGE_VERSION = 1   # bump when the stage's code changes what it writes: cached outputs rebuild
+
 Rules the pipeline (``builder/pipeline.py``) enforces so that stages stay simple:
 
 * ``ctx.out_dir`` is a fresh temporary folder (``<dest>.tmp-<pid>``). When ``run`` returns, the

@@ -21,6 +21,7 @@ from builder.st_writer import SafetensorsWriter
 from builder.stages.base import StageContext, StageError
 from builder.weights import Checkpoint, runtime_tensors
 
+STAGE_VERSION = 2
 FORMAT = "kiln-engine"
 FORMAT_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -57,7 +58,7 @@ def run(ctx: StageContext) -> dict:
         "format_version": FORMAT_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "kiln_version": getattr(builder, "__version__", "0.1.0"),
-        "config_file": cfg.file,
+        "config_file": _display_path(cfg.file),
         "model": model,
         "quantization": {
             "format": fmt,
@@ -82,6 +83,14 @@ def run(ctx: StageContext) -> dict:
     (out / "engine.json").write_text(json.dumps(engine, indent=2) + "\n")
     return {"format": fmt, "files": len(engine["files"]), "kernels": len(engine["kernels"]),
             "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
+
+
+def _display_path(file: str) -> str:
+    """The config path as a user in the repository would type it (relative when under the cwd)."""
+    try:
+        return str(Path(file).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return file
 
 
 def _sections_hash(cfg, stage: str) -> str:
