@@ -23,11 +23,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import gemm_fp8, gemm_w4a16, kv_write, paged_decode, paged_prefill, rmsnorm, rope
-from .common import EngineShapes, Variant
+from .common import AOT_META_VERSION, EngineShapes, Variant
 
 KERNEL_MODULES = (kv_write, paged_decode, paged_prefill, rmsnorm, rope, gemm_w4a16, gemm_fp8)
 DEFAULT_SMS = (90, 100)
-META_VERSION = 1
+META_VERSION = AOT_META_VERSION
 _ACT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 

@@ -49,6 +49,9 @@ def check(cond: bool, msg: str) -> None:
 
 # ---- one launch path for JIT and ahead-of-time kernels -------------------------------------------
 
+# version of the per-kernel .json written by plugins.aot and read by plugins.launcher
+AOT_META_VERSION = 1
+
 TORCH_TO_TRITON = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
                    torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}
 

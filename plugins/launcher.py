@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .common import AOT_META_VERSION, TORCH_TO_TRITON
+
 try:  # cuda-python >= 12.6 layout; older releases exposed the same API as `cuda.cuda`
     from cuda.bindings import driver as _drv
 except ImportError:  # pragma: no cover - depends on the installed cuda-python
@@ -33,8 +35,7 @@ _CTYPE = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "u32": ctypes.c_uint32, 
 _PTX_OF = {"i32": "u32", "u32": "u32", "i64": "u64", "u64": "u64", "fp32": "f32", "i1": "u8", "u8": "u8"}
 
 
-_TRITON_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv",
-                torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+_TRITON_NAME = {**TORCH_TO_TRITON, torch.int8: "i8", torch.bool: "i1"}
 
 
 class LaunchError(RuntimeError):
@@ -165,6 +166,10 @@ class KernelSet:
             if hashlib.sha256(cubin).hexdigest() != e["sha256"]["cubin"]:
                 raise LaunchError(f"{root / e['cubin']}: sha256 mismatch; rebuild the engine (make build)")
             meta = json.loads((root / e["meta"]).read_text())
+            if meta.get("meta_version") != AOT_META_VERSION:
+                ks_reason = f"kernel metadata version {meta.get('meta_version')} (this runtime reads {AOT_META_VERSION})"
+                empty._warn(ks_reason + "; rebuild the engine (make build)")
+                return empty
             ptx_path = root / e["ptx"]
             kernels[meta["key"]] = AotKernel(meta, cubin, ptx_path.read_bytes() if ptx_path.is_file() else None)
         ks = cls(kernels, device)
