@@ -41,6 +41,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-output-tokens", type=int,
                    help="debug only: cap outputs below the benchmark's length (results are not comparable)")
     p.add_argument("--test-queries", type=int, help="--test-run size (default from benchmarks.yaml)")
+    p.add_argument("--reference", type=Path,
+                   help="reference outputs JSON (smollm2; default build/smollm2-135m-bf16/mlperf/reference.json)")
     p.add_argument("--save-reference", action="store_true",
                    help="AccuracyOnly: store the decoded outputs as the benchmark's accuracy reference")
     return p.parse_args(argv)
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                                      mlperf_conf=args.mlperf_conf, num_clients=args.num_clients,
                                      save_reference=args.save_reference, log_root=args.log_root,
                                      max_output_tokens=args.max_output_tokens,
-                                     test_queries=args.test_queries))
+                                     test_queries=args.test_queries, reference=args.reference))
                 s = res["summary"]
                 tps = s.get("Tokens per second", s.get("Completed tokens per second"))
                 perf = f"LoadGen result {s.get('Result is')}, tokens/s {tps}" if tps else "done"

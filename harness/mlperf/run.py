@@ -44,6 +44,7 @@ class RunRequest:
     log_root: Path | None = None       # default <output>/mlperf
     max_output_tokens: int | None = None   # debugging/CI only: shorter outputs than the benchmark's
     test_queries: int | None = None    # --test-run size (default benchmarks.yaml test_run)
+    reference: Path | None = None      # reference outputs file (default: see reference_path)
 
 
 def _engine_paths(config: Path, output: Path | None) -> tuple[Path, str, int]:
@@ -63,9 +64,10 @@ def reference_path(benchmark: settings.Benchmark, out_dir: Path) -> Path | None:
     return out_dir / "mlperf" / REFERENCE_FILE
 
 
-def load_samples(benchmark: settings.Benchmark, out_dir: Path, dataset_path: Path | None) -> list[Sample]:
+def load_samples(benchmark: settings.Benchmark, out_dir: Path, dataset_path: Path | None,
+                 reference: Path | None = None) -> list[Sample]:
     refs = None
-    ref_file = reference_path(benchmark, out_dir)
+    ref_file = Path(reference) if reference else reference_path(benchmark, out_dir)
     if ref_file is not None and ref_file.is_file():
         data = json.loads(ref_file.read_text())
         if data.get("max_output_tokens") == benchmark.max_output_tokens:
@@ -167,7 +169,10 @@ def run(req: RunRequest) -> dict:
                                                mlperf_conf=req.mlperf_conf, user_conf=req.user_conf)
     if req.compliance not in (None, "TEST06"):
         raise settings.SettingsError(f"--compliance {req.compliance!r}; allowed: TEST06")
-    samples = load_samples(bench, out_dir, req.dataset_path)  # before touching the log folder
+    if req.reference and not req.save_reference and not Path(req.reference).is_file():
+        raise settings.SettingsError(f"--reference {req.reference}: file not found")
+    samples = load_samples(bench, out_dir, req.dataset_path,
+                           None if req.save_reference else req.reference)  # before touching the log folder
     if req.test_run:
         # AccuracyOnly runs every sample of the QSL: a test run keeps its QSL to the test size
         samples = samples[:int(table.test_run["performance_sample_count_override"])]
@@ -215,7 +220,8 @@ def run(req: RunRequest) -> dict:
                                 targets, log_dir / "accuracy.txt")
         result["accuracy"] = {"metrics": acc["metrics"], "levels": acc["levels"]}
         if req.save_reference:
-            ref = out_dir / "mlperf" / REFERENCE_FILE
+            ref = Path(req.reference or out_dir / "mlperf" / REFERENCE_FILE)
+            ref.parent.mkdir(parents=True, exist_ok=True)
             ref.write_text(json.dumps({"engine": str(out_dir / "engine"), "max_output_tokens": bench.max_output_tokens,
                                        "outputs": {str(k): v for k, v in acc["texts"].items()}}, indent=1))
             result["reference_written"] = str(ref)

@@ -19,6 +19,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.server]
 REPO = Path(__file__).resolve().parents[2]
 # the default engine; KILN_MLPERF_TEST_ENGINE=smollm2-135m-bf16 runs the same tests on another build
 ENGINE = os.environ.get("KILN_MLPERF_TEST_ENGINE", "smollm2-135m-fp8")
+# The default engine's recipe (FP8 weights + FP8 KV) with a lighter calibration and no verify stage,
+# to keep the build inside this file's CI budget; the harness does not care how well it calibrated.
+BUILD_OVERRIDES = ["quantization.calibration.num_samples=4", "quantization.calibration.max_seq_len=64",
+                   "verify.enabled=false"]
 CONFIG = REPO / "configs" / f"{ENGINE}.yaml"
 MAX_TOKENS, QUERIES = 8, 4
 
@@ -27,7 +31,7 @@ MAX_TOKENS, QUERIES = 8, 4
 def served(build_bundle, tmp_path_factory):
     from harness.serving_server import TritonServer
 
-    out = Path(build_bundle(ENGINE)).parent
+    out = Path(build_bundle(ENGINE, BUILD_OVERRIDES)).parent
     root = tmp_path_factory.mktemp("mlperf-runs")
     user_conf = root / "user.conf"  # arrivals fast enough that a 4-query Server run takes seconds
     user_conf.write_text("smollm2.Offline.target_qps = 2\nsmollm2.Server.target_qps = 4\n")
