@@ -103,7 +103,7 @@ def _source_reference() -> str:
 def package(build_root: Path, out: Path, org: str, system_name: str | None, round_: str,
             division: str = "closed") -> Path:
     if round_ not in LAYOUTS:
-        raise SubmissionError(f"--round {round_!r}; allowed: {', '.join(LAYOUTS)}")
+        raise SubmissionError(f"--round {round_!r}; allowed: {', '.join(sorted(LAYOUTS))}")
     layout: Layout = LAYOUTS[round_]
     runs = find_runs(build_root)
     if not runs:
