@@ -355,6 +355,8 @@ class Scheduler:
 
     def _update_general(self, req: Request, s: ScheduledSeq, toks) -> RequestStatus | None:
         """Prefill completions, speculative verifications and list-shaped results."""
+        # Plain Python ints go into the token lists: numpy/torch scalars would leak into outputs.
+        toks = [int(t) for t in toks] if hasattr(toks, "__len__") else [int(toks)]
         if s.is_prefill:
             self.num_prefill_tokens_computed += s.num_new_tokens
         else:
@@ -371,12 +373,9 @@ class Scheduler:
             self.num_accepted_draft_tokens += accepted
         else:
             req.num_computed_tokens += s.num_new_tokens
-            if type(toks) is not int:
-                assert len(toks) == 1, f"{len(toks)} tokens sampled without drafts"
+            assert len(toks) == 1, f"{len(toks)} tokens sampled without drafts"
         if req.spec_token_ids:
             req.spec_token_ids = []
-        if type(toks) is int:
-            toks = (toks,)
         for tok in toks:                 # tokens after a finishing one are dropped
             req.output_token_ids.append(tok)
             req.all_token_ids.append(tok)

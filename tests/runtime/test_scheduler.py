@@ -471,3 +471,15 @@ def test_random_speculation_under_pressure_gives_the_plain_greedy_output(seed, p
     assert sched.num_draft_tokens > 0 and 0 < sched.num_accepted_draft_tokens < sched.num_draft_tokens
     # The pool is small on purpose: max_utilization must have preempted speculating requests.
     assert (sched.num_preemptions == 0) if policy == "guaranteed_no_evict" else sched.num_preemptions > 0
+
+
+def test_update_accepts_numpy_scalars_and_stores_python_ints():
+    np = pytest.importorskip("numpy")
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, 2, 16, eos_token_ids=[EOS])
+    r = make("n", [5, 6], max_tokens=3)
+    sched.add(r)
+    for tok in (np.int64(7), [np.int32(8)], np.int64(EOS)):
+        sched.update(sched.schedule(), [tok])
+    assert r.output_token_ids == [7, 8, EOS] and all(type(t) is int for t in r.output_token_ids)
+    assert r.finish_reason == "stop" and bm.num_free_blocks == 8
