@@ -1,0 +1,137 @@
+"""Verify stage: the accuracy gate between the compiled bundle and the unquantized model.
+
+Both models read the same held-out prompts (``quant/data/heldout.jsonl``, never used for
+calibration). The reference is the import stage's checkpoint run by Hugging Face transformers in
+fp32; the candidate is the bundle run by OUR runtime (``backend.runner.ModelRunner``: the same
+linear formats, KV-cache dtype and attention code that serve it). For every prompt position we
+compare next-token distributions: top-1 agreement and mean KL(reference || bundle).
+
+The build fails (``passed: False``; the pipeline records it in engine.json and stops) when the
+agreement is below ``verify.min_top1_agreement`` or the KL above ``verify.max_mean_kl``; ``null``
+takes the per-format default below, chosen from measurements on SmolLM2-135M (see the table's
+comments) with headroom so that run-to-run noise of calibration does not fail a healthy build.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from builder.stages.base import StageContext, StageError
+
+HELDOUT = Path(__file__).resolve().parents[2] / "quant" / "data" / "heldout.jsonl"
+MAX_PROMPT_TOKENS = 256
+
+# format -> (min top-1 agreement, max mean KL in nats). Measured on SmolLM2-135M, 8 held-out prompts,
+# bf16 bundles with the KV cache noted (see the report in docs/perf/verify-smollm2.json).
+DEFAULT_THRESHOLDS: dict[str, tuple[float, float]] = {
+    "none": (0.95, 0.02),       # bf16 compute vs fp32 reference only
+    "fp8": (0.85, 0.08),
+    "int8_sq": (0.80, 0.15),
+    "int4_awq": (0.75, 0.25),
+    "w4a8_awq": (0.70, 0.30),
+    "nvfp4": (0.70, 0.35),
+}
+
+
+def skip_reason(ctx: StageContext) -> str | None:
+    return None if ctx.config.verify.enabled else "verify.enabled is false"
+
+
+def fingerprint(ctx: StageContext) -> str:
+    st = HELDOUT.stat() if HELDOUT.exists() else None
+    return f"heldout:{st.st_size}:{st.st_mtime_ns}" if st else "heldout:missing"
+
+
+def thresholds(ctx: StageContext, fmt: str) -> tuple[float, float]:
+    v = ctx.config.verify
+    if fmt not in DEFAULT_THRESHOLDS:
+        raise StageError(f"verify: no default thresholds for quantization.format {fmt!r}; "
+                         f"allowed: {', '.join(DEFAULT_THRESHOLDS)} (or set verify.min_top1_agreement "
+                         "and verify.max_mean_kl)")
+    top1, kl = DEFAULT_THRESHOLDS[fmt]
+    return (top1 if v.min_top1_agreement is None else v.min_top1_agreement,
+            kl if v.max_mean_kl is None else v.max_mean_kl)
+
+
+def load_prompts(n: int, path: Path = HELDOUT) -> list[str]:
+    if not path.is_file():
+        raise StageError(f"{path}: held-out prompts not found; allowed: the file shipped in quant/data")
+    texts = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                texts.append(json.loads(line)["text"])
+            except (ValueError, KeyError, TypeError):
+                raise StageError(f"{path}:{i}: expected a JSON object with a \"text\" string") from None
+        if len(texts) == n:
+            break
+    if not texts:
+        raise StageError(f"{path}: no prompts")
+    return texts
+
+
+def prefill_logits(runner, ids: list[int]) -> torch.Tensor:
+    """All-position next-token logits of one prompt through the runtime (one prefill step)."""
+    from backend.attention.metadata import AttentionMetadata
+    t, bs = len(ids), runner.block_size
+    nblk = -(-t // bs)
+    assert nblk <= runner.num_blocks, "verify prompts are capped far below the KV capacity"
+    i32 = torch.int32
+    dev = runner.device
+    meta = AttentionMetadata(
+        positions=torch.arange(t, device=dev), slot_mapping=torch.arange(t, device=dev),
+        block_tables=torch.arange(nblk, dtype=i32, device=dev).view(1, -1),
+        seq_lens=torch.tensor([t], dtype=i32, device=dev),
+        query_start_loc=torch.tensor([0, t], dtype=i32, device=dev),
+        context_lens=torch.zeros(1, dtype=i32, device=dev), num_prefills=1, num_prefill_tokens=t,
+        num_decode_tokens=0, max_query_len=t, max_seq_len=t)
+    logits, _ = runner.execute(torch.tensor(ids, device=dev), meta, torch.arange(t, device=dev))
+    return logits.float().cpu()
+
+
+def compare(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[int, float, int]:
+    """-> (positions where the argmax agrees, summed KL(ref || candidate), positions)."""
+    ref_lp = ref_logits.float().log_softmax(-1)
+    lp = logits.float().log_softmax(-1)
+    agree = int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
+    kl = float((ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0).sum())
+    return agree, kl, ref_logits.shape[0]
+
+
+def run(ctx: StageContext) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from backend.runner import ModelRunner, load_engine_spec
+    from backend.triton.tokenizer import load_tokenizer
+
+    bundle_dir = ctx.results["compile"].path
+    ref_dir = ctx.results["import"].path
+    spec = load_engine_spec(bundle_dir, {"max_kv_tokens": MAX_PROMPT_TOKENS + 16}, verify_hashes=False)
+    fmt = spec.quant_format
+    min_top1, max_kl = thresholds(ctx, fmt)
+    texts = load_prompts(ctx.config.verify.num_prompts)
+    tok = load_tokenizer(bundle_dir)
+    prompts = [tok.encode(t)[:MAX_PROMPT_TOKENS] for t in texts]
+
+    runner = ModelRunner(spec, device="cpu")
+    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    agree = positions = 0
+    kl_sum = 0.0
+    with ctx.progress("verify: bundle vs unquantized model", len(prompts)) as advance, torch.inference_mode():
+        for ids in prompts:
+            ref_logits = ref(torch.tensor([ids])).logits[0]
+            a, k, n = compare(ref_logits, prefill_logits(runner, ids))
+            agree, kl_sum, positions = agree + a, kl_sum + k, positions + n
+            advance(1)
+    top1, mean_kl = agree / positions, kl_sum / positions
+    passed = top1 >= min_top1 and mean_kl <= max_kl
+    ctx.log(f"verify: {fmt} top-1 agreement {top1:.4f} (min {min_top1}), mean KL {mean_kl:.5f} "
+            f"(max {max_kl}) over {positions} positions of {len(prompts)} prompts: "
+            f"{'passed' if passed else 'FAILED'}")
+    result = {"top1_agreement": round(top1, 5), "mean_kl": round(mean_kl, 6), "num_prompts": len(prompts),
+              "num_positions": positions, "format": fmt, "kv_cache_dtype": spec.kv_cache_dtype,
+              "min_top1_agreement": min_top1, "max_mean_kl": max_kl, "passed": passed}
+    (ctx.out_dir / "verify.json").write_text(json.dumps(result, indent=1))
+    return result
