@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from plugins import aot, paged_prefill
+from plugins import aot, kv_write, paged_prefill
 from plugins.launcher import KernelSet, pack_params, ptx_types_of
 
 ENGINE = {  # SmolLM2-135M as the builder writes it (docs/contracts.md section 3), NVFP4 + fp8 KV + EAGLE
@@ -65,7 +65,7 @@ def test_pack_params_follows_metadata(bundle):
     root, entries = bundle
     meta = json.loads((root / next(e for e in entries if "kv_write" in e["key"])["meta"]).read_text())
     act, kv = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.float8_e4m3fn)
-    args = (act, act, kv, kv, torch.zeros(4, dtype=torch.int64), torch.ones(1), torch.ones(1), 1, 2, 3, 4)
+    args = (act, act, kv, kv, torch.zeros(4, dtype=torch.int64), torch.ones(1), torch.ones(1), 4, 1, 2, 3, 4)
     params = pack_params(meta, args)
     assert len(params) == len(meta["ptx_param_types"])
     with pytest.raises(ValueError, match="arguments"):
@@ -97,8 +97,9 @@ class _Recorder:
 
 
 def test_plan_covers_what_the_backend_launches(monkeypatch, device):
-    # the interpreter uses small prefill tiles; give it the GPU ones so keys are the GPU's
+    # the interpreter uses its own tile sizes; give it the GPU ones so keys are the GPU's
     monkeypatch.setattr(paged_prefill, "CPU_TILES", paged_prefill.GPU_TILES)
+    monkeypatch.setattr(kv_write, "CPU_TOKENS", kv_write.GPU_TOKENS)
     from backend.attention.triton_backend import TritonAttentionBackend
     from tests.kernels.test_triton_backend import _step
     rec = _Recorder()
