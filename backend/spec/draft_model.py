@@ -104,8 +104,9 @@ class Eagle3Draft:
 
         ``feats [N, H]``, ``tokens [N]`` (the token AFTER each entry's position), ``positions [N]``.
         Their keys/values are written at cache rows ``[write_at, write_at + N)``; each entry attends
-        to the committed rows ``[0, cache.length)`` and to the new rows allowed by ``mask [N, N]``
-        (bool; default causal). Returns the pre-norm outputs ``[N, H]``. Does not change
+        to the committed rows ``[0, cache.length)`` and to the tentative rows
+        ``[cache.length, write_at + N)`` allowed by ``mask [N, write_at + N - cache.length]`` (bool;
+        default: earlier tentative rows visible, causal among the new ones). Returns the pre-norm outputs ``[N, H]``. Does not change
         ``cache.length``: the caller commits rows it keeps.
         """
         c = self.cfg
@@ -124,14 +125,16 @@ class Eagle3Draft:
         cache.k[write_at:write_at + n] = k
         cache.v[write_at:write_at + n] = v
         past = cache.length
-        keys = torch.cat([cache.k[:past], cache.k[write_at:write_at + n]])
-        vals = torch.cat([cache.v[:past], cache.v[write_at:write_at + n]])
-        if mask is None:
-            mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        assert write_at >= past
+        end = write_at + n
+        keys, vals = cache.k[:end], cache.v[:end]
+        if mask is None:  # causal among the new rows; earlier tentative rows all visible
+            mask = torch.ones(n, end - past, dtype=torch.bool, device=self.device).tril(write_at - past)
+        assert mask.shape == (n, end - past), (tuple(mask.shape), n, end - past)
         full = torch.cat([torch.ones(n, past, dtype=torch.bool, device=self.device), mask.to(self.device)], 1)
         attn = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-            vals.transpose(0, 1).unsqueeze(0), attn_mask=full.view(1, 1, n, past + n), scale=self.scale,
+            vals.transpose(0, 1).unsqueeze(0), attn_mask=full.view(1, 1, n, end), scale=self.scale,
             enable_gqa=c.num_heads != c.num_kv_heads)
         h = g + F.linear(attn.squeeze(0).transpose(0, 1).reshape(n, self.q_size), self.o)
         gate, up = F.linear(rms_norm(h, self.post_norm, c.rms_norm_eps), self.gate_up).chunk(2, dim=-1)

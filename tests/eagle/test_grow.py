@@ -1,0 +1,93 @@
+"""Growing draft trees with a (random, tiny) EAGLE-3 head: shapes, and tree attention inside the
+draft equals running each path on its own."""
+import pytest
+import torch
+
+from backend.spec.checkpoint import DraftConfig
+from backend.spec.draft_model import Eagle3Draft
+from backend.spec.grow import TreeGrower
+from backend.spec.tree import static_shape
+
+H, V = 32, 64
+
+
+@pytest.fixture(scope="module")
+def draft():
+    g = torch.Generator().manual_seed(0)
+    cfg = DraftConfig(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+                      vocab_size=V, draft_vocab_size=V, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      aux_layers=(0, 1, 2), has_lm_head=True, dtype="float32")
+    shapes = {"fc.weight": (H, 3 * H), "norm.weight": (H,), "lm_head.weight": (V, H),
+              "layers.0.input_layernorm.weight": (H,), "layers.0.hidden_norm.weight": (H,),
+              "layers.0.post_attention_layernorm.weight": (H,),
+              "layers.0.self_attn.q_proj.weight": (32, 2 * H), "layers.0.self_attn.k_proj.weight": (16, 2 * H),
+              "layers.0.self_attn.v_proj.weight": (16, 2 * H), "layers.0.self_attn.o_proj.weight": (H, 32),
+              "layers.0.mlp.gate_proj.weight": (64, H), "layers.0.mlp.up_proj.weight": (64, H),
+              "layers.0.mlp.down_proj.weight": (H, 64)}
+    t = {k: (1 + 0.1 * torch.randn(s, generator=g)) if len(s) == 1 else torch.randn(s, generator=g) * 0.3
+         for k, s in shapes.items()}
+    return Eagle3Draft(cfg, t, torch.randn(V, H, generator=g), None, 256, "cpu", torch.float32)
+
+
+def committed(draft, n=6):
+    g = torch.Generator().manual_seed(1)
+    cache = draft.new_cache(4)
+    feats = draft.fuse(torch.randn(n, 3 * H, generator=g))
+    h = draft.step(feats, torch.randint(0, V, (n,), generator=g), torch.arange(n), cache, 0)
+    cache.length = n
+    return cache, h[-1:]
+
+
+def chain_by_hand(draft, cache, last, root_pos, k):
+    """Greedy chain with one draft call per token and default (causal) masks."""
+    toks, h, written = [], last, 0
+    for d in range(1, k + 1):
+        t = int(draft.logits(h).argmax(-1))
+        toks.append(t)
+        if d == k:
+            break
+        h = draft.step(h, torch.tensor([t]), torch.tensor([root_pos + d - 1]), cache, cache.length + written)
+        written += 1
+    return toks
+
+
+def test_chain_matches_step_by_step(draft):
+    cache, last = committed(draft)
+    tree = TreeGrower.from_settings(draft, "chain", 4, 0, 0, None).grow(cache, last, 5, 6)
+    assert tree.is_chain() and tree.num_nodes == 5 and cache.length == 6
+    assert list(tree.tokens[1:]) == chain_by_hand(draft, cache, last, 6, 4)
+
+
+def test_static_tree_paths_equal_their_own_chains(draft):
+    # Every root-to-leaf path of a tree grown with tree attention must equal the same path grown
+    # alone: siblings must not see each other inside the draft.
+    cache, last = committed(draft)
+    choices = [[0], [1], [0, 0], [1, 0], [0, 0, 0], [1, 0, 0]]
+    tree = TreeGrower.from_settings(draft, "static", 0, 0, 0, choices).grow(cache, last, 5, 6)
+    assert tree.num_nodes == 1 + len(choices)
+    assert tree.parents == static_shape(choices).parents
+    # Best-child path == the greedy chain.
+    best = [tree.tokens[i] for i in tree.ancestors(5)[1:]]
+    assert best == chain_by_hand(draft, cache, last, 6, 3)
+    # The rank-1 branch: force its first token, then greedy.
+    t1 = tree.tokens[2]
+    h = draft.step(last, torch.tensor([t1]), torch.tensor([6]), cache, cache.length)
+    t2 = int(draft.logits(h).argmax(-1))
+    h = draft.step(h, torch.tensor([t2]), torch.tensor([7]), cache, cache.length + 1)
+    t3 = int(draft.logits(h).argmax(-1))
+    assert [tree.tokens[i] for i in tree.ancestors(6)] == [5, t1, t2, t3]
+
+
+def test_dynamic_tree_is_within_budget_and_well_formed(draft):
+    cache, last = committed(draft)
+    tree = TreeGrower.from_settings(draft, "dynamic", 0, 3, 3, None).grow(cache, last, 5, 6)
+    assert 1 < tree.num_nodes <= 1 + 3 * 3
+    assert max(tree.depths) <= 3
+    for node in range(tree.num_nodes):   # siblings are distinct tokens
+        kids = [tree.tokens[c] for c in tree.children(node)]
+        assert len(kids) == len(set(kids))
+
+
+def test_unknown_tree_kind_is_refused(draft):
+    with pytest.raises(ValueError, match="speculative.tree: 'bush'"):
+        TreeGrower.from_settings(draft, "bush", 4, 4, 4, None)
