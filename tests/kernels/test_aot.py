@@ -128,3 +128,12 @@ def test_bad_engine_json_is_refused(tmp_path):
     with pytest.raises(aot.AotError, match="target_sms: 75"):
         aot.compile_for_bundle(ENGINE, [75], tmp_path / "k")
     assert not os.path.exists(tmp_path / "k")
+
+
+def test_cli_reports_bad_engine_json(tmp_path, capsys):
+    bad = json.loads(json.dumps(ENGINE))
+    bad["model"]["dtype"] = "float64"
+    (tmp_path / "engine.json").write_text(json.dumps(bad))
+    assert aot.main([str(tmp_path / "engine.json"), str(tmp_path / "k"), "--sms", "90"]) == 2
+    assert "model.dtype: 'float64'; allowed: bfloat16, float16, float32" in capsys.readouterr().err
+    assert not (tmp_path / "k").exists()
