@@ -88,7 +88,12 @@ class AotKernel:
         self.meta, self.cubin, self.ptx = meta, cubin, ptx
         self._func = None
 
-    def _load(self):
+    def _load(self, device: torch.device):
+        # modules live in a context: use torch's (the device's primary context), making it current in
+        # this thread if the runtime API has not done so yet (e.g. the executor's own thread)
+        if not _check(_drv.cuCtxGetCurrent()):
+            dev = _check(_drv.cuDeviceGet(device.index or 0))
+            _check(_drv.cuCtxSetCurrent(_check(_drv.cuDevicePrimaryCtxRetain(dev))))
         image = self.cubin
         try:
             module = _check(_drv.cuModuleLoadData(image))
@@ -105,7 +110,7 @@ class AotKernel:
 
     def launch(self, grid: tuple, args: tuple, device: torch.device) -> None:
         if self._func is None:
-            self._load()
+            self._load(device)
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         scratch, keep = [0, 0], []
         for i, (size_key, align_key) in enumerate((("global_scratch_size", "global_scratch_align"),
