@@ -91,7 +91,7 @@ class AotKernel:
     def _load(self, device: torch.device):
         # modules live in a context: use torch's (the device's primary context), making it current in
         # this thread if the runtime API has not done so yet (e.g. the executor's own thread)
-        if not _check(_drv.cuCtxGetCurrent()):
+        if int(_check(_drv.cuCtxGetCurrent())) == 0:   # a null CUcontext handle is still truthy
             dev = _check(_drv.cuDeviceGet(device.index or 0))
             _check(_drv.cuCtxSetCurrent(_check(_drv.cuDevicePrimaryCtxRetain(dev))))
         image = self.cubin
@@ -109,8 +109,6 @@ class AotKernel:
         self._func = func
 
     def launch(self, grid: tuple, args: tuple, device: torch.device) -> None:
-        if self._func is None:
-            self._load(device)
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         scratch, keep = [0, 0], []
         for i, (size_key, align_key) in enumerate((("global_scratch_size", "global_scratch_align"),
@@ -121,7 +119,9 @@ class AotKernel:
                 keep.append(buf)
                 align = int(self.meta.get(align_key, 1))
                 scratch[i] = -(-buf.data_ptr() // align) * align
-        params = pack_params(self.meta, args, tuple(scratch))
+        params = pack_params(self.meta, args, tuple(scratch))   # validates the call before any driver work
+        if self._func is None:
+            self._load(device)
         ptrs = (ctypes.c_void_p * len(params))(*[ctypes.addressof(p) for p in params])
         stream = torch.cuda.current_stream(device).cuda_stream
         _check(_drv.cuLaunchKernel(self._func, gx, gy, gz, 32 * self.meta["num_warps"], 1, 1,
@@ -194,9 +194,9 @@ class KernelSet:
         except ValueError as exc:       # this call's arguments (e.g. an unaligned view): JIT just this once
             self._warn(f"{key}: {exc}")
             return False
-        except LaunchError as exc:      # the cubin itself is unusable here: stop trying it
+        except Exception as exc:  # noqa: BLE001 - driver/binding failure: the cubin is unusable here
             self.kernels.pop(key, None)
-            self._warn(f"{key}: {exc}")
+            self._warn(f"{key}: {type(exc).__name__}: {exc}")
             return False
         self.launched[key] = self.launched.get(key, 0) + 1
         return True

@@ -137,3 +137,23 @@ def test_cli_reports_bad_engine_json(tmp_path, capsys):
     assert aot.main([str(tmp_path / "engine.json"), str(tmp_path / "k"), "--sms", "90"]) == 2
     assert "model.dtype: 'float64'; allowed: bfloat16, float16, float32" in capsys.readouterr().err
     assert not (tmp_path / "k").exists()
+
+
+def test_unusable_cubins_fall_back_to_jit_with_correct_results(bundle, recwarn):
+    """A KernelSet whose variant does not fit the call (dtype), or whose cubin cannot be loaded (here: no
+    driver at all), warns and lets the wrapper JIT; the result is the reference's either way."""
+    from plugins.launcher import AotKernel
+    from plugins.reference.norm import rms_norm_ref
+    from plugins.rmsnorm import rms_norm
+    root, entries = bundle
+    e = next(x for x in entries if x["key"].startswith("rms_norm_kernel") and "HAS_RESIDUAL=0" in x["key"])
+    meta = json.loads((root / e["meta"]).read_text())
+    ks = KernelSet({meta["key"]: AotKernel(meta, b"not a cubin", None)}, "cpu")
+    x, w = torch.randn(3, 576), torch.randn(576)
+    torch.testing.assert_close(rms_norm(x, w, 1e-5, aot=ks), rms_norm_ref(x, w, 1e-5))
+    assert "compiled for *bf16" in str(recwarn.pop(RuntimeWarning).message) and meta["key"] in ks.kernels
+    fp32_meta = dict(meta, signature=[[n, "*fp32" if t == "*bf16" else t] for n, t in meta["signature"]])
+    ks = KernelSet({meta["key"]: AotKernel(fp32_meta, b"not a cubin", None)}, "cpu")
+    torch.testing.assert_close(rms_norm(x, w, 1e-5, aot=ks), rms_norm_ref(x, w, 1e-5))
+    assert "using Triton JIT" in str(recwarn.pop(RuntimeWarning).message)
+    assert meta["key"] not in ks.kernels and not ks.launched   # never retried, never counted
