@@ -57,13 +57,20 @@ def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
         if KV_FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        # fp32 engines (used to check against references) keep IEEE fp32 dots instead of tf32
+        if q.dtype == tl.float32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if v.dtype == tl.float32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     acc = acc * tl.load(v_scale_ptr)
 

@@ -63,7 +63,11 @@ def paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_
             if KV_FP8:
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
+            # fp32 engines (used to check against references) keep IEEE fp32 dots instead of tf32
+            if q.dtype == tl.float32:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * qk_scale
             allowed = (tok[None, :] <= qpos[:, None]) & tmask[None, :]
             if HAS_TREE:
                 j = tok - ctx   # index among this step's tokens; < 0 for context, always visible
@@ -77,7 +81,10 @@ def paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if v.dtype == tl.float32:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         out = acc * tl.load(v_scale_ptr) / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + (q_start + i)[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
