@@ -156,7 +156,7 @@ class BuildConfig:
     serving: ServingConfig = opt(ServingConfig())
     output: OutputConfig = opt(OutputConfig())
     # Where the config came from: "<file>" in errors, stem for the default output folder.
-    file: str = dataclasses.field(default="<config>", compare=False)
+    file: str = dataclasses.field(default="<config>", compare=False, metadata={"internal": True})
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -271,7 +271,7 @@ def _section_paths() -> set[str]:
 def apply_overrides(data: dict, overrides: tuple[str, ...] | list[str], file: str) -> dict:
     """Return a copy of ``data`` with ``key.path=value`` overrides applied (values parsed as YAML)."""
     data = json.loads(json.dumps(data, default=str))  # deep copy; YAML here is plain data
-    leaves = [p for p in all_key_paths(BuildConfig) if p != "file"]
+    leaves = all_key_paths(BuildConfig)
     sections = _section_paths()
     for item in overrides:
         key, sep, raw = item.partition("=")

@@ -128,7 +128,8 @@ def _show(value: Any) -> str:
 def build(cls: type, data: dict, file: str, prefix: str = "") -> Any:
     """Construct dataclass ``cls`` from ``data``, validating every field."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    # fields marked internal (e.g. where the config came from) are not user keys
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     if not isinstance(data, dict):
         raise ConfigError(file, prefix or "<root>", f"expected a mapping, got {_show(data)}")
     for key in data:
@@ -179,6 +180,8 @@ def all_key_paths(cls: type, prefix: str = "") -> list[str]:
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
+        if f.metadata.get("internal"):
+            continue
         path = f"{prefix}.{f.name}" if prefix else f.name
         if dataclasses.is_dataclass(hints[f.name]):
             out += all_key_paths(hints[f.name], path)
