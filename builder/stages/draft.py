@@ -88,7 +88,11 @@ def run(ctx: StageContext) -> dict:
     write_bundle_draft(ctx.out_dir, cfg, tensors)
     ctx.log(f"draft: {'trained' if s.draft == 'train' else 'imported'} EAGLE-3 head, aux layers "
             f"{list(cfg.aux_layers)}, draft vocab {cfg.draft_vocab_size}, {time.time() - t0:.0f} s")
-    return {"speculative": speculative_section(ctx, cfg), "draft": {"source": s.draft, **train_info}}
+    section = speculative_section(ctx, cfg)
+    section["draft_source"] = s.draft
+    if train_info:
+        section["train"] = train_info
+    return {"speculative": section}
 
 
 def speculative_section(ctx: StageContext, cfg) -> dict:
