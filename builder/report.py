@@ -19,7 +19,7 @@ def progress_factory(console: Console):
     """ctx.progress(description, total) backed by rich: a bar when total is known, else a spinner."""
     @contextmanager
     def factory(description: str, total: int | None) -> Iterator:
-        columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
+        columns = [SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), TimeElapsedColumn()]
         with Progress(*columns, console=console, transient=True) as bar:
             task = bar.add_task(description, total=total)
             t0 = time.perf_counter()
