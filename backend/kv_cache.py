@@ -12,6 +12,12 @@ LRU pool and are evicted only when no never-cached free block is left.
 Speculative decoding: ``append_slots(..., num_tentative=k)`` / ``append_tentative`` reserve slots for
 unverified tokens, ``rollback(request, n)`` returns the last ``n``; tentative tokens are never hashed
 because hashes only cover ``all_token_ids`` (accepted tokens) up to ``num_computed_tokens``.
+
+A request's ``block_ids`` list is only ever appended to in place; any other change (free, rollback,
+re-admission) installs a new list. Consumers that keep a copy (``backend/inputs.py``) rely on that,
+or read the opt-in ``block_table_changes`` log.
+
+Not thread-safe: the executor's loop thread (or its lock) owns the scheduler and this manager.
 """
 from __future__ import annotations
 
