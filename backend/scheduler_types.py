@@ -20,6 +20,9 @@ class ScheduledSeq:
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """One step's plan. Valid until the next ``schedule()``: decode entries are per-request objects
+    that the scheduler refreshes in place every step (building hundreds of new ones per step cost
+    more than the rest of scheduling)."""
     scheduled: list[ScheduledSeq]            # prefills first, then decodes
     preempted: list[Request] = field(default_factory=list)
     # Requests that finished or were aborted since the previous schedule(): input preparation
