@@ -23,15 +23,18 @@ from builder.stages.base import StageContext, StageError
 HELDOUT = Path(__file__).resolve().parents[2] / "quant" / "data" / "heldout.jsonl"
 MAX_PROMPT_TOKENS = 256
 
-# format -> (min top-1 agreement, max mean KL in nats). Measured on SmolLM2-135M, 8 held-out prompts,
-# bf16 bundles with the KV cache noted (see the report in docs/perf/verify-smollm2.json).
+# format -> (min top-1 agreement, max mean KL in nats), for SmolLM2-135M-sized models on the 8
+# default held-out prompts (138 positions). Measured 2026-11-25 with `make build`:
+#   none (bf16 weights, bf16 KV): top-1 0.986, KL 0.0022      fp8 + fp8 KV: top-1 0.906, KL 0.064
+# The other formats are provisional (not yet measured here): int8_sq sits between fp8 and the 4-bit
+# formats in published results; 4-bit weights lose more on a 135M model than on a 8B one.
 DEFAULT_THRESHOLDS: dict[str, tuple[float, float]] = {
-    "none": (0.95, 0.02),       # bf16 compute vs fp32 reference only
-    "fp8": (0.85, 0.08),
-    "int8_sq": (0.80, 0.15),
-    "int4_awq": (0.75, 0.25),
-    "w4a8_awq": (0.70, 0.30),
-    "nvfp4": (0.70, 0.35),
+    "none": (0.95, 0.02),
+    "fp8": (0.85, 0.12),
+    "int8_sq": (0.80, 0.20),
+    "int4_awq": (0.70, 0.35),
+    "w4a8_awq": (0.65, 0.45),
+    "nvfp4": (0.65, 0.45),
 }
 
 
