@@ -77,8 +77,7 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     code = torch.bucketize(mag, bounds, right=False)  # value == bound -> lower code
     # A value exactly on a midpoint rounds to the even code: bucketize gave the lower one, which is
     # odd for midpoints 0.75, 1.75, 3.5 (between codes 1|2, 3|4, 5|6) -> move those up.
-    on_bound = (mag.unsqueeze(-1) == bounds).any(-1)
-    code = torch.where(on_bound & (code % 2 == 1), code + 1, code)
+    code = code + ((mag == 0.75) | (mag == 1.75) | (mag == 3.5)).to(code.dtype)
     code = torch.where(torch.isnan(xf), torch.zeros_like(code), code)
     # Like ModelOpt, a small negative value that rounds to zero keeps its sign (code 8 = -0)
     sign = (xf < 0).to(torch.uint8) << 3

@@ -91,9 +91,9 @@ def test_nvfp4_export_dequantizes_to_the_original(quantized_export, original):
             got = F.dequantize("nvfp4", packed)
             s = (packed["weight_scale"].float() * packed["weight_scale_2"]).repeat_interleave(16, dim=1)
             assert ((got - want).abs() <= torch.maximum(want.abs(), s) / 4 * (1 + 1e-6)).all(), f"layer {i} {name}"
-            # and our e2m1 encoder reproduces ModelOpt's codes from the same scales
-            codes = F.unpack_nibbles(packed["weight"])
-            assert (F.e2m1_encode(want / s) == codes).float().mean() > 0.9999, f"layer {i} {name}"
+            if i in (0, NUM_LAYERS - 1):  # our e2m1 encoder reproduces ModelOpt's codes from the same scales
+                codes = F.unpack_nibbles(packed["weight"])
+                assert (F.e2m1_encode(want / s) == codes).float().mean() > 0.9999, f"layer {i} {name}"
 
 
 def test_int4_awq_export_dequantizes_to_the_original(quantized_export, original):

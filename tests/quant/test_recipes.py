@@ -126,3 +126,22 @@ def test_calibration_set_tokenizes_and_truncates(tmp_path, smollm2_hf_dir):
     assert st["num_samples"] == 3 and st["requested_samples"] == 10
     with pytest.raises(C.CalibrationDataError, match="num_samples: 0"):
         C.build_calibration_set(tok, str(path), num_samples=0)
+
+
+def test_calibration_batches_have_no_padding():
+    import torch
+
+    lens = [5, 9, 7, 30, 8, 6]
+    samples = [torch.arange(n).reshape(1, n) + 100 * i for i, n in enumerate(lens)]
+    cs = C.CalibrationSet(samples, "test", "x", len(lens), 64)
+    batches = cs.batches(max_batch_tokens=24)
+    # longest first; a batch grows while rows * (its shortest length) fits the budget
+    assert [tuple(b.shape) for b in batches] == [(1, 30), (3, 7), (2, 5)]
+    # every row is a prefix of one real sample (truncated, never padded), each sample used once
+    rows = [r for b in batches for r in b]
+    assert sorted(int(r[0]) // 100 for r in rows) == list(range(len(lens)))
+    for r in rows:
+        src = samples[int(r[0]) // 100][0]
+        assert torch.equal(r, src[:len(r)])
+    st = cs.stats(batches)
+    assert st["num_batches"] == 3 and st["tokens_used"] == 30 + 21 + 10 and st["tokens"] == sum(lens)
