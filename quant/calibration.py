@@ -63,6 +63,16 @@ def load_texts(dataset: str) -> tuple[Path, list[str]]:
     return path, read_jsonl_texts(path)
 
 
+def dataset_fingerprint(dataset: str) -> str:
+    """sha256 of the calibration file's bytes, for a build stage's cache key (a changed file must
+    re-run calibration). Raises CalibrationDataError when the file is missing."""
+    path = BUILTIN if dataset == "builtin" else Path(dataset).expanduser()
+    if not path.is_file():
+        raise CalibrationDataError(f"{path}: calibration file not found (quantization.calibration.dataset); "
+                                   f"allowed: builtin | path to a JSONL file with a 'text' field")
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def heldout_prompts(n: int | None = None) -> list[str]:
     """Prompts disjoint from the built-in calibration set, for accuracy checks (first `n`)."""
     texts = read_jsonl_texts(HELDOUT)

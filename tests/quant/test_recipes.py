@@ -109,6 +109,17 @@ def test_malformed_calibration_file(tmp_path, content, message):
 def test_missing_calibration_file(tmp_path):
     with pytest.raises(C.CalibrationDataError, match="calibration file not found.*allowed: builtin"):
         C.load_texts(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(C.CalibrationDataError, match="calibration file not found"):
+        C.dataset_fingerprint(str(tmp_path / "nope.jsonl"))
+
+
+def test_dataset_fingerprint_follows_content(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "a"}\n')
+    first = C.dataset_fingerprint(str(path))
+    path.write_text('{"text": "b"}\n')
+    assert C.dataset_fingerprint(str(path)) != first
+    assert len(C.dataset_fingerprint("builtin")) == 64
 
 
 def test_calibration_set_tokenizes_and_truncates(tmp_path, smollm2_hf_dir):
