@@ -110,9 +110,16 @@ def choose_splits(batch: int, num_kv_heads: int, max_seq_len: int, target_progra
     """-> (num_splits, tokens_per_split): enough programs to fill the GPU, each at least one tile."""
     want = max(1, -(-target_programs // max(1, batch * num_kv_heads)))
     splits = max(1, min(want, MAX_SPLITS, -(-max_seq_len // TILE_N)))
-    per = -(-max(1, max_seq_len) // splits)
-    per = -(-per // TILE_N) * TILE_N
-    return -(-max(1, max_seq_len) // per), per
+    return split_sequence(max_seq_len, splits)
+
+
+def split_sequence(max_seq_len: int, splits: int) -> tuple[int, int]:
+    """-> (num_splits, tokens_per_split) with whole tiles per split; rounding up to tiles may leave
+    fewer splits than asked (never an empty trailing one)."""
+    n = max(1, max_seq_len)
+    per = -(-n // splits)                 # ceil
+    per = -(-per // TILE_N) * TILE_N      # whole tiles
+    return -(-n // per), per
 
 
 def _target_programs(device: torch.device) -> int:
@@ -145,8 +152,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         num_splits, per = choose_splits(B, Hkv, max_seq_len, _target_programs(q.device))
     else:
         check(1 <= num_splits <= MAX_SPLITS, f"paged_decode: num_splits {num_splits} not in [1, {MAX_SPLITS}]")
-        per = -(-(-(-max(1, max_seq_len) // num_splits)) // TILE_N) * TILE_N
-        num_splits = -(-max(1, max_seq_len) // per)
+        num_splits, per = split_sequence(max_seq_len, num_splits)
     group = Hq // Hkv
     split = num_splits > 1
     if split:

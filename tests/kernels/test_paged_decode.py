@@ -40,9 +40,11 @@ def test_decode_fp8_kv_with_scales(device, fresh_seed, splits):
     out = paged_decode(q, k8, v8, tables, seq_lens, 0.125, ks, vs, num_splits=splits)
     ref = paged_decode_ref(q, k8, v8, tables, seq_lens, 0.125, ks, vs)
     assert_close(out, ref, torch.float16, "decode fp8", fresh_seed)
-    # and the fp8 cache still approximates the unquantized attention (sanity of the scale handling)
+    # and the fp8 cache still approximates the unquantized attention (sanity of the scale handling:
+    # e4m3 rounds each k and v by <= 6.25%; over 300 seeds the max error was 0.18, a dropped scale
+    # gives errors of order 1/scale)
     full = paged_decode_ref(q, k, v, tables, seq_lens, 0.125)
-    assert (out.float() - full.float()).abs().max() < 0.15
+    assert (out.float() - full.float()).abs().max() < 0.35
 
 
 def test_decode_output_poisoned_is_overwritten(device):
