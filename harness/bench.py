@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="ensemble", help="comma-separated: ensemble,bls")
     p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated stream counts ('' = none)")
     p.add_argument("--request-rate", type=float, default=None, help="also run Poisson arrivals at this rate (req/s)")
-    p.add_argument("--num-prompts", type=int, default=0, help="requests per level (default 2 x concurrency, >= 8)")
+    p.add_argument("--num-prompts", type=int, default=0, help="requests per level (default max(16, concurrency))")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompts", default="mtbench", help="mtbench | a JSONL with text/prompt/turns")
     p.add_argument("--ttft-limit", type=float, default=2.0, help="goodput TTFT limit, seconds")
@@ -117,7 +117,7 @@ def run(a: argparse.Namespace, url: str, tokenizer) -> dict[str, Any]:
         if a.request_rate:
             plan.append(("poisson", None, a.request_rate))
         for mode, conc, rate in plan:
-            n = a.num_prompts or max(8, 2 * (conc or 8))
+            n = a.num_prompts or max(16, conc or 16)
             prompts = [base[i % len(base)] for i in range(n)]
             results, wall = asyncio.run(_run_level(url, model, prompts, conc, rate, a.max_tokens, a.seed))
             tokens = [len(tokenizer.encode(r.text, chat=False)) if r.error is None else 0 for r in results]
