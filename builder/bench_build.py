@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     load_after = os.getloadavg()
-    if proc.returncode != 0:
+    error = proc.stderr.strip().splitlines()[-1] if proc.returncode != 0 and proc.stderr.strip() else None
+    if proc.returncode != 0 and not (out / "engine" / "engine.json").is_file():
         sys.stderr.write(proc.stderr[-2000:])
         return proc.returncode
     stages = {}
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                     "load_average_after": [round(x, 2) for x in load_after]},
         "tools": engine.get("tools"),
         "wall_seconds": round(wall, 2),
+        "exit_code": proc.returncode,
+        "error": error,  # e.g. the verify gate failing after every stage ran
         "stage_seconds": stages,
         "target_seconds": 180,
         "bundle": {"format": engine["quantization"]["format"], "kv_cache": engine["engine"]["kv_cache_dtype"],
@@ -85,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({"wall_seconds": result["wall_seconds"], "stage_seconds": stages,
-                      "load": result["machine"]["load_average_after"]}))
-    return 0
+                      "load": result["machine"]["load_average_after"], "error": error}))
+    return proc.returncode
 
 
 if __name__ == "__main__":
