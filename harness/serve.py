@@ -48,6 +48,7 @@ def examples(srv: TritonServer) -> str:
 Kiln is serving {srv.repo}
   HTTP    http://{h}      gRPC {g}      metrics {srv.metrics_url}
   log     {srv.log_file}
+  pid     {srv.proc.pid} (process group of the server and its Python backend stubs)
 
 Try:
   python -m harness.client --url {g} --stream "Tell me about Paris"
@@ -65,21 +66,21 @@ Ctrl-C stops the server.
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        stop.set()
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-
     srv = TritonServer(a.model_repository, http_port=a.http_port, grpc_port=a.grpc_port,
                        metrics_port=a.metrics_port, host=a.host, log_file=a.log_file,
                        startup_timeout=a.startup_timeout, verbose=a.verbose)
+
+    def on_signal(signum, _frame):
+        stop.set()
+        srv.abort.set()  # also stops waiting for a server that is still loading models
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     print(f"starting {srv.repo} (log {srv.log_file}) ...", flush=True)
     try:
-        srv.start()
+        srv.start()  # stops the server itself when start-up fails or is interrupted
     except ServerError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 130 if stop.is_set() else 1
     try:
         print(examples(srv), flush=True)
         while not stop.wait(0.5):

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -120,6 +121,7 @@ class TritonServer:
         self.shm_prefix = f"kiln_{os.getpid()}_{self.ports['http']}_"
         self.proc: subprocess.Popen | None = None
         self.binary: TritonBinary | None = None
+        self.abort = threading.Event()  # set (e.g. from a signal handler) to give up waiting for ready
 
     @property
     def http_url(self) -> str:
@@ -174,6 +176,8 @@ class TritonServer:
         deadline = time.monotonic() + self.startup_timeout
         url = f"http://{self.http_url}/v2/health/ready"
         while time.monotonic() < deadline:
+            if self.abort.is_set():
+                raise ServerError("interrupted while waiting for the server to become ready")
             if self.proc.poll() is not None:
                 raise ServerError(f"tritonserver exited with code {self.proc.returncode} during start-up; "
                                   f"log {self.log_file}:\n{self.log_tail()}")
