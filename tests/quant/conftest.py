@@ -35,9 +35,9 @@ def _cache_key(settings: dict, hf_dir: Path) -> str:
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     st = (hf_dir / "model.safetensors").stat()
     h.update(f"{hf_dir.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    for src in sorted((REPO / "quant").rglob("*")):
-        if src.suffix in (".py", ".jsonl"):
-            h.update(src.read_bytes())
+    # the sources that shape an export (formats.py / pack.py only read it)
+    for name in ("quantize.py", "recipes.py", "calibration.py", "data/calibration.jsonl"):
+        h.update((REPO / "quant" / name).read_bytes())
     return h.hexdigest()[:16]
 
 
