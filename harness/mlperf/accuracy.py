@@ -109,3 +109,48 @@ def evaluate(log_path: Path, samples, tokenizer_dir: Path, metric: str, targets:
     out_path.write_text("\n".join(lines) + "\n")
     return {"metrics": metrics, "levels": {k: not v for k, v in verdict.items()},
             "texts": dict(zip(idx, preds))}
+
+
+def rescore(log_dir: Path, reference: Path | None = None) -> dict:
+    """Score an existing AccuracyOnly run folder again (e.g. after the targets or the reference
+    changed): rewrites its accuracy.txt and the accuracy entry of its run.json."""
+    from harness.mlperf import settings
+    from harness.mlperf.run import load_samples
+
+    log_dir = Path(log_dir)
+    info_path = log_dir / "run.json"
+    if not info_path.is_file():
+        raise AccuracyError(f"{info_path}: not a harness run folder (no run.json)")
+    info = json.loads(info_path.read_text())
+    bench = settings.load_benchmarks().get(info["benchmark"])
+    if info.get("max_output_tokens"):
+        import dataclasses
+        bench = dataclasses.replace(bench, max_output_tokens=info["max_output_tokens"])
+    engine_dir = Path(info["engine_dir"])
+    samples = load_samples(bench, engine_dir.parent, None, reference)
+    res = evaluate(log_dir / "mlperf_log_accuracy.json", samples, engine_dir / "tokenizer", bench.accuracy_metric,
+                   settings.load_accuracy_targets().get(bench.name), log_dir / "accuracy.txt")
+    info["accuracy"] = {"metrics": res["metrics"], "levels": res["levels"]}
+    info_path.write_text(json.dumps(info, indent=1))
+    return info["accuracy"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m harness.mlperf.accuracy",
+                                description="Score an AccuracyOnly run folder again and rewrite its accuracy.txt.")
+    p.add_argument("log_dir", type=Path, help="e.g. build/smollm2-135m-fp8/mlperf/Offline/AccuracyOnly")
+    p.add_argument("--reference", type=Path, help="reference outputs JSON (smollm2)")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        print(json.dumps(rescore(args.log_dir, args.reference)))
+    except AccuracyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

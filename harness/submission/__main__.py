@@ -24,10 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--round", default="v6.0", choices=sorted(LAYOUTS), help="layout of this MLPerf round")
     p.add_argument("--build-root", type=Path, default=Path("build"), help="where build/<engine>/mlperf runs are")
     p.add_argument("--output", type=Path, default=Path("build/submission"))
+    p.add_argument("--engine", help="engine (config stem) whose runs to package when several ran a benchmark "
+                                    "(default: the benchmark's engine_config)")
     p.add_argument("--check-only", type=Path, metavar="TREE", help="only self-check an existing tree")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        tree = args.check_only or package(args.build_root, args.output, args.org, args.system, args.round)
+        tree = args.check_only or package(args.build_root, args.output, args.org, args.system, args.round,
+                                           engine=args.engine)
     except SubmissionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

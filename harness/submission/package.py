@@ -26,13 +26,26 @@ class SubmissionError(ValueError):
     pass
 
 
-def find_runs(build_root: Path) -> dict[tuple[str, str], dict[str, dict]]:
-    """(benchmark, scenario) -> mode -> run.json contents (+ "dir")."""
-    runs: dict[tuple[str, str], dict[str, dict]] = {}
+def find_runs(build_root: Path, engine: str | None = None) -> dict[tuple[str, str], dict[str, dict]]:
+    """(benchmark, scenario) -> mode -> run.json contents (+ "dir"), for one engine per benchmark:
+    `engine` (a config stem) when given, else the benchmark's own engine_config, else the only one."""
+    by_engine: dict[str, dict[str, dict[tuple[str, str], dict[str, dict]]]] = {}
     for rj in sorted(Path(build_root).glob("*/mlperf/*/*/run.json")):
         info = json.loads(rj.read_text())
         info["dir"] = str(rj.parent)
-        runs.setdefault((info["benchmark"], info["scenario"]), {})[info["mode"]] = info
+        (by_engine.setdefault(info["benchmark"], {}).setdefault(info["engine_stem"], {})
+         .setdefault((info["benchmark"], info["scenario"]), {})[info["mode"]]) = info
+    table = settings.load_benchmarks()
+    runs: dict[tuple[str, str], dict[str, dict]] = {}
+    for bench, engines in by_engine.items():
+        own = Path(table.get(bench).engine_config).stem
+        pick = engine if engine in engines else own if own in engines else None
+        if pick is None and len(engines) == 1:
+            pick = next(iter(engines))
+        if pick is None:
+            raise SubmissionError(f"{build_root}: runs of several engines for {bench}: {', '.join(sorted(engines))}; "
+                                  f"choose one with --engine")
+        runs.update(engines[pick])
     return runs
 
 
@@ -101,11 +114,11 @@ def _source_reference() -> str:
 
 
 def package(build_root: Path, out: Path, org: str, system_name: str | None, round_: str,
-            division: str = "closed") -> Path:
+            division: str = "closed", engine: str | None = None) -> Path:
     if round_ not in LAYOUTS:
         raise SubmissionError(f"--round {round_!r}; allowed: {', '.join(sorted(LAYOUTS))}")
     layout: Layout = LAYOUTS[round_]
-    runs = find_runs(build_root)
+    runs = find_runs(build_root, engine)
     if not runs:
         raise SubmissionError(f"{build_root}: no harness runs found (expected */mlperf/<scenario>/<mode>/run.json; "
                               f"run python -m harness.mlperf first)")
