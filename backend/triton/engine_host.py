@@ -102,7 +102,10 @@ class EngineHost:
     # ---- execute: convert and enqueue only -----------------------------------------------------
     def execute(self, requests: list) -> None:
         for request in requests:
-            self._enqueue(request)
+            try:
+                self._enqueue(request)
+            except Exception as e:  # noqa: BLE001 - a bug here must still end the request, not the model
+                self._send_error(request.get_response_sender(), f"engine: {type(e).__name__}: {e}")
 
     def _tensors(self, request) -> dict[str, np.ndarray]:
         out = {}
@@ -132,13 +135,13 @@ class EngineHost:
         try:
             self.executor.submit(req.prompt_ids, params, request_id=rid,
                                  on_event=lambda ev, st=st: self._on_event(st, ev))
-        except ValueError as e:  # the executor's own validation (SamplingParams.validate)
+        except Exception as e:  # noqa: BLE001 - ValueError from SamplingParams.validate, or a stopped executor
             with self._lock:
                 self._active.pop(rid, None)
             with st.lock:
                 if not st.done:
                     st.done = True
-                    self._send_error(sender, str(e))
+                    self._send_error(sender, str(e) if isinstance(e, ValueError) else f"engine: {e}")
 
     def _stop_request(self, triton_id: str, sender) -> None:
         if not triton_id:
