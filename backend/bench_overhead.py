@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("num_seqs", "steps", "max_seq_len", "max_num_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.block_size < 1 or args.block_size & (args.block_size - 1):
+        ap.error("--block-size must be a power of two")
     if args.max_num_tokens < args.num_seqs:
         ap.error("--max-num-tokens must be >= --num-seqs (every sequence decodes each step)")
     if args.max_seq_len <= 600:
