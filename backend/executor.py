@@ -137,11 +137,12 @@ class Executor:
     def __init__(self, bundle_path, device: str = "cpu", dtype: torch.dtype | str | None = None,
                  speculator: Speculator | None = None, start: bool = True,
                  weights: dict[str, torch.Tensor] | None = None, verify_hashes: bool = True,
-                 **engine_overrides: Any) -> None:
+                 speculative: bool = True, **engine_overrides: Any) -> None:
         """``engine_overrides`` replace ``engine.json`` engine keys (e.g. ``max_kv_tokens=4096``).
         ``weights`` reuses tensors already loaded from this bundle (several executors, one copy).
         ``start=False`` runs no thread: the caller drives ``step()`` (``generate`` does it).
-        ``verify_hashes`` checks every bundle file's sha256 against engine.json first."""
+        ``verify_hashes`` checks every bundle file's sha256 against engine.json first.
+        ``speculative=False`` keeps a bundle's EAGLE draft unused (otherwise it is attached)."""
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         self.spec = load_engine_spec(bundle_path, engine_overrides, verify_hashes=verify_hashes)
@@ -163,6 +164,10 @@ class Executor:
         self.sampler = Sampler(cfg.eos_token_ids)
         self.speculator = speculator
         self.device = self.runner.device
+        if speculator is None and speculative and \
+                (self.spec.doc.get("speculative") or {}).get("method") == "eagle3":
+            from backend.spec.speculator import attach  # lazy: draft-less bundles never import it
+            attach(self)
         # Room in each block-table row for a full sequence plus draft tokens being verified.
         max_blocks = -(-(self.max_seq_len + 64) // self.runner.block_size)
         self.inputs = InputPreparer(self.runner.block_size, max_blocks, self.device)
@@ -238,6 +243,8 @@ class Executor:
         with self._lock:
             s = self.scheduler.stats()
         elapsed = time.monotonic() - self._started
+        if self.speculator is not None and hasattr(self.speculator, "stats"):
+            s.update(self.speculator.stats.as_dict())
         s.update({"generated_tokens_per_s": s["generated_tokens"] / elapsed if elapsed > 0 else 0.0,
                   "ttft_s": list(self._ttft), "tpot_s": list(self._tpot),
                   "step_errors": self._step_errors, "kv_cache_bytes": self.runner.kv_cache_bytes,
@@ -303,6 +310,8 @@ class Executor:
         logprobs = None
         if spec is not None and any(s.num_spec_tokens for s in out.scheduled):
             sampled: list = spec.verify(out, logits, rows, self.sampler)
+            # Rows sampled without drafts in a speculative step keep their logprobs.
+            logprobs = getattr(spec, "last_logprobs", None)
         else:
             res = self.sampler(logits, rows)
             sampled, logprobs = res.token_ids, res.logprobs

