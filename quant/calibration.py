@@ -1,7 +1,7 @@
 """Calibration prompts: the built-in set shipped in quant/data, or a user JSONL file.
 
-Each sample is one text tokenized on its own and truncated to `max_seq_len` tokens. Samples of
-similar length are batched and each batch is cut to its shortest member: no padding, so no
+Each sample is one text tokenized on its own and truncated to `max_seq_len` tokens; the samples
+are then packed (EOS between them) into full rows of `max_seq_len` tokens: no padding, so no
 pad-token activations leak into the ranges ModelOpt collects, and few forward passes (AWQ's search
 costs 11 fake-quantized GEMMs per linear per pass, so passes, not tokens, dominate on a CPU).
 `quant/data/heldout.jsonl` holds prompts that are NOT in the calibration set, for the build's
@@ -88,25 +88,28 @@ class CalibrationSet:
     sha256: str  # of the texts actually used, so a changed file changes the build hash
     requested: int
     max_seq_len: int
+    sep_id: int | None = None  # token between packed samples (the tokenizer's EOS)
 
     def batches(self, max_batch_tokens: int = 4096) -> list[Any]:
-        """LongTensors [B, L]: samples sorted longest first, grouped while B * L <= max_batch_tokens
-        and no member is shorter than 3/4 of the batch's longest (so truncating a batch to its
-        shortest member drops at most a quarter of any sample); one sample at least per batch."""
+        """LongTensors [B, L] with L = max_seq_len: the samples concatenated (each followed by
+        `sep_id` when set) and cut into full rows, B rows per batch with B * L <= max_batch_tokens.
+
+        Packing, as AWQ/GPTQ calibration commonly does, means no padding (pad-token activations
+        would widen the ranges) and few forward passes: ModelOpt's cost on a CPU is per pass (AWQ
+        fake-quantizes every weight 11 times per pass), not per token. A trailing partial row is
+        dropped unless it is the only row."""
         import torch  # noqa: PLC0415
 
-        order = sorted(self.samples, key=lambda s: s.shape[-1], reverse=True)
-        out, group = [], []
-        for s in order:
-            # sorted longest first: adding s makes the batch s.shape[-1] long
-            n = s.shape[-1]
-            if group and ((len(group) + 1) * n > max_batch_tokens or n < 0.75 * group[0].shape[-1]):
-                out.append(group)
-                group = []
-            group.append(s)
-        if group:
-            out.append(group)
-        return [torch.cat([s[:, :g[-1].shape[-1]] for s in g]) for g in out]
+        parts = []
+        for s in self.samples:
+            parts.append(s.reshape(-1))
+            if self.sep_id is not None:
+                parts.append(torch.tensor([self.sep_id], dtype=s.dtype))
+        stream = torch.cat(parts)
+        L = min(self.max_seq_len, stream.numel())
+        rows = stream[: stream.numel() // L * L].reshape(-1, L)
+        per_batch = max(1, max_batch_tokens // L)
+        return [rows[i:i + per_batch] for i in range(0, rows.shape[0], per_batch)]
 
     def stats(self, batches: list[Any] | None = None) -> dict:
         lens = [int(s.shape[-1]) for s in self.samples]
@@ -135,4 +138,4 @@ def build_calibration_set(tokenizer, dataset: str = "builtin", num_samples: int 
             samples.append(ids)
     digest = hashlib.sha256("\0".join(texts).encode("utf-8")).hexdigest()
     source = "builtin" if path == BUILTIN else str(path)
-    return CalibrationSet(samples, source, digest, num_samples, max_seq_len)
+    return CalibrationSet(samples, source, digest, num_samples, max_seq_len, tokenizer.eos_token_id)

@@ -153,15 +153,25 @@ def _calibrate(model, cfg: dict, batches: list, device: str, progress: Progress)
     return model, passes[0]
 
 
-def _to_bf16_weights(model) -> None:
-    """Parameters back to bf16 after an fp32 CPU calibration (the export's `dtype` covers only the
-    quantized linears); quantizer buffers (amax, pre_quant_scale) keep their precision."""
-    import torch  # noqa: PLC0415
+# Tensors ModelOpt writes in fp32 whatever the model dtype; everything else follows the model dtype
+FP32_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale", ".k_scale", ".v_scale")
 
-    for p in model.parameters():
-        if p.dtype != torch.bfloat16:
-            p.data = p.data.to(torch.bfloat16)
-    model.config.dtype = torch.bfloat16
+
+def _bf16_export(export_dir: Path) -> None:
+    """After an fp32 CPU calibration, store what a bf16 calibration would have stored: unquantized
+    weights, norms (with any AWQ smoothing folded in) and pre_quant_scale in bf16. The export's
+    `dtype` argument covers only the quantized linears, and casting the model before exporting
+    breaks ModelOpt's AWQ re-smoothing forward (fp32 scales meet bf16 weights)."""
+    import torch  # noqa: PLC0415
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    for shard in sorted(export_dir.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        changed = {n: t.to(torch.bfloat16) for n, t in tensors.items()
+                   if t.dtype == torch.float32 and not n.endswith(FP32_SUFFIXES)}
+        if changed:
+            tensors.update(changed)
+            save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
 def _copy_side_files(src: Path, dst: Path) -> None:
@@ -214,8 +224,9 @@ def quantize_checkpoint(hf_dir: str | Path, out_dir: str | Path, qcfg: Any,
         from modelopt.torch.export import export_hf_checkpoint  # noqa: PLC0415
 
         progress("export", 0, 1)
-        _to_bf16_weights(model)
+        model.config.dtype = torch.bfloat16  # what config.json records
         export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=str(tmp))
+        _bf16_export(tmp)
         progress("export", 1, 1)
         _copy_side_files(hf_dir, tmp)
         hf_quant = json.loads((tmp / "hf_quant_config.json").read_text())["quantization"]

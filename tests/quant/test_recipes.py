@@ -139,20 +139,19 @@ def test_calibration_set_tokenizes_and_truncates(tmp_path, smollm2_hf_dir):
         C.build_calibration_set(tok, str(path), num_samples=0)
 
 
-def test_calibration_batches_have_no_padding():
+def test_calibration_batches_are_packed_without_padding():
     import torch
 
     lens = [5, 9, 7, 30, 8, 6]
-    samples = [torch.arange(n).reshape(1, n) + 100 * i for i, n in enumerate(lens)]
-    cs = C.CalibrationSet(samples, "test", "x", len(lens), 64)
-    batches = cs.batches(max_batch_tokens=24)
-    # longest first; a batch grows while rows * (its shortest length) fits the budget
-    assert [tuple(b.shape) for b in batches] == [(1, 30), (3, 7), (2, 5)]
-    # every row is a prefix of one real sample (truncated, never padded), each sample used once
-    rows = [r for b in batches for r in b]
-    assert sorted(int(r[0]) // 100 for r in rows) == list(range(len(lens)))
-    for r in rows:
-        src = samples[int(r[0]) // 100][0]
-        assert torch.equal(r, src[:len(r)])
+    samples = [torch.arange(n).reshape(1, n) + 100 * (i + 1) for i, n in enumerate(lens)]
+    cs = C.CalibrationSet(samples, "test", "x", len(lens), 16, sep_id=0)
+    stream = torch.cat([torch.cat([s[0], torch.tensor([0])]) for s in samples])  # 71 tokens
+    batches = cs.batches(max_batch_tokens=40)
+    # 4 full rows of 16 (the 7-token tail dropped), 2 rows per batch (2 * 16 <= 40)
+    assert [tuple(b.shape) for b in batches] == [(2, 16), (2, 16)]
+    assert torch.equal(torch.cat(batches).reshape(-1), stream[:64])
     st = cs.stats(batches)
-    assert st["num_batches"] == 3 and st["tokens_used"] == 30 + 21 + 10 and st["tokens"] == sum(lens)
+    assert st["num_batches"] == 2 and st["tokens_used"] == 64 and st["tokens"] == sum(lens)
+    # fewer tokens than one row: a single shorter row, nothing dropped
+    small = C.CalibrationSet(samples[:2], "test", "x", 2, 256)
+    assert [tuple(b.shape) for b in small.batches()] == [(1, 14)]
