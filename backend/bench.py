@@ -105,14 +105,19 @@ def run_executor(engine: str, prompts, output_len: int, dtype: str, max_batch: i
             "kv_cache_mib": round(stats["kv_cache_bytes"] / 2**20, 1), "max_batch_size": max_batch}
 
 
-def run_hf(hf_dir: str, prompts, output_len: int, dtype: str, batch: int, pad_id: int) -> dict:
+def run_hf(hf_dir: str, prompts, output_len: int, dtype: str, batch: int, pad_id: int,
+           max_seconds: float | None = None) -> dict:
+    """Static batches, shortest prompts first. With ``max_seconds``, stops after the batch that
+    crosses it and reports the rate over the batches done (shortest prompts: HF's favourable side)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    n_out = 0
+    n_out = done = 0
     t0 = time.perf_counter()
     with torch.inference_mode():
         for s in range(0, len(order), batch):
+            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+                break
             group = [prompts[i] for i in order[s:s + batch]]
             width = max(len(p) for p in group)
             ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])   # left padding
@@ -120,9 +125,12 @@ def run_hf(hf_dir: str, prompts, output_len: int, dtype: str, batch: int, pad_id
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
                                  min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id)
             n_out += (out.shape[1] - width) * len(group)
+            done += len(group)
+            print(f"  HF batch {s // batch + 1}: {done}/{len(order)} prompts, "
+                  f"{n_out / (time.perf_counter() - t0):.2f} tok/s so far", flush=True)
     wall = time.perf_counter() - t0
     return {"output_tokens": n_out, "seconds": round(wall, 3), "output_tok_per_s": round(n_out / wall, 2),
-            "batch_size": batch}
+            "batch_size": batch, "prompts_done": done, "prompts_total": len(order)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                         "where the CPU has native bf16 math, else fp32, which is faster there)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--hf-max-seconds", type=float, default=None,
+                   help="stop HF after the batch crossing this budget; rate over the batches done")
     p.add_argument("--output", default=str(REPO / "docs" / "perf" / "bench-engine.json"))
     args = p.parse_args(argv)
     if args.threads:
@@ -179,8 +189,12 @@ def main(argv: list[str] | None = None) -> int:
                            "prompt_tokens": sum(len(p) for p in prompts), "output_len": args.output_len,
                            "dtype": args.dtype, "greedy": True, "ignore_eos": True},
               "executor": ours}
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")  # the executor result survives an HF abort
     if not args.skip_hf:
-        hf = run_hf(str(hf_dir), prompts, args.output_len, args.dtype, args.hf_batch, tok.tokenizer.token_to_id("<|endoftext|>") or 0)
+        hf = run_hf(str(hf_dir), prompts, args.output_len, args.dtype, args.hf_batch, tok.tokenizer.token_to_id("<|endoftext|>") or 0,
+                    args.hf_max_seconds)
         print(f"HF generate (static batches of {args.hf_batch}): {hf['output_tok_per_s']} tok/s ({hf['seconds']} s)",
               flush=True)
         result["hf_generate"] = hf
@@ -191,8 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     result["load_average"] = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]}
     result["note"] = ("wall-clock on a shared machine: other processes ran at the same time (see load_average); "
                       "compare the executor and HF numbers of the same run, not across runs")
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}" + (f": {result['speedup_vs_hf']}x HF" if "speedup_vs_hf" in result else ""))
     return 0
