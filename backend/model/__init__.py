@@ -1,0 +1,1 @@
+"""Model definitions that run an engine bundle (Llama family: Llama, Mistral, Qwen2)."""
