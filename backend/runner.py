@@ -101,6 +101,12 @@ class ModelRunner:
         self.dtype = dtype or compute_dtype(cfg.torch_dtype, self.device)
         backend_name = resolve_backend_name(spec.engine.get("attention_backend", "auto"), str(self.device))
         self.attention = get_backend(backend_name, str(self.device))
+        window = cfg.sliding_window
+        max_seq = int(spec.engine.get("max_seq_len", cfg.max_position_embeddings))
+        if window and max_seq > window:
+            # Below the window, sliding-window attention IS full attention; above it we would be wrong.
+            raise EngineError(f"engine.max_seq_len: {max_seq} exceeds the model's sliding_window ({window}), "
+                              f"which this runtime does not implement; allowed: at most {window}")
         cls = MODEL_CLASSES[cfg.architecture]
         weights = weights if weights is not None else load_weights(spec.path, self.device)
         self.model = cls(cfg, weights, spec.quant_format, self.attention, self.device, self.dtype)

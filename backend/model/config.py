@@ -33,6 +33,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     dtype: str = "bfloat16"
+    sliding_window: int | None = None   # Mistral; attention is full-context, see ModelRunner
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:

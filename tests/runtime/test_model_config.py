@@ -1,0 +1,61 @@
+"""Bundle model-config validation and runner refusals: one clear line, before any weight is read."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend.model.config import ModelConfig, ModelConfigError
+from backend.model.layers import RotaryEmbedding, rope_type
+from backend.runner import EngineError, EngineSpec, ModelRunner, compute_dtype
+
+SMOL = {"architecture": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_layers": 30,
+        "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+        "eos_token_ids": [2], "dtype": "bfloat16", "some_future_key": 1}
+
+
+def test_from_dict_ignores_unknown_keys_and_freezes_lists():
+    cfg = ModelConfig.from_dict(SMOL)
+    assert cfg.eos_token_ids == (2,) and cfg.q_size == 576 and cfg.kv_size == 192
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"architecture": "gpt2"}, "model.architecture: 'gpt2'"),
+    ({"dtype": "int8"}, "model.dtype: 'int8'"),
+    ({"num_kv_heads": 4}, "multiple of model.num_kv_heads"),
+    ({"head_dim": 0}, "model.head_dim: must be a positive integer"),
+])
+def test_bad_model_section_is_one_clear_line(change, needle):
+    with pytest.raises(ModelConfigError, match=needle):
+        ModelConfig.from_dict({**SMOL, **change})
+    with pytest.raises(ModelConfigError, match="missing"):
+        ModelConfig.from_dict({k: v for k, v in SMOL.items() if k != "vocab_size"})
+
+
+def test_rope_scaling_types():
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    plain = RotaryEmbedding(128, 4096, 500000.0, None)
+    scaled = RotaryEmbedding(128, 4096, 500000.0, llama3)
+    # High frequencies (first dims) are untouched, the lowest ones are divided by the factor.
+    assert torch.allclose(plain.cos[:, 0], scaled.cos[:, 0])
+    assert not torch.allclose(plain.cos[:, 63], scaled.cos[:, 63])
+    assert rope_type({"type": "linear", "factor": 2.0}) == "linear"
+    with pytest.raises(ValueError, match="rope_scaling.rope_type: 'yarn'"):
+        rope_type({"rope_type": "yarn", "factor": 4.0})
+
+
+def test_runner_refuses_sliding_window_beyond_max_seq_len():
+    cfg = ModelConfig.from_dict({**SMOL, "architecture": "mistral", "sliding_window": 1024})
+    spec = EngineSpec(Path("/nonexistent"), {}, cfg, {"max_seq_len": 2048}, "none")
+    with pytest.raises(EngineError, match="engine.max_seq_len: 2048 exceeds the model's sliding_window"):
+        ModelRunner(spec)
+
+
+def test_cpu_compute_dtype_policy():
+    cpu = torch.device("cpu")
+    assert compute_dtype(torch.float32, cpu) == torch.float32
+    native = "BF16" in torch.backends.cpu.get_cpu_capability() or "AMX" in torch.backends.cpu.get_cpu_capability()
+    assert compute_dtype(torch.bfloat16, cpu) == (torch.bfloat16 if native else torch.float32)
