@@ -140,6 +140,12 @@ def convert(path: Path, arch: str, out: Path, dtype: torch.dtype, progress=lambd
 
     state: dict[str, torch.Tensor] = {}
     size = path.stat().st_size
+    for name, shape, qtype, offset in infos:  # fail before minutes of dequantizing, not after
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+        end = data_start + offset + int(np.prod(shape)) // block * type_size
+        if end > size:
+            raise StageError(f"{path}: tensor {name} ends at byte {end} but the file has {size}; "
+                             f"the file is truncated")
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     for name, shape, qtype, offset in infos:
         hf_name = _hf_name(name)

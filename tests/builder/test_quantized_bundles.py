@@ -48,7 +48,10 @@ def test_dequantized_bundle_matches_source(build_bundle, smollm2_hf_dir, config,
     src = safe_open(str(smollm2_hf_dir / "model.safetensors"), "pt")
     names = bundle.tensor_names()
     worst = 0.0
-    for i in range(bundle.model_config["num_layers"]):
+    n = bundle.model_config["num_layers"]
+    # first, middle and last layer: packing is per layer and identical code, dequantizing all 30 in
+    # the CI budget costs a minute for no extra coverage; every layer's KV scales are checked below
+    for i in (0, n // 2, n - 1):
         for ours, parts in FUSED.items():
             prefix = f"layers.{i}.{ours}."
             t = {n[len(prefix):]: bundle.tensor(n) for n in names if n.startswith(prefix)}
@@ -59,6 +62,7 @@ def test_dequantized_bundle_matches_source(build_bundle, smollm2_hf_dir, config,
             excess = err - bound(w, t)
             assert excess.max() <= 0, f"{prefix}: error exceeds the {fmt} bound by {excess.max():.3g}"
             worst = max(worst, float(err.norm() / w.norm()))
+    for i in range(n):
         for kv in ("k_scale", "v_scale"):
             s = bundle.tensor(f"layers.{i}.attn.{kv}")
             assert s.dtype == torch.float32 and s.shape == () and 0 < float(s) < 1e3
