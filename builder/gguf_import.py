@@ -113,14 +113,23 @@ def _hf_name(name: str) -> str | None:
 def convert(path: Path, arch: str, out: Path, dtype: torch.dtype, progress=lambda n=1: None) -> dict:
     """Write model.safetensors, config.json, generation_config.json and tokenizer files into out."""
     import gguf
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, PreTrainedTokenizerFast
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING, GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
     try:
         meta, infos, data_start = read_header(path)
     except (ValueError, struct.error, OSError) as e:
         raise StageError(f"{path}: unreadable GGUF ({e}); the file may be truncated or corrupted") from None
+    size = path.stat().st_size
+    for name, shape, qtype, offset in infos:  # fail before importing transformers and dequantizing
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+        end = data_start + offset + int(np.prod(shape)) // block * type_size
+        if end > size:
+            raise StageError(f"{path}: tensor {name} ends at byte {end} but the file has {size}; "
+                             f"the file is truncated")
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, PreTrainedTokenizerFast
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING, GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
     gguf_arch = meta.get("general.architecture")
     if gguf_arch not in GGUF_CONFIG_MAPPING or gguf_arch not in ("llama", "mistral", "qwen2"):
         raise StageError(f"{path}: GGUF architecture '{gguf_arch}' is not supported; allowed: llama, mistral, qwen2")
@@ -139,13 +148,6 @@ def convert(path: Path, arch: str, out: Path, dtype: torch.dtype, progress=lambd
     hf["tie_word_embeddings"] = "output.weight" not in names
 
     state: dict[str, torch.Tensor] = {}
-    size = path.stat().st_size
-    for name, shape, qtype, offset in infos:  # fail before minutes of dequantizing, not after
-        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
-        end = data_start + offset + int(np.prod(shape)) // block * type_size
-        if end > size:
-            raise StageError(f"{path}: tensor {name} ends at byte {end} but the file has {size}; "
-                             f"the file is truncated")
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     for name, shape, qtype, offset in infos:
         hf_name = _hf_name(name)
