@@ -172,6 +172,13 @@ def _bf16_export(export_dir: Path) -> None:
         if changed:
             tensors.update(changed)
             save_file(tensors, str(shard), metadata={"format": "pt"})
+    # config.json keeps the dtype the model was loaded in; the checkpoint is bf16 now
+    cfg_path = export_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in cfg:
+            cfg[key] = "bfloat16"
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def _copy_side_files(src: Path, dst: Path) -> None:
@@ -224,7 +231,6 @@ def quantize_checkpoint(hf_dir: str | Path, out_dir: str | Path, qcfg: Any,
         from modelopt.torch.export import export_hf_checkpoint  # noqa: PLC0415
 
         progress("export", 0, 1)
-        model.config.dtype = torch.bfloat16  # what config.json records
         export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=str(tmp))
         _bf16_export(tmp)
         progress("export", 1, 1)

@@ -51,7 +51,8 @@ def check_common(out, info, quant_algo):
     assert "lm_head" in hq["exclude_modules"] and info["exclude"] == ["lm_head"]
     assert info["source"].startswith("modelopt ") and info["calibration"]["num_samples"] >= 1
     assert set(info["timings"]) == {"load_s", "calibrate_s", "export_s"}
-    assert (out / "tokenizer.json").is_file() and json.loads((out / "config.json").read_text())["architectures"]
+    config = json.loads((out / "config.json").read_text())
+    assert (out / "tokenizer.json").is_file() and config["architectures"] and config["dtype"] == "bfloat16"
     sd = load_file(str(out / "model.safetensors"))
     assert sd["model.embed_tokens.weight"].dtype == torch.bfloat16  # embeddings (and tied lm_head) stay bf16
     for i in range(NUM_LAYERS):
