@@ -114,3 +114,26 @@ def test_unwritable_output_is_a_stage_error(tmp_path):
     blocker.write_text("")
     with pytest.raises(StageError, match="output folder is not writable"):
         run_pipeline(BuildConfig.from_dict({}), blocker / "x", log=lambda m: None)
+
+
+def test_modelopt_checkpoint_source_skips_quantize(build_bundle, tmp_path):
+    """A ModelOpt unified checkpoint as model.source: quantize is skipped, compile packs it exactly
+    as a bundle built from the original model (the checkpoint is the fp8 build's own export)."""
+    light = ["quantization.calibration.num_samples=4", "quantization.calibration.max_seq_len=64",
+             "verify.enabled=false"]
+    bundle = Path(build_bundle("smollm2-135m-fp8", light))
+    export = bundle.parent / "work" / "quantize"
+    assert (export / "hf_quant_config.json").is_file()
+    c = BuildConfig.from_dict({}, "test.yaml", [f"model.source={export}", "verify.enabled=false"])
+    result = run_pipeline(c, tmp_path / "b", until="compile", log=lambda m: None)
+    assert statuses(result)["quantize"] == "skipped"
+    assert "already quantized by ModelOpt (FP8)" in result.results["quantize"].reason
+    assert result.results["import"].info["prequantized"]["format"] == "fp8"
+    from safetensors import safe_open
+    import torch
+    a = safe_open(str(bundle / "weights.safetensors"), "pt")
+    b = safe_open(str(result.bundle / "weights.safetensors"), "pt")
+    assert set(a.keys()) == set(b.keys())
+    for name in a.keys():
+        x, y = a.get_tensor(name), b.get_tensor(name)
+        assert x.dtype == y.dtype and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), name
