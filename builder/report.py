@@ -67,11 +67,19 @@ def print_summary(console: Console, root: Path, results: dict[str, StageResult],
                       f"{engine['engine']['kv_cache_dtype']}; targets sm {engine['targets']['sms']}; "
                       f"{len(engine['kernels'])} AOT kernels")
         files = Table("file", "size", "contents", box=None, pad_edge=False)
+        groups: dict[str, list[Path]] = {}  # kernels/<sm>/ hold dozens of files: one line per folder
         for rel in ["engine.json"] + sorted(engine["files"]):
             p = bundle.path / rel
+            if rel.startswith("kernels/"):
+                groups.setdefault(str(Path(rel).parent) + "/", []).append(p)
+                continue
             what = {"engine.json": f"manifest, format_version {engine['format_version']}",
                     "weights.safetensors": _tensor_formats(p) if rel == "weights.safetensors" else ""}.get(rel, "")
             files.add_row(rel, human_bytes(p.stat().st_size), what)
+        for folder, paths in sorted(groups.items()):
+            kinds = sorted({q.suffix.lstrip(".") for q in paths})
+            files.add_row(folder, human_bytes(sum(q.stat().st_size for q in paths)),
+                          f"{len(paths)} files ({', '.join(kinds)})")
         console.print(files)
     repo = results.get("package")
     if repo is not None and repo.path is not None:
