@@ -34,26 +34,40 @@ def smollm2_hf(request, rt_bundle_helper) -> Path:
 
 
 @pytest.fixture(scope="session")
-def bundle_fp32(smollm2_hf, rt_bundle_helper) -> Path:
-    # fp32: bf16 matmuls accumulate in a different order in HF and here, and greedy decoding of a
-    # 135M model hits near-ties often enough that token identity would be luck, not correctness.
-    return rt_bundle_helper.write_bundle(smollm2_hf, CACHE / "rt-bundle-fp32", "float32", max_kv_tokens=8192)
+def smollm2_bundle(request, smollm2_hf, rt_bundle_helper) -> Path:
+    """The real bf16 SmolLM2 engine bundle from the build pipeline (builder's ``build_bundle``
+    fixture: shared with the other areas' tests, built once per session); our own minimal writer
+    only when that fixture is not available."""
+    try:
+        build = request.getfixturevalue("build_bundle")
+    except pytest.FixtureLookupError:
+        return rt_bundle_helper.write_bundle(smollm2_hf, CACHE / "rt-bundle-bf16", "bfloat16")
+    return Path(build("smollm2-135m-bf16"))
 
 
 @pytest.fixture(scope="session")
-def weights_fp32(bundle_fp32):
+def weights_fp32(smollm2_bundle):
+    """The bundle's weights upcast ONCE to fp32 (exact) and shared by every executor below.
+
+    fp32 compute: bf16 matmuls accumulate in a different order in HF and here, and greedy decoding
+    of a 135M model hits near-ties often enough that token identity would be luck, not correctness."""
     from backend.runner import load_weights
-    return load_weights(bundle_fp32, torch.device("cpu"))
+    w = load_weights(smollm2_bundle, torch.device("cpu"))
+    return {k: v.float() if v.is_floating_point() and v.element_size() == 2 else v for k, v in w.items()}
+
+
+ENGINE_DEFAULTS = {"max_kv_tokens": 8192, "max_batch_size": 64}
 
 
 @pytest.fixture(scope="session")
-def make_executor(bundle_fp32, weights_fp32):
-    """``make_executor(**engine_overrides)`` -> a started Executor on the shared fp32 weights."""
+def make_executor(smollm2_bundle, weights_fp32):
+    """``make_executor(**engine_overrides)`` -> a started fp32 Executor on the shared weights."""
     from backend.executor import Executor
     made = []
 
     def make(start: bool = True, **overrides):
-        ex = Executor(bundle_fp32, weights=weights_fp32, start=start, verify_hashes=False, **overrides)
+        ex = Executor(smollm2_bundle, dtype=torch.float32, weights=weights_fp32, start=start,
+                      verify_hashes=False, **{**ENGINE_DEFAULTS, **overrides})
         made.append(ex)
         return ex
 
@@ -63,9 +77,9 @@ def make_executor(bundle_fp32, weights_fp32):
 
 
 @pytest.fixture(scope="session")
-def tokenizer(bundle_fp32):
+def tokenizer(smollm2_bundle):
     from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(bundle_fp32 / "tokenizer" / "tokenizer.json"))
+    return Tokenizer.from_file(str(smollm2_bundle / "tokenizer" / "tokenizer.json"))
 
 
 @pytest.fixture(scope="session")

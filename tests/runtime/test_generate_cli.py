@@ -10,8 +10,8 @@ from backend.generate import main
 pytestmark = pytest.mark.slow
 
 
-def test_json_output_one_object_per_prompt(bundle_fp32, capsys):
-    rc = main(["--engine", str(bundle_fp32), "--prompt", "What is the capital of France?",
+def test_json_output_one_object_per_prompt(smollm2_bundle, capsys):
+    rc = main(["--engine", str(smollm2_bundle), "--prompt", "What is the capital of France?",
                "--prompt", "Bonjour", "--chat", "--json", "--max-tokens", "12"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert rc == 0 and len(lines) == 2
@@ -21,8 +21,8 @@ def test_json_output_one_object_per_prompt(bundle_fp32, capsys):
     assert json.loads(lines[1])["prompt"] == "Bonjour"
 
 
-def test_bad_input_exits_2_with_one_line(bundle_fp32, tmp_path, capsys):
+def test_bad_input_exits_2_with_one_line(smollm2_bundle, tmp_path, capsys):
     assert main(["--engine", str(tmp_path), "--prompt", "x"]) == 2
-    assert main(["--engine", str(bundle_fp32), "--prompt", "x", "--temperature", "-1"]) == 2
+    assert main(["--engine", str(smollm2_bundle), "--prompt", "x", "--temperature", "-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "sampling.temperature" in err[1]

@@ -11,14 +11,14 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 64
 
 
-def test_logits_match_hf_on_a_prefill(bundle_fp32, weights_fp32, hf_model_fp32, varied_prompts):
+def test_logits_match_hf_on_a_prefill(smollm2_bundle, weights_fp32, hf_model_fp32, varied_prompts):
     from backend.attention import get_backend
     from backend.attention.metadata import AttentionMetadata
     from backend.model.llama import LlamaModel
     from backend.runner import load_engine_spec
 
-    spec = load_engine_spec(bundle_fp32)
-    model = LlamaModel(spec.model, weights_fp32, "none", get_backend("torch"))
+    spec = load_engine_spec(smollm2_bundle)
+    model = LlamaModel(spec.model, weights_fp32, "none", get_backend("torch"), dtype=torch.float32)
     ids = torch.tensor(varied_prompts[10])  # the long one: several KV blocks
     t, bs = len(ids), 16
     nblk = -(-t // bs)

@@ -48,14 +48,14 @@ def test_skip_when_disabled(tmp_path):
 
 
 @pytest.mark.slow
-def test_fp32_bundle_passes_and_garbage_fails(tmp_path, bundle_fp32, smollm2_hf, monkeypatch):
-    ctx = _ctx(tmp_path, ["verify.num_prompts=2"], bundle_fp32, smollm2_hf)
+def test_unquantized_bundle_passes_and_garbage_fails(tmp_path, smollm2_bundle, smollm2_hf, monkeypatch):
+    ctx = _ctx(tmp_path, ["verify.num_prompts=2"], smollm2_bundle, smollm2_hf)
     info = verify.run(ctx)
-    # Same weights, both in fp32: the runtime must agree with HF everywhere.
-    assert info["passed"] and info["top1_agreement"] == 1.0 and info["mean_kl"] < 1e-4
+    # Same weights; only compute precision may differ (fp32 on CPUs without native bf16: exact).
+    assert info["passed"] and info["top1_agreement"] >= 0.95 and info["mean_kl"] < 0.02
     assert info["num_prompts"] == 2 and info["num_positions"] > 20
     assert (ctx.out_dir / "verify.json").is_file()
 
     monkeypatch.setattr(verify, "prefill_logits", lambda runner, ids: torch.randn(len(ids), 49152))
-    bad = verify.run(_ctx(tmp_path / "bad", ["verify.num_prompts=2"], bundle_fp32, smollm2_hf))
+    bad = verify.run(_ctx(tmp_path / "bad", ["verify.num_prompts=2"], smollm2_bundle, smollm2_hf))
     assert bad["passed"] is False and bad["top1_agreement"] < 0.2
