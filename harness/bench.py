@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                      "chat_template": True, "ttft_limit_s": a.ttft_limit, "tpot_limit_s": a.tpot_limit},
         **out,
     }
+    stem = Path(a.output) if a.output else ROOT / "build" / "bench" / f"serving-{started:%Y%m%d-%H%M%S}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    _write(report, out["rows"], stem, machine, started)  # kept even if the baseline is interrupted
     if a.baseline == "hf":
         from harness.serving_hf_baseline import hf_throughput
         prompts = load_prompts(a.prompts)
@@ -189,14 +192,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Kiln ({ref[0]['model']}, {a.baseline_batch} streams) {ref[0]['output_token_throughput']:.1f} "
                   f"tok/s vs HF generate (batch {a.baseline_batch}) {hf['output_token_throughput']:.1f} tok/s: "
                   f"{ratio:.2f}x", flush=True)
-    stem = Path(a.output) if a.output else ROOT / "build" / "bench" / f"serving-{started:%Y%m%d-%H%M%S}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
+        _write(report, out["rows"], stem, machine, started)
+    return 0
+
+
+def _write(report: dict[str, Any], rows: list[dict[str, Any]], stem: Path, machine: dict[str, Any],
+           started: dt.datetime) -> None:
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    write_csv(out["rows"], stem.with_suffix(".csv"))
-    plot(out["rows"], stem.with_suffix(".png"),
+    write_csv(rows, stem.with_suffix(".csv"))
+    plot(rows, stem.with_suffix(".png"),
          f"Kiln serving, {machine['cpu']} ({machine['cores']} cores), {started:%Y-%m-%d}, commit {report['commit'][:8]}")
     print(f"wrote {stem}.json, .csv, .png", flush=True)
-    return 0
 
 
 if __name__ == "__main__":
