@@ -62,8 +62,8 @@ bench-engine: $(STAMP) ## Executor throughput vs Hugging Face generate on this C
 bench-kernels: $(STAMP) ## Kernel tests and bandwidth/TFLOP/s on an NVIDIA GPU
 	$(PY) -m plugins.bench $(BENCH_ARGS)
 
-mlperf: $(STAMP) ## LoadGen run: make mlperf SCENARIO=Offline|Server MODE=PerformanceOnly|AccuracyOnly [TEST_RUN=1]
-	$(PY) -m harness.mlperf --config $(CONFIG) --output $(OUT) --scenario $(or $(SCENARIO),Offline) --mode $(or $(MODE),PerformanceOnly) $(if $(TEST_RUN),--test-run,) $(MLPERF_ARGS)
+mlperf: $(STAMP) ## LoadGen run: make mlperf SCENARIO=Offline|Server|Interactive MODE=PerformanceOnly|AccuracyOnly [TEST_RUN=1] [COMPLIANCE=TEST06]
+	$(PY) -m harness.mlperf --config $(CONFIG) --output $(OUT) --scenario $(or $(SCENARIO),Offline) --mode $(or $(MODE),PerformanceOnly) $(if $(TEST_RUN),--test-run,) $(if $(COMPLIANCE),--compliance $(COMPLIANCE),) $(MLPERF_ARGS)
 
 run: $(STAMP) ## NVIDIA-style entry: make run RUN_ARGS="--benchmarks=llama2-70b --scenarios=Offline"
 	$(PY) -m harness.mlperf $(RUN_ARGS)
