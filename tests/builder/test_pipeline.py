@@ -85,15 +85,32 @@ def _wait_for(pattern_dir: Path, prefix: str, proc, timeout: float = 240) -> Pat
     raise AssertionError(f"{prefix}* never appeared in {pattern_dir}")
 
 
-def test_kill_minus_9_mid_stage_leaves_nothing_finished(smollm2_hf_dir, tmp_path):
+def _start_build(cfg_file: Path, out: Path):
+    return subprocess.Popen([sys.executable, "-m", "builder", "build", str(cfg_file), *FAST, "--output", str(out),
+                             "--until", "compile"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def test_interrupted_builds_leave_nothing_finished(smollm2_hf_dir, tmp_path):
     out = tmp_path / "b"
     cfg_file = tmp_path / "k.yaml"
     cfg_file.write_text(f"model: {{source: {smollm2_hf_dir}}}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "builder", "build", str(cfg_file), *FAST, "--output", str(out),
-                             "--until", "compile"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+
+    # Ctrl-C mid-compile: one line, exit 130, the partial bundle removed
+    proc = _start_build(cfg_file, out)
+    _wait_for(out, "engine.tmp-", proc)
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1].startswith("error: interrupted")
+    assert not (out / "engine").exists() and not list(out.glob("engine.tmp-*"))
+    assert (out / "work" / "import" / "stage.json").is_file()  # the finished stage is kept
+
+    # kill -9 mid-compile: nothing can clean up, but nothing looks finished either
+    proc = _start_build(cfg_file, out)
     try:
-        tmp = _wait_for(out, "engine.tmp-", proc)      # compile is writing the bundle
+        tmp = _wait_for(out, "engine.tmp-", proc)
         time.sleep(0.3)
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
