@@ -208,7 +208,7 @@ def test_host_overhead_benchmark_runs_and_records_its_context(tmp_path):
 
     out = tmp_path / "host.json"
     assert bench_overhead.main(["--num-seqs", "8", "--steps", "5", "--max-num-tokens", "64",
-                                "--max-seq-len", "1024", "--output", str(out)]) == 0
+                                "--max-seq-len", "1024", "--runs", "2", "--output", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert {"machine", "date", "command", "commit", "config", "results"} <= set(doc)
     assert doc["machine"]["cpu"] and "stub" in doc["what"]
@@ -216,7 +216,9 @@ def test_host_overhead_benchmark_runs_and_records_its_context(tmp_path):
         r = doc["results"][name]
         assert r["steps"] == 5 and r["mean_batch_size"] == 8
         assert set(r["breakdown_us_mean"]) == set(bench_overhead.PARTS)
-        assert r["host_overhead_ms_per_step"]["p50"] > 0
+        assert r["host_overhead_ms_per_step"]["p50"] > 0 and len(r["all_runs_host_p50_ms"]) == 2
+        # Two runs: the reported one is the upper median.
+        assert round(r["host_overhead_ms_per_step"]["p50"], 4) == max(r["all_runs_host_p50_ms"])
     with pytest.raises(SystemExit):
         bench_overhead.main(["--scenarios", "decode,bogus", "--output", "-"])
 
