@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 # Python backend stub (which runs the first python3 on PATH) sees the same packages.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup build test clean distclean serve bench bench-engine bench-kernels mlperf run submission validate
+.PHONY: help setup build test clean distclean serve bench bench-engine bench-overhead bench-kernels mlperf run submission validate
 
 help: ## List the commands
 	@echo "Kiln: ahead-of-time LLM engine builder and Triton Inference Server backend"
@@ -58,6 +58,9 @@ bench: $(STAMP) ## Serving benchmark against a running server (concurrency sweep
 
 bench-engine: $(STAMP) ## Executor throughput vs Hugging Face generate on this CPU, host overhead per step
 	$(PY) -m backend.bench --engine $(OUT)/engine $(BENCH_ARGS)
+
+bench-overhead: $(STAMP) ## Host overhead per engine step at 256 sequences with a zero-cost stub model
+	$(PY) -m backend.bench_overhead $(BENCH_ARGS)
 
 bench-kernels: $(STAMP) ## Kernel tests and bandwidth/TFLOP/s on an NVIDIA GPU
 	$(PY) -m plugins.bench $(BENCH_ARGS)
