@@ -56,7 +56,7 @@ serve: $(STAMP) ## Serve build/<stem>/model_repository with Triton on 127.0.0.1 
 bench: $(STAMP) ## Serving benchmark against a running server (concurrency sweep, Poisson mode)
 	$(PY) -m harness.bench $(BENCH_ARGS)
 
-bench-engine: $(STAMP) ## Executor throughput vs Hugging Face generate on this CPU, host overhead per step
+bench-engine: $(STAMP) ## Executor throughput vs Hugging Face generate on this CPU (same prompts, same run)
 	$(PY) -m backend.bench --engine $(OUT)/engine $(BENCH_ARGS)
 
 bench-overhead: $(STAMP) ## Host overhead per engine step at 256 sequences with a zero-cost stub model
