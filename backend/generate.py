@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [tok.encode(text, chat=args.chat) for text in args.prompt]
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        # Field checks before paying for the model load; the executor re-checks against the engine.
+        params.validate(max(args.max_tokens, 1))
         with Executor(args.engine, device=args.device, speculative=not args.no_spec) as ex:
             results = ex.generate(prompts, params)
         spec = ex.speculator
