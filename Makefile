@@ -53,8 +53,8 @@ test: $(STAMP) ## Run the test suite (real SmolLM2, ModelOpt and Triton server; 
 serve: $(STAMP) ## Serve build/<stem>/model_repository with Triton on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002)
 	$(PY) -m harness.serve --model-repository $(OUT)/model_repository
 
-bench: $(STAMP) ## Serving benchmark against a running server (concurrency sweep, Poisson mode)
-	$(PY) -m harness.bench $(BENCH_ARGS)
+bench: $(STAMP) ## Serving benchmark (concurrency sweep, Poisson mode); BENCH_ARGS="--start --baseline hf" runs it self-contained
+	$(PY) -m harness.bench --model-repository $(OUT)/model_repository $(BENCH_ARGS)
 
 bench-engine: $(STAMP) ## Executor throughput vs Hugging Face generate on this CPU (same prompts, same run)
 	$(PY) -m backend.bench --engine $(OUT)/engine $(BENCH_ARGS)
