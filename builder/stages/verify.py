@@ -26,16 +26,17 @@ MAX_PROMPT_TOKENS = 256
 # format -> (min top-1 agreement, max mean KL in nats), for SmolLM2-135M-sized models on the 8
 # default held-out prompts (138 positions, so one position is 0.7 points). Measured 2026-11-25:
 #   none (bf16 weights, bf16 KV): top-1 0.986, KL 0.0022
-#   fp8 + fp8 KV, two calibrations: top-1 0.906 / 0.841, KL 0.064 / 0.073
-# The other formats are provisional (not yet measured here): int8_sq sits between fp8 and the 4-bit
-# formats in published results; 4-bit weights lose more on a 135M model than on a 8B one.
+#   fp8 + fp8 KV, three calibrations: top-1 0.906 / 0.899 / 0.841, KL 0.064 / 0.062 / 0.073
+#   nvfp4 + fp8 KV (W4A4 emulated): top-1 0.630, KL 0.598 (weights alone, W4A16: 0.688, 0.347):
+#   4-bit floats cost a 135M model far more than an 8B one; the gate only catches broken builds.
+# int8_sq, int4_awq and w4a8_awq are provisional (not measured here yet).
 DEFAULT_THRESHOLDS: dict[str, tuple[float, float]] = {
     "none": (0.95, 0.02),
     "fp8": (0.80, 0.12),
     "int8_sq": (0.80, 0.20),
     "int4_awq": (0.70, 0.35),
     "w4a8_awq": (0.65, 0.45),
-    "nvfp4": (0.65, 0.45),
+    "nvfp4": (0.55, 0.80),
 }
 
 
