@@ -2,47 +2,24 @@
 one copy of its weights per test session (executors built from it share the tensors)."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE = REPO / "build" / "test-cache"
-
-
-def _helper():
-    spec = importlib.util.spec_from_file_location("rt_bundle", Path(__file__).with_name("rt_bundle.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="session")
-def rt_bundle_helper():
-    return _helper()
+def smollm2_hf(smollm2_hf_dir) -> Path:
+    """SmolLM2 as an HF checkpoint dir (the builder's import stage, shared with other areas)."""
+    return Path(smollm2_hf_dir)
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf(request, rt_bundle_helper) -> Path:
-    """SmolLM2 as an HF checkpoint dir: the builder's fixture when present, else our own conversion."""
-    try:
-        return Path(request.getfixturevalue("smollm2_hf_dir"))
-    except pytest.FixtureLookupError:
-        return rt_bundle_helper.hf_checkpoint(CACHE)
-
-
-@pytest.fixture(scope="session")
-def smollm2_bundle(request, smollm2_hf, rt_bundle_helper) -> Path:
-    """The real bf16 SmolLM2 engine bundle from the build pipeline (builder's ``build_bundle``
-    fixture: shared with the other areas' tests, built once per session); our own minimal writer
-    only when that fixture is not available."""
-    try:
-        build = request.getfixturevalue("build_bundle")
-    except pytest.FixtureLookupError:
-        return rt_bundle_helper.write_bundle(smollm2_hf, CACHE / "rt-bundle-bf16", "bfloat16")
-    return Path(build("smollm2-135m-bf16"))
+def smollm2_bundle(build_bundle) -> Path:
+    """The real bf16 SmolLM2 engine bundle from the build pipeline (shared with the other areas'
+    tests, built once per session)."""
+    return Path(build_bundle("smollm2-135m-bf16"))
 
 
 @pytest.fixture(scope="session")
