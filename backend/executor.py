@@ -170,7 +170,9 @@ class Executor:
             attach(self)
         # Room in each block-table row for a full sequence plus draft tokens being verified.
         max_blocks = -(-(self.max_seq_len + 64) // self.runner.block_size)
-        self.inputs = InputPreparer(self.runner.block_size, max_blocks, self.device)
+        # Given the block manager, the preparer refreshes only block-table rows that changed.
+        self.inputs = InputPreparer(self.runner.block_size, max_blocks, self.device,
+                                    block_manager=self.block_manager)
 
         self._lock = threading.Lock()            # guards the scheduler between threads
         self._wake = threading.Condition(self._lock)
@@ -304,11 +306,11 @@ class Executor:
             spec.prepare(out, inputs)
         capture = spec.capture_hidden_layers if spec is not None else ()
         logits, captured = self.runner.execute(inputs.input_ids, inputs.meta, inputs.logits_indices, capture)
-        rows = [SampleRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids,
-                          self._generators.get(s.request.request_id))
-                for s in out.scheduled if s.sample]
+        sampling = [s.request for s in inputs.sample_seqs]
+        rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids,
+                          self._generators.get(r.request_id)) for r in sampling]
         logprobs = None
-        if spec is not None and any(s.num_spec_tokens for s in out.scheduled):
+        if spec is not None and out.num_spec_tokens:
             sampled: list = spec.verify(out, logits, rows, self.sampler)
             # Rows sampled without drafts in a speculative step keep their logprobs.
             logprobs = getattr(spec, "last_logprobs", None)
@@ -316,7 +318,6 @@ class Executor:
             res = self.sampler(logits, rows)
             sampled, logprobs = res.token_ids, res.logprobs
         with self._lock:
-            sampling = [s.request for s in out.scheduled if s.sample]
             before = [len(r.output_token_ids) for r in sampling]
             finished = self.scheduler.update(out, sampled)
         if spec is not None:
