@@ -93,7 +93,7 @@ def test_greedy_batched_equals_plain_decoding_chain(eagle_bundle, weights, promp
 def test_greedy_alone_equals_plain_decoding(eagle_bundle, weights, prompts, baseline):
     plain = make(eagle_bundle, weights)
     spec = make(eagle_bundle, weights, {"tree": "chain", "max_draft_len": 3})
-    for p in prompts[:6]:
+    for p in prompts[:4]:
         assert spec.generate([p], GREEDY)[0].token_ids == plain.generate([p], GREEDY)[0].token_ids
 
 
