@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
 import resource
 import subprocess
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from backend.perfinfo import cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,14 +34,6 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _commit() -> str:
@@ -181,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     result = {"benchmark": "bench-engine", "date": started, "command": " ".join(["python -m backend.bench"]
                                                                                  + (argv or sys.argv[1:])),
-              "commit": _commit(), "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(),
+              "commit": _commit(), "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
                                                "torch_threads": torch.get_num_threads(),
                                                "torch": torch.__version__,
                                                "cpu_capability": torch.backends.cpu.get_cpu_capability()},

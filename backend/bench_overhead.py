@@ -38,6 +38,7 @@ from backend.kv_cache import BlockManager
 from backend.request import Request
 from backend.sampling_params import SamplingParams
 from backend.scheduler import Scheduler
+from backend.perfinfo import cpu_model
 
 PARTS = ("schedule", "prepare_inputs", "model_stub", "sample", "update")
 # The code this benchmark measures: "-dirty" in the recorded commit means one of these differs.
@@ -169,14 +170,6 @@ def python_speed_ms(repeats: int = 5) -> float:
     return best * 1000
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _git_commit() -> str:
@@ -247,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                 "sampling bookkeeping + update) with a stub model returning fixed logits "
                 f"(vocab {STUB_VOCAB}, no compute)",
         "goal": "<= 0.5 ms per step at 256 running sequences (docs: shared/notes/targets.md)",
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "load_avg_1_5_15": load,
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load_avg_1_5_15": load,
                     "python_1m_loop_ms": round(yardstick, 1),
                     "python": platform.python_version(), "torch": torch.__version__,
                     "note": "shared development machine: timings are noisy"},

@@ -20,16 +20,9 @@ import time
 from pathlib import Path
 
 from builder.stages import STAGES
+from backend.perfinfo import cpu_model
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _git(*args: str) -> str:
@@ -71,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": _git("rev-parse", "HEAD"),
         "dirty": bool(_git("status", "--porcelain", "--", "builder", "quant", "plugins", "backend")),
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                     "load_average_before": [round(x, 2) for x in load_before],
                     "load_average_after": [round(x, 2) for x in load_after]},
         "tools": engine.get("tools"),

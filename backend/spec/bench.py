@@ -23,6 +23,7 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+from backend.perfinfo import cpu_model
 
 REPO = Path(__file__).resolve().parents[2]
 MTBENCH_DIR = REPO / "build" / "cache" / "mtbench"
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
         "benchmark": "eagle3", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m backend.spec.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "commit": commit + ("-dirty" if dirty else ""),
-        "machine": {"cpu": _cpu_name(), "cores": _cores(), "python": platform.python_version(),
+        "machine": {"cpu": cpu_model(), "cores": _cores(), "python": platform.python_version(),
                     "torch": torch.__version__, "device": "cpu",
                     "note": "shared 2-core development machine with other jobs running: wall-clock "
                             "numbers are noisy; passes/token and acceptance length are not"},
@@ -146,14 +147,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _cores() -> int:
