@@ -9,7 +9,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from builder.schema import ConfigError
 from builder.stages.base import StageError

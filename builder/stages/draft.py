@@ -47,7 +47,7 @@ def skip_reason(ctx: StageContext) -> str | None:
 def fingerprint(ctx: StageContext) -> str:
     s = ctx.config.speculative
     src = BUILTIN_PROMPTS if s.train.dataset == "builtin" else Path(s.train.dataset)
-    parts = [f"draft-v1", f"vocab={DRAFT_VOCAB}", f"batch={BATCH}", f"ttt={TTT_STEPS}"]
+    parts = ["draft-v1", f"vocab={DRAFT_VOCAB}", f"batch={BATCH}", f"ttt={TTT_STEPS}"]
     for p in ([src] if s.draft == "train" else [Path(s.draft)]):
         p = _resolve(ctx, p)
         if p.is_file():

@@ -1,7 +1,6 @@
 """The runtime draft head computes what ModelOpt's EAGLE-3 module computes (real ModelOpt, a tiny
 random Llama so it runs in seconds), and bad draft checkpoints are refused with clear messages."""
 import copy
-import json
 
 import pytest
 import torch

@@ -6,7 +6,6 @@ decode scores one, and in bf16 the two round differently; exact token equality i
 promise and is checked where rounding cannot flip a near-tie argmax.
 """
 import json
-from pathlib import Path
 
 import pytest
 import torch

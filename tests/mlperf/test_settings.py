@@ -1,5 +1,4 @@
 """Settings: our mlperf.conf agrees with LoadGen's embedded one; layering and errors."""
-from pathlib import Path
 
 import mlperf_loadgen as lg
 import pytest

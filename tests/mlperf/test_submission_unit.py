@@ -1,6 +1,5 @@
 """Submission pieces that need no server: truncation rule, system JSON, argument errors."""
 import hashlib
-import json
 
 import pytest
 
