@@ -30,7 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    # On by default: the shipped engines are instruct/chat models, which ramble on a raw prompt.
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="apply the model's chat template to the prompt (default; --no-chat sends it raw)")
     p.add_argument("--echo", action="store_true", help="include the prompt in a non-streamed answer")
     a = p.parse_args(argv)
     if a.max_tokens < 1:
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     url = a.url or DEFAULT_URL[a.protocol]
     params = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                  seed=a.seed, stop_words=a.stop, apply_chat_template=a.chat or None,
+                  seed=a.seed, stop_words=a.stop, apply_chat_template=a.chat,
                   exclude_input_in_output=not a.echo, stream=a.stream)
     params = {k: v for k, v in params.items() if v is not None}
     out = sys.stdout
