@@ -7,6 +7,7 @@ which token rows need logits, and gets logits (and captured hidden states) back.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,13 @@ class ModelRunner:
         self.dtype = dtype or compute_dtype(cfg.torch_dtype, self.device)
         backend_name = resolve_backend_name(spec.engine.get("attention_backend", "auto"), str(self.device))
         self.attention = get_backend(backend_name, str(self.device))
+        if self.device.type == "cuda" and spec.doc.get("kernels") and hasattr(self.attention, "load_aot"):
+            # The build compiled these cubins for the bundle's target SMs: launching them skips JIT at
+            # start. Any problem with them must cost speed, never the engine, so fall back to JIT.
+            try:
+                self.attention.load_aot(spec.path, spec.doc["kernels"], self.device)
+            except Exception as exc:  # noqa: BLE001
+                warnings.warn(f"AOT kernels of {spec.path} not usable here ({exc}); using Triton JIT")
         window = cfg.sliding_window
         max_seq = int(spec.engine.get("max_seq_len", cfg.max_position_embeddings))
         if window and max_seq > window:
