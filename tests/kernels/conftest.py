@@ -8,6 +8,8 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("KILN_KERNEL_TES
 
 import torch  # noqa: E402
 
+NO_KERNEL_RUNNER = "TRITON_INTERPRET=0 and no GPU: nothing can run the kernels"
+
 
 @pytest.fixture(scope="session")
 def device() -> str:
@@ -15,7 +17,7 @@ def device() -> str:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return "cpu"
     if not torch.cuda.is_available():
-        pytest.skip("TRITON_INTERPRET=0 and no GPU: nothing can run the kernels")
+        pytest.skip(NO_KERNEL_RUNNER)  # only when the interpreter was turned off on a GPU-less host
     return "cuda"
 
 

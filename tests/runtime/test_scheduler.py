@@ -1,5 +1,5 @@
 """Scheduler: continuous batching, chunked prefill, policies, preemption, priorities, abort, finish
-rules and speculative bookkeeping. Pure Python: the "model" is a deterministic function of the
+rules (speculative bookkeeping: test_scheduler_speculation.py). Pure Python: the "model" is a deterministic function of the
 sequence so far, so a request's output must not depend on batching, chunking or preemption."""
 import random
 
@@ -9,66 +9,7 @@ from backend.kv_cache import BlockManager
 from backend.request import Request, RequestStatus
 from backend.sampling_params import SamplingParams
 from backend.scheduler import POLICIES, Scheduler
-
-EOS = 2
-
-
-def next_token(tokens):
-    """A stand-in model: the next token depends only on the sequence (never EOS by default)."""
-    return (tokens[-1] * 31 + len(tokens) * 7 + (tokens[-2] if len(tokens) > 1 else 0)) % 97 + 3
-
-
-def make(rid, prompt, **params):
-    params.setdefault("max_tokens", 8)
-    return Request(rid, list(prompt), SamplingParams(**params))
-
-
-def step(sched, model=next_token):
-    out = sched.schedule()
-    sampled = [model(s.request.all_token_ids) for s in out.scheduled if s.sample]
-    finished = sched.update(out, sampled)
-    return out, finished
-
-
-def run(sched, max_steps=10_000, check=True, model=next_token):
-    """Drive to completion, checking per-step limits and pool consistency."""
-    outputs = []
-    for _ in range(max_steps):
-        if not sched.has_unfinished():
-            break
-        out, _ = step(sched, model)
-        outputs.append(out)
-        if check:
-            assert out.num_tokens == sum(s.num_new_tokens for s in out.scheduled)
-            assert out.num_prefill_tokens == sum(s.num_new_tokens for s in out.scheduled
-                                                 if s.is_prefill)
-            assert out.num_tokens <= sched.max_num_tokens
-            assert len(out.scheduled) <= sched.max_batch_size
-            assert len(sched.running) <= sched.max_batch_size
-            assert all(s.is_prefill for s in out.scheduled[:out.num_prefills])
-            assert not any(s.is_prefill for s in out.scheduled[out.num_prefills:])
-            sched.block_manager.check_invariants()
-    assert not sched.has_unfinished(), "did not finish"
-    return outputs
-
-
-def reference_output(prompt, max_tokens):
-    toks = list(prompt)
-    for _ in range(max_tokens):
-        toks.append(next_token(toks))
-    return toks[len(prompt):]
-
-
-def random_requests(rng, n, vocab=50, max_prompt=60, max_out=20, shared=None):
-    reqs = []
-    for i in range(n):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, max_prompt))]
-        if shared and rng.random() < 0.5:
-            prompt = rng.choice(shared) + prompt
-        reqs.append(make(f"r{i}", prompt, max_tokens=rng.randrange(1, max_out), ignore_eos=True,
-                         priority=rng.choice([0, 0, 1])))
-    return reqs
-
+from tests.runtime.scheduler_helpers import EOS, make, next_token, random_requests, reference_output, run, step  # noqa: F401
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -328,46 +269,6 @@ def test_prefix_cache_hits_skip_prefill_tokens_but_compute_the_last_one():
     assert warm_bm.prefix_cache_hits == 60 and warm_bm.prefix_cache_hit_rate > 0.5
 
 
-def test_speculative_drafts_are_scored_and_rejections_rolled_back():
-    bm = BlockManager(32, 4)
-    sched = Scheduler(bm, max_batch_size=2, max_num_tokens=64)
-    r = make("s", [5, 6, 7], max_tokens=12, ignore_eos=True)
-    sched.add(r)
-    step(sched)                                    # prefill, 1 token sampled
-    r.spec_token_ids = [50, 51, 52, 53]
-    out = sched.schedule()
-    (s,) = out.scheduled
-    assert (s.start_pos, s.num_new_tokens, s.num_spec_tokens, s.sample) == (3, 5, 4, True)
-    assert r.num_slots == 8 and r.num_tentative_tokens == 4
-    sched.update(out, [[50, 51, 60]])              # 2 drafts accepted, then a corrected token
-    assert r.output_token_ids[1:] == [50, 51, 60]
-    assert r.num_computed_tokens == 6 and r.num_slots == 6 and len(r.block_ids) == 2
-    assert (r.num_draft_tokens, r.num_accepted_draft_tokens) == (4, 2) and r.spec_token_ids == []
-    bm.check_invariants()
-    # Drafts never run past max_tokens: 12 - 4 = 8 tokens left -> at most 7 drafts (+1 sampled).
-    r.spec_token_ids = [1] * 9
-    out = sched.schedule()
-    assert out.scheduled[0].num_spec_tokens == 7 and out.scheduled[0].num_new_tokens == 8
-    finished = sched.update(out, [[1] * 7 + [9]])
-    assert finished == [r] and r.num_output_tokens == 12 and r.finish_reason == "length"
-    assert bm.num_free_blocks == 32 and sched.num_accepted_draft_tokens == 9
-    bm.check_invariants()
-
-
-def test_speculative_drafts_are_cut_to_the_token_budget():
-    bm = BlockManager(32, 4)
-    sched = Scheduler(bm, max_batch_size=2, max_num_tokens=4)
-    r = make("s", [5, 6, 7], max_tokens=20, ignore_eos=True)
-    sched.add(r)
-    step(sched)
-    r.spec_token_ids = [8] * 6
-    out = sched.schedule()
-    assert out.scheduled[0].num_spec_tokens == 3 and out.num_tokens == 4
-    sched.update(out, [[4]])                       # every draft rejected
-    assert r.num_computed_tokens == 4 and r.num_slots == 4 and len(r.block_ids) == 1
-    bm.check_invariants()
-
-
 def test_timestamps_give_ttft_and_tpot():
     now = [100.0]
     bm = BlockManager(8, 4)
@@ -420,57 +321,6 @@ def test_high_priority_prefill_preempts_an_already_scheduled_decode():
     run(sched)
     assert low.output_token_ids == reference_output(low.prompt_token_ids, 10)
     assert bm.num_free_blocks == 6
-
-
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_random_speculation_under_pressure_gives_the_plain_greedy_output(seed, policy):
-    """Greedy speculative decoding with a stand-in target: drafts are partly right, partly wrong;
-    verification keeps the matching prefix plus one target token. Outputs must equal plain greedy
-    decoding, with preemptions, chunked prefill and rollbacks along the way, and nothing leaks."""
-    rng = random.Random(seed)
-    bm = BlockManager(30, 4)
-    sched = Scheduler(bm, max_batch_size=5, max_num_tokens=24, policy=policy, max_seq_len=96)
-    reqs = random_requests(rng, 14, max_prompt=40, max_out=25)
-    for r in reqs:
-        sched.add(r)
-
-    def verify(s):
-        seq = list(s.request.all_token_ids)
-        got = []
-        for d in s.request.spec_token_ids[:s.num_spec_tokens]:
-            want = next_token(seq)
-            if d != want:
-                break
-            got.append(d)
-            seq.append(d)
-        return got + [next_token(seq)]
-
-    steps = 0
-    while sched.has_unfinished():
-        out = sched.schedule()
-        assert out.num_tokens == sum(s.num_new_tokens for s in out.scheduled) <= 24
-        assert out.num_spec_tokens == sum(s.num_spec_tokens for s in out.scheduled)
-        sampled = [verify(s) if s.num_spec_tokens else next_token(s.request.all_token_ids)
-                   for s in out.scheduled if s.sample]
-        sched.update(out, sampled)
-        bm.check_invariants()
-        for r in sched.running:                    # propose drafts for the next step
-            if not r.is_prefill and r.output_token_ids and rng.random() < 0.8:
-                seq, drafts = list(r.all_token_ids), []
-                for _ in range(rng.randrange(1, 6)):
-                    t = next_token(seq) if rng.random() < 0.7 else 1
-                    drafts.append(t)
-                    seq.append(t)
-                r.spec_token_ids = drafts
-        steps += 1
-        assert steps < 3000
-    for r in reqs:
-        assert r.output_token_ids == reference_output(r.prompt_token_ids, r.params.max_tokens), r
-    assert bm.num_free_blocks == bm.num_blocks and bm.num_holders == 0
-    assert sched.num_draft_tokens > 0 and 0 < sched.num_accepted_draft_tokens < sched.num_draft_tokens
-    # The pool is small on purpose: max_utilization must have preempted speculating requests.
-    assert (sched.num_preemptions == 0) if policy == "guaranteed_no_evict" else sched.num_preemptions > 0
 
 
 def test_update_accepts_numpy_scalars_and_stores_python_ints():
