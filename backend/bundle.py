@@ -71,7 +71,9 @@ def rebuild_hint(manifest: dict | None) -> str:
     return f"rebuild with: make build {target} BUILD_ARGS=--force"
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, streamed (bundles hold multi-GB weights). The builder writes the
+    manifest's hashes with this same function, so writer and checker cannot disagree."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(8 << 20):
@@ -106,7 +108,7 @@ def load_bundle(path: str | Path, verify_hashes: bool = True) -> Bundle:
         f = path / rel
         if not f.is_file():
             raise BundleError(f"{f}: missing from the bundle; {rebuild_hint(manifest)}")
-        if verify_hashes and _sha256(f) != digest:
+        if verify_hashes and sha256_file(f) != digest:
             raise BundleError(f"{f}: changed since the build (sha256 differs from engine.json); "
                               f"{rebuild_hint(manifest)}")
     return Bundle(path=path, manifest=manifest, model_config=manifest["model"], engine_config=manifest["engine"],

@@ -199,10 +199,3 @@ def sha256_files(files: list[Path], root: Path | None, advance=lambda n: None) -
                 advance(len(chunk))
     return h.hexdigest()
 
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import builder
-from builder.sources import sha256_file
+from backend.bundle import sha256_file
 from builder.st_writer import SafetensorsWriter
 from builder.stages.base import StageContext, StageError
 from builder.weights import Checkpoint, runtime_tensors
