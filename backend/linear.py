@@ -71,10 +71,11 @@ class QuantLinear:
     bias: torch.Tensor | None
 
     def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 where: str = "linear", kernels: bool = False) -> None:
+                 where: str = "linear", kernels: bool = False, aot=None) -> None:
         self.where = where
         self.dtype = dtype
         self.kernels = kernels          # run the format's Triton GEMM on packed weights (see make_linear)
+        self.aot = aot                  # the bundle's cubins for those GEMMs (None = Triton JIT)
         self.bias = tensors["bias"].to(device=device, dtype=dtype) if "bias" in tensors else None
         try:
             formats.get_format(self.format).check(tensors, where)
@@ -161,7 +162,7 @@ class NVFP4Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels:
-            return _add_bias(self.gemm(x, **self.packed), self.bias)
+            return _add_bias(self.gemm(x, **self.packed, aot=self.aot), self.bias)
         if self.input_scale is not None:
             x = formats.fake_quantize_nvfp4_activation(x, self.input_scale)
         return F.linear(x, self.weight, self.bias)
@@ -190,7 +191,7 @@ class Int4AWQLinear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels:
-            return _add_bias(self.gemm(x, **self.packed), self.bias)
+            return _add_bias(self.gemm(x, **self.packed, aot=self.aot), self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -215,7 +216,7 @@ class W4A8AWQLinear(Int4AWQLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels:
-            return _add_bias(self.gemm(x, **self.packed), self.bias)
+            return _add_bias(self.gemm(x, **self.packed, aot=self.aot), self.bias)
         if self.pre_quant_scale is not None:
             x = x * self.pre_quant_scale
         return F.linear(fake_quant_fp8(x, self.input_scale), self.weight, self.bias)
@@ -249,12 +250,14 @@ LINEAR_FORMATS: dict[str, type[QuantLinear]] = {
 
 
 def make_linear(fmt: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device | str, where: str = "linear", kernels: bool | None = None) -> QuantLinear:
+                device: torch.device | str, where: str = "linear", kernels: bool | None = None,
+                aot=None) -> QuantLinear:
     """Build the linear for ``fmt``. A linear stored unquantized (an excluded module) is detected by
     its floating-point weight with no scales, whatever the bundle's format.
 
     ``kernels``: keep 4-bit weights packed and run the registry's Triton GEMM. None = on an NVIDIA GPU
-    only (on CPU the kernels would need the Triton interpreter; tests pass True under it)."""
+    only (on CPU the kernels would need the Triton interpreter; tests pass True under it).
+    ``aot``: the bundle's ``plugins.launcher.KernelSet``, whose W4A16 cubins the GEMM then launches."""
     if fmt not in LINEAR_FORMATS:
         raise LinearFormatError(f"engine.json: quantization.format: {fmt!r} has no runtime linear; "
                                 f"allowed: {', '.join(LINEAR_FORMATS)}")
@@ -264,4 +267,5 @@ def make_linear(fmt: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
     device = torch.device(device)
     if kernels is None:
         kernels = device.type == "cuda"
-    return LINEAR_FORMATS[fmt](tensors, dtype, device, where, kernels=kernels and fmt in PACKED_KERNEL_FORMATS)
+    return LINEAR_FORMATS[fmt](tensors, dtype, device, where, kernels=kernels and fmt in PACKED_KERNEL_FORMATS,
+                               aot=aot)

@@ -69,10 +69,11 @@ class LlamaModel:
         self.norm = dense("norm.weight")
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else dense("lm_head.weight")
         self.layers: list[DecoderLayer] = []
+        aot = getattr(attention, "aot", None)   # the bundle's cubins (GPU) serve the 4-bit GEMMs too
         for i in range(config.num_layers):
             p = f"layers.{i}"
             lin = {name: make_linear(quant_format, _linear_tensors(weights, f"{p}.{name}"), dt, dev,
-                                     where=f"{p}.{name}")
+                                     where=f"{p}.{name}", aot=aot)
                    for name in ("qkv", "o", "gate_up", "down")}
             ks, vs = weights.get(f"{p}.attn.k_scale"), weights.get(f"{p}.attn.v_scale")
             self.layers.append(DecoderLayer(
