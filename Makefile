@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 # Python backend stub (which runs the first python3 on PATH) sees the same packages.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup build test clean distclean serve bench bench-engine bench-overhead bench-kernels mlperf run submission validate
+.PHONY: help setup build test clean distclean serve bench bench-engine bench-overhead bench-kernels gpu-check-prepare gpu-check bench-gpu mlperf run submission validate
 
 help: ## List the commands
 	@echo "Kiln: ahead-of-time LLM engine builder and Triton Inference Server backend"
@@ -64,6 +64,15 @@ bench-overhead: $(STAMP) ## Host overhead per engine step at 256 sequences with 
 
 bench-kernels: $(STAMP) ## Kernel tests and bandwidth/TFLOP/s on an NVIDIA GPU
 	$(PY) -m plugins.bench $(BENCH_ARGS)
+
+gpu-check-prepare: $(STAMP) ## Build tiny bundles of every GPU format + CPU outputs into build/gpu-check/
+	$(PY) -m harness.gpucheck prepare
+
+gpu-check: $(STAMP) ## On an NVIDIA GPU: AOT cubins without JIT, triton vs torch, GPU vs CPU vs HF (after gpu-check-prepare)
+	$(PY) -m harness.gpucheck run $(BENCH_ARGS)
+
+bench-gpu: $(STAMP) ## On an NVIDIA GPU: Llama-3.1-8B-shaped FP8 engine, single-stream and 1000/1000 throughput
+	$(PY) -m backend.bench_gpu $(BENCH_ARGS)
 
 mlperf: $(STAMP) ## LoadGen run: make mlperf SCENARIO=Offline|Server|Interactive MODE=PerformanceOnly|AccuracyOnly [TEST_RUN=1] [COMPLIANCE=TEST06]
 	$(PY) -m harness.mlperf --config $(CONFIG) --output $(OUT) --scenario $(or $(SCENARIO),Offline) --mode $(or $(MODE),PerformanceOnly) $(if $(TEST_RUN),--test-run,) $(if $(COMPLIANCE),--compliance $(COMPLIANCE),) $(MLPERF_ARGS)

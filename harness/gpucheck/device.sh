@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Every GPU check in one call, for a GPU machine reached with no venv and no network (the lent H100/H200:
+# its python3 holds torch and triton). Prepare on the CPU machine first and bring build/gpu-check along:
+#   make gpu-check-prepare            (CPU machine: tiny bundles built by the real builder, ~1 min)
+#   harness/gpucheck/device.sh OUT    (GPU machine: writes OUT/*.json and OUT/*.log)
+# Each part has its own time limit so one hang cannot eat the others' time.
+set -u
+OUT=${1:-build/gpu-results}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  $PY -c "import sys, torch, triton, numpy, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, 'transformers', transformers.__version__)"
+  $PY -m pip list 2>/dev/null | grep -i -E "^(cuda|pytest|nvidia-ml)"
+} > "$OUT/env.txt" 2>&1
+timeout "${T_CHECK:-170}" $PY -m harness.gpucheck run --out "$OUT/gpu-check.json" > "$OUT/gpu-check.log" 2>&1
+echo "gpu-check rc=$?"
+timeout "${T_KERNELS:-210}" $PY -m plugins.bench --out "$OUT/kernels.json" > "$OUT/bench-kernels.log" 2>&1
+echo "bench-kernels rc=$?"
+timeout "${T_BENCH:-200}" $PY -m backend.bench_gpu --max-seconds "${MAX_SECONDS:-110}" --out "$OUT/gpu-bench.json" \
+  > "$OUT/bench-gpu.log" 2>&1
+echo "bench-gpu rc=$?"

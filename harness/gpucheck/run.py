@@ -1,0 +1,157 @@
+"""The runtime on an NVIDIA GPU, checked end to end: `python -m harness.gpucheck run [--out F]`.
+
+Reads the bundles and CPU outputs `prepare` left in build/gpu-check/ (built on the CPU machine) and,
+for each bundle:
+  1. AOT: runs in bf16 (the dtype the cubins were compiled for) with the triton attention backend and
+     an EMPTY Triton cache, then counts launches through the bundle's cubins and the .cubin files a
+     JIT compile would have left in the cache (0 = nothing was compiled on this machine);
+  2. backends: fp32 greedy outputs of the triton backend equal those of the torch reference backend;
+  3. CPU parity: fp32 greedy outputs on the GPU vs the CPU machine's (fraction identical, first
+     divergence); FP8 must have taken the torch._scaled_mm path;
+  4. the bf16 bundle vs Hugging Face transformers `generate` of the source checkpoint on the GPU (fp32).
+Writes one JSON (default docs/perf/gpu-check-<gpu>.json) and prints a table. Exit 1 when a check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DIR = REPO / "build" / "gpu-check"
+
+# The JIT check needs a Triton cache that is empty before Triton is first imported.
+_JIT_CACHE = os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="kiln-gpucheck-triton-"))
+
+
+def jit_cubins() -> int:
+    return sum(n.endswith(".cubin") for _, _, files in os.walk(_JIT_CACHE) for n in files)
+
+
+DEVICE = "cuda"   # --device cpu smoke-tests this script on CPU (triton backend under TRITON_INTERPRET=1)
+
+
+def _greedy(bundle: Path, prompts, max_tokens: int, dtype, backend: str):
+    import torch
+
+    from backend.executor import Executor
+    from backend.sampling_params import SamplingParams
+    cuda = DEVICE == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    ex = Executor(bundle, device=DEVICE, dtype=dtype, start=False, attention_backend=backend)
+    outs = [r.token_ids for r in ex.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                     ignore_eos=True))]
+    aot = getattr(ex.runner.attention, "aot", None)
+    info = {"launched_aot": sum(aot.launched.values()) if aot is not None else 0,
+            "aot_kernels_loaded": len(aot.kernels) if aot is not None else 0,
+            "peak_gpu_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None,
+            "kv_cache_mib": round(ex.runner.kv_cache_bytes / 2**20, 1)}
+    lin = ex.runner.model.layers[0].qkv
+    info["linear"] = type(lin).__name__ + (" scaled_mm" if getattr(lin, "native", False) else "") + \
+        (" packed-kernel" if getattr(lin, "kernels", False) else "")
+    del ex
+    if cuda:
+        torch.cuda.empty_cache()
+    return outs, info
+
+
+def _compare(a, b) -> dict:
+    same = sum(x == y for x, y in zip(a, b))
+    first = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None) for x, y in zip(a, b)]
+    return {"identical": f"{same}/{len(a)}", "first_divergence": first, "all_equal": same == len(a)}
+
+
+def hf_greedy(hf_dir: Path, prompts, max_tokens: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(DEVICE).eval()
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p], device=DEVICE)
+        g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                           min_new_tokens=max_tokens, do_sample=False, pad_token_id=2)
+        outs.append(g[0, len(p):].tolist())
+    return outs
+
+
+def check_bundle(name: str, entry: dict, ref: dict) -> dict:
+    import torch
+    bundle = REPO / entry["path"]
+    prompts, n = ref["prompts"], ref["max_tokens"]
+    res: dict = {"bundle": entry["path"]}
+    before = jit_cubins()
+    _, aot = _greedy(bundle, prompts, n, torch.bfloat16, "triton")
+    res["aot_bf16"] = {**aot, "jit_cubins_compiled": jit_cubins() - before}
+    tri, info_t = _greedy(bundle, prompts, n, torch.float32, "triton")
+    ref_t, info_r = _greedy(bundle, prompts, n, torch.float32, "torch")
+    res["fp32_triton_vs_torch"] = _compare(tri, ref_t)
+    res["fp32_gpu_vs_cpu"] = _compare(ref_t, entry["cpu_fp32_greedy"])
+    res["linear_path"] = info_r["linear"]
+    res["peak_gpu_mib_fp32"] = info_t["peak_gpu_mib"]
+    ok = res["fp32_triton_vs_torch"]["all_equal"] and (res["aot_bf16"]["launched_aot"] > 0 or DEVICE == "cpu")
+    if name == "fp8":
+        ok = ok and "scaled_mm" in res["linear_path"]
+    if name in ("nvfp4", "int4_awq"):
+        ok = ok and "packed-kernel" in res["linear_path"]
+    if name == "bf16":
+        res["fp32_vs_hf_generate"] = _compare(ref_t, hf_greedy(DIR / "hf", prompts, n))
+        ok = ok and res["fp32_vs_hf_generate"]["all_equal"]
+    res["ok"] = bool(ok)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.gpucheck run", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="result JSON (default docs/perf/gpu-check-<gpu>.json)")
+    ap.add_argument("--only", nargs="*", help="bundle names to check (default: all prepared)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: smoke-test this script here (needs TRITON_INTERPRET=1; no AOT, no speed)")
+    a = ap.parse_args(argv)
+    import json
+
+    import torch
+    global DEVICE
+    DEVICE = a.device
+    if a.device == "cpu":
+        return _smoke(a)
+    if not torch.cuda.is_available():
+        print("gpucheck run: no NVIDIA GPU visible; run it on the GPU machine "
+              "(prepare runs here: python -m harness.gpucheck prepare)", file=sys.stderr)
+        return 2
+    ref_file = DIR / "reference.json"
+    if not ref_file.is_file():
+        print(f"gpucheck run: {ref_file} missing; run: python -m harness.gpucheck prepare", file=sys.stderr)
+        return 2
+    ref = json.loads(ref_file.read_text())
+    from harness.gpucheck.report import header, write_report
+    res = header(torch)
+    return _check_all(ref, a, res, write_report)
+
+
+def _smoke(a) -> int:
+    import json
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("gpucheck run --device cpu: set TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    from harness.gpucheck.report import write_report
+    ref = json.loads((DIR / "reference.json").read_text())
+    return _check_all(ref, a, {"gpu": "cpu-smoke"}, write_report)
+
+
+def _check_all(ref: dict, a, res: dict, write_report) -> int:
+    import json
+    res["bundles"] = {}
+    for name, entry in ref["bundles"].items():
+        if a.only and name not in a.only:
+            continue
+        try:
+            res["bundles"][name] = check_bundle(name, entry, ref)
+        except Exception as exc:  # noqa: BLE001 - one broken format must not hide the others' results
+            import traceback
+            res["bundles"][name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                                    "traceback": traceback.format_exc()[-3000:]}
+        print(f"[{name}] {json.dumps(res['bundles'][name])[:600]}", flush=True)
+    return write_report(res, a.out, "gpu-check")
