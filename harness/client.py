@@ -3,15 +3,25 @@
     python -m harness.client "Tell me about Paris"                       # gRPC, ensemble, one response
     python -m harness.client --stream "Tell me about Paris"              # tokens printed as they arrive
     python -m harness.client --model bls --protocol http --stream "Hi"   # HTTP generate_stream (SSE)
+    python -m harness.client --json "Tell me about Paris"                # one JSON object, with the
+                                                                         # speculative-decoding figures
 
-Any Triton gRPC/HTTP client works the same way: the inputs are tensorrtllm_backend's names.
+Any Triton gRPC/HTTP client works the same way: the inputs are tensorrtllm_backend's names. The
+client asks for the acceptance figures (``return_perf_metrics``); when the engine speculated
+(an EAGLE-3 draft in the bundle) a summary line goes to stderr, and ``--json`` includes them.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import sys
+from typing import Any, Callable
 
-from harness.serving_client import GenerateError, grpc_generate, http_generate, http_stream
+import numpy as np
+
+from backend.triton.acceptance import read_acceptance
+from harness.serving_client import GenerateError, grpc_inputs, http_generate, http_stream
 
 DEFAULT_URL = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
 
@@ -34,10 +44,79 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="apply the model's chat template to the prompt (default; --no-chat sends it raw)")
     p.add_argument("--echo", action="store_true", help="include the prompt in a non-streamed answer")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: text plus acceptance_rate, total_accepted_draft_tokens, "
+                        "total_draft_tokens (instead of the plain text)")
     a = p.parse_args(argv)
     if a.max_tokens < 1:
         p.error(f"--max-tokens: {a.max_tokens}; allowed: >= 1")
     return a
+
+
+def _tensors(result: Any, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    return {n: v for n in names if (v := result.as_numpy(n)) is not None}
+
+
+def grpc_run(url: str, model: str, text: str, on_piece: Callable[[str], None] | None,
+             **params: Any) -> tuple[str, dict | None]:
+    """One request over a gRPC stream: (the whole text, the last acceptance figures or None)."""
+    import tritonclient.grpc.aio as aio
+    from backend.triton.acceptance import ACCEPTANCE_OUTPUTS
+
+    inputs = grpc_inputs(text, datatypes={"return_perf_metrics": "BOOL"},
+                         return_perf_metrics=np.array([True]), **params)
+
+    async def run() -> tuple[str, dict | None]:
+        client = aio.InferenceServerClient(url)
+        pieces: list[str] = []
+        figures = None
+
+        async def requests():
+            yield {"model_name": model, "inputs": inputs, "enable_empty_final_response": True}
+        try:
+            async for result, error in client.stream_infer(requests()):
+                if error is not None:
+                    raise GenerateError(str(error))
+                piece = result.as_numpy("text_output")
+                if piece is not None and piece.size:
+                    s = piece.reshape(-1)[0].decode("utf-8")
+                    pieces.append(s)
+                    if on_piece is not None and s:
+                        on_piece(s)
+                # cumulative on every response: the last one seen has the request's totals
+                figures = read_acceptance(_tensors(result, ACCEPTANCE_OUTPUTS)) or figures
+                final = result.get_response().parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    break
+        finally:
+            await client.close()
+        return "".join(pieces), figures
+    return asyncio.run(run())
+
+
+def http_run(url: str, model: str, text: str, stream: bool, on_piece: Callable[[str], None] | None,
+             **params: Any) -> tuple[str, dict | None]:
+    params["return_perf_metrics"] = True
+    if not stream:
+        body = http_generate(url, model, text, **params)
+        return body["text_output"], read_acceptance(body)
+    pieces, figures = [], None
+    for event in http_stream(url, model, text, **params):
+        s = event.get("text_output", "")
+        pieces.append(s)
+        if on_piece is not None and s:
+            on_piece(s)
+        figures = read_acceptance(event) or figures
+    return "".join(pieces), figures
+
+
+def summary(figures: dict | None) -> str | None:
+    """The stderr line shown when the engine speculated; None when it did not."""
+    if not figures or not figures["total_draft_tokens"]:
+        return None
+    return (f"[speculative decoding: {figures['total_accepted_draft_tokens']} of "
+            f"{figures['total_draft_tokens']} draft tokens accepted "
+            f"(acceptance rate {figures['acceptance_rate']:.2f})]")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,22 +127,25 @@ def main(argv: list[str] | None = None) -> int:
                   exclude_input_in_output=not a.echo, stream=a.stream)
     params = {k: v for k, v in params.items() if v is not None}
     out = sys.stdout
+
+    def show(piece: str) -> None:
+        out.write(piece)
+        out.flush()
+    on_piece = None if a.json else show
     try:
         if a.protocol == "http":
-            if a.stream:
-                for event in http_stream(url, a.model, a.prompt, **params):
-                    out.write(event.get("text_output", ""))
-                    out.flush()
-            else:
-                out.write(http_generate(url, a.model, a.prompt, **params)["text_output"])
+            text, figures = http_run(url, a.model, a.prompt, a.stream, on_piece, **params)
+            if on_piece is not None and not a.stream:
+                show(text)
         else:
-            def show(piece: str) -> None:
-                out.write(piece)
-                out.flush()
-            res = grpc_generate(url, a.model, a.prompt, on_piece=show, **params)
-            if res.error:
-                raise GenerateError(res.error)
+            text, figures = grpc_run(url, a.model, a.prompt, on_piece, **params)
+        if a.json:
+            doc = {"model": a.model, "text": text, **(figures or {})}
+            out.write(json.dumps(doc, ensure_ascii=False))
         out.write("\n")
+        line = summary(figures)
+        if line and not a.json:
+            print(line, file=sys.stderr)
     except GenerateError as e:
         print(f"error from {url} ({a.model}): {e}", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from backend.triton.acceptance import ACCEPTANCE_OUTPUTS
 from backend.triton.convert import InvalidRequest
 from backend.triton.postprocess import postprocess
 from backend.triton.preprocess import TEXT_INPUT_NAMES, Preprocessor
@@ -60,8 +61,9 @@ class BlsHost:
             self._final_error(sender, f"bls: {type(e).__name__}: {e}")
             return
         inner_id = f"bls-{os.getpid()}-{next(self._ids)}"
+        wanted = _ENGINE_OUTPUTS + (list(ACCEPTANCE_OUTPUTS) if prep.values["return_perf_metrics"] else [])
         inner = pb.InferenceRequest(
-            model_name=self.engine_model, requested_output_names=_ENGINE_OUTPUTS, request_id=inner_id,
+            model_name=self.engine_model, requested_output_names=wanted, request_id=inner_id,
             inputs=[pb.Tensor(k, v) for k, v in prep.engine_tensors().items()])
         echo, sent_final = prep.echo_text, False
         try:
@@ -91,6 +93,8 @@ class BlsHost:
                 lp = get("output_log_probs").as_numpy().astype(np.float32).reshape(-1)
                 out = [pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),
                        pb.Tensor("output_log_probs", lp)]
+                # present exactly when the client set return_perf_metrics (the engine adds them then)
+                out += [pb.Tensor(n, t.as_numpy()) for n in ACCEPTANCE_OUTPUTS if (t := get(n)) is not None]
                 sender.send(pb.InferenceResponse(output_tensors=out),
                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
                 sent_final = final

@@ -70,6 +70,8 @@ INPUTS: dict[str, InputSpec] = {
     "stop_words": InputSpec("bytes", (), many=True, allowed="a list of UTF-8 strings"),
     "bad_words": InputSpec("bytes", (), many=True, allowed="a list of UTF-8 strings"),
     "return_log_probs": InputSpec("bool", False),
+    # tensorrtllm_backend's switch for per-request figures (here: the speculative-decoding ones)
+    "return_perf_metrics": InputSpec("bool", False),
     "exclude_input_in_output": InputSpec("bool", False),
     "apply_chat_template": InputSpec("bool", False),
     # engine model only

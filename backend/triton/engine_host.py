@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from backend.triton.acceptance import acceptance_tensors, draft_counts
 from backend.triton.convert import EngineLimits, InvalidRequest
 from backend.triton.detok import CONTEXT_TOKENS, StreamDetokenizer
 from backend.triton.engine_request import ENGINE_INPUT_NAMES, EngineRequest, parse_engine_request
@@ -198,7 +199,7 @@ class EngineHost:
     def _send(self, st: _Stream, ids, context, trim, reason, final) -> None:
         lp, st.logprobs = st.logprobs, []  # chunks take every pending token, so all of them
         T = self.pb.Tensor
-        resp = self.pb.InferenceResponse(output_tensors=[
+        tensors = [
             T("output_ids", np.asarray(ids, np.int32)),
             T("context_ids", np.asarray(context, np.int32)),
             T("text_trim", np.asarray([trim], np.int32)),
@@ -206,7 +207,10 @@ class EngineHost:
             T("output_log_probs", np.asarray(lp, np.float32)),
             T("finish_reason", np.asarray([reason.encode()], dtype=object)),
             T("echo_text", np.asarray([st.req.echo_text.encode("utf-8")], dtype=object)),
-        ])
+        ]
+        if st.req.return_perf_metrics:  # cumulative on every response, as tensorrtllm_backend does
+            tensors += [T(k, v) for k, v in acceptance_tensors(*draft_counts(self.executor, st.rid)).items()]
+        resp = self.pb.InferenceResponse(output_tensors=tensors)
         st.req.echo_text = ""  # only the first response carries it
         try:
             st.sender.send(resp, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)

@@ -20,7 +20,7 @@ ENGINE_INPUT_NAMES = (
     "input_ids", "input_lengths", "request_output_len", "streaming", "temperature", "top_k", "top_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "seed", "end_id",
     "return_log_probs", "stop_words", "stop_words_list", "bad_words_list", "echo_text",
-    "stop_request",
+    "stop_request", "return_perf_metrics",
 )
 
 
@@ -32,6 +32,7 @@ class EngineRequest:
     stop_strings: tuple[str, ...]    # matched on the detokenized text (catches any tokenization)
     return_log_probs: bool
     echo_text: str = ""              # passed through to postprocessing on the first response
+    return_perf_metrics: bool = False  # add the acceptance figures to every response
 
 
 def _optional_id(v: int | None) -> int | None:
@@ -62,4 +63,4 @@ def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits
     stops = [s for s in v["stop_words"] if s]
     stops += [tok.decode(w) for w in from_words_list("stop_words_list", v["stop_words_list"])]
     return EngineRequest(prompt, kw, bool(v["streaming"]), tuple(dict.fromkeys(s for s in stops if s)),
-                         bool(v["return_log_probs"]), v["echo_text"])
+                         bool(v["return_log_probs"]), v["echo_text"], bool(v["return_perf_metrics"]))

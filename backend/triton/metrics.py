@@ -2,13 +2,15 @@
 
 Names are prefixed ``kiln_`` and labelled with the model name and instance, so several engine
 instances stay apart. Gauges are refreshed from ``Executor.stats()`` by the engine host's poller;
-counters and histograms are updated from the response path.
+token/request counters and the histograms are updated from the response path; the speculative
+decoding counters follow the executor's own running totals (refreshed with the gauges, so they
+lag by at most the poll period).
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-__all__ = ["ServingMetrics", "TTFT_BUCKETS", "TPOT_BUCKETS", "stats_gauges"]
+__all__ = ["ServingMetrics", "TTFT_BUCKETS", "TPOT_BUCKETS", "stats_counters", "stats_gauges"]
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
 TPOT_BUCKETS = [0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]
@@ -26,11 +28,22 @@ _GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "kiln_kv_blocks_total": ("KV cache blocks in the pool", ("kv_blocks_total", "num_blocks")),
     "kiln_prefix_cache_hit_rate": ("Share of prompt tokens served from the prefix cache",
                                    ("prefix_cache_hit_rate",)),
+    # speculative decoding (EAGLE-3), since the model loaded; 0 while nothing was drafted
+    "kiln_spec_acceptance_rate": ("Share of draft tokens the target accepted", ("acceptance_rate",)),
+    "kiln_spec_mean_acceptance_length": ("Mean tokens gained per verifying step (accepted drafts + the "
+                                         "target's own token)", ("mean_acceptance_length",)),
+}
+
+# counter name -> (help, the Executor.stats() running totals it follows, first present wins)
+_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "kiln_spec_draft_tokens_proposed_total": ("Draft tokens scored by the target model",
+                                              ("draft_tokens_proposed", "draft_tokens")),
+    "kiln_spec_draft_tokens_accepted_total": ("Draft tokens the target model accepted",
+                                              ("draft_tokens_accepted", "accepted_draft_tokens")),
 }
 
 
-def stats_gauges(stats: Mapping[str, Any]) -> dict[str, float]:
-    """Executor stats -> gauge values (flat keys, or nested under ``kv_cache``/``scheduler``)."""
+def _flatten(stats: Mapping[str, Any]) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for k, v in stats.items():
         if isinstance(v, Mapping):
@@ -38,12 +51,28 @@ def stats_gauges(stats: Mapping[str, Any]) -> dict[str, float]:
             flat.update({kk: vv for kk, vv in v.items() if kk not in stats})
         else:
             flat[k] = v
+    return flat
+
+
+def _pick(flat: Mapping[str, Any], table: Mapping[str, tuple[str, tuple[str, ...]]]) -> dict[str, float]:
     out: dict[str, float] = {}
-    for name, (_help, keys) in _GAUGES.items():
+    for name, (_help, keys) in table.items():
         for k in keys:
-            if isinstance(flat.get(k), (int, float)):
-                out[name] = float(flat[k])
+            v = flat.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[name] = float(v)
                 break
+    return out
+
+
+def stats_counters(stats: Mapping[str, Any]) -> dict[str, float]:
+    """Executor stats -> the running totals the counters follow (absent keys are left out)."""
+    return _pick(_flatten(stats), _COUNTERS)
+
+
+def stats_gauges(stats: Mapping[str, Any]) -> dict[str, float]:
+    """Executor stats -> gauge values (flat keys, or nested under ``kv_cache``/``scheduler``)."""
+    out = _pick(_flatten(stats), _GAUGES)
     if "kiln_kv_blocks_used" not in out and {"kiln_kv_blocks_total", "kiln_kv_blocks_free"} <= out.keys():
         out["kiln_kv_blocks_used"] = out["kiln_kv_blocks_total"] - out["kiln_kv_blocks_free"]
     return out
@@ -56,6 +85,8 @@ class ServingMetrics:
         # families must stay referenced: a metric is dropped when its family is collected
         self._families: list[Any] = []
         self._gauges = {name: self._make(mf, name, h, mf.GAUGE, labels) for name, (h, _k) in _GAUGES.items()}
+        self._counters = {name: self._make(mf, name, h, mf.COUNTER, labels) for name, (h, _k) in _COUNTERS.items()}
+        self._totals: dict[str, float] = {}  # the executor totals the counters were last brought to
         self.generated = self._make(mf, "kiln_generated_tokens_total", "Tokens generated", mf.COUNTER, labels)
         self.requests = self._make(mf, "kiln_requests_finished_total", "Requests finished", mf.COUNTER, labels)
         self.ttft = self._make(mf, "kiln_time_to_first_token_seconds", "Time from request arrival to its "
@@ -71,6 +102,13 @@ class ServingMetrics:
     def update(self, stats: Mapping[str, Any]) -> None:
         for name, value in stats_gauges(stats).items():
             self._gauges[name].set(value)
+        # The executor keeps running totals; a Prometheus counter only goes up, so add the growth
+        # since the last refresh (a total that shrank means a new executor: count it from there).
+        for name, total in stats_counters(stats).items():
+            last = self._totals.get(name, 0.0)
+            if total > last:
+                self._counters[name].increment(total - last)
+            self._totals[name] = total
 
     def tokens(self, n: int) -> None:
         if n:

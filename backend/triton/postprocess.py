@@ -5,6 +5,7 @@ from typing import Mapping
 
 import numpy as np
 
+from backend.triton.acceptance import acceptance_tensors, read_acceptance
 from backend.triton.convert import decode_text
 from backend.triton.detok import Decoder, decode_piece
 
@@ -30,7 +31,12 @@ def postprocess_tensors(tok: Decoder, t: Mapping[str, np.ndarray]) -> dict[str, 
     echo_text = decode_text("echo_text", np.asarray(echo).reshape(-1)[0]) if echo is not None else ""
     text = postprocess(tok, _ids(t.get("output_ids")), _ids(t.get("context_ids")), trim, echo_text)
     lp = t.get("output_log_probs")
-    return {
+    out = {
         "text_output": np.array([text.encode("utf-8")], dtype=object),
         "out_log_probs": np.zeros(0, np.float32) if lp is None else np.asarray(lp, np.float32).reshape(-1),
     }
+    # Always present: the ensemble forwards them and cannot answer while an output is missing.
+    figures = read_acceptance(t)  # None only when a caller other than the ensemble sent none
+    for name, zero in acceptance_tensors(0, 0).items():
+        out["out_" + name] = zero if figures is None else np.array([figures[name]], zero.dtype)
+    return out

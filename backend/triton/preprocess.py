@@ -23,6 +23,7 @@ TEXT_INPUT_NAMES = (
     "text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_tokens", "seed", "end_id", "pad_id", "stop_words",
     "bad_words", "return_log_probs", "exclude_input_in_output", "apply_chat_template",
+    "return_perf_metrics",
 )
 
 
@@ -64,6 +65,7 @@ class PreparedRequest:
             "seed": np.array([-1 if v["seed"] is None else v["seed"] & 0x7FFFFFFFFFFFFFFF], dtype=np.int64),
             "end_id": i32(-1 if v["end_id"] is None else v["end_id"]),
             "return_log_probs": np.array([v["return_log_probs"]], dtype=bool),
+            "return_perf_metrics": np.array([v["return_perf_metrics"]], dtype=bool),
             "stop_words": np.array([w.encode("utf-8") for w in v["stop_words"]] or [b""], dtype=object),
             "stop_words_list": to_words_list(self.stop_words_ids),
             "bad_words_list": to_words_list(self.bad_words_ids),
@@ -73,13 +75,17 @@ class PreparedRequest:
 # engine input -> the preprocessing model's output name (a model's outputs may not reuse input names)
 RENAMED_OUTPUTS = {k: "out_" + k for k in (
     "temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-    "min_tokens", "seed", "end_id", "return_log_probs", "stop_words")}
+    "min_tokens", "seed", "end_id", "return_log_probs", "stop_words", "return_perf_metrics")}
 
 
 def preprocessing_outputs(prep: PreparedRequest) -> dict[str, np.ndarray]:
     """Outputs of the ``preprocessing`` model (model_repository/preprocessing/config.pbtxt.tmpl)."""
     out = {RENAMED_OUTPUTS.get(k, k): v for k, v in prep.engine_tensors().items()}
     out["echo_text"] = np.array([prep.echo_text.encode("utf-8")], dtype=object)
+    # The ensemble always asks the engine for the acceptance figures: a decoupled ensemble sends a
+    # response only once every output the client asked for exists, and a client that names no
+    # outputs asks for all of them, so an output that appeared only on request would stall it.
+    out["out_return_perf_metrics"] = np.array([True])
     return out
 
 

@@ -5,7 +5,8 @@ from backend.triton.model_args import engine_dir, model_config
 from backend.triton.postprocess import postprocess_tensors
 from backend.triton.tokenizer import load_tokenizer
 
-_INPUTS = ("output_ids", "context_ids", "text_trim", "echo_text", "output_log_probs")
+_INPUTS = ("output_ids", "context_ids", "text_trim", "echo_text", "output_log_probs", "acceptance_rate",
+           "total_accepted_draft_tokens", "total_draft_tokens")
 
 
 class TritonPythonModel:
