@@ -165,3 +165,24 @@ class ModelRunner:
         hidden, captured = self.model.forward(input_ids, meta, self.kv_caches, capture_hidden_layers)
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         return logits, captured
+
+
+def prefill_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """All-position next-token logits of one prompt (one prefill step into blocks 0.. of an otherwise
+    unused runner): the teacher-forced comparisons of the verify stage and the GPU checks."""
+    from backend.attention.metadata import AttentionMetadata
+    t, bs = len(ids), runner.block_size
+    nblk = -(-t // bs)
+    if nblk > runner.num_blocks:
+        raise EngineError(f"prefill_logits: {t} tokens need {nblk} KV blocks; the pool has {runner.num_blocks}")
+    i32 = torch.int32
+    dev = runner.device
+    meta = AttentionMetadata(
+        positions=torch.arange(t, device=dev), slot_mapping=torch.arange(t, device=dev),
+        block_tables=torch.arange(nblk, dtype=i32, device=dev).view(1, -1),
+        seq_lens=torch.tensor([t], dtype=i32, device=dev),
+        query_start_loc=torch.tensor([0, t], dtype=i32, device=dev),
+        context_lens=torch.zeros(1, dtype=i32, device=dev), num_prefills=1, num_prefill_tokens=t,
+        num_decode_tokens=0, max_query_len=t, max_seq_len=t)
+    logits, _ = runner.execute(torch.tensor(ids, device=dev), meta, torch.arange(t, device=dev))
+    return logits.float().cpu()

@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from plugins import tuning
+
 REPO = Path(__file__).resolve().parents[1]
 LLAMA8B = dict(num_heads=32, num_kv_heads=8, head_dim=128, hidden_size=4096, intermediate_size=14336)
 
@@ -61,11 +63,11 @@ def _paged(batch, ctx, hkv, d, block, dtype):
     return k, v, tables
 
 
-def bench_decode(batch=64, ctx=2048, block=16, kv="bf16") -> dict:
+def decode_case(batch=64, ctx=2048, block=16, kv="bf16"):
+    """Paged decode on Llama-3.1-8B heads: -> a zero-argument run() (inputs allocated once)."""
     import torch
 
     from plugins.paged_decode import paged_decode
-    from plugins.reference.attention import paged_decode_ref
     hq, hkv, d = LLAMA8B["num_heads"], LLAMA8B["num_kv_heads"], LLAMA8B["head_dim"]
     kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
     k, v, tables = _paged(batch, ctx, hkv, d, block, torch.bfloat16)
@@ -73,7 +75,18 @@ def bench_decode(batch=64, ctx=2048, block=16, kv="bf16") -> dict:
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     one = torch.tensor(1.0, device="cuda")
-    run = lambda: paged_decode(q, k, v, tables, lens, d ** -0.5, one, one, max_seq_len=ctx)  # noqa: E731
+
+    def run():
+        return paged_decode(q, k, v, tables, lens, d ** -0.5, one, one, max_seq_len=ctx)
+    run.tensors = (q, k, v, tables, lens, one)
+    return run
+
+
+def bench_decode(batch=64, ctx=2048, block=16, kv="bf16") -> dict:
+    from plugins.reference.attention import paged_decode_ref
+    run = decode_case(batch, ctx, block, kv)
+    q, k, v, tables, lens, one = run.tensors
+    d = q.shape[-1]
     ms = _time_ms(run)
     ref = paged_decode_ref(q[:2], k, v, tables[:2], lens[:2], d ** -0.5, one, one)
     err = (run()[:2].float() - ref.float()).abs().max().item()
@@ -81,9 +94,8 @@ def bench_decode(batch=64, ctx=2048, block=16, kv="bf16") -> dict:
     return {"batch": batch, "ctx": ctx, "kv": kv, "ms": ms, "gbs": nbytes / ms / 1e6, "max_err_vs_ref": err}
 
 
-def bench_prefill(seqs=4, length=2048, block=16) -> dict:
+def prefill_case(seqs=4, length=2048, block=16):
     import torch
-    import torch.nn.functional as F
 
     from plugins.paged_prefill import paged_prefill
     hq, hkv, d = LLAMA8B["num_heads"], LLAMA8B["num_kv_heads"], LLAMA8B["head_dim"]
@@ -91,21 +103,32 @@ def bench_prefill(seqs=4, length=2048, block=16) -> dict:
     q = torch.randn(seqs * length, hq, d, device="cuda", dtype=torch.bfloat16)
     qsl = torch.arange(0, seqs + 1, device="cuda", dtype=torch.int32) * length
     ctx = torch.zeros(seqs, dtype=torch.int32, device="cuda")
-    ms = _time_ms(lambda: paged_prefill(q, k, v, tables, qsl, ctx, d ** -0.5, max_query_len=length), iters=20)
+
+    def run():
+        return paged_prefill(q, k, v, tables, qsl, ctx, d ** -0.5, max_query_len=length)
+    run.tensors = (q, k, v, tables)
+    return run
+
+
+def bench_prefill(seqs=4, length=2048, block=16) -> dict:
+    import torch.nn.functional as F
+    run = prefill_case(seqs, length, block)
+    q, k, v, tables = run.tensors
+    hq, hkv, d = LLAMA8B["num_heads"], LLAMA8B["num_kv_heads"], LLAMA8B["head_dim"]
+    ms = _time_ms(run, iters=20)
     # SDPA on the same tokens, contiguous (its best case: no paging)
     kc = k[tables.long()].reshape(seqs, length, hkv, d).transpose(1, 2).contiguous()
     vc = v[tables.long()].reshape(seqs, length, hkv, d).transpose(1, 2).contiguous()
     qc = q.view(seqs, length, hq, d).transpose(1, 2).contiguous()
     sdpa = lambda: F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)  # noqa: E731
     ms_sdpa = _time_ms(sdpa, iters=20)
-    ours = paged_prefill(q, k, v, tables, qsl, ctx, d ** -0.5, max_query_len=length)
-    err = (ours.view(seqs, length, hq, d).transpose(1, 2).float() - sdpa().float()).abs().max().item()
+    err = (run().view(seqs, length, hq, d).transpose(1, 2).float() - sdpa().float()).abs().max().item()
     flops = 4 * seqs * length * length * d * hq / 2   # QK^T and PV, causal half
     return {"seqs": seqs, "len": length, "ms": ms, "tflops": flops / ms / 1e9, "sdpa_ms": ms_sdpa,
             "sdpa_tflops": flops / ms_sdpa / 1e9, "max_err_vs_sdpa": err}
 
 
-def bench_w4a16(m: int, n: int, k: int, fmt: str) -> dict:
+def w4a16_case(m: int, n: int, k: int, fmt: str):
     import torch
 
     from plugins.gemm_w4a16 import w4a16_linear
@@ -116,10 +139,22 @@ def bench_w4a16(m: int, n: int, k: int, fmt: str) -> dict:
         args = (w, ws, torch.tensor(0.01, device="cuda"))
     else:
         args = (w, (torch.rand(n, k // 128, device="cuda") * 0.01).bfloat16())
+
+    def run():
+        return w4a16_linear(x, fmt, *args)
+    run.x = x
+    return run
+
+
+def bench_w4a16(m: int, n: int, k: int, fmt: str) -> dict:
+    import torch
+    run = w4a16_case(m, n, k, fmt)
     dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    ms = _time_ms(lambda: w4a16_linear(x, fmt, *args))
-    ms_bf16 = _time_ms(lambda: x @ dense.t())
-    return {"fmt": fmt, "m": m, "n": n, "k": k, "ms": ms, "bf16_ms": ms_bf16, "speedup_vs_bf16": ms_bf16 / ms}
+    ms = _time_ms(run)
+    ms_bf16 = _time_ms(lambda: run.x @ dense.t())
+    weight_bytes = n * k // 2 + n * k // (16 if fmt == "nvfp4" else 128) * (1 if fmt == "nvfp4" else 2)
+    return {"fmt": fmt, "m": m, "n": n, "k": k, "ms": ms, "bf16_ms": ms_bf16, "speedup_vs_bf16": ms_bf16 / ms,
+            "weight_gbs": weight_bytes / ms / 1e6}
 
 
 _AOT_CHILD = r"""
@@ -193,8 +228,11 @@ def run_kernel_tests() -> dict:
     lines = proc.stdout.strip().splitlines()
     tail = lines[-1] if lines else proc.stderr[-500:]
     failures = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:40]
-    return {"passed": proc.returncode == 0, "summary": tail, "failures": failures, "notes": notes,
-            "command": " ".join(cmd[1:])}
+    res = {"passed": proc.returncode == 0, "summary": tail, "failures": failures, "notes": notes,
+           "command": " ".join(cmd[1:])}
+    if proc.returncode:
+        res["output_tail"] = proc.stdout[-12000:]   # the assertion messages, to fix without a rerun
+    return res
 
 
 def _commit() -> str:
@@ -207,6 +245,8 @@ def _commit() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m plugins.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--skip-tests", action="store_true", help="skip the kernel test suite on the GPU")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time every candidate launch configuration of plugins.tuning (minutes)")
     ap.add_argument("--out", help="result JSON (default docs/perf/kernels-<gpu>.json)")
     a = ap.parse_args(argv)
     import torch
@@ -226,7 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         r["fraction_of_copy_bw"] = r["gbs"] / res["copy_gbs"]
     res["prefill"] = bench_prefill()
     res["w4a16"] = [bench_w4a16(m, 4096, 4096, fmt) for fmt in ("nvfp4", "int4_awq") for m in (1, 16, 128)]
+    res["w4a16"] += [bench_w4a16(1, 2 * LLAMA8B["intermediate_size"], LLAMA8B["hidden_size"], "int4_awq")]
     res["aot"] = bench_aot()
+    res["tuning"] = {k: dict(v) for k, v in tuning.GPU.items()}
+    if a.sweep:
+        from plugins.bench_sweep import sweep
+        res["sweep"] = sweep()
     d0 = res["decode"][0]
     res["goal_decode_70pct"] = d0["fraction_of_copy_bw"] >= 0.70
 
@@ -239,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     p = res["prefill"]
     print(f"  prefill {p['seqs']}x{p['len']}         {p['tflops']:.0f} TFLOP/s (SDPA {p['sdpa_tflops']:.0f})")
     for r in res["w4a16"]:
-        print(f"  w4a16 {r['fmt']:>8} m={r['m']:<4} {r['ms']:.3f} ms  bf16 {r['bf16_ms']:.3f} ms  "
-              f"x{r['speedup_vs_bf16']:.2f}")
+        print(f"  w4a16 {r['fmt']:>8} m={r['m']:<4} n={r['n']:<6} {r['ms']:.3f} ms  bf16 {r['bf16_ms']:.3f} ms  "
+              f"x{r['speedup_vs_bf16']:.2f}  {r['weight_gbs']:.0f} GB/s of weights")
     print(f"  AOT cubins, no JIT         {'ok' if res['aot'].get('ok') else 'FAILED'} (sm_{res['aot']['sm']})")
     out = Path(a.out) if a.out else REPO / "docs" / "perf" / f"kernels-{gpu.lower().replace(' ', '-')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

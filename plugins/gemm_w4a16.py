@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .common import Variant, check, launch
 
 FMT_INT4_AWQ = 0
@@ -36,12 +37,13 @@ def _decode(nib, FMT: tl.constexpr):
 
 
 @triton.jit
-def w4a16_gemm_kernel(out_ptr, x_ptr, w_ptr, ws_ptr, ws2_ptr, M, N, K,
+def w4a16_gemm_kernel(out_ptr, x_ptr, w_ptr, ws_ptr, ws2_ptr, M, N, K, k_per_split,
                       stride_xm, stride_om, stride_wn, stride_sn,
                       FMT: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     half = tl.arange(0, BLOCK_K // 2)
@@ -50,9 +52,12 @@ def w4a16_gemm_kernel(out_ptr, x_ptr, w_ptr, ws_ptr, ws2_ptr, M, N, K,
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if FMT == 1:
         global_scale = tl.load(ws2_ptr)
-    for k0 in range(0, K, BLOCK_K):
+    # split-K (decode-sized M: few output tiles, so K is shared out too); k_per_split % BLOCK_K == 0
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kp = k0 // 2 + half                 # packed column
-        kmask = kp < K // 2
+        kmask = kp < k_hi // 2
         wmask = nmask[:, None] & kmask[None, :]
         packed = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + kp[None, :], mask=wmask, other=0).to(tl.int32)
         scale = tl.load(ws_ptr + rn[:, None].to(tl.int64) * stride_sn + (2 * kp[None, :]) // GROUP,
@@ -67,21 +72,30 @@ def w4a16_gemm_kernel(out_ptr, x_ptr, w_ptr, ws_ptr, ws2_ptr, M, N, K,
         x_odd = tl.load(xp + 1, mask=xmask, other=0.0)
         acc += tl.dot(x_even, tl.trans(w_even))
         acc += tl.dot(x_odd, tl.trans(w_odd))
-    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])
+    if SPLIT:   # fp32 partials [splits, M, N], summed by the wrapper
+        part = out_ptr + pid_k.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+        tl.store(part, acc, mask=mmask[:, None] & nmask[None, :])
+    else:
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
 
 
-def gemm_tiles(M: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): decode-sized M uses the smallest tl.dot tile."""
-    return (16 if M <= 16 else 64), 64, 64
+SMALL_M = 16   # M at or below this is decode-sized: the "w4a16_small" launch configuration
+
+
+def gemm_config(M: int) -> dict:
+    """Tiles, warps, stages and split-K for M rows (plugins.tuning); decode-sized M uses the smallest
+    tl.dot tile in M."""
+    return tuning.get("w4a16_small" if M <= SMALL_M else "w4a16_large")
 
 
 def w4a16_linear(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
                  weight_scale_2: torch.Tensor | None = None, pre_quant_scale: torch.Tensor | None = None,
-                 aot=None) -> torch.Tensor:
+                 aot=None, split_k: int | None = None) -> torch.Tensor:
     """x: [M, K] fp16/bf16/fp32 (rows contiguous); weight: uint8 [N, K/2]; weight_scale: [N, K/group]
     (int4_awq, model dtype) or float8_e4m3fn [N, K/16] (nvfp4); weight_scale_2: fp32 [] (nvfp4);
-    pre_quant_scale: [K] (int4_awq, optional). -> [M, N] in x.dtype."""
+    pre_quant_scale: [K] (int4_awq, optional); split_k: K slices summed in fp32 (default: tuning).
+    -> [M, N] in x.dtype."""
     check(fmt in FORMATS, f"w4a16_linear: format {fmt!r}; allowed: {', '.join(FORMATS)}")
     check(x.dim() == 2, f"w4a16_linear: x must be [M, K], got {tuple(x.shape)}")
     M, K = x.shape
@@ -106,12 +120,25 @@ def w4a16_linear(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: 
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    bm, bn, bk = gemm_tiles(M)
-    launch(w4a16_gemm_kernel, (triton.cdiv(M, bm), triton.cdiv(N, bn)),
-           (out, x, weight, weight_scale, ws2, M, N, K, x.stride(0), out.stride(0), weight.stride(0),
+    cfg = gemm_config(M)
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    splits = max(1, min(split_k or cfg["split_k"], triton.cdiv(K, bk)))
+    per = triton.cdiv(triton.cdiv(K, splits), bk) * bk      # whole K tiles per split
+    splits = triton.cdiv(K, per)
+    dest = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out
+    launch(w4a16_gemm_kernel, (triton.cdiv(M, bm), triton.cdiv(N, bn), splits),
+           (dest, x, weight, weight_scale, ws2, M, N, K, per, x.stride(0), out.stride(0), weight.stride(0),
             weight_scale.stride(0)),
-           dict(FMT=FORMATS[fmt], GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), aot=aot)
+           _constexprs(FORMATS[fmt], group, cfg, splits > 1), num_warps=cfg["num_warps"],
+           num_stages=cfg["num_stages"], aot=aot)
+    if splits > 1:
+        torch.sum(dest, dim=0, out=out) if out.dtype == torch.float32 else out.copy_(dest.sum(0))
     return out
+
+
+def _constexprs(fmt_id: int, group: int, cfg: dict, split: bool) -> dict:
+    return dict(FMT=fmt_id, GROUP=group, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+                SPLIT=split)
 
 
 def aot_variants(e) -> list[Variant]:
@@ -121,12 +148,14 @@ def aot_variants(e) -> list[Variant]:
         return []
     nvfp4 = fmt == "nvfp4"
     types = dict(out_ptr=f"*{e.act}", x_ptr=f"*{e.act}", w_ptr="*u8", ws_ptr="*fp8e4nv" if nvfp4 else f"*{e.act}",
-                 ws2_ptr="*fp32" if nvfp4 else f"*{e.act}", M="i32", N="i32", K="i32", stride_xm="i32",
-                 stride_om="i32", stride_wn="i32", stride_sn="i32")
+                 ws2_ptr="*fp32" if nvfp4 else f"*{e.act}", M="i32", N="i32", K="i32", k_per_split="i32",
+                 stride_xm="i32", stride_om="i32", stride_wn="i32", stride_sn="i32")
     group = 16 if nvfp4 else int(e.group_size)
     out = []
-    for m in (1, 64):
-        bm, bn, bk = gemm_tiles(m)
-        out.append(Variant(w4a16_gemm_kernel, types, dict(FMT=FORMATS[fmt], GROUP=group, BLOCK_M=bm,
-                                                          BLOCK_N=bn, BLOCK_K=bk)))
+    for m in (1, SMALL_M + 1):
+        cfg = gemm_config(m)
+        for split in sorted({False, cfg["split_k"] > 1}):
+            t = dict(types, out_ptr="*fp32") if split else types
+            out.append(Variant(w4a16_gemm_kernel, t, _constexprs(FORMATS[fmt], group, cfg, split),
+                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     return out

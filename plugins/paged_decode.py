@@ -12,10 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .common import Variant, check, launch, next_pow2, scale_tensor
 
 MAX_SPLITS = 32   # the reduction kernel's fixed width; also bounds the partial buffers
-TILE_N = 64       # tokens per inner iteration (independent of the KV block size)
+TILE_N = 64       # default tokens per inner iteration (the launch uses plugins.tuning "paged_decode")
+
+
+def _tile(device: torch.device) -> int:
+    # the interpreter runs the GPU's tile too, so the CPU tests exercise the variants a bundle compiles
+    return tuning.get("paged_decode")["tile"]
 
 
 @triton.jit
@@ -106,25 +112,27 @@ def paged_decode_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ob, st
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def choose_splits(batch: int, num_kv_heads: int, max_seq_len: int, target_programs: int) -> tuple[int, int]:
+def choose_splits(batch: int, num_kv_heads: int, max_seq_len: int, target_programs: int,
+                  tile: int = TILE_N) -> tuple[int, int]:
     """-> (num_splits, tokens_per_split): enough programs to fill the GPU, each at least one tile."""
     want = max(1, -(-target_programs // max(1, batch * num_kv_heads)))
-    splits = max(1, min(want, MAX_SPLITS, -(-max_seq_len // TILE_N)))
-    return split_sequence(max_seq_len, splits)
+    splits = max(1, min(want, MAX_SPLITS, -(-max_seq_len // tile)))
+    return split_sequence(max_seq_len, splits, tile)
 
 
-def split_sequence(max_seq_len: int, splits: int) -> tuple[int, int]:
+def split_sequence(max_seq_len: int, splits: int, tile: int = TILE_N) -> tuple[int, int]:
     """-> (num_splits, tokens_per_split) with whole tiles per split; rounding up to tiles may leave
     fewer splits than asked (never an empty trailing one)."""
     n = max(1, max_seq_len)
     per = -(-n // splits)                 # ceil
-    per = -(-per // TILE_N) * TILE_N      # whole tiles
+    per = -(-per // tile) * tile          # whole tiles
     return -(-n // per), per
 
 
 def _target_programs(device: torch.device) -> int:
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return tuning.get("paged_decode")["programs_per_sm"] * sms
     return 1  # interpreter: every program costs Python time, fewer is faster
 
 
@@ -148,11 +156,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
+    tile = _tile(q.device)
     if num_splits is None:
-        num_splits, per = choose_splits(B, Hkv, max_seq_len, _target_programs(q.device))
+        num_splits, per = choose_splits(B, Hkv, max_seq_len, _target_programs(q.device), tile)
     else:
         check(1 <= num_splits <= MAX_SPLITS, f"paged_decode: num_splits {num_splits} not in [1, {MAX_SPLITS}]")
-        num_splits, per = split_sequence(max_seq_len, num_splits)
+        num_splits, per = split_sequence(max_seq_len, num_splits, tile)
     group = Hq // Hkv
     split = num_splits > 1
     if split:
@@ -164,7 +173,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device), float(scale),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), per, num_splits)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    launch(paged_decode_kernel, (B, Hkv, num_splits), args, _constexprs(Hkv, group, D, bs, fp8, split), aot=aot)
+    warps, stages = _launch_opts(q.device)
+    launch(paged_decode_kernel, (B, Hkv, num_splits), args, _constexprs(Hkv, group, D, bs, fp8, split, tile),
+           num_warps=warps, num_stages=stages, aot=aot)
     if split:
         launch(paged_decode_reduce_kernel, (B, Hq),
                (out, part_acc, part_ml, out.stride(0), out.stride(1), num_splits),
@@ -172,9 +183,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
-def _constexprs(hkv, group, head_dim, block_size, fp8, split) -> dict:
+def _launch_opts(device: torch.device) -> tuple[int, int]:
+    cfg = tuning.get("paged_decode")
+    return cfg["num_warps"], cfg["num_stages"]     # the interpreter ignores both (they name the variant)
+
+
+def _constexprs(hkv, group, head_dim, block_size, fp8, split, tile) -> dict:
     return dict(NUM_KV_HEADS=hkv, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
-                BLOCK_SIZE=block_size, TILE=TILE_N, KV_FP8=fp8, SPLIT=split)
+                BLOCK_SIZE=block_size, TILE=tile, KV_FP8=fp8, SPLIT=split)
 
 
 def _reduce_constexprs(heads, head_dim) -> dict:
@@ -189,12 +205,14 @@ def aot_variants(e) -> list[Variant]:
                  k_scale_ptr="*fp32", v_scale_ptr="*fp32", sm_scale="fp32", stride_qb="i32", stride_qh="i32",
                  stride_ob="i32", stride_oh="i32", stride_bt="i32", tokens_per_split="i32", num_splits="i32")
     out = []
+    cfg = tuning.get("paged_decode")
     for split in (False, True):
         t = dict(types)
         if not split:   # the unused partial buffers are the output tensor itself
             t.update(part_acc_ptr=f"*{e.act}", part_ml_ptr=f"*{e.act}")
         out.append(Variant(paged_decode_kernel, t, _constexprs(e.num_kv_heads, group, e.head_dim, e.block_size,
-                                                                e.kv == "fp8e4nv", split)))
+                                                                e.kv == "fp8e4nv", split, cfg["tile"]),
+                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     rtypes = dict(out_ptr=f"*{e.act}", part_acc_ptr="*fp32", part_ml_ptr="*fp32", stride_ob="i32",
                   stride_oh="i32", num_splits="i32")
     out.append(Variant(paged_decode_reduce_kernel, rtypes, _reduce_constexprs(e.num_heads, e.head_dim)))

@@ -13,12 +13,22 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .common import Variant, check, launch, next_pow2, scale_tensor
 
 # (query rows = tokens x padded GQA group, key tile) per program: large tiles on a GPU; smaller in
 # the interpreter, where each program costs Python time
-GPU_TILES = (64, 64)
 CPU_TILES = (32, 32)
+
+
+def gpu_tiles() -> tuple[int, int]:
+    cfg = tuning.get("paged_prefill")
+    return cfg["rows"], cfg["tile_n"]
+
+
+def _launch_opts(device: torch.device) -> tuple[int, int]:
+    cfg = tuning.get("paged_prefill")
+    return cfg["num_warps"], cfg["num_stages"]     # the interpreter ignores both (they name the variant)
 
 
 @triton.jit
@@ -123,7 +133,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         tm = tree_mask.to(torch.uint8).contiguous()
     else:
         tm = out  # unused by the HAS_TREE=False variant
-    rows, tile_n = GPU_TILES if q.is_cuda else CPU_TILES
+    rows, tile_n = gpu_tiles() if q.is_cuda else CPU_TILES
     group = Hq // Hkv
     group_pad = next_pow2(group)
     block_m = max(1, rows // group_pad)   # tokens per program
@@ -132,9 +142,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device), float(scale),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             tm.stride(0) if tree_mask is not None else 0)
+    warps, stages = _launch_opts(q.device)
     launch(paged_prefill_kernel, grid, args,
            _constexprs(Hkv, group, D, bs, block_m, tile_n, k_cache.dtype == torch.float8_e4m3fn,
-                       tree_mask is not None), aot=aot)
+                       tree_mask is not None), num_warps=warps, num_stages=stages, aot=aot)
     return out
 
 
@@ -147,6 +158,7 @@ def aot_variants(e) -> list[Variant]:
     """GPU variants an engine with shapes `e` launches; the tree-mask one only with speculation."""
     out = []
     group = e.num_heads // e.num_kv_heads
+    (rows, tile_n), cfg = gpu_tiles(), tuning.get("paged_prefill")
     for tree in ((False, True) if e.speculative else (False,)):
         types = dict(out_ptr=f"*{e.act}", q_ptr=f"*{e.act}", k_cache_ptr=f"*{e.kv}", v_cache_ptr=f"*{e.kv}",
                      block_tables_ptr="*i32", query_start_ptr="*i32", context_lens_ptr="*i32",
@@ -155,6 +167,6 @@ def aot_variants(e) -> list[Variant]:
                      stride_bt="i32", stride_tm="i32")
         out.append(Variant(paged_prefill_kernel, types,
                            _constexprs(e.num_kv_heads, group, e.head_dim, e.block_size,
-                                       max(1, GPU_TILES[0] // next_pow2(group)), GPU_TILES[1], e.kv == "fp8e4nv",
-                                       tree)))
+                                       max(1, rows // next_pow2(group)), tile_n, e.kv == "fp8e4nv", tree),
+                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     return out

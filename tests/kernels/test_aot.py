@@ -98,7 +98,7 @@ class _Recorder:
 
 def test_plan_covers_what_the_backend_launches(monkeypatch, device):
     # the interpreter uses its own tile sizes; give it the GPU ones so keys are the GPU's
-    monkeypatch.setattr(paged_prefill, "CPU_TILES", paged_prefill.GPU_TILES)
+    monkeypatch.setattr(paged_prefill, "CPU_TILES", paged_prefill.gpu_tiles())
     monkeypatch.setattr(kv_write, "CPU_TOKENS", kv_write.GPU_TOKENS)
     from backend.attention.triton_backend import TritonAttentionBackend
     from tests.kernels.test_triton_backend import _step
@@ -139,21 +139,22 @@ def test_cli_reports_bad_engine_json(tmp_path, capsys):
     assert not (tmp_path / "k").exists()
 
 
-def test_unusable_cubins_fall_back_to_jit_with_correct_results(bundle, recwarn):
-    """A KernelSet whose variant does not fit the call (dtype), or whose cubin cannot be loaded (here: no
-    driver at all), warns and lets the wrapper JIT; the result is the reference's either way."""
+def test_unusable_cubins_fall_back_to_jit_with_correct_results(bundle, recwarn, device):
+    """A KernelSet whose variant does not fit the call (dtype), or whose cubin cannot be loaded (no driver
+    at all under the interpreter; on a GPU the driver refuses the bytes), warns and lets the wrapper
+    JIT; the result is the reference's either way."""
     from plugins.launcher import AotKernel
     from plugins.reference.norm import rms_norm_ref
     from plugins.rmsnorm import rms_norm
     root, entries = bundle
     e = next(x for x in entries if x["key"].startswith("rms_norm_kernel") and "HAS_RESIDUAL=0" in x["key"])
     meta = json.loads((root / e["meta"]).read_text())
-    ks = KernelSet({meta["key"]: AotKernel(meta, b"not a cubin", None)}, "cpu")
-    x, w = torch.randn(3, 576), torch.randn(576)
+    ks = KernelSet({meta["key"]: AotKernel(meta, b"not a cubin", None)}, device)
+    x, w = torch.randn(3, 576, device=device), torch.randn(576, device=device)
     torch.testing.assert_close(rms_norm(x, w, 1e-5, aot=ks), rms_norm_ref(x, w, 1e-5))
     assert "compiled for *bf16" in str(recwarn.pop(RuntimeWarning).message) and meta["key"] in ks.kernels
     fp32_meta = dict(meta, signature=[[n, "*fp32" if t == "*bf16" else t] for n, t in meta["signature"]])
-    ks = KernelSet({meta["key"]: AotKernel(fp32_meta, b"not a cubin", None)}, "cpu")
+    ks = KernelSet({meta["key"]: AotKernel(fp32_meta, b"not a cubin", None)}, device)
     torch.testing.assert_close(rms_norm(x, w, 1e-5, aot=ks), rms_norm_ref(x, w, 1e-5))
     assert "using Triton JIT" in str(recwarn.pop(RuntimeWarning).message)
     assert meta["key"] not in ks.kernels and not ks.launched   # never retried, never counted

@@ -7,7 +7,7 @@ from plugins.gemm_fp8 import fp8_linear
 from plugins.gemm_w4a16 import w4a16_linear
 from plugins.reference.gemm import (E2M1_VALUES, dequant_nvfp4, fp8_linear_ref, int4_awq_linear_ref,
                                     nvfp4_linear_ref)
-from tests.kernels.kernel_utils import assert_close
+from tests.kernels.kernel_utils import FP8_MMA_TOL, assert_close
 
 
 def _packed(n, k, device):
@@ -15,13 +15,15 @@ def _packed(n, k, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("m,n,k", [(1, 96, 576), (5, 64, 128), (33, 80, 192)])
-def test_nvfp4_w4a16(device, fresh_seed, dtype, m, n, k):
+@pytest.mark.parametrize("m,n,k,split_k", [(1, 96, 576, None), (1, 96, 576, 4), (5, 64, 128, 3),
+                                           (33, 80, 192, None), (33, 80, 192, 2)])
+def test_nvfp4_w4a16(device, fresh_seed, dtype, m, n, k, split_k):
+    # split_k: K sliced over programs and summed in fp32 (uneven: 576 = 3 x 192 tiles of 64 -> 3 splits)
     x = torch.randn(m, k, device=device).to(dtype)
     w = _packed(n, k, device)
     ws = (torch.rand(n, k // 16, device=device) * 2 + 0.1).to(torch.float8_e4m3fn)
     ws2 = torch.tensor(0.01, device=device)
-    out = w4a16_linear(x, "nvfp4", w, ws, ws2)
+    out = w4a16_linear(x, "nvfp4", w, ws, ws2, split_k=split_k)
     ref = nvfp4_linear_ref(x, w, ws, ws2)
     assert_close(out, ref, dtype, "nvfp4", fresh_seed)
 
@@ -29,12 +31,13 @@ def test_nvfp4_w4a16(device, fresh_seed, dtype, m, n, k):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("m,n,k,group", [(1, 96, 576, 64), (7, 64, 256, 128), (20, 72, 128, 32)])
 @pytest.mark.parametrize("pre_quant", [False, True])
-def test_int4_awq_w4a16(device, fresh_seed, dtype, m, n, k, group, pre_quant):
+@pytest.mark.parametrize("split_k", [None, 2])
+def test_int4_awq_w4a16(device, fresh_seed, dtype, m, n, k, group, pre_quant, split_k):
     x = torch.randn(m, k, device=device).to(dtype)
     w = _packed(n, k, device)
     ws = (torch.rand(n, k // group, device=device) * 0.02 + 0.001).to(dtype)
     pqs = (torch.rand(k, device=device) + 0.5).to(dtype) if pre_quant else None
-    out = w4a16_linear(x, "int4_awq", w, ws, pre_quant_scale=pqs)
+    out = w4a16_linear(x, "int4_awq", w, ws, pre_quant_scale=pqs, split_k=split_k)
     ref = int4_awq_linear_ref(x, w, ws, pqs)
     assert_close(out, ref, dtype, "int4_awq", fresh_seed)
 
@@ -55,7 +58,9 @@ def test_fp8_linear_triton_path(device, fresh_seed, dtype, m, n, k):
     xs = torch.tensor(0.02, device=device)
     out = fp8_linear(x, w, ws, xs, use_scaled_mm=False)
     ref = fp8_linear_ref(x, w, ws, xs)
-    assert_close(out, ref, dtype, "fp8 gemm", fresh_seed)
+    # On a GPU the fp8 x fp8 tensor-core MMA keeps fewer accumulator bits than fp32 (Hopper: about 14,
+    # the DeepSeek-V3 report's measurement), so long K sums carry more error than the output dtype's.
+    assert_close(out, ref, dtype, "fp8 gemm", fresh_seed, tol=FP8_MMA_TOL if out.is_cuda else None)
 
 
 @pytest.mark.gpu

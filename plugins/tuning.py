@@ -1,0 +1,41 @@
+"""Launch configurations of the kernels on NVIDIA GPUs, in one table: tile sizes, warps, pipeline
+stages and split counts. The kernel wrappers launch with these values and plugins.aot compiles exactly
+these variants into a bundle, so changing a value here changes both (bundles built before then fall
+back to JIT for that kernel, with a warning, until rebuilt).
+
+Values come from `make bench-kernels BENCH_ARGS=--sweep` on an NVIDIA H200 (docs/perf/kernels-h200.json,
+"sweep"): each entry says which measured configuration won. The Triton interpreter (CPU tests) uses its
+own, smaller tiles where the wrappers say so: there every program costs Python time.
+"""
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+GPU: dict[str, dict[str, int]] = {
+    # one program per (sequence, KV head, split); splits fill programs_per_sm x SMs programs
+    "paged_decode": {"tile": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4},
+    # rows = query tokens x padded GQA group per program; tile_n = keys per inner step
+    "paged_prefill": {"rows": 64, "tile_n": 64, "num_warps": 4, "num_stages": 3},
+    # W4A16 GEMM for decode-sized M (<= 16) and for larger M; split_k > 1 sums fp32 partials
+    "w4a16_small": {"block_m": 16, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "split_k": 1},
+    "w4a16_large": {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "split_k": 1},
+}
+
+
+def get(name: str) -> dict[str, int]:
+    return GPU[name]
+
+
+@contextmanager
+def override(name: str, **values):
+    """Temporarily launch kernel `name` with other values (the benchmark's sweep)."""
+    unknown = set(values) - set(GPU[name])
+    if unknown:
+        raise KeyError(f"plugins.tuning: {name} has no {', '.join(sorted(unknown))}; allowed: {', '.join(GPU[name])}")
+    saved = copy.deepcopy(GPU[name])
+    GPU[name].update(values)
+    try:
+        yield
+    finally:
+        GPU[name] = saved
