@@ -94,10 +94,11 @@ def grpc_run(url: str, model: str, text: str, on_piece: Callable[[str], None] | 
     return asyncio.run(run())
 
 
-def http_run(url: str, model: str, text: str, stream: bool, on_piece: Callable[[str], None] | None,
+def http_run(url: str, model: str, text: str, on_piece: Callable[[str], None] | None,
              **params: Any) -> tuple[str, dict | None]:
+    """One request over HTTP generate or generate_stream (``stream``): (text, figures or None)."""
     params["return_perf_metrics"] = True
-    if not stream:
+    if not params.get("stream"):
         body = http_generate(url, model, text, **params)
         return body["text_output"], read_acceptance(body)
     pieces, figures = [], None
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     on_piece = None if a.json else show
     try:
         if a.protocol == "http":
-            text, figures = http_run(url, a.model, a.prompt, a.stream, on_piece, **params)
+            text, figures = http_run(url, a.model, a.prompt, on_piece, **params)
             if on_piece is not None and not a.stream:
                 show(text)
         else:

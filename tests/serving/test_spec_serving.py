@@ -209,3 +209,22 @@ def test_speculation_metrics_grow_by_the_requests_counts(reference, server):
     assert proposed > 0
     assert metric(server, "kiln_spec_acceptance_rate") == pytest.approx(accepted / proposed, abs=1e-6)
     assert metric(server, "kiln_spec_mean_acceptance_length") >= 1.0  # the target's own token at least
+
+
+@pytest.mark.parametrize("protocol,model,stream", [("grpc", "ensemble", True), ("http", "bls", False)])
+def test_client_json_shows_the_figures(reference, server, capsys, protocol, model, stream):
+    from harness import client
+    _ids, _plain, _spec, counts, text = reference["paris"]
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    argv = ["--url", url, "--protocol", protocol, "--model", model, "--no-chat",
+            "--max-tokens", str(MAX_TOKENS), PROMPTS["paris"]] + (["--stream"] if stream else [])
+    assert client.main(argv + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["text"] == text
+    assert (doc["total_draft_tokens"], doc["total_accepted_draft_tokens"]) == counts
+    assert doc["acceptance_rate"] == pytest.approx(counts[1] / counts[0], abs=1e-6)
+    # without --json: the text on stdout, the figures on one stderr line
+    assert client.main(argv) == 0
+    cap = capsys.readouterr()
+    assert cap.out == text + "\n"
+    assert f"{counts[1]} of {counts[0]} draft tokens accepted" in cap.err
