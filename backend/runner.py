@@ -73,7 +73,7 @@ def load_engine_spec(path: str | os.PathLike, overrides: dict[str, Any] | None =
         raise EngineError(str(exc)) from exc
     engine = dict(doc.get("engine") or {})
     for key, value in (overrides or {}).items():
-        if key not in engine and key not in ("kv_cache_dtype", "max_kv_tokens", "attention_backend"):
+        if key not in engine and key not in ("kv_cache_dtype", "max_kv_tokens", "attention_backend", "cuda_graphs"):
             raise EngineError(f"engine override {key!r}: unknown key; allowed: {', '.join(sorted(engine))}")
         engine[key] = value
     quant = doc.get("quantization") or {}
@@ -133,6 +133,25 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(cfg.num_layers)]
+        self.graphs = self._decode_graphs(backend_name, max_seq)
+
+    def _decode_graphs(self, backend_name: str, max_seq: int):
+        """engine.cuda_graphs: "auto" (default) = on for a CUDA device with the triton attention backend;
+        true on CPU runs the same padded static-buffer path eagerly (tests); false = never."""
+        want = self.spec.engine.get("cuda_graphs", "auto")
+        if want not in ("auto", True, False):
+            raise EngineError(f"engine.cuda_graphs: {want!r}; allowed: auto, true, false")
+        if want is False or (want == "auto" and self.device.type != "cuda"):
+            return None
+        if backend_name != "triton":
+            if want is True:
+                raise EngineError(f"engine.cuda_graphs: true needs engine.attention_backend triton "
+                                  f"(got {backend_name}); allowed: auto, false")
+            return None
+        from backend.cuda_graphs import DecodeGraphs
+        max_blocks = -(-(max_seq + 64) // self.block_size)   # the executor's block-table width
+        return DecodeGraphs(self.model, self.kv_caches, int(self.spec.engine.get("max_batch_size", 64)),
+                            max_blocks, max_seq, self.device, capture=self.device.type == "cuda")
 
     def _plan_kv_blocks(self) -> int:
         cfg, eng = self.spec.model, self.spec.engine
@@ -162,6 +181,9 @@ class ModelRunner:
                 capture_hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run one step. ``logits_indices [N]`` picks the token rows whose next-token logits are
         needed (the last token of each sequence that samples this step); returns fp32 ``[N, V]``."""
+        if self.graphs is not None and self.graphs.usable(input_ids, meta, capture_hidden_layers):
+            # index_select copies: the graph's output buffer is overwritten by the next replay
+            return self.graphs.run(input_ids, meta).index_select(0, logits_indices), {}
         hidden, captured = self.model.forward(input_ids, meta, self.kv_caches, capture_hidden_layers)
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         return logits, captured

@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED=1
 } > "$OUT/env.txt" 2>&1
 timeout "${T_CHECK:-170}" $PY -m harness.gpucheck run --out "$OUT/gpu-check.json" > "$OUT/gpu-check.log" 2>&1
 echo "gpu-check rc=$?"
-timeout "${T_KERNELS:-210}" $PY -m plugins.bench --out "$OUT/kernels.json" > "$OUT/bench-kernels.log" 2>&1
+timeout "${T_KERNELS:-210}" $PY -m plugins.bench --out "$OUT/kernels.json" ${KERNEL_ARGS:-} > "$OUT/bench-kernels.log" 2>&1
 echo "bench-kernels rc=$?"
 timeout "${T_BENCH:-200}" $PY -m backend.bench_gpu --max-seconds "${MAX_SECONDS:-110}" --out "$OUT/gpu-bench.json" \
   > "$OUT/bench-gpu.log" 2>&1

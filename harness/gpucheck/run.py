@@ -49,6 +49,9 @@ def _greedy(bundle: Path, prompts, max_tokens: int, dtype, backend: str):
             "aot_kernels_loaded": len(aot.kernels) if aot is not None else 0,
             "peak_gpu_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None,
             "kv_cache_mib": round(ex.runner.kv_cache_bytes / 2**20, 1)}
+    graphs = ex.runner.graphs
+    info["decode_graph_steps"] = graphs.steps if graphs is not None else 0
+    info["cuda_graphs"] = (graphs.failed or f"{len(graphs.graphs)} captured") if graphs is not None else "off"
     lin = ex.runner.model.layers[0].qkv
     info["linear"] = type(lin).__name__ + (" scaled_mm" if getattr(lin, "native", False) else "") + \
         (" packed-kernel" if getattr(lin, "kernels", False) else "")
@@ -104,6 +107,7 @@ def check_bundle(name: str, entry: dict, ref: dict) -> dict:
     tri, info_t = _greedy(bundle, prompts, n, torch.float32, "triton")
     ref_t, info_r = _greedy(bundle, prompts, n, torch.float32, "torch")
     res["fp32_triton_vs_torch"] = _compare(tri, ref_t)
+    res["fp32_triton_cuda_graphs"] = {k: info_t[k] for k in ("cuda_graphs", "decode_graph_steps")}
     res["fp32_gpu_vs_cpu"] = _compare(ref_t, entry["cpu_fp32_greedy"])
     for backend in ("torch", "triton"):
         res[f"fp32_teacher_forced_vs_cpu_{backend}"] = teacher_forced(bundle, prompts, entry["cpu_fp32_greedy"],
