@@ -246,6 +246,22 @@ def test_custom_metrics_are_exported(triton_server):
     assert metric(triton_server, "kiln_time_to_first_token_seconds_count") > 0
 
 
+def test_a_bundle_without_a_draft_reports_zero_acceptance(reference, triton_server):
+    """This bundle has no EAGLE draft: the acceptance outputs are zeros (present in the ensemble
+    always, in bls when asked) and the speculation metrics exist and stay at 0."""
+    from backend.triton.acceptance import read_acceptance
+    zeros = {"acceptance_rate": 0.0, "total_accepted_draft_tokens": 0, "total_draft_tokens": 0}
+    text, n = PROMPTS["paris"]
+    for model, flag in (("ensemble", {}), ("bls", {"return_perf_metrics": True})):
+        body = http_generate(triton_server.http_url, model, text, max_tokens=n, temperature=0.0,
+                             exclude_input_in_output=True, **flag)
+        assert body["text_output"] == reference["paris"]
+        assert read_acceptance(body) == zeros, model
+    for name in ("kiln_spec_draft_tokens_proposed_total", "kiln_spec_draft_tokens_accepted_total",
+                 "kiln_spec_acceptance_rate", "kiln_spec_mean_acceptance_length"):
+        assert metric(triton_server, name) == 0.0, name
+
+
 def _stubs(server_pid: int) -> dict[int, int]:
     """pid -> RSS kB of the server's Python backend stubs."""
     out = {}
