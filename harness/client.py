@@ -57,14 +57,35 @@ def _tensors(result: Any, names: tuple[str, ...]) -> dict[str, np.ndarray]:
     return {n: v for n in names if (v := result.as_numpy(n)) is not None}
 
 
+def declares_perf_metrics(url: str, model: str, protocol: str) -> bool:
+    """Whether the model takes ``return_perf_metrics`` (a repository rendered before it existed
+    does not, and Triton refuses an input a model does not declare)."""
+    if protocol == "http":
+        import tritonclient.http as th
+        client = th.InferenceServerClient(url)
+        try:
+            names = [i["name"] for i in client.get_model_metadata(model)["inputs"]]
+        finally:
+            client.close()
+    else:
+        import tritonclient.grpc as tg
+        client = tg.InferenceServerClient(url)
+        try:
+            names = [i.name for i in client.get_model_metadata(model).inputs]
+        finally:
+            client.close()
+    return "return_perf_metrics" in names
+
+
 def grpc_run(url: str, model: str, text: str, on_piece: Callable[[str], None] | None,
              **params: Any) -> tuple[str, dict | None]:
     """One request over a gRPC stream: (the whole text, the last acceptance figures or None)."""
     import tritonclient.grpc.aio as aio
     from backend.triton.acceptance import ACCEPTANCE_OUTPUTS
 
-    inputs = grpc_inputs(text, datatypes={"return_perf_metrics": "BOOL"},
-                         return_perf_metrics=np.array([True]), **params)
+    if "return_perf_metrics" in params:  # not in serving_client's table of typed inputs
+        params["return_perf_metrics"] = np.array([bool(params["return_perf_metrics"])])
+    inputs = grpc_inputs(text, datatypes={"return_perf_metrics": "BOOL"}, **params)
 
     async def run() -> tuple[str, dict | None]:
         client = aio.InferenceServerClient(url)
@@ -97,7 +118,6 @@ def grpc_run(url: str, model: str, text: str, on_piece: Callable[[str], None] | 
 def http_run(url: str, model: str, text: str, on_piece: Callable[[str], None] | None,
              **params: Any) -> tuple[str, dict | None]:
     """One request over HTTP generate or generate_stream (``stream``): (text, figures or None)."""
-    params["return_perf_metrics"] = True
     if not params.get("stream"):
         body = http_generate(url, model, text, **params)
         return body["text_output"], read_acceptance(body)
@@ -134,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         out.flush()
     on_piece = None if a.json else show
     try:
+        if declares_perf_metrics(url, a.model, a.protocol):
+            params["return_perf_metrics"] = True
         if a.protocol == "http":
             text, figures = http_run(url, a.model, a.prompt, on_piece, **params)
             if on_piece is not None and not a.stream:
