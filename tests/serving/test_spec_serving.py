@@ -211,7 +211,8 @@ def test_speculation_metrics_grow_by_the_requests_counts(reference, server):
     assert metric(server, "kiln_spec_mean_acceptance_length") >= 1.0  # the target's own token at least
 
 
-@pytest.mark.parametrize("protocol,model,stream", [("grpc", "ensemble", True), ("http", "bls", False)])
+@pytest.mark.parametrize("protocol,model,stream", [("grpc", "ensemble", True), ("http", "bls", False),
+                                                   ("http", "ensemble", True)])
 def test_client_json_shows_the_figures(reference, server, capsys, protocol, model, stream):
     from harness import client
     _ids, _plain, _spec, counts, text = reference["paris"]
