@@ -193,6 +193,8 @@ INVALID = [
     ({"text_input": "Hi", "top_k": -1}, None, "top_k"),
     ({"text_input": b"caf\xc3(", "max_tokens": 4}, None, "UTF-8"),
     ({"text_input": "Hi", "max_tokens": np.array([4.0], np.float32)}, {"max_tokens": "FP32"}, "max_tokens"),
+    ({"text_input": "Hi", "return_perf_metrics": np.array([1], np.int32)}, {"return_perf_metrics": "INT32"},
+     "return_perf_metrics"),
     ({"text_input": np.array([b"a", b"b"], dtype=object)}, None, "text_input"),
 ]
 
