@@ -21,22 +21,24 @@ def _grid(**axes) -> list[dict]:
 
 
 CANDIDATES = {
-    "paged_decode": _grid(tile=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3], programs_per_sm=[4]),
+    "paged_decode": _grid(tile=[64, 128], num_warps=[4, 8], num_stages=[2, 3], programs_per_sm=[2]),
     "paged_prefill": _grid(rows=[64, 128], tile_n=[64, 128], num_warps=[4, 8], num_stages=[2, 3]),
-    "w4a16_small": _grid(block_m=[16], block_n=[32, 64], block_k=[128, 256], num_warps=[4], num_stages=[3, 4],
+    "paged_decode_fp8": _grid(tile=[64, 128], num_warps=[4, 8], num_stages=[2, 3], programs_per_sm=[2]),
+    "w4a16_small": _grid(block_m=[16], block_n=[32, 64], block_k=[64, 128], num_warps=[4], num_stages=[3, 4],
                          split_k=[1, 4]),
     "w4a16_large": _grid(block_m=[64, 128], block_n=[64, 128], block_k=[64, 128], num_warps=[4, 8],
                          num_stages=[3], split_k=[1]),
 }
 # runtime-only knobs swept at the winner of the compiled ones (no recompiles)
-EXTRA = {"paged_decode": _grid(programs_per_sm=[2, 8, 16]), "w4a16_small": _grid(split_k=[2, 8])}
+EXTRA = {"paged_decode": _grid(programs_per_sm=[1, 4]), "paged_decode_fp8": _grid(programs_per_sm=[1, 4]),
+         "w4a16_small": _grid(split_k=[2, 8])}
 
 
 def _case(name: str, variant: str):
     """A zero-argument function running kernel `name` on its benchmark shape (variant picks the KV dtype
     or the 4-bit format)."""
     from . import bench
-    if name == "paged_decode":
+    if name.startswith("paged_decode"):
         return bench.decode_case(kv=variant)
     if name == "paged_prefill":
         return bench.prefill_case()
@@ -44,7 +46,7 @@ def _case(name: str, variant: str):
     return bench.w4a16_case(m, 4096, 4096, variant)
 
 
-VARIANTS = {"paged_decode": ("bf16", "fp8"), "paged_prefill": ("bf16",), "w4a16_small": ("int4_awq", "nvfp4"),
+VARIANTS = {"paged_decode": ("bf16",), "paged_decode_fp8": ("fp8",), "paged_prefill": ("bf16",), "w4a16_small": ("int4_awq", "nvfp4"),
             "w4a16_large": ("int4_awq",)}
 
 

@@ -40,7 +40,8 @@ def _decode(nib, FMT: tl.constexpr):
 def w4a16_gemm_kernel(out_ptr, x_ptr, w_ptr, ws_ptr, ws2_ptr, M, N, K, k_per_split,
                       stride_xm, stride_om, stride_wn, stride_sn,
                       FMT: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                      ROW_SCALE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -60,18 +61,27 @@ def w4a16_gemm_kernel(out_ptr, x_ptr, w_ptr, ws_ptr, ws2_ptr, M, N, K, k_per_spl
         kmask = kp < k_hi // 2
         wmask = nmask[:, None] & kmask[None, :]
         packed = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + kp[None, :], mask=wmask, other=0).to(tl.int32)
-        scale = tl.load(ws_ptr + rn[:, None].to(tl.int64) * stride_sn + (2 * kp[None, :]) // GROUP,
-                        mask=wmask, other=0.0).to(tl.float32)
-        if FMT == 1:
-            scale = scale * global_scale
-        w_even = (_decode(packed & 15, FMT) * scale).to(x_ptr.dtype.element_ty)
-        w_odd = (_decode(packed >> 4, FMT) * scale).to(x_ptr.dtype.element_ty)
         xmask = mmask[:, None] & kmask[None, :]
         xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + 2 * kp[None, :]
         x_even = tl.load(xp, mask=xmask, other=0.0)
         x_odd = tl.load(xp + 1, mask=xmask, other=0.0)
-        acc += tl.dot(x_even, tl.trans(w_even))
-        acc += tl.dot(x_odd, tl.trans(w_odd))
+        if ROW_SCALE:
+            # int4 with the whole K tile inside one group: one scale per output row, applied to the
+            # tile's partial sums (BLOCK_N multiplies instead of BLOCK_N x BLOCK_K; -8..7 are exact)
+            srow = tl.load(ws_ptr + rn.to(tl.int64) * stride_sn + k0 // GROUP, mask=nmask, other=0.0).to(tl.float32)
+            w_even = ((packed & 15) - 8).to(x_ptr.dtype.element_ty)
+            w_odd = ((packed >> 4) - 8).to(x_ptr.dtype.element_ty)
+            part = tl.dot(x_even, tl.trans(w_even)) + tl.dot(x_odd, tl.trans(w_odd))
+            acc += part * srow[None, :]
+        else:
+            scale = tl.load(ws_ptr + rn[:, None].to(tl.int64) * stride_sn + (2 * kp[None, :]) // GROUP,
+                            mask=wmask, other=0.0).to(tl.float32)
+            if FMT == 1:
+                scale = scale * global_scale
+            w_even = (_decode(packed & 15, FMT) * scale).to(x_ptr.dtype.element_ty)
+            w_odd = (_decode(packed >> 4, FMT) * scale).to(x_ptr.dtype.element_ty)
+            acc += tl.dot(x_even, tl.trans(w_even))
+            acc += tl.dot(x_odd, tl.trans(w_odd))
     if SPLIT:   # fp32 partials [splits, M, N], summed by the wrapper
         part = out_ptr + pid_k.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
         tl.store(part, acc, mask=mmask[:, None] & nmask[None, :])
@@ -137,8 +147,9 @@ def w4a16_linear(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: 
 
 
 def _constexprs(fmt_id: int, group: int, cfg: dict, split: bool) -> dict:
+    row_scale = fmt_id == FMT_INT4_AWQ and group % cfg["block_k"] == 0
     return dict(FMT=fmt_id, GROUP=group, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-                SPLIT=split)
+                SPLIT=split, ROW_SCALE=row_scale)
 
 
 def aot_variants(e) -> list[Variant]:

@@ -19,9 +19,10 @@ MAX_SPLITS = 32   # the reduction kernel's fixed width; also bounds the partial 
 TILE_N = 64       # default tokens per inner iteration (the launch uses plugins.tuning "paged_decode")
 
 
-def _tile(device: torch.device) -> int:
-    # the interpreter runs the GPU's tile too, so the CPU tests exercise the variants a bundle compiles
-    return tuning.get("paged_decode")["tile"]
+def _cfg(fp8: bool) -> dict:
+    """The launch configuration (plugins.tuning); the interpreter runs the GPU's too, so the CPU tests
+    exercise the variants a bundle compiles."""
+    return tuning.get("paged_decode_fp8" if fp8 else "paged_decode")
 
 
 @triton.jit
@@ -129,10 +130,10 @@ def split_sequence(max_seq_len: int, splits: int, tile: int = TILE_N) -> tuple[i
     return -(-n // per), per
 
 
-def _target_programs(device: torch.device) -> int:
+def _target_programs(device: torch.device, fp8: bool = False) -> int:
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return tuning.get("paged_decode")["programs_per_sm"] * sms
+        return _cfg(fp8)["programs_per_sm"] * sms
     return 1  # interpreter: every program costs Python time, fewer is faster
 
 
@@ -156,9 +157,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    tile = _tile(q.device)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    cfg = _cfg(fp8)
+    tile = cfg["tile"]
     if num_splits is None:
-        num_splits, per = choose_splits(B, Hkv, max_seq_len, _target_programs(q.device), tile)
+        num_splits, per = choose_splits(B, Hkv, max_seq_len, _target_programs(q.device, fp8), tile)
     else:
         check(1 <= num_splits <= MAX_SPLITS, f"paged_decode: num_splits {num_splits} not in [1, {MAX_SPLITS}]")
         num_splits, per = split_sequence(max_seq_len, num_splits, tile)
@@ -172,20 +175,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     args = (out, part_acc, part_ml, q, k_cache, v_cache, block_tables, seq_lens,
             scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device), float(scale),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), per, num_splits)
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    warps, stages = _launch_opts(q.device)
     launch(paged_decode_kernel, (B, Hkv, num_splits), args, _constexprs(Hkv, group, D, bs, fp8, split, tile),
-           num_warps=warps, num_stages=stages, aot=aot)
+           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aot=aot)
     if split:
         launch(paged_decode_reduce_kernel, (B, Hq),
                (out, part_acc, part_ml, out.stride(0), out.stride(1), num_splits),
                _reduce_constexprs(Hq, D), aot=aot)
     return out
-
-
-def _launch_opts(device: torch.device) -> tuple[int, int]:
-    cfg = tuning.get("paged_decode")
-    return cfg["num_warps"], cfg["num_stages"]     # the interpreter ignores both (they name the variant)
 
 
 def _constexprs(hkv, group, head_dim, block_size, fp8, split, tile) -> dict:
@@ -205,7 +201,7 @@ def aot_variants(e) -> list[Variant]:
                  k_scale_ptr="*fp32", v_scale_ptr="*fp32", sm_scale="fp32", stride_qb="i32", stride_qh="i32",
                  stride_ob="i32", stride_oh="i32", stride_bt="i32", tokens_per_split="i32", num_splits="i32")
     out = []
-    cfg = tuning.get("paged_decode")
+    cfg = _cfg(e.kv == "fp8e4nv")
     for split in (False, True):
         t = dict(types)
         if not split:   # the unused partial buffers are the output tensor itself

@@ -29,6 +29,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 KV_DTYPES = {"fp8": "fp8_e4m3", "none": None}
 
 
+def fingerprint(ctx: StageContext) -> str:
+    """The kernels' sources and launch configurations (plugins/*.py, tuning.py among them): the bundle's
+    AOT cubins are named by these, so a change there must rebuild this stage, never reuse stale cubins."""
+    root = Path(__file__).resolve().parents[2] / "plugins"
+    h = hashlib.sha256()
+    for f in sorted(root.glob("*.py")):
+        if not f.name.startswith("bench"):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def run(ctx: StageContext) -> dict:
     cfg, out = ctx.config, ctx.out_dir
     imported = ctx.results["import"].info

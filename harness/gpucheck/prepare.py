@@ -87,13 +87,21 @@ def prompts(tokenizer_dir: Path) -> list[list[int]]:
 
 
 def cpu_reference(bundle: Path, ids: list[list[int]]) -> list[list[int]]:
+    """This CPU's fp32 greedy outputs, and (in cpu_logits.safetensors beside the bundle) its
+    teacher-forced next-token logits at every generated position, for the GPU's KL comparison."""
     import torch
+    from safetensors.torch import save_file
 
     from backend.executor import Executor
+    from backend.runner import prefill_logits
     from backend.sampling_params import SamplingParams
     ex = Executor(bundle, device="cpu", dtype=torch.float32, start=False)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [r.token_ids for r in ex.generate(ids, params)]
+    outs = [r.token_ids for r in ex.generate(ids, params)]
+    fresh = Executor(bundle, device="cpu", dtype=torch.float32, start=False)
+    logits = [prefill_logits(fresh.runner, p + o[:-1])[len(p) - 1:] for p, o in zip(ids, outs)]
+    save_file({"logits": torch.cat(logits).half()}, str(bundle.parent / "cpu_logits.safetensors"))
+    return outs
 
 
 def main() -> int:

@@ -13,8 +13,6 @@ def poison(t: torch.Tensor) -> torch.Tensor:
 # interpreter; on a GPU tl.dot rounds fp32 inputs to tf32, a 10-bit mantissa, hence the looser bound)
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-3}
 TOL_GPU_FP32 = 5e-3
-# fp8 x fp8 MMA on Hopper accumulates with ~14 mantissa bits (2^-14 per add over K/32 partial sums)
-FP8_MMA_TOL = 8e-3
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str, seed: int,

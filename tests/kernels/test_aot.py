@@ -105,7 +105,8 @@ def test_plan_covers_what_the_backend_launches(monkeypatch, device):
     rec = _Recorder()
     be = TritonAttentionBackend(aot=rec)
     kv = torch.float8_e4m3fn
-    for ctx, qlens, p, tree in (([0, 40, 7], [5, 1, 1], 1, None), ([30], [3], 0, torch.ones(3, 3, dtype=torch.bool))):
+    for ctx, qlens, p, tree in (([0, 40, 7], [5, 1, 1], 1, None),
+                                ([30], [3], 0, torch.ones(3, 3, dtype=torch.bool, device=device))):
         meta, nb = _step(ctx, qlens, p, 16, device, tree=tree)
         kc = torch.zeros(nb, 16, 3, 64, device=device).to(kv)
         vc = torch.zeros_like(kc)
@@ -114,7 +115,7 @@ def test_plan_covers_what_the_backend_launches(monkeypatch, device):
         s = torch.tensor(0.1, device=device)
         be.write_kv(k, k, kc, vc, meta.slot_mapping, s, s)
         for splits in (1, 3):
-            monkeypatch.setattr("plugins.paged_decode._target_programs", lambda dev, n=splits: n * 1000)
+            monkeypatch.setattr("plugins.paged_decode._target_programs", lambda dev, fp8=False, n=splits: n * 1000)
             be.forward(q, kc, vc, meta, 0.125, s, s)
     planned = {v.key for v in aot.plan(ENGINE)}
     assert rec.keys and rec.keys <= planned, rec.keys - planned

@@ -3,8 +3,8 @@
 On CPU nothing can be captured (CUDA graphs need a GPU), so engine.cuda_graphs=true runs the same
 padded static-buffer forward eagerly, with the triton backend under the interpreter: padding rows
 (KV slot -1, length 0), bucket changes as requests finish, block tables wider than the step's and the
-engine-wide max_seq_len bound of the decode kernel are all exercised. The capture itself runs in
-`python -m harness.gpucheck run` on a GPU machine."""
+engine-wide max_seq_len bound of the decode kernel are all exercised. On a GPU (make bench-kernels)
+the same test captures and replays real CUDA graphs."""
 from __future__ import annotations
 
 import pytest
@@ -30,9 +30,9 @@ def bundle(tmp_path_factory):
     return bench_gpu.manifest_bundle(TINY, ENGINE, tmp_path_factory.mktemp("g") / "engine"), w
 
 
-def _run(bundle, graphs: bool):
+def _run(bundle, graphs: bool, device: str):
     path, w = bundle
-    ex = Executor(path, device="cpu", dtype=torch.float32, weights=w, verify_hashes=False, start=False,
+    ex = Executor(path, device=device, dtype=torch.float32, weights=w, verify_hashes=False, start=False,
                   cuda_graphs=graphs)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 17, 33, 3, 40)]
@@ -42,10 +42,11 @@ def _run(bundle, graphs: bool):
 
 
 def test_padded_static_decode_equals_eager(bundle, device):
-    eager, none = _run(bundle, False)
-    padded, graphs = _run(bundle, True)
-    assert none is None and graphs is not None
+    eager, none = _run(bundle, False, device)
+    padded, graphs = _run(bundle, True, device)
+    assert none is None and graphs is not None and graphs.failed is None
     assert graphs.steps >= 10, "decode steps must have taken the static-buffer path"
+    assert bool(graphs.graphs) == (device == "cuda"), "captured on a GPU, never on CPU"
     assert padded == eager
 
 

@@ -7,7 +7,7 @@ from plugins.gemm_fp8 import fp8_linear
 from plugins.gemm_w4a16 import w4a16_linear
 from plugins.reference.gemm import (E2M1_VALUES, dequant_nvfp4, fp8_linear_ref, int4_awq_linear_ref,
                                     nvfp4_linear_ref)
-from tests.kernels.kernel_utils import FP8_MMA_TOL, assert_close
+from tests.kernels.kernel_utils import assert_close
 
 
 def _packed(n, k, device):
@@ -53,14 +53,13 @@ def test_e2m1_table_covers_all_codes():
 @pytest.mark.parametrize("m,n,k", [(1, 96, 576), (18, 64, 128)])
 def test_fp8_linear_triton_path(device, fresh_seed, dtype, m, n, k):
     x = torch.randn(m, k, device=device).to(dtype)
-    w = (torch.randn(n, k, device=device) * 100).to(torch.float8_e4m3fn)
+    # clamp: a CUDA cast of values beyond e4m3's 448 gives NaN, not the largest finite value
+    w = (torch.randn(n, k, device=device) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     ws = torch.rand(n, device=device) * 0.01 + 1e-3
     xs = torch.tensor(0.02, device=device)
     out = fp8_linear(x, w, ws, xs, use_scaled_mm=False)
     ref = fp8_linear_ref(x, w, ws, xs)
-    # On a GPU the fp8 x fp8 tensor-core MMA keeps fewer accumulator bits than fp32 (Hopper: about 14,
-    # the DeepSeek-V3 report's measurement), so long K sums carry more error than the output dtype's.
-    assert_close(out, ref, dtype, "fp8 gemm", fresh_seed, tol=FP8_MMA_TOL if out.is_cuda else None)
+    assert_close(out, ref, dtype, "fp8 gemm", fresh_seed)
 
 
 @pytest.mark.gpu
