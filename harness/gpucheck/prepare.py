@@ -6,7 +6,7 @@ small BPE tokenizer trained on quant/data, and runs the REAL builder on it (impo
 quantize -> compile with AOT cubins for sm_90 -> package) for every format the GPU path treats
 differently: bf16, FP8 + FP8 KV (torch._scaled_mm, fp8 KV kernels), NVFP4 and INT4-AWQ (W4A16 GEMM
 kernels). It then records this CPU's own greedy outputs (fp32) for the same prompts, so the GPU run
-can compare against them. Everything lands in build/gpu-check/ (about 25 MB; carry that folder).
+can compare against them. Everything lands in build/gpu-check/: carry hf/, */engine/ and ref/ (~35 MB).
 Random weights make accuracy meaningless, so the build's verify stage is off for these bundles.
 """
 from __future__ import annotations
@@ -88,7 +88,8 @@ def prompts(tokenizer_dir: Path) -> list[list[int]]:
 
 def cpu_reference(bundle: Path, ids: list[list[int]]) -> list[list[int]]:
     """This CPU's fp32 greedy outputs, and (in cpu_logits.safetensors beside the bundle) its
-    teacher-forced next-token logits at every generated position, for the GPU's KL comparison."""
+    teacher-forced next-token logits at every generated position, for the GPU's KL comparison
+    (build/gpu-check/ref/<name>-cpu-logits.safetensors)."""
     import torch
     from safetensors.torch import save_file
 
@@ -100,7 +101,8 @@ def cpu_reference(bundle: Path, ids: list[list[int]]) -> list[list[int]]:
     outs = [r.token_ids for r in ex.generate(ids, params)]
     fresh = Executor(bundle, device="cpu", dtype=torch.float32, start=False)
     logits = [prefill_logits(fresh.runner, p + o[:-1])[len(p) - 1:] for p, o in zip(ids, outs)]
-    save_file({"logits": torch.cat(logits).half()}, str(bundle.parent / "cpu_logits.safetensors"))
+    (OUT / "ref").mkdir(exist_ok=True)
+    save_file({"logits": torch.cat(logits).half()}, str(OUT / "ref" / f"{bundle.parent.name}-cpu-logits.safetensors"))
     return outs
 
 
@@ -125,7 +127,8 @@ def main() -> int:
         bundle = OUT / name / "engine" if (OUT / name / "engine" / "engine.json").is_file() else bundle
         ref["bundles"][name] = {"path": str(bundle.relative_to(REPO)), "cpu_fp32_greedy": cpu_reference(bundle, ids)}
         print(f"[{name}] bundle {bundle} ({time.time() - t0:.0f} s)")
-    (OUT / "reference.json").write_text(json.dumps(ref) + "\n")
+    (OUT / "ref").mkdir(exist_ok=True)
+    (OUT / "ref" / "reference.json").write_text(json.dumps(ref) + "\n")
     size = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"gpu-check prepared in {time.time() - t0:.0f} s: {OUT} ({size / 2**20:.1f} MiB); "
           f"on the GPU machine run: python -m harness.gpucheck run")

@@ -121,7 +121,7 @@ def check_bundle(name: str, entry: dict, ref: dict) -> dict:
     res["fp32_triton_cuda_graphs"] = {k: info_t[k] for k in ("cuda_graphs", "decode_graph_steps")}
     res["fp32_gpu_vs_cpu"] = _compare(ref_t, entry["cpu_fp32_greedy"])
     from safetensors.torch import load_file
-    cpu = load_file(str(bundle.parent / "cpu_logits.safetensors"))["logits"].float()
+    cpu = load_file(str(DIR / "ref" / f"{name}-cpu-logits.safetensors"))["logits"].float()
     cpu_tokens = torch.tensor([t for o in entry["cpu_fp32_greedy"] for t in o])
     tf = {b: teacher_forced(bundle, prompts, entry["cpu_fp32_greedy"], torch.float32, b) for b in ("torch", "triton")}
     for b in ("torch", "triton"):
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpucheck run: no NVIDIA GPU visible; run it on the GPU machine "
               "(prepare runs here: python -m harness.gpucheck prepare)", file=sys.stderr)
         return 2
-    ref_file = DIR / "reference.json"
+    ref_file = DIR / "ref" / "reference.json"
     if not ref_file.is_file():
         print(f"gpucheck run: {ref_file} missing; run: python -m harness.gpucheck prepare", file=sys.stderr)
         return 2
@@ -181,7 +181,7 @@ def _smoke(a) -> int:
         print("gpucheck run --device cpu: set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     from harness.gpucheck.report import write_report
-    ref = json.loads((DIR / "reference.json").read_text())
+    ref = json.loads((DIR / "ref" / "reference.json").read_text())
     return _check_all(ref, a, {"gpu": "cpu-smoke"}, write_report)
 
 
