@@ -2,9 +2,11 @@
 
 One real server for the module, serving the real SmolLM2 bf16 bundle WITH the CI-sized draft that
 the eagle tests build (same overrides, so the same cached build: ModelOpt-trained for 24 steps).
-The reference is the same bundle in this process through ``backend.executor.Executor``: greedy
-with speculation off (the text the server must reproduce) and on (the per-request draft counts the
-server must report). On a CPU the runtime computes in float32, where verification is exact.
+The reference is the same bundle in this process through ``backend.executor.Executor``, greedy,
+each prompt alone: with speculation on (the tokens and per-request draft counts the server must
+reproduce) and off (which, in float32, the CPU runtime's dtype, gives the very same tokens: so the
+server's speculative output equals plain decoding; a request that cannot speculate is checked
+against the plain tokens directly).
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def eagle_build(build_bundle):
 
 @pytest.fixture(scope="module")
 def reference(eagle_build):
-    """prompt key -> (token ids without speculation, token ids with it, (proposed, accepted))."""
+    """prompt key -> (prompt ids, greedy ids without speculation, with it, (proposed, accepted),
+    the text with speculation); plus "dtype": the runtime's compute dtype."""
     from backend.executor import Executor
     from backend.sampling_params import SamplingParams
     from backend.triton.tokenizer import load_tokenizer
@@ -66,12 +69,14 @@ def reference(eagle_build):
             s = ex.speculator.request_stats(spec.request_id)
             out[key] = (ids, plain.token_ids, spec.token_ids,
                         (s["draft_tokens_proposed"], s["draft_tokens_accepted"]),
-                        tok.decode(plain.token_ids).rstrip("\ufffd"))
+                        tok.decode(spec.token_ids).rstrip("\ufffd"))
+        dtype = ex.runner.dtype
     finally:
         ex.shutdown()
         del ex
     # the consistency checks below mean something only if the draft was right at least once
     assert any(r[3][1] > 0 for r in out.values()), {k: r[3] for k, r in out.items()}
+    out["dtype"] = dtype
     return out
 
 
@@ -145,19 +150,30 @@ def check_cumulative(responses: list, expected: tuple[int, int]) -> None:
     assert (last["total_draft_tokens"], last["total_accepted_draft_tokens"]) == expected
 
 
+def test_speculation_leaves_greedy_output_unchanged(reference):
+    """What the server is compared with below: with speculation, the same tokens as without it.
+    Exact only in float32 (the CPU runtime's dtype unless the CPU computes bf16 natively): in bf16
+    a verify pass over 1 + k rows rounds differently from a one-row decode step."""
+    import torch
+    if reference["dtype"] != torch.float32:
+        pytest.skip(f"the runtime computes in {reference['dtype']} here; exact equality holds in float32")
+    for key in PROMPTS:
+        _ids, plain, spec, _counts, _text = reference[key]
+        assert spec == plain, key
+
+
 @pytest.mark.parametrize("key", list(PROMPTS))
-def test_engine_streams_the_unspeculated_tokens_with_the_executors_counts(reference, server, key):
-    ids, plain, spec, counts, _text = reference[key]
-    assert spec == plain  # the executor itself: greedy with speculation = greedy without
+def test_engine_streams_the_executors_tokens_and_counts(reference, server, key):
+    ids, _plain, spec, counts, _text = reference[key]
     responses = stream(server.grpc_url, "engine", engine_inputs(ids, return_perf_metrics=True))
     got = [int(t) for r in responses for t in r["output_ids"].reshape(-1)]
-    assert got == plain
+    assert got == spec
     check_cumulative(responses, counts)
     assert counts[0] > 0  # it did speculate: drafts were proposed for this request
 
 
 def test_ensemble_and_bls_report_the_same_figures(reference, server):
-    ids, plain, _spec, counts, text = reference["paris"]
+    _ids, _plain, _spec, counts, text = reference["paris"]
     # ensemble, HTTP generate, no flag: the ensemble always carries the figures
     body = http_generate(server.http_url, "ensemble", PROMPTS["paris"], max_tokens=MAX_TOKENS,
                          temperature=0.0, exclude_input_in_output=True)
@@ -173,9 +189,9 @@ def test_ensemble_and_bls_report_the_same_figures(reference, server):
 
 
 def test_clients_that_do_not_ask_see_no_acceptance_outputs(reference, server):
-    ids, plain, _spec, _counts, text = reference["fox"]
+    ids, _plain, spec, _counts, text = reference["fox"]
     responses = stream(server.grpc_url, "engine", engine_inputs(ids))
-    assert [int(t) for r in responses for t in r["output_ids"].reshape(-1)] == plain
+    assert [int(t) for r in responses for t in r["output_ids"].reshape(-1)] == spec
     assert all(not set(ACCEPTANCE_OUTPUTS) & r.keys() for r in responses)
     responses = stream(server.grpc_url, "bls", grpc_inputs(PROMPTS["fox"], max_tokens=MAX_TOKENS,
                                                            temperature=0.0, stream=True))
@@ -184,7 +200,7 @@ def test_clients_that_do_not_ask_see_no_acceptance_outputs(reference, server):
 
 
 def test_request_that_cannot_speculate_reports_zeros(reference, server):
-    # log-probabilities rule drafts out for the request (backend/spec/accept.py); output unchanged
+    # log-probabilities rule drafts out for the request (backend/spec/accept.py): plain decoding
     ids, plain, _spec, _counts, _text = reference["paris"]
     responses = stream(server.grpc_url, "engine", engine_inputs(ids, return_perf_metrics=True,
                                                                 return_log_probs=True))
