@@ -23,8 +23,9 @@ GPU: dict[str, dict[str, int]] = {
     # W4A16 GEMM for decode-sized M (<= 16) and for larger M; split_k > 1 sums fp32 partials.
     # M=1, 4096x4096: 0.084 ms int4 / 0.121 ms nvfp4 vs 0.142 / 0.209 ms unsplit with 64-wide K tiles
     "w4a16_small": {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "split_k": 4},
-    # M=256: 0.321 ms with 128-wide N and K tiles
-    "w4a16_large": {"block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3, "split_k": 1},
+    # M > 16: 64-wide tiles. 128x128 tiles won for int4 at M=256 (0.255 vs 0.293 ms) but doubled NVFP4's
+    # time and need 240 KB of shared memory with fp32 activations (over the H200's 227 KB)
+    "w4a16_large": {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "split_k": 1},
 }
 
 
