@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from backend.executor import Executor
     from harness.gpucheck.report import header, write_report
-    res = header(torch)
+    res = header(torch, "backend.bench_gpu")
     res["model"] = "Llama-3.1-8B shape, random FP8 weights (per-row), FP8 KV, lm_head bf16"
     res["copy_gbs"] = _copy_gbs()
     m = dict(LLAMA31_8B)

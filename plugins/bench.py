@@ -236,10 +236,8 @@ def run_kernel_tests() -> dict:
 
 
 def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
+    from harness.gpucheck.report import _commit as commit   # KILN_COMMIT where .git did not travel
+    return commit()
 
 
 def main(argv: list[str] | None = None) -> int:

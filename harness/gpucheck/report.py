@@ -23,13 +23,14 @@ def _commit() -> str:
         return "unknown"
 
 
-def header(torch) -> dict:
+def header(torch, module: str) -> dict:
+    """Machine, versions, commit and the command (``python -m <module> <args>``) of a GPU result."""
     import triton
     props = torch.cuda.get_device_properties(0)
     return {"gpu": torch.cuda.get_device_name(), "sm": f"{props.major}{props.minor}",
             "gpu_mem_gib": round(props.total_memory / 2**30, 1), "host": platform.node(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python -m " + " ".join([Path(sys.argv[0]).parent.name if sys.argv[0] else "?"] + sys.argv[1:]),
+            "command": " ".join(["python -m", module] + sys.argv[1:]),
             "commit": _commit(), "python": platform.python_version(), "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda}
 

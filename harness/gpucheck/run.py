@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ref = json.loads(ref_file.read_text())
     from harness.gpucheck.report import header, write_report
-    res = header(torch)
+    res = header(torch, "harness.gpucheck run")
     return _check_all(ref, a, res, write_report)
 
 
