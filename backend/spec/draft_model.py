@@ -46,6 +46,15 @@ class DraftKV:
             self.v = torch.cat([self.v, self.v.new_zeros((grow,) + tuple(self.v.shape[1:]))])
 
 
+@dataclass
+class DraftSlice:
+    """One sequence's share of a batched draft call (``Eagle3Draft.step_many``)."""
+    n: int                            # rows of this sequence
+    cache: DraftKV
+    write_at: int                     # first cache row its keys/values go to
+    mask: torch.Tensor | None = None  # [n, write_at + n - cache.length] bool, None = causal
+
+
 class Eagle3Draft:
     """Weights + math of one EAGLE-3 head. Stateless apart from the weights; caches are passed in."""
 
@@ -106,11 +115,22 @@ class Eagle3Draft:
         Their keys/values are written at cache rows ``[write_at, write_at + N)``; each entry attends
         to the committed rows ``[0, cache.length)`` and to the tentative rows
         ``[cache.length, write_at + N)`` allowed by ``mask [N, write_at + N - cache.length]`` (bool;
-        default: earlier tentative rows visible, causal among the new ones). Returns the pre-norm outputs ``[N, H]``. Does not change
-        ``cache.length``: the caller commits rows it keeps.
+        default: earlier tentative rows visible, causal among the new ones). Returns the pre-norm
+        outputs ``[N, H]``. Does not change ``cache.length``: the caller commits rows it keeps.
         """
+        return self.step_many(feats, tokens, positions, [DraftSlice(feats.shape[0], cache, write_at, mask)])
+
+    @torch.inference_mode()
+    def step_many(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                  slices: list["DraftSlice"]) -> torch.Tensor:
+        """``step`` for several sequences at once: rows ``[N, ...]`` are the sequences' entries one
+        after another (``slices[i].n`` rows each, with its own cache, ``write_at`` and mask).
+
+        Every matmul runs once over all N rows (at batch 8 this is what the draft costs); only the
+        attention, whose keys differ per sequence, loops over the slices."""
         c = self.cfg
         n = feats.shape[0]
+        assert sum(sl.n for sl in slices) == n, ([sl.n for sl in slices], n)
         emb = F.embedding(tokens, self.embed)
         g = feats.to(self.dtype)
         hin = rms_norm(g, self.input_norm, c.rms_norm_eps) if c.double_hidden_norm else g
@@ -121,6 +141,18 @@ class Eagle3Draft:
         q = apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
         v = v.view(n, c.num_kv_heads, c.head_dim)
+        outs, r = [], 0
+        for sl in slices:
+            outs.append(self._attend(q[r:r + sl.n], k[r:r + sl.n], v[r:r + sl.n], sl))
+            r += sl.n
+        attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+        h = g + F.linear(attn, self.o)
+        gate, up = F.linear(rms_norm(h, self.post_norm, c.rms_norm_eps), self.gate_up).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl: "DraftSlice") -> torch.Tensor:
+        """Write one sequence's new keys/values at ``sl.write_at`` and attend -> ``[n, Hq*D]``."""
+        n, cache, write_at = sl.n, sl.cache, sl.write_at
         cache.ensure(write_at + n)
         cache.k[write_at:write_at + n] = k
         cache.v[write_at:write_at + n] = v
@@ -128,6 +160,7 @@ class Eagle3Draft:
         assert write_at >= past
         end = write_at + n
         keys, vals = cache.k[:end], cache.v[:end]
+        mask = sl.mask
         if mask is None:  # causal among the new rows; earlier tentative rows all visible
             mask = torch.ones(n, end - past, dtype=torch.bool, device=self.device).tril(write_at - past)
         assert mask.shape == (n, end - past), (tuple(mask.shape), n, end - past)
@@ -135,10 +168,8 @@ class Eagle3Draft:
         attn = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
             vals.transpose(0, 1).unsqueeze(0), attn_mask=full.view(1, 1, n, end), scale=self.scale,
-            enable_gqa=c.num_heads != c.num_kv_heads)
-        h = g + F.linear(attn.squeeze(0).transpose(0, 1).reshape(n, self.q_size), self.o)
-        gate, up = F.linear(rms_norm(h, self.post_norm, c.rms_norm_eps), self.gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down)
+            enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads)
+        return attn.squeeze(0).transpose(0, 1).reshape(n, self.q_size)
 
     @torch.inference_mode()
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
@@ -149,4 +180,4 @@ class Eagle3Draft:
         return draft_ids if self.d2t_ids is None else self.d2t_ids[draft_ids]
 
 
-__all__ = ["DraftKV", "Eagle3Draft"]
+__all__ = ["DraftKV", "DraftSlice", "Eagle3Draft"]

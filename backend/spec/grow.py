@@ -1,11 +1,12 @@
-"""Growing the next draft tree of one sequence with the EAGLE-3 head (chain, static, dynamic).
+"""Growing the next draft trees of the speculating sequences with the EAGLE-3 head (chain, static, dynamic).
 
 Expanding a tree node u (token ``x_u`` at position ``root_pos + depth(u)``) is one draft entry:
 feature = the draft output that proposed u, token = ``x_u``, position = ``root_pos + depth(u) - 1``;
 its output proposes u's children. Entries of one tree live in the draft cache past the committed
 rows and see the committed rows plus their own ancestors' entries (a tree mask inside the draft).
-All entries of one depth run as one batched draft call. Nothing here changes ``cache.length``: the
-tentative rows are simply overwritten next time.
+All entries of one depth, of every sequence in the step, run as ONE batched draft call (so a batch
+of 8 pays the draft's matmuls once per depth, not 8 times). Nothing here changes ``cache.length``:
+the tentative rows are simply overwritten next time.
 
 The shapes come from a registry (``GROWERS``) keyed by ``speculative.tree``.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.spec.draft_model import DraftKV, Eagle3Draft
+from backend.spec.draft_model import DraftKV, DraftSlice, Eagle3Draft
 from backend.spec.tree import (DynamicCandidate, TokenTree, TreeShape, chain_shape, max_rank,
                                select_dynamic, static_shape)
 
@@ -28,31 +29,50 @@ class _Entry:
     ancestors: list[int]   # indices (into the entry list) of ancestor entries, self last
 
 
+@dataclass
+class GrowRequest:
+    """One sequence to grow a tree for: its draft cache (committed rows), the draft's pre-norm
+    output for its newest committed entry ``[1, H]``, the root token and the root's position."""
+    cache: DraftKV
+    last_out: torch.Tensor
+    root_token: int
+    root_pos: int
+
+
 class _Scratch:
     """Tentative draft entries of one tree, written after the committed rows."""
 
-    def __init__(self, draft: Eagle3Draft, cache: DraftKV, root_pos: int) -> None:
-        self.draft, self.cache, self.root_pos = draft, cache, root_pos
+    def __init__(self, cache: DraftKV, root_pos: int) -> None:
+        self.cache, self.root_pos = cache, root_pos
         self.entries: list[_Entry] = []
 
-    def run(self, new: list[_Entry]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expand ``new`` (one depth) in one draft call: returns (draft-vocab logits [n, Vd], outputs [n, H])."""
+    def add(self, new: list[_Entry]) -> DraftSlice:
+        """Append one depth's entries; -> their slice of the batched draft call (tree mask: each
+        entry sees its ancestors' tentative rows only)."""
         base = len(self.entries)
         self.entries.extend(new)
-        n, total = len(new), len(self.entries)
-        mask = torch.zeros(n, total, dtype=torch.bool)
+        mask = torch.zeros(len(new), len(self.entries), dtype=torch.bool)
         for i, e in enumerate(new):
             mask[i, e.ancestors] = True
-        dev = self.draft.device
-        out = self.draft.step(torch.cat([e.feat for e in new]),
-                              torch.tensor([e.token for e in new], device=dev),
-                              torch.tensor([self.root_pos + e.depth - 1 for e in new], device=dev),
-                              self.cache, self.cache.length + base, mask.to(dev))
-        return self.draft.logits(out), out
+        return DraftSlice(len(new), self.cache, self.cache.length + base, mask)
+
+
+def _expand(draft: Eagle3Draft, jobs: list[tuple[_Scratch, list[_Entry]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expand one depth of every tree in ONE draft call: -> (draft-vocab logits [N, Vd], pre-norm
+    outputs [N, H]), rows in job order."""
+    slices = [sc.add(new) for sc, new in jobs]
+    entries = [(sc, e) for sc, new in jobs for e in new]
+    dev = draft.device
+    out = draft.step_many(torch.cat([e.feat for _, e in entries]),
+                          torch.tensor([e.token for _, e in entries], device=dev),
+                          torch.tensor([sc.root_pos + e.depth - 1 for sc, e in entries], device=dev),
+                          slices)
+    return draft.logits(out), out
 
 
 class TreeGrower:
-    """``grow(cache, last_out [1, H], root_token, root_pos) -> TokenTree``."""
+    """``grow_many(requests) -> [TokenTree]``: one tree per sequence, every depth of every tree in
+    one batched draft call. ``grow(cache, last_out, root_token, root_pos)`` is the one-sequence form."""
 
     def __init__(self, draft: Eagle3Draft) -> None:
         self.draft = draft
@@ -66,6 +86,9 @@ class TreeGrower:
                              tree_choices=tree_choices)
 
     def grow(self, cache: DraftKV, last_out: torch.Tensor, root_token: int, root_pos: int) -> TokenTree:
+        return self.grow_many([GrowRequest(cache, last_out, root_token, root_pos)])[0]
+
+    def grow_many(self, requests: list[GrowRequest]) -> list[TokenTree]:
         raise NotImplementedError
 
 
@@ -79,32 +102,40 @@ class ShapeGrower(TreeGrower):
         self.has_children = [bool(shape.children(i)) for i in range(shape.num_nodes)]
         self.by_depth = [shape.nodes_at_depth(d) for d in range(shape.depth + 1)]
 
-    def grow(self, cache, last_out, root_token, root_pos) -> TokenTree:
-        d = self.draft
-        s = self.shape
-        tokens = [root_token] + [0] * (s.num_nodes - 1)
-        entry_of: dict[int, int] = {}   # node -> its entry index
-        out_of = {0: last_out}          # node -> the draft output that proposes its children
-        scratch = _Scratch(d, cache, root_pos)
-        top = d.to_target_ids(d.logits(last_out).topk(self.k, dim=-1).indices[0]).tolist()
-        children = {0: top}
+    def grow_many(self, requests: list[GrowRequest]) -> list[TokenTree]:
+        d, s = self.draft, self.shape
+        if not requests:
+            return []
+        tokens = [[r.root_token] + [0] * (s.num_nodes - 1) for r in requests]
+        entry_of: list[dict[int, int]] = [{} for _ in requests]     # node -> its entry index
+        out_of = [{0: r.last_out} for r in requests]               # node -> output proposing its children
+        scratch = [_Scratch(r.cache, r.root_pos) for r in requests]
+        top = d.to_target_ids(d.logits(torch.cat([r.last_out for r in requests])).topk(self.k, dim=-1).indices)
+        children = [{0: row} for row in top.tolist()]
         for depth in range(1, s.depth + 1):
-            for node in self.by_depth[depth]:
-                tokens[node] = int(children[s.parents[node]][s.ranks[node]])
+            for b in range(len(requests)):
+                for node in self.by_depth[depth]:
+                    tokens[b][node] = int(children[b][s.parents[node]][s.ranks[node]])
             expand = [nd for nd in self.by_depth[depth] if self.has_children[nd]]
             if not expand:
                 continue
-            new = []
-            for nd in expand:
-                anc = [entry_of[a] for a in _ancestors(s.parents, nd) if a in entry_of]
-                entry_of[nd] = len(scratch.entries) + len(new)
-                new.append(_Entry(out_of[s.parents[nd]], tokens[nd], depth, anc + [entry_of[nd]]))
-            logits, outs = scratch.run(new)
+            jobs = []
+            for b in range(len(requests)):
+                new = []
+                for nd in expand:
+                    anc = [entry_of[b][a] for a in _ancestors(s.parents, nd) if a in entry_of[b]]
+                    entry_of[b][nd] = len(scratch[b].entries) + len(new)
+                    new.append(_Entry(out_of[b][s.parents[nd]], tokens[b][nd], depth, anc + [entry_of[b][nd]]))
+                jobs.append((scratch[b], new))
+            logits, outs = _expand(d, jobs)
             top = d.to_target_ids(logits.topk(self.k, dim=-1).indices).tolist()
-            for i, nd in enumerate(expand):
-                out_of[nd] = outs[i:i + 1]
-                children[nd] = top[i]
-        return TokenTree(tuple(tokens), s.parents)
+            r = 0
+            for b in range(len(requests)):
+                for nd in expand:
+                    out_of[b][nd] = outs[r:r + 1]
+                    children[b][nd] = top[r]
+                    r += 1
+        return [TokenTree(tuple(t), s.parents) for t in tokens]
 
 
 class DynamicGrower(TreeGrower):
@@ -116,42 +147,52 @@ class DynamicGrower(TreeGrower):
         self.top_k, self.depth = top_k, depth
         self.budget = top_k * depth
 
-    def grow(self, cache, last_out, root_token, root_pos) -> TokenTree:
+    def grow_many(self, requests: list[GrowRequest]) -> list[TokenTree]:
         d = self.draft
-        scratch = _Scratch(d, cache, root_pos)
-        cands: list[DynamicCandidate] = []
-        outs: dict[int, torch.Tensor] = {}     # candidate -> output proposing its children
-        entry_of: dict[int, int] = {}
-        lp = d.logits(last_out).log_softmax(-1)[0]
-        vals, idx = lp.topk(self.top_k)
+        if not requests:
+            return []
+        nb = len(requests)
+        scratch = [_Scratch(r.cache, r.root_pos) for r in requests]
+        cands: list[list[DynamicCandidate]] = [[] for _ in requests]
+        outs: list[dict[int, torch.Tensor]] = [{} for _ in requests]   # candidate -> output proposing its children
+        entry_of: list[dict[int, int]] = [{} for _ in requests]
+        frontier: list[list[int]] = [[] for _ in requests]
+        vals, idx = d.logits(torch.cat([r.last_out for r in requests])).log_softmax(-1).topk(self.top_k, dim=-1)
         ids = d.to_target_ids(idx).tolist()
-        frontier = []
-        for v, t in zip(vals.tolist(), ids):
-            cands.append(DynamicCandidate(int(t), -1, float(v), 1))
-            frontier.append(len(cands) - 1)
-            outs[len(cands) - 1] = last_out
+        for b, r in enumerate(requests):
+            for v, t in zip(vals[b].tolist(), ids[b]):
+                cands[b].append(DynamicCandidate(int(t), -1, float(v), 1))
+                frontier[b].append(len(cands[b]) - 1)
+                outs[b][len(cands[b]) - 1] = r.last_out
         for depth in range(1, self.depth):
-            expand = sorted(frontier, key=lambda c: -cands[c].score)[:self.top_k]
-            new = []
-            for c in expand:
-                anc = []
-                p = cands[c].parent
-                while p >= 0:
-                    anc.append(entry_of[p])
-                    p = cands[p].parent
-                entry_of[c] = len(scratch.entries) + len(new)
-                new.append(_Entry(outs[c], cands[c].token, depth, anc[::-1] + [entry_of[c]]))
-            logits, out = scratch.run(new)
+            jobs, expand = [], []
+            for b in range(nb):
+                cb = cands[b]
+                ex = sorted(frontier[b], key=lambda c: -cb[c].score)[:self.top_k]
+                new = []
+                for c in ex:
+                    anc = []
+                    p = cb[c].parent
+                    while p >= 0:
+                        anc.append(entry_of[b][p])
+                        p = cb[p].parent
+                    entry_of[b][c] = len(scratch[b].entries) + len(new)
+                    new.append(_Entry(outs[b][c], cb[c].token, depth, anc[::-1] + [entry_of[b][c]]))
+                jobs.append((scratch[b], new))
+                expand.append(ex)
+            logits, out = _expand(d, jobs)
             vals, idx = logits.log_softmax(-1).topk(self.top_k, dim=-1)
-            ids = d.to_target_ids(idx).tolist()
-            frontier = []
-            for i, c in enumerate(expand):
-                for v, t in zip(vals[i].tolist(), ids[i]):
-                    cands.append(DynamicCandidate(int(t), c, cands[c].score + float(v), depth + 1))
-                    frontier.append(len(cands) - 1)
-                    outs[len(cands) - 1] = out[i:i + 1]
-        tree, _ = select_dynamic(cands, root_token, self.budget)
-        return tree
+            vals, ids = vals.tolist(), d.to_target_ids(idx).tolist()
+            r = 0
+            for b in range(nb):
+                frontier[b] = []
+                for c in expand[b]:
+                    for v, t in zip(vals[r], ids[r]):
+                        cands[b].append(DynamicCandidate(int(t), c, cands[b][c].score + float(v), depth + 1))
+                        frontier[b].append(len(cands[b]) - 1)
+                        outs[b][len(cands[b]) - 1] = out[r:r + 1]
+                    r += 1
+        return [select_dynamic(cands[b], requests[b].root_token, self.budget)[0] for b in range(nb)]
 
 
 def _ancestors(parents, node: int) -> list[int]:
@@ -168,4 +209,4 @@ GROWERS = {
     "dynamic": lambda draft, top_k, depth, **_: DynamicGrower(draft, top_k, depth),
 }
 
-__all__ = ["GROWERS", "DynamicGrower", "ShapeGrower", "TreeGrower"]
+__all__ = ["GROWERS", "DynamicGrower", "GrowRequest", "ShapeGrower", "TreeGrower"]

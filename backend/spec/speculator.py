@@ -12,7 +12,9 @@ Per step, for each request with drafts (chain or tree, see ``tree.py``):
    accepted tokens + one bonus token; the scheduler rolls back the rest (``BlockManager.rollback``).
 3. ``propose``: feed the draft the target's captured hidden states for every position that became
    committed this step (prompt chunks included, so the draft sees the whole context), then grow the
-   next tree from the draft's last output and put its tokens in ``request.spec_token_ids``.
+   next tree from the draft's last output and put its tokens in ``request.spec_token_ids``. Both
+   are batched over the step's sequences: one draft call for the committed rows, then one per
+   tree depth for all trees together.
 
 Requests that opt out (``SamplingParams.speculative = False``) or whose sampling depends on the
 tokens being decided (``accept.speculation_allowed``) get no drafts and run exactly as without a
@@ -28,8 +30,8 @@ import torch
 
 from backend.spec.accept import accept_tree, emitted_tokens, speculation_allowed
 from backend.spec.checkpoint import read_bundle_draft
-from backend.spec.draft_model import DraftKV, Eagle3Draft
-from backend.spec.grow import TreeGrower
+from backend.spec.draft_model import DraftKV, DraftSlice, Eagle3Draft
+from backend.spec.grow import GrowRequest, TreeGrower
 from backend.spec.tree import TokenTree
 
 
@@ -203,11 +205,12 @@ class EagleSpeculator:
         all_rows = torch.tensor([r for _, _, rows in work for r in rows], device=self.draft.device)
         aux = torch.cat([captured[layer].index_select(0, all_rows) for layer in self.capture_hidden_layers], -1)
         feats = self.draft.fuse(aux)
-        off = 0
+        # Every sequence's newly committed rows go through the draft in ONE call, then every tree
+        # is grown depth by depth in one call per depth: the draft's cost scales with the batch's
+        # rows, not its number of sequences.
+        keep, slices, states, off = [], [], [], 0
         for s, req, rows in work:
             m = len(rows)
-            f = feats[off:off + m]
-            off += m
             rid = req.request_id
             st = self._states.get(rid)
             if st is None or st.next_pos != s.start_pos:
@@ -215,25 +218,39 @@ class EagleSpeculator:
                 # from here; the draft just sees less context.
                 st = self._states[rid] = _SeqState(self.draft.new_cache(), s.start_pos)
             toks = req.all_token_ids
-            pos = st.next_pos
-            assert len(toks) >= pos + m + 1 or not s.sample, (len(toks), pos, m)
-            m = min(m, len(toks) - 1 - pos)   # a prompt chunk's last token waits for its successor
-            if m <= 0:
-                continue
-            tokens = torch.tensor(toks[pos + 1:pos + 1 + m], device=self.draft.device)
-            positions = torch.arange(pos, pos + m, device=self.draft.device)
-            h = self.draft.step(f[:m], tokens, positions, st.cache, st.cache.length)
-            st.cache.length += m
-            st.next_pos += m
-            st.last_out = h[-1:]
+            assert len(toks) >= st.next_pos + m + 1 or not s.sample, (len(toks), st.next_pos, m)
+            use = min(m, len(toks) - 1 - st.next_pos)   # a prompt chunk's last token waits for its successor
+            if use > 0:
+                keep.append(torch.arange(off, off + use))
+                slices.append(DraftSlice(use, st.cache, st.cache.length))
+                states.append((s, req, st, use))
+            off += m
+        if not states:
+            return
+        dev = self.draft.device
+        tokens = torch.tensor([t for _, req, st, use in states
+                               for t in req.all_token_ids[st.next_pos + 1:st.next_pos + 1 + use]], device=dev)
+        positions = torch.cat([torch.arange(st.next_pos, st.next_pos + use) for _, _, st, use in states]).to(dev)
+        h = self.draft.step_many(feats.index_select(0, torch.cat(keep).to(dev)), tokens, positions, slices)
+        grow: list[GrowRequest] = []
+        grown: list = []
+        end = 0
+        for s, req, st, use in states:
+            end += use
+            st.cache.length += use
+            st.next_pos += use
+            st.last_out = h[end - 1:end]
+            rid = req.request_id
             if s.sample and speculation_allowed(req.params, len(req.output_token_ids)) \
-                    and st.next_pos == len(toks) - 1:
-                tree = self.grower.grow(st.cache, st.last_out, toks[-1], st.next_pos)
-                self._trees[rid] = tree
-                req.spec_token_ids = list(tree.tokens[1:])
+                    and st.next_pos == len(req.all_token_ids) - 1:
+                grow.append(GrowRequest(st.cache, st.last_out, req.all_token_ids[-1], st.next_pos))
+                grown.append(req)
             else:
                 self._trees.pop(rid, None)
                 req.spec_token_ids = []
+        for req, tree in zip(grown, self.grower.grow_many(grow)):
+            self._trees[req.request_id] = tree
+            req.spec_token_ids = list(tree.tokens[1:])
 
     def request_stats(self, request_id: str) -> dict:
         """Draft tokens scored and kept for one (recent) request."""

@@ -5,8 +5,6 @@ The target runs in float32 here: a verification pass scores 1 + k query rows at 
 decode scores one, and in bf16 the two round differently; exact token equality is the algorithm's
 promise and is checked where rounding cannot flip a near-tie argmax.
 """
-import json
-
 import pytest
 import torch
 
@@ -23,25 +21,8 @@ TEXTS = [
     "Tell me a fun fact about space.", "How many legs does a spider have?", "What is Python?",
     "Suggest a name for a goldfish.", "What language is spoken in Brazil?", "Describe a sunset.",
 ]
-TRAIN_TEXTS = ["Explain how rain forms.", "Write a short poem about trees.", "What is a computer?",
-               "How do birds fly?", "Give three tips for studying.", "What is the moon made of?",
-               "Describe your favourite food.", "Why is exercise healthy?"]
 MAX_TOKENS = 12  # enough verify steps for rejections and a few acceptances; CI time matters
 ENGINE = dict(max_kv_tokens=4096, max_batch_size=16)
-
-
-@pytest.fixture(scope="module")
-def eagle_bundle(build_bundle):
-    from tests.conftest import CACHE  # noqa: PLC0415 - the shared cache folder
-
-    data = CACHE / "eagle-train-prompts.jsonl"
-    text = "".join(json.dumps({"text": t}) + "\n" for t in TRAIN_TEXTS)
-    if not data.is_file() or data.read_text() != text:   # unchanged file => cached draft stage
-        data.parent.mkdir(parents=True, exist_ok=True)
-        data.write_text(text)
-    return build_bundle("smollm2-135m-bf16-eagle3", [
-        "speculative.train.steps=24", "speculative.train.seq_len=64",
-        f"speculative.train.dataset={data}", "verify.enabled=false"])
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +61,24 @@ def baseline(eagle_bundle, weights, prompts):
 
 def test_greedy_batched_equals_plain_decoding_chain(eagle_bundle, weights, prompts, baseline):
     ex = make(eagle_bundle, weights, {"tree": "chain", "max_draft_len": 4})
-    got = [r.token_ids for r in ex.generate(prompts, GREEDY)]
+    draft = ex.speculator.draft
+    calls, step_many = [], draft.step_many
+
+    def counted(feats, tokens, positions, slices):
+        calls.append(len(slices))
+        return step_many(feats, tokens, positions, slices)
+
+    draft.step_many = counted
+    handles = [ex.submit(p, GREEDY) for p in prompts]
+    steps = 0
+    while not all(h.finished for h in handles):
+        steps += 1 if ex.step() else 0
+    got = [h.result().token_ids for h in handles]
     assert got == baseline[1]
+    # The draft is batched across the step's sequences: one call for the committed rows plus one
+    # per chain depth (3 for 4 drafts), whatever the number of sequences; most calls carry many.
+    assert len(calls) <= steps * 4
+    assert max(calls) == len(prompts)
     st = ex.speculator.stats.as_dict()
     assert st["draft_tokens_proposed"] > 0
     # Fewer target passes than tokens is the point; a barely trained draft still accepts some.

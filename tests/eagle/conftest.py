@@ -1,0 +1,29 @@
+"""The CI-sized EAGLE-3 bundle shared by the end-to-end tests: the real SmolLM2 target and a draft
+really trained by ModelOpt, briefly (24 steps on the continuations of 8 prompts), so it is built in
+well under a minute and cached in build/test-cache/ like every other test bundle."""
+import json
+
+import pytest
+
+TRAIN_TEXTS = ["Explain how rain forms.", "Write a short poem about trees.", "What is a computer?",
+               "How do birds fly?", "Give three tips for studying.", "What is the moon made of?",
+               "Describe your favourite food.", "Why is exercise healthy?"]
+
+
+def eagle_overrides(verify: bool) -> list[str]:
+    """Build overrides of the CI-sized draft. ``verify`` only changes the verify section, which is
+    not part of the bundle's hash: both variants share one build folder, draft and bundle."""
+    from tests.conftest import CACHE  # noqa: PLC0415 - the shared cache folder
+
+    data = CACHE / "eagle-train-prompts.jsonl"
+    text = "".join(json.dumps({"text": t}) + "\n" for t in TRAIN_TEXTS)
+    if not data.is_file() or data.read_text() != text:   # unchanged file => cached draft stage
+        data.parent.mkdir(parents=True, exist_ok=True)
+        data.write_text(text)
+    out = ["speculative.train.steps=24", "speculative.train.seq_len=64", f"speculative.train.dataset={data}"]
+    return out + (["verify.num_prompts=2"] if verify else ["verify.enabled=false"])
+
+
+@pytest.fixture(scope="session")
+def eagle_bundle(build_bundle):
+    return build_bundle("smollm2-135m-bf16-eagle3", eagle_overrides(verify=False))
