@@ -10,6 +10,13 @@ The build fails (``passed: False``; the pipeline records it in engine.json and s
 agreement is below ``verify.min_top1_agreement`` or the KL above ``verify.max_mean_kl``; ``null``
 takes the per-format default below, chosen from measurements on SmolLM2-135M (see the table's
 comments) with headroom so that run-to-run noise of calibration does not fail a healthy build.
+
+When the bundle carries an EAGLE-3 draft, the stage also measures what the draft is worth: the
+same held-out prompts, chat-formatted, are decoded greedily (``ACCEPT_TOKENS`` each, all in one
+batch) by the real executor with the bundle's tree settings, and the mean acceptance length
+(tokens emitted per target pass, bonus included), acceptance rate and draft counts go into
+``engine.json["verify"]["speculative"]``. It is a measurement, not a gate: a weak draft costs speed,
+never correctness (greedy output is identical either way).
 """
 from __future__ import annotations
 
@@ -22,6 +29,8 @@ from builder.stages.base import StageContext, StageError
 
 HELDOUT = Path(__file__).resolve().parents[2] / "quant" / "data" / "heldout.jsonl"
 MAX_PROMPT_TOKENS = 256
+ACCEPT_TOKENS = 48          # tokens generated per held-out prompt for the draft's acceptance figures
+STAGE_VERSION = 1           # 1: acceptance figures of an EAGLE-3 draft
 
 # format -> (min top-1 agreement, max mean KL in nats), for SmolLM2-135M-sized models on the 8
 # default held-out prompts (138 positions, so one position is 0.7 points). Measured 2026-11-25:
@@ -138,5 +147,35 @@ def run(ctx: StageContext) -> dict:
     result = {"top1_agreement": round(top1, 5), "mean_kl": round(mean_kl, 6), "num_prompts": len(prompts),
               "num_positions": positions, "format": fmt, "kv_cache_dtype": spec.kv_cache_dtype,
               "min_top1_agreement": min_top1, "max_mean_kl": max_kl, "passed": passed}
+    del runner, ref
+    accept = draft_acceptance(ctx, bundle_dir, texts)
+    if accept is not None:
+        result["speculative"] = accept
     (ctx.out_dir / "verify.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def draft_acceptance(ctx: StageContext, bundle_dir: Path, texts: list[str]) -> dict | None:
+    """Acceptance figures of the bundle's EAGLE-3 draft on the held-out prompts (None without one)."""
+    spec = json.loads((bundle_dir / "engine.json").read_text()).get("speculative") or {}
+    if spec.get("method") != "eagle3":
+        return None
+    from backend.executor import Executor
+    from backend.spec.measure import acceptance
+    from backend.triton.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(bundle_dir)
+    prompts = [tok.encode(t, chat=True)[-MAX_PROMPT_TOKENS:] for t in texts]
+    kv = len(prompts) * (MAX_PROMPT_TOKENS + ACCEPT_TOKENS + 64)
+    # The runner's own compute dtype (fp32 on CPUs without native bf16), as serving on this host.
+    ex = Executor(bundle_dir, start=False, verify_hashes=False, max_kv_tokens=kv,
+                  max_batch_size=max(1, len(prompts)))
+    with ctx.progress("verify: draft acceptance on held-out prompts", None):
+        r = acceptance(ex, prompts, ACCEPT_TOKENS, batch=len(prompts))
+    r.update(tree=spec.get("tree"), max_draft_len=spec.get("max_draft_len"), dtype=str(ex.runner.dtype).removeprefix("torch."),
+             prompts=f"{HELDOUT.parent.parent.name}/{HELDOUT.parent.name}/{HELDOUT.name} (chat template)")
+    ctx.log(f"verify: EAGLE-3 draft ({r['tree']}) mean acceptance length {r['mean_acceptance_length']:.2f} "
+            f"tokens per target pass, acceptance rate {r['acceptance_rate']:.2f} "
+            f"({r['draft_tokens_accepted']}/{r['draft_tokens_proposed']} drafts) over {len(prompts)} held-out prompts "
+            f"x {ACCEPT_TOKENS} tokens")
+    return r
