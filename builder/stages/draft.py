@@ -33,7 +33,9 @@ from builder.stages.base import StageContext, StageError
 
 DRAFT_VOCAB = 8192          # rows of the draft lm_head (SmolLM2: 49152 -> 6x cheaper drafting)
 BATCH = 4                   # training sequences per step
-DEFAULT_NUM_PROMPTS = 64    # prompts whose continuations make the training set
+NUM_PROMPTS = 256           # prompts whose continuations make the training set (the first N)
+GEN_BATCH = 32              # prompts the target continues at once
+FEAT_BATCH = 8              # sequences per hidden-state pass
 TTT_STEPS = 3               # ModelOpt's train-time-test depth (draft fed its own outputs)
 BUILTIN_PROMPTS = Path(__file__).resolve().parents[2] / "backend" / "spec" / "data" / "prompts.jsonl"
 
@@ -47,7 +49,8 @@ def skip_reason(ctx: StageContext) -> str | None:
 def fingerprint(ctx: StageContext) -> str:
     s = ctx.config.speculative
     src = BUILTIN_PROMPTS if s.train.dataset == "builtin" else Path(s.train.dataset)
-    parts = ["draft-v1", f"vocab={DRAFT_VOCAB}", f"batch={BATCH}", f"ttt={TTT_STEPS}"]
+    parts = ["draft-v2", f"vocab={DRAFT_VOCAB}", f"batch={BATCH}", f"ttt={TTT_STEPS}",
+             f"prompts={NUM_PROMPTS}"]
     for p in ([src] if s.draft == "train" else [Path(s.draft)]):
         p = _resolve(ctx, p)
         if p.is_file():
@@ -143,38 +146,69 @@ def load_prompts(ctx: StageContext, limit: int) -> list[str]:
     return texts
 
 
+def chat_ids(tok, text: str) -> list[int]:
+    """A prompt as the runtime sees a chat request (template applied when the tokenizer has one)."""
+    if getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tok(text)["input_ids"])
+
+
 def target_sequences(model, tok, prompts: list[str], seq_len: int, advance) -> list[list[int]]:
     """Each prompt (chat-formatted when the tokenizer has a template) + the target's greedy
-    continuation up to ``seq_len`` tokens in all."""
+    continuation up to ``seq_len`` tokens in all.
+
+    Prompts run GEN_BATCH at a time, grouped by length so left padding stays small: generation is
+    most of the stage's time and its cost per token falls steeply with the batch on a CPU."""
     import torch
 
-    seqs = []
-    for i in range(0, len(prompts), 8):
-        batch = []
-        for text in prompts[i:i + 8]:
-            if getattr(tok, "chat_template", None):
-                ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              tokenize=True)
-                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            else:
-                ids = tok(text)["input_ids"]
-            batch.append(list(ids)[-(seq_len // 2):])
+    encoded = [chat_ids(tok, t)[-(seq_len // 2):] for t in prompts]
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    eos = tok.eos_token_id
+    seqs: list[list[int] | None] = [None] * len(encoded)
+    for i in range(0, len(order), GEN_BATCH):
+        idx = order[i:i + GEN_BATCH]
+        batch = [encoded[j] for j in idx]
         width = max(len(b) for b in batch)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         # Left padding so every row's continuation starts at the same column.
         ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])
         mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                                  max_new_tokens=seq_len - min(len(b) for b in batch), pad_token_id=pad)
-        for row, b in zip(out.tolist(), batch):
+        for j, row, b in zip(idx, out.tolist(), batch):
             gen = row[width:]
-            eos = tok.eos_token_id
             if eos in gen:  # keep the EOS itself: predicting the end is part of the job
                 gen = gen[:gen.index(eos) + 1]
-            seqs.append((b + gen)[:seq_len])
+            seqs[j] = (b + gen)[:seq_len]
         advance(len(batch))
-    return seqs
+    return seqs  # type: ignore[return-value]
+
+
+def target_features(model, seqs: list[list[int]], aux: tuple[int, ...], vocab_ids, advance) -> list[tuple]:
+    """The target's view of every training token, computed once: (aux-layer states [T, A*H],
+    logits over the draft vocabulary [T, Vd] in bf16). The logits are the distillation targets;
+    computing only the draft vocabulary's rows of lm_head (and only once, not every training step)
+    is what keeps training cheap: over the full 49k vocabulary this product dominated each step."""
+    import torch
+
+    head = model.get_output_embeddings().weight[vocab_ids].float()
+    feats = []
+    with torch.inference_mode():
+        for i in range(0, len(seqs), FEAT_BATCH):
+            chunk = seqs[i:i + FEAT_BATCH]
+            width = max(len(q) for q in chunk)
+            ids = torch.tensor([q + [0] * (width - len(q)) for q in chunk])
+            mask = torch.tensor([[1] * len(q) + [0] * (width - len(q)) for q in chunk])
+            hs = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+            a = torch.cat([hs[layer + 1] for layer in aux], -1).float()
+            logits = (hs[-1].float() @ head.T).to(torch.bfloat16)
+            for r, q in enumerate(chunk):
+                feats.append((a[r, :len(q)].clone(), logits[r, :len(q)].clone()))
+            advance(len(chunk))
+    return feats
 
 
 def draft_vocab(seqs: list[list[int]], vocab_size: int, size: int) -> list[int]:
@@ -199,28 +233,27 @@ def train_draft(ctx: StageContext, target_dir: Path, export_dir: Path) -> dict:
     s = ctx.config.speculative
     tr = s.train
     torch.manual_seed(0)
+    times = {}
     tok = AutoTokenizer.from_pretrained(target_dir)
-    gen_model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
-    n_layers = gen_model.config.num_hidden_layers
-    aux = tuple(s.aux_layers) if s.aux_layers is not None else default_aux_layers(n_layers)
-    prompts = load_prompts(ctx, max(DEFAULT_NUM_PROMPTS, BATCH))
-    with ctx.progress("draft: target continuations", len(prompts)) as advance:
-        seqs = target_sequences(gen_model, tok, prompts, tr.seq_len, advance)
-
-    # The target's features for every training token, computed once (what the runtime captures).
-    feats = []
-    with ctx.progress("draft: target hidden states", len(seqs)) as advance, torch.inference_mode():
-        for sq in seqs:
-            o = gen_model(input_ids=torch.tensor([sq]), output_hidden_states=True)
-            hs = o.hidden_states
-            feats.append((torch.cat([hs[a + 1][0] for a in aux], -1).float(), hs[-1][0].float()))
-            advance(1)
-    del gen_model
-
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    # fp32: on CPUs without native bf16 math (AVX2) it is several times faster than bf16, and it is
+    # what the runtime computes in there, so the continuations are the ones the engine will produce.
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     model.config.architectures = model.config.architectures or ["LlamaForCausalLM"]
     c = model.config
+    aux = tuple(s.aux_layers) if s.aux_layers is not None else default_aux_layers(c.num_hidden_layers)
+    prompts = load_prompts(ctx, NUM_PROMPTS)
+    t0 = time.perf_counter()
+    with ctx.progress("draft: target continuations", len(prompts)) as advance:
+        seqs = target_sequences(model, tok, prompts, tr.seq_len, advance)
+    times["generate_s"] = round(time.perf_counter() - t0, 1)
+    ctx.log(f"draft: {len(seqs)} target continuations, {sum(map(len, seqs))} tokens, {times['generate_s']} s")
     vocab_ids = draft_vocab(seqs, c.vocab_size, DRAFT_VOCAB)
+    t0 = time.perf_counter()
+    with ctx.progress("draft: target hidden states", len(seqs)) as advance:
+        feats = target_features(model, seqs, aux, vocab_ids, advance)
+    times["features_s"] = round(time.perf_counter() - t0, 1)
+    ctx.log(f"draft: target features and draft-vocabulary logits, {times['features_s']} s")
+
     cfg = copy.deepcopy(mtsp.EAGLE3_DEFAULT_CFG["config"])
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     theta = float(getattr(c, "rope_theta", None) or (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
@@ -235,10 +268,15 @@ def train_draft(ctx: StageContext, target_dir: Path, export_dir: Path) -> dict:
     mtsp.convert(model, [("eagle", cfg)])
     em = model.eagle_module
     ids_t = torch.tensor(vocab_ids)
-    if len(vocab_ids) < c.vocab_size:
-        em.d2t.copy_(ids_t - torch.arange(len(vocab_ids)))
+    nd = len(vocab_ids)
+    if nd < c.vocab_size:
+        em.d2t.copy_(ids_t - torch.arange(nd))
     with torch.no_grad():  # start from the target's own output embedding rows
         em.lm_head.weight.copy_(model.lm_head.weight[ids_t].float())
+    # The precomputed logits already cover just the draft vocabulary; ModelOpt would otherwise
+    # gather those columns out of full-vocabulary logits.
+    full_to_draft = model._map_logits_to_draft_vocab
+    model._map_logits_to_draft_vocab = lambda x: x if x.shape[-1] == nd else full_to_draft(x)
 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tr.learning_rate, weight_decay=0.0)
@@ -248,29 +286,35 @@ def train_draft(ctx: StageContext, target_dir: Path, export_dir: Path) -> dict:
     model.train()
     gen = torch.Generator().manual_seed(0)
     losses, accs = [], []
+    t0 = time.perf_counter()
     with ctx.progress("draft: training", tr.steps) as advance:
         for step in range(tr.steps):
             pick = torch.randint(len(seqs), (BATCH,), generator=gen).tolist()
             width = max(len(seqs[i]) for i in pick)
-            input_ids, mask, aux_h, out_h = _pad_batch([seqs[i] for i in pick], [feats[i] for i in pick], width)
+            input_ids, mask, aux_h, logits = _pad_batch([seqs[i] for i in pick], [feats[i] for i in pick], width)
             out = model(input_ids=input_ids, attention_mask=mask, loss_mask=mask,
-                        base_model_outputs={"aux_hidden_states": aux_h, "base_model_hidden_states": out_h})
+                        base_model_outputs={"aux_hidden_states": aux_h, "base_model_logits": logits,
+                                            "base_model_hidden_states": aux_h.new_empty(len(pick), width, 0)})
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
-            losses.append(float(out.loss))
-            accs.append(out.train_acc[0][0])
+            losses.append(float(out.loss.detach()))
+            accs.append(out.train_acc[0])
             if (step + 1) % max(1, tr.steps // 10) == 0 or step + 1 == tr.steps:
                 k = max(1, tr.steps // 10)
+                top1 = [sum(a[d] for a in accs[-k:]) / len(accs[-k:]) for d in range(TTT_STEPS)]
                 ctx.log(f"draft: step {step + 1}/{tr.steps} loss {sum(losses[-k:]) / len(losses[-k:]):.3f} "
-                        f"top-1 {sum(accs[-k:]) / len(accs[-k:]):.2f}")
+                        f"top-1 by depth {' '.join(f'{a:.2f}' for a in top1)}")
             advance(1)
+    times["train_s"] = round(time.perf_counter() - t0, 1)
     model.eval()
     export_speculative_decoding(model, export_dir=export_dir)
     k = max(1, min(10, len(losses)))
     return {"steps": tr.steps, "samples": len(seqs), "tokens": sum(len(q) for q in seqs),
-            "final_loss": round(sum(losses[-k:]) / k, 4), "final_top1": round(sum(accs[-k:]) / k, 4),
-            "draft_vocab": len(vocab_ids)}
+            "final_loss": round(sum(losses[-k:]) / k, 4),
+            "final_top1": round(sum(a[0] for a in accs[-k:]) / k, 4),
+            "final_top1_by_depth": [round(sum(a[d] for a in accs[-k:]) / k, 4) for d in range(TTT_STEPS)],
+            "draft_vocab": nd, **times}
 
 
 def _pad_batch(seqs, feats, width):
@@ -278,18 +322,18 @@ def _pad_batch(seqs, feats, width):
     import torch
 
     b = len(seqs)
-    a_dim, h_dim = feats[0][0].shape[1], feats[0][1].shape[1]
+    a_dim, v_dim = feats[0][0].shape[1], feats[0][1].shape[1]
     input_ids = torch.zeros(b, width, dtype=torch.long)
     mask = torch.zeros(b, width, dtype=torch.long)
     aux_h = torch.zeros(b, width, a_dim)
-    out_h = torch.zeros(b, width, h_dim)
-    for i, (sq, (a, o)) in enumerate(zip(seqs, feats)):
+    logits = torch.zeros(b, width, v_dim)
+    for i, (sq, (a, lg)) in enumerate(zip(seqs, feats)):
         n = len(sq)
         input_ids[i, :n] = torch.tensor(sq)
         mask[i, :n] = 1
-        aux_h[i, :n], out_h[i, :n] = a, o
-    return input_ids, mask, aux_h, out_h
+        aux_h[i, :n], logits[i, :n] = a, lg.float()
+    return input_ids, mask, aux_h, logits
 
 
-__all__ = ["draft_vocab", "fingerprint", "load_prompts", "run", "skip_reason", "speculative_section",
-           "train_draft"]
+__all__ = ["chat_ids", "draft_vocab", "fingerprint", "load_prompts", "run", "skip_reason",
+           "speculative_section", "target_features", "target_sequences", "train_draft"]

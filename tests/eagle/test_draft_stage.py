@@ -100,7 +100,12 @@ def test_skip_reason_and_prompts(tmp_path):
         draft_stage.load_prompts(ctx, 10)
     cfg = BuildConfig.from_yaml(CONFIG)
     ctx = StageContext(config=cfg, name="draft", root=tmp_path, out_dir=tmp_path, results={})
-    assert len(draft_stage.load_prompts(ctx, 100)) == 64   # the built-in prompt set
+    builtin = draft_stage.load_prompts(ctx, 10_000)
+    assert len(builtin) == 256 and len(set(builtin)) == 256      # the built-in prompt set, no repeats
+    assert len(draft_stage.load_prompts(ctx, 100)) == 100
+    # Never trained on what the draft is measured on: the verify stage's held-out prompts.
+    from builder.stages.verify import load_prompts as heldout_prompts
+    assert not set(builtin) & set(heldout_prompts(10_000))
 
 
 def test_draft_vocab_prefers_frequent_tokens():
