@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -69,6 +70,7 @@ def main(argv=None) -> int:
     from backend.spec.speculator import attach
 
     torch.manual_seed(0)
+    load_before = list(os.getloadavg())
     engine = Path(args.engine)
     tok = Tokenizer.from_file(str(engine / "tokenizer" / "tokenizer.json"))
     prompts = [tok.encode(CHAT.format(q)).ids for q in mtbench_questions()[:args.num_prompts]]
@@ -116,14 +118,19 @@ def main(argv=None) -> int:
         "commit": commit + ("-dirty" if dirty else ""),
         "machine": {"cpu": cpu_model(), "cores": _cores(), "python": platform.python_version(),
                     "torch": torch.__version__, "device": "cpu",
+                    "load_average": {"before": load_before, "after": list(os.getloadavg())},
                     "note": "shared 2-core development machine with other jobs running: wall-clock "
-                            "numbers are noisy; passes/token and acceptance length are not"},
+                            "numbers are noisy (compare spec and off of the same run only); passes/token "
+                            "and acceptance length are not. Compute dtype as in workload.dtype: on this "
+                            "AVX2 CPU bf16 math is ~10x slower than fp32, so wall clock is measured in fp32"},
         "workload": {"dataset": "MT-bench question.jsonl (first turns)", "num_prompts": len(prompts),
                      "max_tokens": args.max_tokens, "sampling": "greedy", "dtype": args.dtype,
                      "target": engine_doc["model"].get("architecture"),
                      "draft": {"draft_vocab_size": draft_cfg["draft_vocab_size"],
                                "aux_layers": draft_cfg["aux_layers"],
-                               "training": engine_doc.get("speculative")}},
+                               "training": engine_doc.get("speculative"),
+                               "build_stage_seconds": _stage_seconds(engine.parent / "work"),
+                               "verify_heldout": (engine_doc.get("verify") or {}).get("speculative")}},
         "modes": {k: MODES[k] for k in modes[1:]},
         "results": results,
     }
@@ -135,8 +142,19 @@ def main(argv=None) -> int:
 
 
 
+def _stage_seconds(work: Path) -> dict:
+    """Seconds each build stage took when it was last built (its stage.json), if the bundle sits in
+    a build folder."""
+    out = {}
+    for name in ("draft", "verify"):
+        try:
+            out[name] = json.loads((work / name / "stage.json").read_text())["seconds"]
+        except (OSError, ValueError, KeyError):
+            pass
+    return out
+
+
 def _cores() -> int:
-    import os
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
 
 

@@ -3,14 +3,18 @@
 ``speculative.draft: train`` trains one with NVIDIA ModelOpt (``mtsp.convert`` with the EAGLE-3
 config sized to the target, ModelOpt's own loss and train-time-test steps, then
 ``export_speculative_decoding``). The training text is the TARGET's own greedy continuation of each
-prompt, so the draft learns what this target says, not what a dataset says. Three things make it
-fit in minutes on a 2-core CPU:
+prompt, so the draft learns what this target says, not what a dataset says. What makes it fit in
+minutes on a 2-core CPU:
 
 * offline features: the target runs ONCE per sample (generation, then one pass for the hidden
-  states); training steps then only run the draft (``eagle_offline=True``);
+  states and the distillation targets); training steps then only run the draft (``eagle_offline``);
+* the distillation targets are the target's logits over the DRAFT vocabulary, computed in that one
+  pass: left to itself ModelOpt multiplies every training token by the full 49k-row lm_head at
+  every step, which was most of a step's time;
 * a draft vocabulary of the most frequent tokens (``DRAFT_VOCAB``, with ``d2t``), its lm_head rows
   initialised from the target's, so the head is useful after a few dozen steps;
-* float32 draft weights (AdamW on bf16 weights stalls), exported in the target's dtype.
+* fp32 everywhere on the CPU: generation (batched, ``GEN_BATCH``) is ~3x faster than bf16 on AVX2,
+  and AdamW on bf16 draft weights stalls; the draft is exported in the target's dtype.
 
 ``speculative.draft: <path>`` imports an EAGLE-3 checkpoint in the public HF layout and refuses one
 whose hidden size, vocabulary or aux layers do not fit the target.
