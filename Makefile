@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 # Python backend stub (which runs the first python3 on PATH) sees the same packages.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup build test clean distclean serve bench bench-engine bench-overhead bench-kernels gpu-check-prepare gpu-check bench-gpu mlperf run submission validate
+.PHONY: help setup build test clean distclean serve bench bench-engine bench-overhead bench-kernels bench-eagle gpu-check-prepare gpu-check bench-gpu mlperf run submission validate
 
 help: ## List the commands
 	@echo "Kiln: ahead-of-time LLM engine builder and Triton Inference Server backend"
@@ -64,6 +64,11 @@ bench-overhead: $(STAMP) ## Host overhead per engine step at 256 sequences with 
 
 bench-kernels: $(STAMP) ## Kernel tests and bandwidth/TFLOP/s on an NVIDIA GPU
 	$(PY) -m plugins.bench $(BENCH_ARGS)
+
+bench-eagle: $(STAMP) ## EAGLE-3 acceptance and speed vs plain decoding on MT-bench (builds the eagle3 config first)
+	$(PY) -m builder build configs/smollm2-135m-bf16-eagle3.yaml
+	$(PY) -m backend.spec.bench --engine build/smollm2-135m-bf16-eagle3/engine --num-prompts 20 --max-tokens 64 \
+		--modes chain4,static,dynamic --batches 1,8 --batch-modes chain4,dynamic --dtype float32 $(BENCH_ARGS)
 
 gpu-check-prepare: $(STAMP) ## Build tiny bundles of every GPU format + CPU outputs into build/gpu-check/
 	$(PY) -m harness.gpucheck prepare

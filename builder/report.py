@@ -56,6 +56,20 @@ def _tensor_formats(weights: Path) -> str:
     return ", ".join(f"{n} x {dt}" for dt, n in sorted(counts.items()))
 
 
+def verify_line(v: dict) -> str:
+    """The verify stage's figures in one line: accuracy against the unquantized model and, with an
+    EAGLE-3 draft, its acceptance length on the held-out prompts."""
+    parts = []
+    if "top1_agreement" in v:
+        parts.append(f"top-1 agreement {v['top1_agreement']:.3f}, mean KL {v['mean_kl']:.4f} vs the "
+                     f"unquantized model ({'passed' if v.get('passed') else 'FAILED'})")
+    spec = v.get("speculative") or {}
+    if "mean_acceptance_length" in spec:
+        parts.append(f"draft acceptance length {spec['mean_acceptance_length']:.2f} tokens per target pass "
+                     f"({spec.get('tree', 'chain')})")
+    return "verify: " + "; ".join(parts) if parts else ""
+
+
 def print_summary(console: Console, root: Path, results: dict[str, StageResult], total_seconds: float) -> None:
     bundle = results.get("compile")
     if bundle is not None and bundle.path is not None:
@@ -66,6 +80,9 @@ def print_summary(console: Console, root: Path, results: dict[str, StageResult],
                       f"{m['num_heads']}/{m['num_kv_heads']} heads; weights {q['format']}, KV cache "
                       f"{engine['engine']['kv_cache_dtype']}; targets sm {engine['targets']['sms']}; "
                       f"{len(engine['kernels'])} AOT kernels")
+        line = verify_line(engine.get("verify") or {})
+        if line:
+            console.print(f"  {line}")
         files = Table("file", "size", "contents", box=None, pad_edge=False)
         groups: dict[str, list[Path]] = {}  # kernels/<sm>/ hold dozens of files: one line per folder
         for rel in ["engine.json"] + sorted(engine["files"]):

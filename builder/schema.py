@@ -10,6 +10,7 @@ Kept apart from ``builder/config.py`` so the section definitions there read like
 from __future__ import annotations
 
 import dataclasses
+import re
 import difflib
 import types
 import typing
@@ -78,6 +79,9 @@ class _Mismatch(Exception):
     pass
 
 
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _coerce(value: Any, tp: Any, file: str, path: str) -> Any:
     """Return value converted to tp (lists -> tuples, ints -> floats) or raise _Mismatch."""
     origin = typing.get_origin(tp)
@@ -111,6 +115,9 @@ def _coerce(value: Any, tp: Any, file: str, path: str) -> Any:
         raise _Mismatch
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+            # YAML 1.1 (PyYAML) reads 1e-3 as a string: it wants a dot (1.0e-3); take what users write
             return float(value)
         raise _Mismatch
     if tp is str:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from backend.runner import prefill_logits  # the one teacher-forced pass (verify and gpucheck)
 from builder.stages.base import StageContext, StageError
 
 HELDOUT = Path(__file__).resolve().parents[2] / "quant" / "data" / "heldout.jsonl"
@@ -84,25 +85,6 @@ def load_prompts(n: int, path: Path = HELDOUT) -> list[str]:
     if not texts:
         raise StageError(f"{path}: no prompts")
     return texts
-
-
-def prefill_logits(runner, ids: list[int]) -> torch.Tensor:
-    """All-position next-token logits of one prompt through the runtime (one prefill step)."""
-    from backend.attention.metadata import AttentionMetadata
-    t, bs = len(ids), runner.block_size
-    nblk = -(-t // bs)
-    assert nblk <= runner.num_blocks, "verify prompts are capped far below the KV capacity"
-    i32 = torch.int32
-    dev = runner.device
-    meta = AttentionMetadata(
-        positions=torch.arange(t, device=dev), slot_mapping=torch.arange(t, device=dev),
-        block_tables=torch.arange(nblk, dtype=i32, device=dev).view(1, -1),
-        seq_lens=torch.tensor([t], dtype=i32, device=dev),
-        query_start_loc=torch.tensor([0, t], dtype=i32, device=dev),
-        context_lens=torch.zeros(1, dtype=i32, device=dev), num_prefills=1, num_prefill_tokens=t,
-        num_decode_tokens=0, max_query_len=t, max_seq_len=t)
-    logits, _ = runner.execute(torch.tensor(ids, device=dev), meta, torch.arange(t, device=dev))
-    return logits.float().cpu()
 
 
 def compare(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[int, float, int]:

@@ -188,3 +188,24 @@ def test_cli_help_explains_options():
     assert build.returncode == 0
     for option in ("--output", "--force", "--debug", "--until", "key=value", "overrides", "stages"):
         assert option in build.stdout
+
+
+def test_exponent_floats_without_a_dot_are_numbers():
+    # PyYAML (YAML 1.1) reads 1e-3 as a string; users write it that way in files and overrides
+    from builder.config import BuildConfig
+    cfg = BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-bf16-eagle3.yaml",
+                                ["speculative.train.learning_rate=1e-3"])
+    assert cfg.speculative.train.learning_rate == 0.001
+    with pytest.raises(ConfigError, match=r"speculative.train.learning_rate: expected a number, got '1e-3x'"):
+        BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-bf16-eagle3.yaml",
+                              ["speculative.train.learning_rate=1e-3x"])
+
+
+def test_build_summary_states_verify_figures():
+    from builder.report import verify_line
+    line = verify_line({"top1_agreement": 0.91, "mean_kl": 0.058, "passed": True,
+                        "speculative": {"mean_acceptance_length": 1.35, "tree": "dynamic"}})
+    assert "top-1 agreement 0.910" in line and "(passed)" in line
+    assert "draft acceptance length 1.35 tokens per target pass (dynamic)" in line
+    assert "FAILED" in verify_line({"top1_agreement": 0.5, "mean_kl": 0.9, "passed": False})
+    assert verify_line({}) == ""
