@@ -24,8 +24,7 @@ from backend.attention.metadata import AttentionMetadata
 def buckets(max_batch: int) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, 8, then steps of 8 to 64, then steps of 32 (vLLM's spacing)."""
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(96, max(96, max_batch) + 32, 32))
-    out = sorted({s for s in sizes if s < max_batch} | {max_batch})
-    return out
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
 
 
 class DecodeGraphs:
@@ -50,8 +49,8 @@ class DecodeGraphs:
 
     def usable(self, input_ids: torch.Tensor, meta: AttentionMetadata, capture_layers) -> bool:
         t = int(input_ids.shape[0])
-        return (self.failed is None and meta.num_prefills == 0 and meta.tree_mask is None and not capture_layers and 0 < t <= self.sizes[-1]
-                and meta.num_decode_tokens == t == meta.num_seqs
+        return (self.failed is None and meta.num_prefills == 0 and meta.tree_mask is None and not capture_layers
+                and 0 < t <= self.sizes[-1] and meta.num_decode_tokens == t == meta.num_seqs
                 and meta.block_tables.shape[1] <= self.block_tables.shape[1])
 
     def _meta(self, b: int) -> AttentionMetadata:

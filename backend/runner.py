@@ -24,6 +24,8 @@ KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3
              "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Model architectures this runtime builds, by engine.json model.architecture.
 MODEL_CLASSES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel}
+# Engine keys a run may set although a bundle need not record them.
+RUNTIME_ONLY_KEYS = ("kv_cache_dtype", "max_kv_tokens", "attention_backend", "cuda_graphs")
 # On CPU the KV pool comes from RAM shared with everything else; a tenth is plenty for serving.
 CPU_RAM_FRACTION = 0.1
 
@@ -73,8 +75,9 @@ def load_engine_spec(path: str | os.PathLike, overrides: dict[str, Any] | None =
         raise EngineError(str(exc)) from exc
     engine = dict(doc.get("engine") or {})
     for key, value in (overrides or {}).items():
-        if key not in engine and key not in ("kv_cache_dtype", "max_kv_tokens", "attention_backend", "cuda_graphs"):
-            raise EngineError(f"engine override {key!r}: unknown key; allowed: {', '.join(sorted(engine))}")
+        if key not in engine and key not in RUNTIME_ONLY_KEYS:
+            raise EngineError(f"engine override {key!r}: unknown key; allowed: "
+                              f"{', '.join(sorted(set(engine) | set(RUNTIME_ONLY_KEYS)))}")
         engine[key] = value
     quant = doc.get("quantization") or {}
     return EngineSpec(path=path, doc=doc, model=ModelConfig.from_dict(doc["model"]), engine=engine,
