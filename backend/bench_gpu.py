@@ -77,20 +77,6 @@ def manifest_bundle(m: dict, engine: dict, root: Path) -> Path:
     return root
 
 
-def _copy_gbs() -> float:
-    import torch
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 20 / (time.perf_counter() - t0) / 1e9
-
-
 def single_stream(ex, vocab: int, prompt_len: int = 128, out_len: int = 256) -> dict:
     import random
 
@@ -150,9 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from backend.executor import Executor
     from harness.gpucheck.report import header, write_report
+    from plugins.bench import copy_bandwidth_gbs
     res = header(torch, "backend.bench_gpu")
     res["model"] = "Llama-3.1-8B shape, random FP8 weights (per-row), FP8 KV, lm_head bf16"
-    res["copy_gbs"] = _copy_gbs()
+    res["copy_gbs"] = copy_bandwidth_gbs()
     m = dict(LLAMA31_8B)
     seq = a.isl + a.osl + 16
     engine = {"max_batch_size": a.max_batch_size, "max_num_tokens": a.max_num_tokens, "max_seq_len": seq,

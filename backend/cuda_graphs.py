@@ -109,9 +109,7 @@ class DecodeGraphs:
                 warnings.warn(f"CUDA graph capture failed ({self.failed}); decoding eagerly", RuntimeWarning)
                 torch.cuda.synchronize(self.device)
                 return self._forward(b)[:t]
-            # capture's warm-up ran real (padded) steps on these buffers: restore this step's inputs
-            self.steps -= 1
-            return self.run(input_ids, meta)
+        # (warm-up and capture only read the input buffers: they still hold this step's inputs)
         g, out = self.graphs[b]
         g.replay()
         return out[:t]

@@ -2,8 +2,12 @@
 commit), in one place so the result files stay comparable. Standard library only."""
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def cpu_model() -> str:
@@ -15,3 +19,15 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def git_commit() -> str:
+    """Short HEAD of this checkout; KILN_COMMIT when the tree was copied without its .git (a lent GPU
+    machine receives the working tree only)."""
+    if os.environ.get("KILN_COMMIT"):
+        return os.environ["KILN_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"

@@ -22,6 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from backend.perfinfo import git_commit
 from plugins import tuning
 
 REPO = Path(__file__).resolve().parents[1]
@@ -235,11 +236,6 @@ def run_kernel_tests() -> dict:
     return res
 
 
-def _commit() -> str:
-    from harness.gpucheck.report import _commit as commit   # KILN_COMMIT where .git did not travel
-    return commit()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m plugins.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--skip-tests", action="store_true", help="skip the kernel test suite on the GPU")
@@ -256,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     res = {"gpu": gpu, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": "make bench-kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "commit": _commit(), "host": platform.node(), "torch": torch.__version__, "triton": triton.__version__}
+           "commit": git_commit(), "host": platform.node(), "torch": torch.__version__, "triton": triton.__version__}
     res["tests"] = {"passed": None, "summary": "skipped"} if a.skip_tests else run_kernel_tests()
     res["copy_gbs"] = copy_bandwidth_gbs()
     res["decode"] = [bench_decode(kv=kv) for kv in ("bf16", "fp8")] + [bench_decode(batch=1, ctx=8192)]

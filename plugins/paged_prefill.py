@@ -26,7 +26,7 @@ def gpu_tiles() -> tuple[int, int]:
     return cfg["rows"], cfg["tile_n"]
 
 
-def _launch_opts(device: torch.device) -> tuple[int, int]:
+def _launch_opts() -> tuple[int, int]:
     cfg = tuning.get("paged_prefill")
     return cfg["num_warps"], cfg["num_stages"]     # the interpreter ignores both (they name the variant)
 
@@ -142,7 +142,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device), float(scale),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             tm.stride(0) if tree_mask is not None else 0)
-    warps, stages = _launch_opts(q.device)
+    warps, stages = _launch_opts()
     launch(paged_prefill_kernel, grid, args,
            _constexprs(Hkv, group, D, bs, block_m, tile_n, k_cache.dtype == torch.float8_e4m3fn,
                        tree_mask is not None), num_warps=warps, num_stages=stages, aot=aot)

@@ -3,24 +3,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
+from backend.perfinfo import git_commit
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _commit() -> str:
-    """HEAD of the checkout; KILN_COMMIT when the tree was copied without .git (the lent GPU machine)."""
-    if os.environ.get("KILN_COMMIT"):
-        return os.environ["KILN_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def header(torch, module: str) -> dict:
@@ -31,7 +20,7 @@ def header(torch, module: str) -> dict:
             "gpu_mem_gib": round(props.total_memory / 2**30, 1), "host": platform.node(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python -m", module] + sys.argv[1:]),
-            "commit": _commit(), "python": platform.python_version(), "torch": torch.__version__,
+            "commit": git_commit(), "python": platform.python_version(), "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda}
 
 
