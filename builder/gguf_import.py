@@ -181,5 +181,14 @@ def convert(path: Path, arch: str, out: Path, dtype: torch.dtype, progress=lambd
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
     backend, extra = convert_gguf_tokenizer(gguf_arch, tok)
-    PreTrainedTokenizerFast(tokenizer_object=backend, **tok_cfg, **extra).save_pretrained(str(out))
+    kw = {**tok_cfg, **extra}
+    # The special tokens by the ids the GGUF names: transformers' GGUF conversion can label the
+    # wrong token (SmolLM2: eos_token "<|im_start|>" where the file says id 2, "<|im_end|>"), and a
+    # wrong eos_token makes every HF tool that stops on it run past the end of an answer.
+    tokens = tok.get("tokens") or []
+    for name in ("bos", "eos", "pad"):
+        tid = tok.get(f"{name}_token_id")
+        if isinstance(tid, int) and 0 <= tid < len(tokens):
+            kw[f"{name}_token"] = tokens[tid]
+    PreTrainedTokenizerFast(tokenizer_object=backend, **kw).save_pretrained(str(out))
     return {"tensors": len(state), "gguf_architecture": gguf_arch}

@@ -20,6 +20,7 @@ from builder.config import check_against_model, ConfigError
 from builder.model_spec import model_spec
 from builder.stages.base import StageContext, StageError
 
+STAGE_VERSION = 1   # 1: the tokenizer's bos/eos/pad tokens by the GGUF's ids
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 # ModelOpt's quant_algo -> our quantization.format

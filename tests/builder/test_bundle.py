@@ -54,6 +54,9 @@ def test_engine_json_describes_the_model(bf16_bundle, smollm2_hf_dir):
     assert engine["tools"]["torch"] and engine["config_file"].endswith("smollm2-135m-bf16.yaml")
     tok_cfg = json.loads((bf16_bundle / "tokenizer" / "tokenizer_config.json").read_text())
     assert "<|im_start|>" in tok_cfg["chat_template"]
+    # The tokenizer's special tokens are the ones the GGUF names by id (eos 2 = <|im_end|>), the
+    # same end the engine stops on.
+    assert (tok_cfg["bos_token"], tok_cfg["eos_token"]) == ("<|im_start|>", "<|im_end|>")
 
 
 def test_bf16_weights_equal_the_source_after_unfusing(bf16_bundle, smollm2_hf_dir):
