@@ -84,6 +84,7 @@ class DraftTrainConfig:
     learning_rate: float = opt(3.0e-4, min=0.0, max=1.0)
     seq_len: int = opt(128, min=8)
     dataset: str = opt("builtin", check=_nonempty, allowed="builtin | path to a JSONL file with a 'text' field")
+    num_prompts: int = opt(512, min=1, max=100_000)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +98,7 @@ class SpeculativeConfig:
     top_k: int = opt(4, min=1, max=64)
     depth: int = opt(4, min=1, max=16)
     aux_layers: tuple[int, ...] | None = opt(None, allowed="null | list of layer indices")
+    min_draft_prob: float = opt(0.0, min=0.0, max=1.0)
     train: DraftTrainConfig = opt(DraftTrainConfig())
 
 
@@ -217,6 +219,9 @@ class BuildConfig:
         if s.tree != "static" and s.tree_choices is not None:
             raise ConfigError(f, "speculative.tree_choices", f"only used with speculative.tree=static "
                               f"(tree is {s.tree})", "null")
+        if s.tree != "chain" and s.min_draft_prob > 0:
+            raise ConfigError(f, "speculative.min_draft_prob", f"only used with speculative.tree=chain "
+                              f"(tree is {s.tree}; the dynamic tree already ranks by draft probability)", "0")
         ports = {"http_port": self.serving.http_port, "grpc_port": self.serving.grpc_port,
                  "metrics_port": self.serving.metrics_port}
         if len(set(ports.values())) != len(ports):

@@ -6,14 +6,15 @@ config sized to the target, ModelOpt's own loss and train-time-test steps, then
 prompt, so the draft learns what this target says, not what a dataset says. What makes it fit in
 minutes on a 2-core CPU:
 
-* offline features: the target runs ONCE per sample (generation, then one pass for the hidden
-  states and the distillation targets); training steps then only run the draft (``eagle_offline``);
-* the distillation targets are the target's logits over the DRAFT vocabulary, computed in that one
-  pass: left to itself ModelOpt multiplies every training token by the full 49k-row lm_head at
-  every step, which was most of a step's time;
+* offline features: the target runs ONCE per sample, the generation itself, with its hidden
+  states recorded by hooks as it goes (``draft_data.py``); training steps then only run the draft
+  (``eagle_offline``);
+* the distillation targets are the target's logits over the DRAFT vocabulary, computed once from
+  those hidden states: left to itself ModelOpt multiplies every training token by the full 49k-row
+  lm_head at every step, which was most of a step's time;
 * a draft vocabulary of the most frequent tokens (``DRAFT_VOCAB``, with ``d2t``), its lm_head rows
   initialised from the target's, so the head is useful after a few dozen steps;
-* fp32 everywhere on the CPU: generation (batched, ``GEN_BATCH``) is ~3x faster than bf16 on AVX2,
+* fp32 everywhere on the CPU: generation (batched) is ~3x faster than bf16 on AVX2,
   and AdamW on bf16 draft weights stalls; the draft is exported in the target's dtype.
 
 ``speculative.draft: <path>`` imports an EAGLE-3 checkpoint in the public HF layout and refuses one
@@ -34,14 +35,12 @@ from collections import Counter
 from pathlib import Path
 
 from builder.stages.base import StageContext, StageError
+from builder.stages.draft_data import (chat_ids, draft_logits, draft_vocab, load_prompts, prompts_path,
+                                       target_data)
 
 DRAFT_VOCAB = 8192          # rows of the draft lm_head (SmolLM2: 49152 -> 6x cheaper drafting)
 BATCH = 4                   # training sequences per step
-NUM_PROMPTS = 256           # prompts whose continuations make the training set (the first N)
-GEN_BATCH = 32              # prompts the target continues at once
-FEAT_BATCH = 8              # sequences per hidden-state pass
 TTT_STEPS = 3               # ModelOpt's train-time-test depth (draft fed its own outputs)
-BUILTIN_PROMPTS = Path(__file__).resolve().parents[2] / "backend" / "spec" / "data" / "prompts.jsonl"
 
 
 def skip_reason(ctx: StageContext) -> str | None:
@@ -52,10 +51,8 @@ def skip_reason(ctx: StageContext) -> str | None:
 
 def fingerprint(ctx: StageContext) -> str:
     s = ctx.config.speculative
-    src = BUILTIN_PROMPTS if s.train.dataset == "builtin" else Path(s.train.dataset)
-    parts = ["draft-v2", f"vocab={DRAFT_VOCAB}", f"batch={BATCH}", f"ttt={TTT_STEPS}",
-             f"prompts={NUM_PROMPTS}"]
-    for p in ([src] if s.draft == "train" else [Path(s.draft)]):
+    parts = ["draft-v3", f"vocab={DRAFT_VOCAB}", f"batch={BATCH}", f"ttt={TTT_STEPS}"]
+    for p in ([prompts_path(ctx)] if s.draft == "train" else [Path(s.draft)]):
         p = _resolve(ctx, p)
         if p.is_file():
             st = p.stat()
@@ -107,7 +104,8 @@ def speculative_section(ctx: StageContext, cfg) -> dict:
     s = ctx.config.speculative
     return {"method": s.method, "draft_dir": "draft", "max_draft_len": s.max_draft_len, "tree": s.tree,
             "tree_choices": [list(p) for p in s.tree_choices] if s.tree_choices else None,
-            "top_k": s.top_k, "depth": s.depth, "aux_layers": list(cfg.aux_layers),
+            "top_k": s.top_k, "depth": s.depth, "min_draft_prob": s.min_draft_prob,
+            "aux_layers": list(cfg.aux_layers),
             "draft_vocab_size": cfg.draft_vocab_size}
 
 
@@ -124,107 +122,6 @@ def _torch_dtype(name: str):
 
 
 # ---- training ------------------------------------------------------------------------------------
-
-def load_prompts(ctx: StageContext, limit: int) -> list[str]:
-    ds = ctx.config.speculative.train.dataset
-    path = BUILTIN_PROMPTS if ds == "builtin" else _resolve(ctx, Path(ds))
-    if not path.is_file():
-        raise StageError(f"{ctx.config.file}: speculative.train.dataset: {path} not found; allowed: "
-                         f"builtin | path to a JSONL file with a 'text' field")
-    texts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise StageError(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
-        text = rec.get("text") if isinstance(rec, dict) else None
-        if not isinstance(text, str) or not text.strip():
-            raise StageError(f"{path}:{n}: each line needs a non-empty string field 'text'")
-        texts.append(text)
-        if len(texts) >= limit:
-            break
-    if not texts:
-        raise StageError(f"{path}: no prompts (expected JSONL lines with a 'text' field)")
-    return texts
-
-
-def chat_ids(tok, text: str) -> list[int]:
-    """A prompt as the runtime sees a chat request (template applied when the tokenizer has one)."""
-    if getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                      tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return list(tok(text)["input_ids"])
-
-
-def target_sequences(model, tok, prompts: list[str], seq_len: int, advance) -> list[list[int]]:
-    """Each prompt (chat-formatted when the tokenizer has a template) + the target's greedy
-    continuation up to ``seq_len`` tokens in all.
-
-    Prompts run GEN_BATCH at a time, grouped by length so left padding stays small: generation is
-    most of the stage's time and its cost per token falls steeply with the batch on a CPU."""
-    import torch
-
-    encoded = [chat_ids(tok, t)[-(seq_len // 2):] for t in prompts]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    eos = tok.eos_token_id
-    seqs: list[list[int] | None] = [None] * len(encoded)
-    for i in range(0, len(order), GEN_BATCH):
-        idx = order[i:i + GEN_BATCH]
-        batch = [encoded[j] for j in idx]
-        width = max(len(b) for b in batch)
-        # Left padding so every row's continuation starts at the same column.
-        ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])
-        mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                 max_new_tokens=seq_len - min(len(b) for b in batch), pad_token_id=pad)
-        for j, row, b in zip(idx, out.tolist(), batch):
-            gen = row[width:]
-            if eos in gen:  # keep the EOS itself: predicting the end is part of the job
-                gen = gen[:gen.index(eos) + 1]
-            seqs[j] = (b + gen)[:seq_len]
-        advance(len(batch))
-    return seqs  # type: ignore[return-value]
-
-
-def target_features(model, seqs: list[list[int]], aux: tuple[int, ...], vocab_ids, advance) -> list[tuple]:
-    """The target's view of every training token, computed once: (aux-layer states [T, A*H],
-    logits over the draft vocabulary [T, Vd] in bf16). The logits are the distillation targets;
-    computing only the draft vocabulary's rows of lm_head (and only once, not every training step)
-    is what keeps training cheap: over the full 49k vocabulary this product dominated each step."""
-    import torch
-
-    head = model.get_output_embeddings().weight[vocab_ids].float()
-    feats = []
-    with torch.inference_mode():
-        for i in range(0, len(seqs), FEAT_BATCH):
-            chunk = seqs[i:i + FEAT_BATCH]
-            width = max(len(q) for q in chunk)
-            ids = torch.tensor([q + [0] * (width - len(q)) for q in chunk])
-            mask = torch.tensor([[1] * len(q) + [0] * (width - len(q)) for q in chunk])
-            hs = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
-            a = torch.cat([hs[layer + 1] for layer in aux], -1).float()
-            logits = (hs[-1].float() @ head.T).to(torch.bfloat16)
-            for r, q in enumerate(chunk):
-                feats.append((a[r, :len(q)].clone(), logits[r, :len(q)].clone()))
-            advance(len(chunk))
-    return feats
-
-
-def draft_vocab(seqs: list[list[int]], vocab_size: int, size: int) -> list[int]:
-    """The ``size`` most frequent token ids in the training text; ties (and the unseen remainder)
-    by id, which for BPE vocabularies roughly follows merge order, i.e. frequency in pre-training."""
-    size = min(size, vocab_size)
-    counts = Counter(t for s in seqs for t in s)
-    seen = sorted(counts, key=lambda t: (-counts[t], t))[:size]
-    rest = (t for t in range(vocab_size) if t not in counts)
-    ids = seen + [t for _, t in zip(range(size - len(seen)), rest)]
-    return sorted(ids)
-
 
 def train_draft(ctx: StageContext, target_dir: Path, export_dir: Path) -> dict:
     import torch
@@ -245,18 +142,17 @@ def train_draft(ctx: StageContext, target_dir: Path, export_dir: Path) -> dict:
     model.config.architectures = model.config.architectures or ["LlamaForCausalLM"]
     c = model.config
     aux = tuple(s.aux_layers) if s.aux_layers is not None else default_aux_layers(c.num_hidden_layers)
-    prompts = load_prompts(ctx, NUM_PROMPTS)
+    prompts = load_prompts(ctx, tr.num_prompts)
     t0 = time.perf_counter()
-    with ctx.progress("draft: target continuations", len(prompts)) as advance:
-        seqs = target_sequences(model, tok, prompts, tr.seq_len, advance)
+    with ctx.progress("draft: target answers", len(prompts)) as advance:
+        samples = target_data(model, tok, prompts, tr.seq_len, aux, advance)
     times["generate_s"] = round(time.perf_counter() - t0, 1)
-    ctx.log(f"draft: {len(seqs)} target continuations, {sum(map(len, seqs))} tokens, {times['generate_s']} s")
+    seqs = [x.ids for x in samples]
+    ctx.log(f"draft: the target answered {len(seqs)} prompts, {sum(map(len, seqs))} tokens with their "
+            f"hidden states, {times['generate_s']} s")
     vocab_ids = draft_vocab(seqs, c.vocab_size, DRAFT_VOCAB)
-    t0 = time.perf_counter()
-    with ctx.progress("draft: target hidden states", len(seqs)) as advance:
-        feats = target_features(model, seqs, aux, vocab_ids, advance)
-    times["features_s"] = round(time.perf_counter() - t0, 1)
-    ctx.log(f"draft: target features and draft-vocabulary logits, {times['features_s']} s")
+    feats = [(x.aux, lg) for x, lg in zip(samples, draft_logits(samples, model.lm_head.weight[vocab_ids]))]
+    del samples
 
     cfg = copy.deepcopy(mtsp.EAGLE3_DEFAULT_CFG["config"])
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -287,14 +183,25 @@ def train_draft(ctx: StageContext, target_dir: Path, export_dir: Path) -> dict:
     warm = max(1, tr.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, tr.steps) / tr.steps)))
+    # Batches of neighbours in length order (a random window each step): little padding, and
+    # the answers' lengths vary a lot. ModelOpt caches its train-time-test attention masks per TTT
+    # step only, so they are dropped whenever the width changes, or a batch of another width
+    # would meet a mask of the wrong size.
+    by_len = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    batch = min(BATCH, len(seqs))
+    last_width = None
     model.train()
     gen = torch.Generator().manual_seed(0)
     losses, accs = [], []
     t0 = time.perf_counter()
     with ctx.progress("draft: training", tr.steps) as advance:
         for step in range(tr.steps):
-            pick = torch.randint(len(seqs), (BATCH,), generator=gen).tolist()
-            width = max(len(seqs[i]) for i in pick)
+            first = int(torch.randint(len(seqs) - batch + 1, (1,), generator=gen))
+            pick = by_len[first:first + batch]
+            width = len(seqs[pick[-1]])
+            if width != last_width:
+                model._cached_attn_blk_masks.clear()
+                last_width = width
             input_ids, mask, aux_h, logits = _pad_batch([seqs[i] for i in pick], [feats[i] for i in pick], width)
             out = model(input_ids=input_ids, attention_mask=mask, loss_mask=mask,
                         base_model_outputs={"aux_hidden_states": aux_h, "base_model_logits": logits,
@@ -340,4 +247,4 @@ def _pad_batch(seqs, feats, width):
 
 
 __all__ = ["chat_ids", "draft_vocab", "fingerprint", "load_prompts", "run", "skip_reason",
-           "speculative_section", "target_features", "target_sequences", "train_draft"]
+           "speculative_section", "train_draft"]

@@ -1,5 +1,5 @@
 """The CI-sized EAGLE-3 bundle shared by the end-to-end tests: the real SmolLM2 target and a draft
-really trained by ModelOpt, briefly (24 steps on the continuations of 8 prompts), so it is built in
+really trained by ModelOpt, briefly (24 steps on the answers to 9 prompts), so it is built in
 well under a minute and cached in build/test-cache/ like every other test bundle."""
 import json
 
@@ -7,7 +7,10 @@ import pytest
 
 TRAIN_TEXTS = ["Explain how rain forms.", "Write a short poem about trees.", "What is a computer?",
                "How do birds fly?", "Give three tips for studying.", "What is the moon made of?",
-               "Describe your favourite food.", "Why is exercise healthy?"]
+               "Describe your favourite food.", "Why is exercise healthy?",
+               # A one-word answer ends (EOS) long before seq_len: training batches then hold
+               # sequences of different lengths, which ModelOpt's cached TTT masks must survive.
+               "Answer with one word only: what colour is a clear daytime sky?"]
 
 
 def eagle_overrides(verify: bool) -> list[str]:

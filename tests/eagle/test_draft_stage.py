@@ -101,7 +101,7 @@ def test_skip_reason_and_prompts(tmp_path):
     cfg = BuildConfig.from_yaml(CONFIG)
     ctx = StageContext(config=cfg, name="draft", root=tmp_path, out_dir=tmp_path, results={})
     builtin = draft_stage.load_prompts(ctx, 10_000)
-    assert len(builtin) == 256 and len(set(builtin)) == 256      # the built-in prompt set, no repeats
+    assert len(builtin) == 1024 and len(set(builtin)) == 1024    # the built-in prompt set, no repeats
     assert len(draft_stage.load_prompts(ctx, 100)) == 100
     # Never trained on what the draft is measured on: the verify stage's held-out prompts.
     from builder.stages.verify import load_prompts as heldout_prompts
