@@ -79,11 +79,13 @@ class TreeGrower:
 
     @staticmethod
     def from_settings(draft: Eagle3Draft, tree: str, max_draft_len: int, top_k: int, depth: int,
-                      tree_choices) -> "TreeGrower":
+                      tree_choices, min_draft_prob: float = 0.0) -> "TreeGrower":
         if tree not in GROWERS:
             raise ValueError(f"speculative.tree: {tree!r}; allowed: {', '.join(GROWERS)}")
+        if min_draft_prob > 0 and tree != "chain":
+            raise ValueError(f"speculative.min_draft_prob: only for tree: chain (tree is {tree}); allowed: 0")
         return GROWERS[tree](draft, max_draft_len=max_draft_len, top_k=top_k, depth=depth,
-                             tree_choices=tree_choices)
+                             tree_choices=tree_choices, min_prob=min_draft_prob)
 
     def grow(self, cache: DraftKV, last_out: torch.Tensor, root_token: int, root_pos: int) -> TokenTree:
         return self.grow_many([GrowRequest(cache, last_out, root_token, root_pos)])[0]
@@ -93,10 +95,19 @@ class TreeGrower:
 
 
 class ShapeGrower(TreeGrower):
-    """A fixed topology (chain or static tree) filled with the draft's ranked top-k per node."""
+    """A fixed topology (chain or static tree) filled with the draft's ranked top-k per node.
 
-    def __init__(self, draft: Eagle3Draft, shape: TreeShape) -> None:
+    ``min_prob`` (chains only): the chain stops before the first token whose cumulative draft
+    probability is below it, and drafting stops once every chain of the step has stopped. Each
+    verified draft token costs a row of the target's pass whether or not it is accepted; where
+    that row is not nearly free (a CPU, a busy GPU) a token the draft itself doubts costs more
+    than it is expected to save (EAGLE-2's observation: the draft's confidence predicts
+    acceptance). A chain cut to nothing makes the step an ordinary decode."""
+
+    def __init__(self, draft: Eagle3Draft, shape: TreeShape, min_prob: float = 0.0) -> None:
         super().__init__(draft)
+        assert min_prob == 0 or all(p == i - 1 for i, p in enumerate(shape.parents) if i), "chains only"
+        self.min_prob = min_prob
         self.shape = shape
         self.k = max(1, max_rank(shape))
         self.has_children = [bool(shape.children(i)) for i in range(shape.num_nodes)]
@@ -110,9 +121,15 @@ class ShapeGrower(TreeGrower):
         entry_of: list[dict[int, int]] = [{} for _ in requests]     # node -> its entry index
         out_of = [{0: r.last_out} for r in requests]               # node -> output proposing its children
         scratch = [_Scratch(r.cache, r.root_pos) for r in requests]
-        top = d.to_target_ids(d.logits(torch.cat([r.last_out for r in requests])).topk(self.k, dim=-1).indices)
-        children = [{0: row} for row in top.tolist()]
+        probs, idx = d.logits(torch.cat([r.last_out for r in requests])).softmax(-1).topk(self.k, dim=-1)
+        children = [{0: row} for row in d.to_target_ids(idx).tolist()]
+        # Chains only (checked at construction): length kept so far and its cumulative probability.
+        keep = [s.num_nodes] * len(requests)
+        cum = [1.0] * len(requests)
+        self._cut(keep, cum, probs, 1)
         for depth in range(1, s.depth + 1):
+            if self.min_prob > 0 and all(n <= depth for n in keep):
+                break  # every chain already stopped above this depth: no more draft calls
             for b in range(len(requests)):
                 for node in self.by_depth[depth]:
                     tokens[b][node] = int(children[b][s.parents[node]][s.ranks[node]])
@@ -128,14 +145,29 @@ class ShapeGrower(TreeGrower):
                     new.append(_Entry(out_of[b][s.parents[nd]], tokens[b][nd], depth, anc + [entry_of[b][nd]]))
                 jobs.append((scratch[b], new))
             logits, outs = _expand(d, jobs)
-            top = d.to_target_ids(logits.topk(self.k, dim=-1).indices).tolist()
+            probs, idx = logits.softmax(-1).topk(self.k, dim=-1)
+            self._cut(keep, cum, probs, depth + 1)
+            top = d.to_target_ids(idx).tolist()
             r = 0
             for b in range(len(requests)):
                 for nd in expand:
                     out_of[b][nd] = outs[r:r + 1]
                     children[b][nd] = top[r]
                     r += 1
+        if self.min_prob > 0:
+            return [TokenTree(tuple(t[:n]), s.parents[:n]) for t, n in zip(tokens, keep)]
         return [TokenTree(tuple(t), s.parents) for t in tokens]
+
+    def _cut(self, keep: list[int], cum: list[float], probs: torch.Tensor, node: int) -> None:
+        """Chain node ``node`` was just proposed for each sequence (probability ``probs[b, 0]``):
+        stop a chain there if its cumulative probability falls below ``min_prob``."""
+        if self.min_prob <= 0 or node >= self.shape.num_nodes:
+            return
+        for b, p in enumerate(probs[:, 0].tolist()):
+            if keep[b] > node:
+                cum[b] *= p
+                if cum[b] < self.min_prob:
+                    keep[b] = node
 
 
 class DynamicGrower(TreeGrower):
@@ -204,7 +236,8 @@ def _ancestors(parents, node: int) -> list[int]:
 
 
 GROWERS = {
-    "chain": lambda draft, max_draft_len, **_: ShapeGrower(draft, chain_shape(max_draft_len)),
+    "chain": lambda draft, max_draft_len, min_prob=0.0, **_: ShapeGrower(draft, chain_shape(max_draft_len),
+                                                                         min_prob),
     "static": lambda draft, tree_choices, **_: ShapeGrower(draft, static_shape(tree_choices)),
     "dynamic": lambda draft, top_k, depth, **_: DynamicGrower(draft, top_k, depth),
 }

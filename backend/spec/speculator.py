@@ -81,8 +81,9 @@ class EagleSpeculator:
     @classmethod
     def for_executor(cls, executor, tree: str | None = None, max_draft_len: int | None = None,
                      top_k: int | None = None, depth: int | None = None,
-                     tree_choices=None) -> "EagleSpeculator":
-        """Build from the bundle's ``speculative`` section and ``draft/``; keyword overrides win."""
+                     tree_choices=None, min_draft_prob: float | None = None) -> "EagleSpeculator":
+        """Build from the bundle's ``speculative`` section and ``draft/``; keyword overrides win
+        (the bundle's ``min_draft_prob`` applies to chains only: another tree shape drops it)."""
         spec = executor.spec.doc.get("speculative") or {}
         if spec.get("method") != "eagle3":
             raise ValueError(f"{executor.spec.path}/engine.json: speculative.method is "
@@ -96,12 +97,15 @@ class EagleSpeculator:
                              f"!= target {model.config.hidden_size}/{model.config.vocab_size}; rebuild the engine")
         draft = Eagle3Draft(cfg, tensors, model.embed_tokens, model.lm_head,
                             model.config.max_position_embeddings + 64, runner.device, runner.dtype)
+        tree = tree or spec.get("tree", "chain")
+        if min_draft_prob is None:
+            min_draft_prob = spec.get("min_draft_prob", 0.0) if tree == "chain" else 0.0
         grower = TreeGrower.from_settings(
-            draft, tree or spec.get("tree", "chain"),
+            draft, tree,
             max_draft_len if max_draft_len is not None else spec.get("max_draft_len", 4),
             top_k if top_k is not None else spec.get("top_k", 4),
             depth if depth is not None else spec.get("depth", 4),
-            tree_choices if tree_choices is not None else spec.get("tree_choices"))
+            tree_choices if tree_choices is not None else spec.get("tree_choices"), min_draft_prob)
         return cls(draft, runner.kv_caches, grower)
 
     # -- the executor seam ----------------------------------------------------------------------

@@ -100,6 +100,8 @@ def test_unknown_quantization_format(tmp_path):
     (["model.max_position_embeddings=1024"], "engine.max_seq_len", "exceeds the model's context"),
     (["speculative.tree=static"], "speculative.tree_choices", "required when speculative.tree=static"),
     (["speculative.tree_choices=[[0]]"], "speculative.tree_choices", "only used with speculative.tree=static"),
+    (["speculative.tree=dynamic", "speculative.min_draft_prob=0.3"], "speculative.min_draft_prob",
+     "only used with speculative.tree=chain"),
     (["serving.grpc_port=8000"], "serving", "ports must differ"),
     (["quantization.calibration.num_samples=0"], "quantization.calibration.num_samples", "too small"),
     (["model.source="], "model.source", "expected a string"),

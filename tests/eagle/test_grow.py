@@ -126,3 +126,34 @@ def test_batched_step_equals_per_sequence_steps(draft):
                        draft.step(feats[2:], toks[2:], pos[2:], caches[1], 7)])
     together = draft.step_many(feats, toks, pos, [DraftSlice(2, caches[0], 4), DraftSlice(3, caches[1], 7)])
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+
+
+def chain_probs(draft, cache, last, root_pos, k):
+    """The draft's probability of each token of the greedy chain, step by step."""
+    probs, h, written = [], last, 0
+    for d in range(1, k + 1):
+        p = draft.logits(h).softmax(-1)
+        t = int(p.argmax(-1))
+        probs.append(float(p[0, t]))
+        if d == k:
+            break
+        h = draft.step(h, torch.tensor([t]), torch.tensor([root_pos + d - 1]), cache, cache.length + written)
+        written += 1
+    return probs
+
+
+@pytest.mark.parametrize("n, root", [(6, 5), (3, 7), (9, 1)])
+def test_min_draft_prob_cuts_the_chain_where_its_confidence_falls(draft, n, root):
+    from backend.spec.grow import GrowRequest
+
+    cache, last = committed(draft, n)
+    full = TreeGrower.from_settings(draft, "chain", 4, 0, 0, None).grow(cache, last, root, n)
+    probs = chain_probs(draft, cache, last, n, 4)
+    cum = torch.tensor(probs).cumprod(0).tolist()
+    for threshold in (0.0, cum[1] - 1e-6, cum[1] + 1e-6, 0.999):
+        want = next((i for i, c in enumerate(cum) if c < threshold), 4)   # tokens kept
+        got = TreeGrower.from_settings(draft, "chain", 4, 0, 0, None, threshold).grow_many(
+            [GrowRequest(cache, last, root, n)])[0]
+        assert got.is_chain() and got.tokens == full.tokens[:1 + want], (threshold, cum)
+    with pytest.raises(ValueError, match="min_draft_prob: only for tree: chain"):
+        TreeGrower.from_settings(draft, "dynamic", 0, 3, 3, None, 0.5)
