@@ -235,11 +235,14 @@ class BuildConfig:
         return json.loads(json.dumps(d))
 
     def section_hash(self, section: str) -> str:
-        """sha256 of one section's normalized JSON: stable across runs, key order and YAML layout."""
-        d = self.to_dict()
-        if section not in d:
-            raise KeyError(f"unknown config section {section!r}; sections: {', '.join(d)}")
-        return _sha256_json(d[section])
+        """sha256 of one section's normalized JSON: stable across runs, key order and YAML layout.
+        ``section`` may be a dotted path to one key of a section (``speculative.train``)."""
+        d: Any = self.to_dict()
+        for part in section.split("."):
+            if not isinstance(d, dict) or part not in d:
+                raise KeyError(f"unknown config section {section!r}; sections: {', '.join(self.to_dict())}")
+            d = d[part]
+        return _sha256_json(d)
 
     def config_hash(self) -> str:
         """sha256 of every section that changes the engine (output location excluded)."""

@@ -24,8 +24,11 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("import", "builder.stages.import_", "work/import", ("model",), ()),
     StageSpec("quantize", "builder.stages.quantize", "work/quantize",
               ("model", "quantization"), ("import",)),
+    # Only the keys that shape the draft's weights: the tree settings are read at run time (compile
+    # writes them into engine.json), so trying another tree does not train the draft again.
     StageSpec("draft", "builder.stages.draft", "work/draft",
-              ("model", "speculative"), ("import", "quantize"), optional=True),
+              ("model", "speculative.method", "speculative.draft", "speculative.aux_layers", "speculative.train"),
+              ("import", "quantize"), optional=True),
     StageSpec("compile", "builder.stages.compile", "engine",
               ("model", "quantization", "speculative", "engine"), ("import", "quantize", "draft")),
     StageSpec("verify", "builder.stages.verify", "work/verify",

@@ -153,7 +153,11 @@ def _copy_draft(ctx: StageContext, out: Path) -> dict | None:
     for f in draft.path.iterdir():
         if f.is_file() and f.name != "stage.json":
             shutil.copy2(f, out / "draft" / f.name)
-    return draft.info.get("speculative") or {"method": ctx.config.speculative.method}
+    from builder.stages.draft import runtime_settings
+
+    # The draft stage may be cached from a build with other tree settings: these come from now.
+    return {**(draft.info.get("speculative") or {"method": ctx.config.speculative.method}),
+            **runtime_settings(ctx.config)}
 
 
 def _compile_kernels(ctx: StageContext, engine: dict, out: Path) -> list:

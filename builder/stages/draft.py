@@ -101,12 +101,17 @@ def run(ctx: StageContext) -> dict:
 
 def speculative_section(ctx: StageContext, cfg) -> dict:
     """What the runtime needs from engine.json (the draft's own shape is in draft/config.json)."""
-    s = ctx.config.speculative
-    return {"method": s.method, "draft_dir": "draft", "max_draft_len": s.max_draft_len, "tree": s.tree,
+    return {"method": ctx.config.speculative.method, "draft_dir": "draft", **runtime_settings(ctx.config),
+            "aux_layers": list(cfg.aux_layers), "draft_vocab_size": cfg.draft_vocab_size}
+
+
+def runtime_settings(config) -> dict:
+    """The tree settings the runtime reads from engine.json. Not part of the draft stage's key
+    (see builder/stages/__init__.py): compile refreshes them from the config on every build."""
+    s = config.speculative
+    return {"max_draft_len": s.max_draft_len, "tree": s.tree,
             "tree_choices": [list(p) for p in s.tree_choices] if s.tree_choices else None,
-            "top_k": s.top_k, "depth": s.depth, "min_draft_prob": s.min_draft_prob,
-            "aux_layers": list(cfg.aux_layers),
-            "draft_vocab_size": cfg.draft_vocab_size}
+            "top_k": s.top_k, "depth": s.depth, "min_draft_prob": s.min_draft_prob}
 
 
 def _resolve(ctx: StageContext, p: Path) -> Path:
@@ -246,5 +251,5 @@ def _pad_batch(seqs, feats, width):
     return input_ids, mask, aux_h, logits
 
 
-__all__ = ["chat_ids", "draft_vocab", "fingerprint", "load_prompts", "run", "skip_reason",
+__all__ = ["chat_ids", "draft_vocab", "fingerprint", "load_prompts", "run", "runtime_settings", "skip_reason",
            "speculative_section", "train_draft"]

@@ -137,6 +137,23 @@ def test_section_hash_is_stable_and_specific(tmp_path):
     assert len(a.section_hash("model")) == 64
     with pytest.raises(KeyError):
         a.section_hash("nope")
+    with pytest.raises(KeyError):
+        a.section_hash("speculative.nope")
+
+
+def test_draft_stage_key_ignores_tree_settings():
+    # Trying another tree shape or threshold must not train the draft again; its data must.
+    from builder.pipeline import stage_key
+    from builder.stages import get
+
+    cfg = REPO / "configs" / "smollm2-135m-bf16-eagle3.yaml"
+    key = lambda *o: stage_key(get("draft"), BuildConfig.from_yaml(cfg, list(o)), {}, "")  # noqa: E731
+    base = key()
+    assert key("speculative.tree=dynamic", "speculative.min_draft_prob=0") == base
+    assert key("speculative.max_draft_len=6", "speculative.min_draft_prob=0.5") == base
+    assert key("speculative.train.steps=7") != base and key("speculative.aux_layers=[2,15,27]") != base
+    assert stage_key(get("compile"), BuildConfig.from_yaml(cfg, ["speculative.max_draft_len=6"]), {}, "") != \
+        stage_key(get("compile"), BuildConfig.from_yaml(cfg), {}, "")   # engine.json gets the new settings
 
 
 def test_config_is_frozen():
@@ -206,8 +223,9 @@ def test_exponent_floats_without_a_dot_are_numbers():
 def test_build_summary_states_verify_figures():
     from builder.report import verify_line
     line = verify_line({"top1_agreement": 0.91, "mean_kl": 0.058, "passed": True,
-                        "speculative": {"mean_acceptance_length": 1.35, "tree": "dynamic"}})
+                        "speculative": {"mean_acceptance_length": 1.35, "tokens_per_target_pass": 1.2,
+                                        "tree": "dynamic"}})
     assert "top-1 agreement 0.910" in line and "(passed)" in line
-    assert "draft acceptance length 1.35 tokens per target pass (dynamic)" in line
+    assert "draft: 1.20 tokens per target pass (dynamic, acceptance length 1.35 per verifying step)" in line
     assert "FAILED" in verify_line({"top1_agreement": 0.5, "mean_kl": 0.9, "passed": False})
     assert verify_line({}) == ""
