@@ -65,8 +65,9 @@ def verify_line(v: dict) -> str:
                      f"unquantized model ({'passed' if v.get('passed') else 'FAILED'})")
     spec = v.get("speculative") or {}
     if "mean_acceptance_length" in spec:
-        parts.append(f"draft acceptance length {spec['mean_acceptance_length']:.2f} tokens per target pass "
-                     f"({spec.get('tree', 'chain')})")
+        per_pass = spec.get("tokens_per_target_pass", spec["mean_acceptance_length"])
+        parts.append(f"draft: {per_pass:.2f} tokens per target pass ({spec.get('tree', 'chain')}, "
+                     f"acceptance length {spec['mean_acceptance_length']:.2f} per verifying step)")
     return "verify: " + "; ".join(parts) if parts else ""
 
 

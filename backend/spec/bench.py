@@ -24,12 +24,18 @@ import sys
 import zipfile
 from pathlib import Path
 from backend.perfinfo import cpu_model
+from backend.triton.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 MTBENCH_DIR = REPO / "build" / "cache" / "mtbench"
-CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 MODES = {
-    "chain4": {"tree": "chain", "max_draft_len": 4},
+    "chain4": {"tree": "chain", "max_draft_len": 4, "min_draft_prob": 0.0},
+    "chain2": {"tree": "chain", "max_draft_len": 2, "min_draft_prob": 0.0},
+    # min_draft_prob: the chain stops where the draft's cumulative confidence falls below it
+    "chain4p10": {"tree": "chain", "max_draft_len": 4, "min_draft_prob": 0.1},
+    "chain4p20": {"tree": "chain", "max_draft_len": 4, "min_draft_prob": 0.2},
+    "chain4p35": {"tree": "chain", "max_draft_len": 4, "min_draft_prob": 0.35},
+    "chain4p50": {"tree": "chain", "max_draft_len": 4, "min_draft_prob": 0.5},
     "static": {"tree": "static", "tree_choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0],
                                                   [0, 0, 1], [0, 1, 0], [0, 0, 0, 0]]},
     "dynamic": {"tree": "dynamic", "top_k": 4, "depth": 4},
@@ -54,16 +60,15 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", default=str(REPO / "build" / "smollm2-135m-bf16-eagle3" / "engine"))
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--modes", default="chain4,static,dynamic")
+    ap.add_argument("--modes", default="chain4,chain2,chain4p20,chain4p35,chain4p50,dynamic")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--batch-modes", default="chain4", help="modes also timed at batch > 1")
+    ap.add_argument("--batch-modes", default="chain4,chain4p35", help="modes also timed at batch > 1")
     ap.add_argument("--dtype", default="float32",
                     help="runner compute dtype; on AVX2 CPUs bf16 math is ~10x slower than fp32")
     ap.add_argument("--out", default=str(REPO / "docs" / "perf" / "eagle3.json"))
     args = ap.parse_args(argv)
 
     import torch
-    from tokenizers import Tokenizer
 
     from backend.executor import Executor
     from backend.spec.measure import run_greedy
@@ -72,8 +77,10 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     load_before = list(os.getloadavg())
     engine = Path(args.engine)
-    tok = Tokenizer.from_file(str(engine / "tokenizer" / "tokenizer.json"))
-    prompts = [tok.encode(CHAT.format(q)).ids for q in mtbench_questions()[:args.num_prompts]]
+    # The chat template exactly as the server applies it (apply_chat_template): SmolLM2's adds its
+    # default system prompt.
+    tok = load_tokenizer(engine)
+    prompts = [tok.encode(q, chat=True) for q in mtbench_questions()[:args.num_prompts]]
     from safetensors.torch import load_file
     weights = load_file(str(engine / "weights.safetensors"))
     results: dict = {}
@@ -123,7 +130,7 @@ def main(argv=None) -> int:
                             "numbers are noisy (compare spec and off of the same run only); passes/token "
                             "and acceptance length are not. Compute dtype as in workload.dtype: on this "
                             "AVX2 CPU bf16 math is ~10x slower than fp32, so wall clock is measured in fp32"},
-        "workload": {"dataset": "MT-bench question.jsonl (first turns)", "num_prompts": len(prompts),
+        "workload": {"dataset": "MT-bench question.jsonl (first turns, the tokenizer's chat template)", "num_prompts": len(prompts),
                      "max_tokens": args.max_tokens, "sampling": "greedy", "dtype": args.dtype,
                      "target": engine_doc["model"].get("architecture"),
                      "draft": {"draft_vocab_size": draft_cfg["draft_vocab_size"],

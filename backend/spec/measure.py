@@ -39,6 +39,8 @@ def acceptance(ex, prompts: list[list[int]], max_tokens: int, batch: int) -> dic
     r.pop("tokens")
     st = spec.stats.as_dict()
     return {"mean_acceptance_length": round(st["mean_acceptance_length"], 4),
+            "tokens_per_target_pass": round(st["tokens_per_target_pass"], 4),
+            "spec_undrafted_steps": st["spec_undrafted_steps"],
             "acceptance_rate": round(st["acceptance_rate"], 4),
             "draft_tokens_proposed": st["draft_tokens_proposed"],
             "draft_tokens_accepted": st["draft_tokens_accepted"],

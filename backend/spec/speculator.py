@@ -51,6 +51,9 @@ class SpecStats:
     proposed: int = 0                 # draft tokens scored by the target
     accepted: int = 0                 # draft tokens kept
     emitted: int = 0                  # tokens produced by verifying steps (accepted + bonus)
+    # (request, step) pairs of speculating requests that had no drafts that step (min_draft_prob
+    # cut the chain to nothing): ordinary decodes, one token each.
+    undrafted_steps: int = 0
     accept_hist: dict[int, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -58,6 +61,11 @@ class SpecStats:
                 "draft_tokens_accepted": self.accepted,
                 "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
                 "mean_acceptance_length": self.emitted / self.verify_steps if self.verify_steps else 0.0,
+                "spec_undrafted_steps": self.undrafted_steps,
+                # Per target pass of a speculating request, counting its undrafted steps too.
+                "tokens_per_target_pass": ((self.emitted + self.undrafted_steps)
+                                           / (self.verify_steps + self.undrafted_steps)
+                                           if self.verify_steps + self.undrafted_steps else 0.0),
                 "accepted_per_step_histogram": dict(sorted(self.accept_hist.items()))}
 
 
@@ -113,6 +121,12 @@ class EagleSpeculator:
         self._forget(out.finished_request_ids)
         self._forget(r.request_id for r in out.preempted)
         self._slots.clear()
+        for s in out.scheduled:
+            if not s.num_spec_tokens and s.sample:
+                # A chain cut to nothing (min_draft_prob): this step is an ordinary decode for it.
+                tree = self._trees.pop(s.request.request_id, None)
+                if tree is not None and tree.num_nodes == 1:
+                    self.stats.undrafted_steps += 1
         if not any(s.num_spec_tokens for s in out.scheduled):
             return
         meta = inputs.meta

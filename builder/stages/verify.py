@@ -156,8 +156,9 @@ def draft_acceptance(ctx: StageContext, bundle_dir: Path, texts: list[str]) -> d
         r = acceptance(ex, prompts, ACCEPT_TOKENS, batch=len(prompts))
     r.update(tree=spec.get("tree"), max_draft_len=spec.get("max_draft_len"), dtype=str(ex.runner.dtype).removeprefix("torch."),
              prompts=f"{HELDOUT.parent.parent.name}/{HELDOUT.parent.name}/{HELDOUT.name} (chat template)")
-    ctx.log(f"verify: EAGLE-3 draft ({r['tree']}) mean acceptance length {r['mean_acceptance_length']:.2f} "
-            f"tokens per target pass, acceptance rate {r['acceptance_rate']:.2f} "
+    ctx.log(f"verify: EAGLE-3 draft ({r['tree']}) {r['tokens_per_target_pass']:.2f} tokens per target pass "
+            f"(acceptance length {r['mean_acceptance_length']:.2f} per verifying step, "
+            f"{r['spec_undrafted_steps']} steps without drafts), acceptance rate {r['acceptance_rate']:.2f} "
             f"({r['draft_tokens_accepted']}/{r['draft_tokens_proposed']} drafts) over {len(prompts)} held-out prompts "
             f"x {ACCEPT_TOKENS} tokens")
     return r

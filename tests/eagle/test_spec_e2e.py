@@ -93,6 +93,24 @@ def test_greedy_alone_equals_plain_decoding(eagle_bundle, weights, prompts, base
         assert spec.generate([p], GREEDY)[0].token_ids == plain.generate([p], GREEDY)[0].token_ids
 
 
+def test_min_draft_prob_drops_doubtful_drafts_and_keeps_greedy_output(eagle_bundle, weights, prompts, baseline):
+    n = 8
+    # Threshold 1: no draft is ever that sure, so every step is an ordinary decode.
+    ex = make(eagle_bundle, weights, {"tree": "chain", "max_draft_len": 4, "min_draft_prob": 1.0})
+    assert [r.token_ids for r in ex.generate(prompts[:n], GREEDY)] == baseline[1][:n]
+    st = ex.speculator.stats.as_dict()
+    assert st["draft_tokens_proposed"] == 0 and st["spec_verify_steps"] == 0
+    assert st["spec_undrafted_steps"] == n * (MAX_TOKENS - 1)      # every decode after the prefill
+    assert st["tokens_per_target_pass"] == 1.0
+    # A middle threshold: fewer drafts than the full chains, same output.
+    full = make(eagle_bundle, weights, {"tree": "chain", "max_draft_len": 4, "min_draft_prob": 0.0})
+    full.generate(prompts[:n], GREEDY)
+    cut = make(eagle_bundle, weights, {"tree": "chain", "max_draft_len": 4, "min_draft_prob": 0.05})
+    assert [r.token_ids for r in cut.generate(prompts[:n], GREEDY)] == baseline[1][:n]
+    a, b = full.speculator.stats.as_dict(), cut.speculator.stats.as_dict()
+    assert b["draft_tokens_proposed"] < a["draft_tokens_proposed"]
+
+
 @pytest.mark.parametrize("spec", [
     {"tree": "static", "tree_choices": [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]},
     {"tree": "dynamic", "top_k": 3, "depth": 3},

@@ -26,11 +26,12 @@ def test_verify_stage_records_acceptance_in_engine_json(eagle_bundle):
     assert v["passed"] is True and v["num_prompts"] == 2     # the accuracy gate still ran
     acc = v["speculative"]
     assert acc["num_prompts"] == 2 and acc["max_tokens"] == verify_stage.ACCEPT_TOKENS
-    assert acc["tree"] == doc["speculative"]["tree"]
+    assert acc["tree"] == doc["speculative"]["tree"] and doc["speculative"]["min_draft_prob"] == 0.0
     assert acc["draft_tokens_proposed"] > 0 and acc["spec_verify_steps"] > 0
     assert 0 <= acc["draft_tokens_accepted"] <= acc["draft_tokens_proposed"]
     # Tokens per verifying pass: the bonus token plus the accepted drafts, at most 1 + max_draft_len.
     assert 1.0 <= acc["mean_acceptance_length"] <= 1 + doc["speculative"]["max_draft_len"]
+    assert acc["spec_undrafted_steps"] == 0 and acc["tokens_per_target_pass"] == acc["mean_acceptance_length"]
     assert acc["acceptance_rate"] == pytest.approx(acc["draft_tokens_accepted"] / acc["draft_tokens_proposed"],
                                                    abs=1e-4)
     assert sum(acc["accepted_per_step_histogram"].values()) == acc["spec_verify_steps"]
