@@ -23,9 +23,6 @@ from harness.serving_client import grpc_inputs, http_generate
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
-TRAIN_TEXTS = ["Explain how rain forms.", "Write a short poem about trees.", "What is a computer?",
-               "How do birds fly?", "Give three tips for studying.", "What is the moon made of?",
-               "Describe your favourite food.", "Why is exercise healthy?"]
 # raw prompts under 16 tokens (one KV block): no request reuses a cached prefix, so the server does
 # exactly the arithmetic of the in-process reference and the draft sees the same context
 PROMPTS = {"paris": "The capital of France is", "fox": "The quick brown fox"}
@@ -34,17 +31,10 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def eagle_build(build_bundle):
-    from tests.conftest import CACHE  # noqa: PLC0415 - the shared cache folder
+    # the eagle tests' CI-sized draft (tests/eagle/conftest.py): same data, same overrides, one build
+    from tests.eagle.conftest import eagle_overrides  # noqa: PLC0415
 
-    # the eagle tests' draft (tests/eagle/test_spec_e2e.py): same file, same overrides, one build
-    data = CACHE / "eagle-train-prompts.jsonl"
-    text = "".join(json.dumps({"text": t}) + "\n" for t in TRAIN_TEXTS)
-    if not data.is_file() or data.read_text() != text:
-        data.parent.mkdir(parents=True, exist_ok=True)
-        data.write_text(text)
-    bundle = build_bundle("smollm2-135m-bf16-eagle3", [
-        "speculative.train.steps=24", "speculative.train.seq_len=64",
-        f"speculative.train.dataset={data}", "verify.enabled=false"])
+    bundle = build_bundle("smollm2-135m-bf16-eagle3", eagle_overrides(verify=False))
     assert (bundle / "draft").is_dir() and (bundle.parent / "model_repository" / "engine").is_dir()
     return bundle.parent
 
