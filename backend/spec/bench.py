@@ -23,7 +23,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from backend.perfinfo import cpu_model
+from backend.perfinfo import cpu_model, git_commit
 from backend.triton.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,8 +113,7 @@ def main(argv=None) -> int:
             if off and r:
                 r["speedup_vs_off"] = round(r["tokens_per_s"] / off["tokens_per_s"], 3)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO).stdout.strip()
+    commit = git_commit()
     dirty = subprocess.run(["git", "status", "--porcelain", "backend/spec"], capture_output=True,
                            text=True, cwd=REPO).stdout.strip()
     draft_cfg = json.loads((engine / "draft" / "config.json").read_text())

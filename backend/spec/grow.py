@@ -121,12 +121,13 @@ class ShapeGrower(TreeGrower):
         entry_of: list[dict[int, int]] = [{} for _ in requests]     # node -> its entry index
         out_of = [{0: r.last_out} for r in requests]               # node -> output proposing its children
         scratch = [_Scratch(r.cache, r.root_pos) for r in requests]
-        probs, idx = d.logits(torch.cat([r.last_out for r in requests])).softmax(-1).topk(self.k, dim=-1)
+        logits = d.logits(torch.cat([r.last_out for r in requests]))
+        vals, idx = logits.topk(self.k, dim=-1)
         children = [{0: row} for row in d.to_target_ids(idx).tolist()]
         # Chains only (checked at construction): length kept so far and its cumulative probability.
         keep = [s.num_nodes] * len(requests)
         cum = [1.0] * len(requests)
-        self._cut(keep, cum, probs, 1)
+        self._cut(keep, cum, logits, vals, 1)
         for depth in range(1, s.depth + 1):
             if self.min_prob > 0 and all(n <= depth for n in keep):
                 break  # every chain already stopped above this depth: no more draft calls
@@ -145,8 +146,8 @@ class ShapeGrower(TreeGrower):
                     new.append(_Entry(out_of[b][s.parents[nd]], tokens[b][nd], depth, anc + [entry_of[b][nd]]))
                 jobs.append((scratch[b], new))
             logits, outs = _expand(d, jobs)
-            probs, idx = logits.softmax(-1).topk(self.k, dim=-1)
-            self._cut(keep, cum, probs, depth + 1)
+            vals, idx = logits.topk(self.k, dim=-1)
+            self._cut(keep, cum, logits, vals, depth + 1)
             top = d.to_target_ids(idx).tolist()
             r = 0
             for b in range(len(requests)):
@@ -158,12 +159,12 @@ class ShapeGrower(TreeGrower):
             return [TokenTree(tuple(t[:n]), s.parents[:n]) for t, n in zip(tokens, keep)]
         return [TokenTree(tuple(t), s.parents) for t in tokens]
 
-    def _cut(self, keep: list[int], cum: list[float], probs: torch.Tensor, node: int) -> None:
-        """Chain node ``node`` was just proposed for each sequence (probability ``probs[b, 0]``):
-        stop a chain there if its cumulative probability falls below ``min_prob``."""
+    def _cut(self, keep: list[int], cum: list[float], logits: torch.Tensor, top: torch.Tensor, node: int) -> None:
+        """Chain node ``node`` was just proposed for each sequence (logit ``top[b, 0]`` of the draft's
+        ``logits[b]``): stop a chain there if its cumulative probability falls below ``min_prob``."""
         if self.min_prob <= 0 or node >= self.shape.num_nodes:
-            return
-        for b, p in enumerate(probs[:, 0].tolist()):
+            return  # without a threshold no softmax is computed at all
+        for b, p in enumerate((top[:, 0] - logits.logsumexp(-1)).exp().tolist()):
             if keep[b] > node:
                 cum[b] *= p
                 if cum[b] < self.min_prob:

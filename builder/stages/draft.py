@@ -31,12 +31,10 @@ import json
 import math
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 from builder.stages.base import StageContext, StageError
-from builder.stages.draft_data import (chat_ids, draft_logits, draft_vocab, load_prompts, prompts_path,
-                                       target_data)
+from builder.stages.draft_data import draft_logits, draft_vocab, load_prompts, prompts_path, resolve, target_data
 
 DRAFT_VOCAB = 8192          # rows of the draft lm_head (SmolLM2: 49152 -> 6x cheaper drafting)
 BATCH = 4                   # training sequences per step
@@ -52,8 +50,7 @@ def skip_reason(ctx: StageContext) -> str | None:
 def fingerprint(ctx: StageContext) -> str:
     s = ctx.config.speculative
     parts = ["draft-v3", f"vocab={DRAFT_VOCAB}", f"batch={BATCH}", f"ttt={TTT_STEPS}"]
-    for p in ([prompts_path(ctx)] if s.draft == "train" else [Path(s.draft)]):
-        p = _resolve(ctx, p)
+    for p in ([prompts_path(ctx)] if s.draft == "train" else [resolve(ctx, Path(s.draft))]):
         if p.is_file():
             st = p.stat()
             parts.append(f"{p}:{st.st_size}:{int(st.st_mtime)}")
@@ -75,7 +72,7 @@ def run(ctx: StageContext) -> dict:
             train_info = train_draft(ctx, target_dir, Path(tmp))
             cfg, tensors = read_hf_draft(tmp, target)
     else:
-        path = _resolve(ctx, Path(s.draft))
+        path = resolve(ctx, Path(s.draft))
         if not path.is_dir():
             raise StageError(f"{ctx.config.file}: speculative.draft: {path} is not a folder; allowed: "
                              f"train | path to an EAGLE-3 HF checkpoint folder")
@@ -112,13 +109,6 @@ def runtime_settings(config) -> dict:
     return {"max_draft_len": s.max_draft_len, "tree": s.tree,
             "tree_choices": [list(p) for p in s.tree_choices] if s.tree_choices else None,
             "top_k": s.top_k, "depth": s.depth, "min_draft_prob": s.min_draft_prob}
-
-
-def _resolve(ctx: StageContext, p: Path) -> Path:
-    if p.is_absolute() or p.exists():
-        return p
-    base = Path(ctx.config.file).parent if ctx.config.file else Path.cwd()
-    return base / p
 
 
 def _torch_dtype(name: str):
@@ -251,5 +241,5 @@ def _pad_batch(seqs, feats, width):
     return input_ids, mask, aux_h, logits
 
 
-__all__ = ["chat_ids", "draft_vocab", "fingerprint", "load_prompts", "run", "runtime_settings", "skip_reason",
+__all__ = ["draft_vocab", "fingerprint", "load_prompts", "run", "runtime_settings", "skip_reason",
            "speculative_section", "train_draft"]

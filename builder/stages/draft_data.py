@@ -35,14 +35,17 @@ class Sample:
     prompt_len: int
 
 
+def resolve(ctx: StageContext, p: Path) -> Path:
+    """A path from the config: as given if it exists (or is absolute), else beside the config file."""
+    if p.is_absolute() or p.exists():
+        return p
+    base = Path(ctx.config.file).parent if ctx.config.file else Path.cwd()
+    return base / p
+
+
 def prompts_path(ctx: StageContext) -> Path:
     ds = ctx.config.speculative.train.dataset
-    if ds == "builtin":
-        return BUILTIN_PROMPTS
-    p = Path(ds)
-    if not p.is_absolute() and not p.exists() and ctx.config.file:
-        p = Path(ctx.config.file).parent / p
-    return p
+    return BUILTIN_PROMPTS if ds == "builtin" else resolve(ctx, Path(ds))
 
 
 def load_prompts(ctx: StageContext, limit: int) -> list[str]:
@@ -182,4 +185,4 @@ def draft_vocab(seqs: list[list[int]], vocab_size: int, size: int) -> list[int]:
 
 
 __all__ = ["BUILTIN_PROMPTS", "GEN_BATCH", "Sample", "chat_ids", "draft_logits", "draft_vocab",
-           "load_prompts", "prompts_path", "target_data"]
+           "load_prompts", "prompts_path", "resolve", "target_data"]
