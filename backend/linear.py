@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
+from backend import cpu_matmul
 from quant import formats
 
 FP8 = torch.float8_e4m3fn
@@ -82,6 +82,9 @@ class QuantLinear:
             self._load(tensors, dtype, device)
         except formats.FormatError as exc:
             raise LinearFormatError(str(exc)) from exc
+        # A dequantized float32 weight on CPU is stored column-major for the few-row kernel
+        # (backend/cpu_matmul.py); packed, fp8 and GPU weights are returned untouched.
+        self.weight = cpu_matmul.prepare(self.weight)
 
     def _load(self, tensors, dtype, device) -> None:
         raise NotImplementedError
@@ -90,8 +93,12 @@ class QuantLinear:
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T + bias`` over the dequantized weight."""
+        return cpu_matmul.linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Not `__call__ = forward`: that would bind the base forward and ignore subclass overrides.
@@ -129,7 +136,7 @@ class FP8Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.native:
-            return F.linear(fake_quant_fp8(x, self.input_scale), self.weight, self.bias)
+            return self.matmul(fake_quant_fp8(x, self.input_scale))
         xq = (x.float() / self.input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         scale_a = self.input_scale.expand(x.shape[0], 1).contiguous()  # row-wise pairs row-wise b
         out = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=scale_a, scale_b=self.weight_scale,
@@ -165,7 +172,7 @@ class NVFP4Linear(QuantLinear):
             return _add_bias(self.gemm(x, **self.packed, aot=self.aot), self.bias)
         if self.input_scale is not None:
             x = formats.fake_quantize_nvfp4_activation(x, self.input_scale)
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x)
 
 
 class Int4AWQLinear(QuantLinear):
@@ -192,7 +199,7 @@ class Int4AWQLinear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels:
             return _add_bias(self.gemm(x, **self.packed, aot=self.aot), self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x)
 
 
 class W4A8AWQLinear(Int4AWQLinear):
@@ -219,7 +226,7 @@ class W4A8AWQLinear(Int4AWQLinear):
             return _add_bias(self.gemm(x, **self.packed, aot=self.aot), self.bias)
         if self.pre_quant_scale is not None:
             x = x * self.pre_quant_scale
-        return F.linear(fake_quant_fp8(x, self.input_scale), self.weight, self.bias)
+        return self.matmul(fake_quant_fp8(x, self.input_scale))
 
 
 class Int8SQLinear(QuantLinear):
@@ -240,7 +247,7 @@ class Int8SQLinear(QuantLinear):
         if self.pre_quant_scale is not None:
             x = x * self.pre_quant_scale
         q = (x.float() / self.input_scale).round_().clamp_(-128, 127)
-        return F.linear((q * self.input_scale).to(x.dtype), self.weight, self.bias)
+        return self.matmul((q * self.input_scale).to(x.dtype))
 
 
 LINEAR_FORMATS: dict[str, type[QuantLinear]] = {

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from backend import cpu_matmul
 from backend.attention import AttentionBackend
 from backend.linear import QuantLinear, make_linear
 from backend.model.config import ModelConfig
@@ -67,7 +68,10 @@ class LlamaModel:
 
         self.embed_tokens = dense("embed_tokens.weight")
         self.norm = dense("norm.weight")
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else dense("lm_head.weight")
+        lm_head = self.embed_tokens if config.tie_word_embeddings else dense("lm_head.weight")
+        # On CPU the logits matmul wants the column-major layout (backend/cpu_matmul.py: 2.5x on one
+        # row); a tied head then becomes a second copy, since the embedding gather needs rows.
+        self.lm_head = cpu_matmul.prepare(lm_head)
         self.layers: list[DecoderLayer] = []
         aot = getattr(attention, "aot", None)   # the bundle's cubins (GPU) serve the 4-bit GEMMs too
         for i in range(config.num_layers):
@@ -133,4 +137,4 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` (already normed) -> fp32 logits ``[N, vocab]``."""
-        return F.linear(hidden, self.lm_head).float()
+        return cpu_matmul.linear(hidden, self.lm_head).float()

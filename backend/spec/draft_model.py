@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from backend import cpu_matmul
 from backend.model.layers import RotaryEmbedding, apply_rope, rms_norm
 from backend.spec.checkpoint import DraftConfig
 
@@ -78,6 +79,9 @@ class Eagle3Draft:
         self.o = w(_L + "self_attn.o_proj.weight")
         self.gate_up = torch.cat([w(_L + "mlp.gate_proj.weight"), w(_L + "mlp.up_proj.weight")])
         self.down = w(_L + "mlp.down_proj.weight")
+        # Column-major on CPU for the few-row kernel (backend/cpu_matmul.py); no-op elsewhere.
+        self.fc, self.qkv, self.o, self.gate_up, self.down = map(
+            cpu_matmul.prepare, (self.fc, self.qkv, self.o, self.gate_up, self.down))
         self.norm = w("norm.weight")
         self.embed = embed_tokens.to(device=self.device, dtype=dtype)
         if cfg.has_lm_head:
@@ -85,6 +89,7 @@ class Eagle3Draft:
         else:
             assert target_lm_head is not None, "a draft without lm_head needs the target's"
             self.lm_head = target_lm_head.to(device=self.device, dtype=dtype)
+        self.lm_head = cpu_matmul.prepare(self.lm_head)  # the target's is already: shared, not copied
         # draft id -> target id (identity when the vocabularies are the same).
         if "d2t" in tensors and cfg.draft_vocab_size < cfg.vocab_size:
             self.d2t_ids = (torch.arange(cfg.draft_vocab_size) + tensors["d2t"].long()).to(self.device)
@@ -104,7 +109,7 @@ class Eagle3Draft:
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """``aux [N, A*H]`` (the target's captured layers, concatenated in ``cfg.aux_layers`` order)
         -> draft feature ``[N, H]``."""
-        return F.linear(aux.to(self.dtype), self.fc)
+        return cpu_matmul.linear(aux.to(self.dtype), self.fc)
 
     @torch.inference_mode()
     def step(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
@@ -136,7 +141,7 @@ class Eagle3Draft:
         hin = rms_norm(g, self.input_norm, c.rms_norm_eps) if c.double_hidden_norm else g
         x = torch.cat([rms_norm(emb, self.input_norm, c.rms_norm_eps),
                        rms_norm(hin, self.hidden_norm, c.rms_norm_eps)], dim=-1)
-        q, k, v = F.linear(x, self.qkv).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q, k, v = cpu_matmul.linear(x, self.qkv).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         cos, sin = self.rope.tables(positions, self.dtype)
         q = apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
@@ -146,9 +151,9 @@ class Eagle3Draft:
             outs.append(self._attend(q[r:r + sl.n], k[r:r + sl.n], v[r:r + sl.n], sl))
             r += sl.n
         attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-        h = g + F.linear(attn, self.o)
-        gate, up = F.linear(rms_norm(h, self.post_norm, c.rms_norm_eps), self.gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down)
+        h = g + cpu_matmul.linear(attn, self.o)
+        gate, up = cpu_matmul.linear(rms_norm(h, self.post_norm, c.rms_norm_eps), self.gate_up).chunk(2, dim=-1)
+        return h + cpu_matmul.linear(F.silu(gate) * up, self.down)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl: "DraftSlice") -> torch.Tensor:
         """Write one sequence's new keys/values at ``sl.write_at`` and attend -> ``[n, Hq*D]``."""
@@ -174,7 +179,7 @@ class Eagle3Draft:
     @torch.inference_mode()
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """Pre-norm outputs ``[N, H]`` -> fp32 logits over the DRAFT vocabulary ``[N, Vd]``."""
-        return F.linear(rms_norm(prenorm, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        return cpu_matmul.linear(rms_norm(prenorm, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t_ids is None else self.d2t_ids[draft_ids]

@@ -36,6 +36,12 @@ def test_logits_match_hf_on_a_prefill(smollm2_bundle, weights_fp32, hf_model_fp3
     torch.testing.assert_close(ours, ref.logits[0], atol=1e-4, rtol=1e-4)
     # capture_hidden_layers=(i,) is HF's hidden_states[i + 1] (the output of layer i).
     torch.testing.assert_close(captured[3], ref.hidden_states[4][0], atol=1e-4, rtol=1e-4)
+    # SmolLM2 ties lm_head to the embedding: on CPU the head is a column-major copy for the logits
+    # kernel (backend/cpu_matmul.py) while the embedding keeps rows for the gather.
+    from backend import cpu_matmul
+    assert torch.equal(model.lm_head, model.embed_tokens)
+    assert model.embed_tokens.is_contiguous()
+    assert cpu_matmul.is_column_major(model.lm_head) == (cpu_matmul._DNN is not None)
 
 
 def test_greedy_generate_is_token_identical_to_hf(make_executor, hf_model_fp32, varied_prompts):
