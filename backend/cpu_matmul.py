@@ -1,32 +1,40 @@
-"""Dense matmuls on CPU: the weight layout and kernel that make few-row GEMMs fast.
+"""Dense matmuls on CPU: the weight storage and kernel that make few-row GEMMs fast.
 
 Decoding multiplies one row per sequence by every weight; an EAGLE verify pass multiplies 2-6. On
 the x86 CPUs we run on (AVX2, no AVX-512; PyTorch's MKL build), ``F.linear`` over the row-major
-``[out, in]`` weight is far from memory-bound for those shapes: two rows cost 1.7x one and three
-2.1x, which alone cancels what speculation saves. oneDNN's matmul over the same weight stored
-column-major (``[in, out]`` contiguous, viewed as ``[out, in]``) is faster for every row count up to
-a few dozen, and grows more gently: 1.3x for two rows, 1.4x for three. Measured on
-SmolLM2-135M's 30 layers of linears (docs/perf/cpu_linear.json, ``python -m backend.cpu_matmul``):
-1 row 46 -> 27 ms, 2 rows 79 -> 34, 3 rows 96 -> 37, 5 rows 62 -> 45, 8 rows 75 -> 49; the 49152-row
-lm_head 10 -> 4 ms for one row. From a few dozen rows on (prefill) MKL's GEMM is as fast, so the
-kernel is chosen by row count over the one stored layout, and no weight is kept twice (except a
-tied lm_head, see backend/model/llama.py). The price: MKL over the column-major layout is 4-10 %
-slower than over rows at 64-128 rows, level at 512.
+float32 weight is far from memory-bound for those shapes: two rows cost 1.7x one and three 2.2x,
+which alone cancels what speculation saves. Two better paths, by what the weight holds:
 
-Only float32: it is what CPUs without native bf16 compute in (``runner.compute_dtype``), and the
-only dtype measured here. Elsewhere (GPU, bf16) both functions leave everything as it was.
+* ``HalfWeight``: a float32 weight whose every value is exactly a float16 (all of a bf16
+  checkpoint's matrices in practice: bf16's 8-bit significand fits fp16's 11 bits, and SmolLM2's
+  weights lie in fp16's range) is packed by FBGEMM as fp16 and multiplied by its fp16 GEMM, which
+  widens the weights in registers and keeps activations and accumulation in fp32. Half the bytes
+  read, and a kernel made for small batches: the cost barely grows up to three rows.
+* otherwise (values that need fp32: dequantized FP8/INT4, fp32 checkpoints) the weight is stored
+  column-major (``[in, out]`` contiguous, viewed as ``[out, in]``), where oneDNN's matmul is faster
+  than MKL up to a few dozen rows; MKL keeps larger row counts (prefill).
+
+Measured on SmolLM2-135M's 30 layers of linears (docs/perf/cpu_linear.json, ``python -m
+backend.cpu_matmul``), ms, MKL row-major / column-major (oneDNN to 32 rows) / FBGEMM fp16:
+1 row 42 / 23 / 10, 2 rows 71 / 31 / 11, 3 rows 91 / 32 / 11, 5 rows 51 / 40 / 14, 512 rows
+1133 / 1172 / 985. Results are ``F.linear``'s up to fp32 summation order
+(tests/runtime/test_model_hf_parity.py bounds the error against float64).
+
+Only float32 compute: it is what CPUs without native bf16 compute in (``runner.compute_dtype``) and
+the only dtype measured here. Elsewhere (GPU, bf16) ``prepare`` returns the weight unchanged and
+``linear`` is ``F.linear``.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-# Rows up to which oneDNN is used: ahead of MKL up to 32 rows, behind from 64.
+# Rows up to which oneDNN is used on a column-major weight: ahead of MKL up to 32 rows, behind from 64.
 SMALL_ROWS = 32
 
 
 def _onednn_linear():
-    """PyTorch's oneDNN linear, or None in a build without it (then F.linear does everything)."""
+    """PyTorch's oneDNN linear, or None in a build without it."""
     if not torch.backends.mkldnn.is_available():
         return None
     try:
@@ -35,58 +43,102 @@ def _onednn_linear():
         return None
 
 
+def _fbgemm_fp16():
+    """FBGEMM's fp16-weight GEMM (prepack, apply), or None (a build without FBGEMM: non-x86)."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return None
+    try:
+        return torch.ops.quantized.linear_prepack_fp16, torch.ops.quantized.linear_dynamic_fp16
+    except (AttributeError, RuntimeError):
+        return None
+
+
 _DNN = _onednn_linear()
+_FP16 = _fbgemm_fp16()
+
+
+class HalfWeight:
+    """A float32 ``[out, in]`` weight held as FBGEMM-packed fp16 (exact: see ``prepare``).
+
+    Not a tensor: only ``linear`` multiplies by it; ``shape``, ``dtype`` (the compute dtype,
+    float32) and ``device`` answer what owners ask of a weight, ``unpack`` gives the values back."""
+
+    __slots__ = ("packed", "shape", "dtype", "device")
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.packed = _FP16[0](w.contiguous(), None)
+        self.shape, self.dtype, self.device = w.shape, w.dtype, w.device
+
+    def unpack(self) -> torch.Tensor:
+        return torch.ops.quantized.linear_unpack_fp16(self.packed)[0].float()
+
+
+Weight = torch.Tensor | HalfWeight
 
 
 def applies(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether weights on ``device`` in ``dtype`` take the column-major layout and oneDNN path."""
-    return _DNN is not None and torch.device(device).type == "cpu" and dtype == torch.float32
+    """Whether weights on ``device`` in ``dtype`` are re-stored for the CPU kernels."""
+    return (_DNN is not None or _FP16 is not None) and torch.device(device).type == "cpu" and dtype == torch.float32
 
 
-def is_column_major(w: torch.Tensor) -> bool:
-    return w.dim() == 2 and w.stride(0) == 1 and w.stride(1) == w.shape[0]
+def is_column_major(w) -> bool:
+    return isinstance(w, torch.Tensor) and w.dim() == 2 and w.stride(0) == 1 and w.stride(1) == w.shape[0]
 
 
-def prepare(w: torch.Tensor) -> torch.Tensor:
-    """``w [out, in]`` -> the same values, column-major where ``applies``; otherwise ``w`` itself.
+def _exact_in_fp16(w: torch.Tensor) -> bool:
+    return bool(torch.equal(w.to(torch.float16).float(), w))
+
+
+def prepare(w: Weight) -> Weight:
+    """``w [out, in]`` -> the same values in the storage its CPU kernel wants where ``applies``
+    (a ``HalfWeight`` when every value is exactly an fp16, else column-major); otherwise ``w``.
 
     Idempotent, so a weight shared between owners (a tied lm_head, a draft reusing the target's)
-    is converted once and stays one tensor."""
-    if not applies(w.device, w.dtype) or w.dim() != 2 or is_column_major(w):
+    is converted once and stays one object."""
+    if isinstance(w, HalfWeight) or not applies(w.device, w.dtype) or w.dim() != 2 or is_column_major(w):
         return w
-    return w.t().contiguous().t()
+    if _FP16 is not None and _exact_in_fp16(w):
+        return HalfWeight(w)
+    return w.t().contiguous().t() if _DNN is not None else w
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)``, through oneDNN for a few rows over a ``prepare``d weight."""
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` through the kernel ``w``'s storage was chosen for."""
+    if isinstance(w, HalfWeight):
+        y = _FP16[1](x.float().contiguous(), w.packed)
+        return y if bias is None else y + bias
     if (_DNN is not None and x.device.type == "cpu" and x.dtype == torch.float32
             and is_column_major(w) and x.numel() <= SMALL_ROWS * x.shape[-1]):
         return _DNN(x, w, bias, "none", [], "")
     return F.linear(x, w, bias)
 
 
-def _measure(rows: tuple[int, ...] = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 512), reps: int = 6) -> list[dict]:
-    """Time SmolLM2-135M's linears over 30 layers of distinct weights (480 MB: streamed from DRAM as
-    in a real decode step; one layer's weights repeated would sit in cache and flatter every kernel),
-    both layouts interleaved (this VM's noise moves whole runs), best of ``reps``."""
+def _measure(rows: tuple[int, ...] = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 512), reps: int = 5) -> list[dict]:
+    """Time SmolLM2-135M's linears over 30 layers of distinct weights (480 MB in fp32: streamed from
+    DRAM as in a real decode step; one layer repeated would sit in cache and flatter every kernel),
+    the three storages interleaved (this VM's noise moves whole runs), best of ``reps``. The weights
+    are fp16-exact, as a bf16 checkpoint's are."""
     import time
     torch.manual_seed(0)
     shapes = [(1728, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
-    rowmajor = [torch.randn(s) for _ in range(30) for s in shapes]
-    colmajor = [prepare(w) for w in rowmajor]
+    rowmajor = [(torch.randn(s) * 0.02).half().float() for _ in range(30) for s in shapes]
+    ways = {"mkl_row_major_ms": (F.linear, rowmajor)}
+    if _DNN is not None:
+        ways["onednn_column_major_ms"] = (linear, [w.t().contiguous().t() for w in rowmajor])
+    if _FP16 is not None:
+        ways["fbgemm_fp16_ms"] = (linear, [HalfWeight(w) for w in rowmajor])
     out = []
     for m in rows:
         xs = [torch.randn(m, s[1]) for s in shapes]
-        best = {"mkl_row_major_ms": float("inf"), "kiln_ms": float("inf")}
+        best = dict.fromkeys(ways, float("inf"))
         for _ in range(reps):
-            for key, ws, fn in (("mkl_row_major_ms", rowmajor, F.linear), ("kiln_ms", colmajor, linear)):
+            for key, (fn, ws) in ways.items():
                 t = time.perf_counter()
                 for i, w in enumerate(ws):
                     fn(xs[i % 4], w)
                 best[key] = min(best[key], (time.perf_counter() - t) * 1e3)
         out.append({"rows": m, **{k: round(v, 2) for k, v in best.items()}})
-        print(f"rows={m:4d}  MKL row-major {best['mkl_row_major_ms']:8.1f} ms   "
-              f"kiln {best['kiln_ms']:8.1f} ms", flush=True)
+        print(f"rows={m:4d}  " + "   ".join(f"{k[:-3]} {v:7.1f} ms" for k, v in best.items()), flush=True)
     return out
 
 
@@ -107,7 +159,7 @@ if __name__ == "__main__":
            "command": "python -m backend.cpu_matmul --out " + args.out, "commit": git_commit(),
            "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
                        "python": platform.python_version(), "torch": torch.__version__},
-           "what": "SmolLM2-135M linears (qkv, o, gate_up, down), 30 layers of distinct weights, float32, best of 6",
+           "what": "SmolLM2-135M linears (qkv, o, gate_up, down), 30 layers of distinct fp16-exact weights, float32 compute, best of 5; onednn_column_major only runs up to SMALL_ROWS rows (MKL beyond)",
            "small_rows_threshold": SMALL_ROWS, "results": _measure()}
     pathlib.Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {args.out}")

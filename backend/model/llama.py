@@ -69,8 +69,8 @@ class LlamaModel:
         self.embed_tokens = dense("embed_tokens.weight")
         self.norm = dense("norm.weight")
         lm_head = self.embed_tokens if config.tie_word_embeddings else dense("lm_head.weight")
-        # On CPU the logits matmul wants the column-major layout (backend/cpu_matmul.py: 2.5x on one
-        # row); a tied head then becomes a second copy, since the embedding gather needs rows.
+        # On CPU the logits matmul wants its own storage (backend/cpu_matmul.py: fp16-packed or
+        # column-major); a tied head then becomes a second copy, since the embedding gather needs rows.
         self.lm_head = cpu_matmul.prepare(lm_head)
         self.layers: list[DecoderLayer] = []
         aot = getattr(attention, "aot", None)   # the bundle's cubins (GPU) serve the 4-bit GEMMs too

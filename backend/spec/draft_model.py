@@ -60,7 +60,7 @@ class Eagle3Draft:
     """Weights + math of one EAGLE-3 head. Stateless apart from the weights; caches are passed in."""
 
     def __init__(self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], embed_tokens: torch.Tensor,
-                 target_lm_head: torch.Tensor | None, max_position: int,
+                 target_lm_head: "cpu_matmul.Weight | None", max_position: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
@@ -79,7 +79,7 @@ class Eagle3Draft:
         self.o = w(_L + "self_attn.o_proj.weight")
         self.gate_up = torch.cat([w(_L + "mlp.gate_proj.weight"), w(_L + "mlp.up_proj.weight")])
         self.down = w(_L + "mlp.down_proj.weight")
-        # Column-major on CPU for the few-row kernel (backend/cpu_matmul.py); no-op elsewhere.
+        # The CPU kernels' storage (backend/cpu_matmul.py); unchanged elsewhere.
         self.fc, self.qkv, self.o, self.gate_up, self.down = map(
             cpu_matmul.prepare, (self.fc, self.qkv, self.o, self.gate_up, self.down))
         self.norm = w("norm.weight")
@@ -88,8 +88,10 @@ class Eagle3Draft:
             self.lm_head = w("lm_head.weight")
         else:
             assert target_lm_head is not None, "a draft without lm_head needs the target's"
-            self.lm_head = target_lm_head.to(device=self.device, dtype=dtype)
-        self.lm_head = cpu_matmul.prepare(self.lm_head)  # the target's is already: shared, not copied
+            # The target's head, already in its CPU storage there (then shared, not copied).
+            self.lm_head = (target_lm_head if isinstance(target_lm_head, cpu_matmul.HalfWeight)
+                            else target_lm_head.to(device=self.device, dtype=dtype))
+        self.lm_head = cpu_matmul.prepare(self.lm_head)
         # draft id -> target id (identity when the vocabularies are the same).
         if "d2t" in tensors and cfg.draft_vocab_size < cfg.vocab_size:
             self.d2t_ids = (torch.arange(cfg.draft_vocab_size) + tensors["d2t"].long()).to(self.device)

@@ -1,5 +1,6 @@
-"""The CPU linear path (backend/cpu_matmul.py): same numbers as F.linear, the few-row kernel taken
-only where it was measured to win, and weights laid out once, shared rather than copied."""
+"""The CPU linear path (backend/cpu_matmul.py): the same numbers as F.linear, each storage chosen
+only where its values survive it exactly, each kernel taken only where it was measured to win, and
+weights converted once, shared rather than copied."""
 from __future__ import annotations
 
 import pytest
@@ -10,44 +11,67 @@ from backend import cpu_matmul
 from backend.linear import make_linear
 
 needs_onednn = pytest.mark.skipif(cpu_matmul._DNN is None, reason="this PyTorch build has no oneDNN linear")
+needs_fbgemm = pytest.mark.skipif(cpu_matmul._FP16 is None, reason="this PyTorch build has no FBGEMM (non-x86)")
+
+
+def fp16_exact(*shape, seed=0):
+    """Weights as a bf16 checkpoint's are: every value exactly an fp16."""
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.05).to(torch.bfloat16).half().float()
+
+
+@needs_fbgemm
+def test_fp16_exact_weights_are_packed_and_give_their_values_back():
+    w = fp16_exact(96, 40)
+    p = cpu_matmul.prepare(w)
+    assert isinstance(p, cpu_matmul.HalfWeight) and tuple(p.shape) == (96, 40) and p.dtype == torch.float32
+    assert torch.equal(p.unpack(), w)
+    assert cpu_matmul.prepare(p) is p  # a shared weight (tied lm_head, draft reusing it) is not packed twice
 
 
 @needs_onednn
-def test_prepare_is_column_major_same_values_and_idempotent():
-    w = torch.randn(96, 40)
+def test_weights_that_need_fp32_go_column_major_not_fp16():
+    w = fp16_exact(96, 40)
+    w[3, 7] += 1e-6          # one value an fp16 cannot hold: packing would change the model
     p = cpu_matmul.prepare(w)
-    assert p.shape == w.shape and torch.equal(p, w)
-    assert cpu_matmul.is_column_major(p) and not cpu_matmul.is_column_major(w)
-    assert cpu_matmul.prepare(p) is p  # a shared weight (tied lm_head, draft reusing it) is not copied twice
+    assert isinstance(p, torch.Tensor) and cpu_matmul.is_column_major(p) and torch.equal(p, w)
+    assert cpu_matmul.prepare(p) is p
+    big = fp16_exact(8, 4)
+    big[0, 0] = 70000.0      # beyond fp16's range
+    assert isinstance(cpu_matmul.prepare(big), torch.Tensor)
 
 
-def test_prepare_leaves_other_dtypes_devices_and_ranks_alone():
+def test_prepare_leaves_other_dtypes_and_ranks_alone():
     for w in (torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(8), torch.randint(0, 9, (8, 4), dtype=torch.uint8)):
         assert cpu_matmul.prepare(w) is w
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 32, 33, 100])
+@pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_f_linear(rows, bias):
-    torch.manual_seed(rows)
-    w = torch.randn(72, 48)
+def test_linear_matches_f_linear(rows, exact, bias):
+    w = fp16_exact(72, 48, seed=rows)
+    if not exact:
+        w = w + 1e-6
     b = torch.randn(72) if bias else None
-    x = torch.randn(rows, 48)
+    x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows))
     got = cpu_matmul.linear(x, cpu_matmul.prepare(w), b)
-    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_linear_accepts_leading_batch_dims():
-    w, x = torch.randn(24, 16), torch.randn(2, 3, 16)
-    torch.testing.assert_close(cpu_matmul.linear(x, cpu_matmul.prepare(w)), F.linear(x, w), rtol=1e-5, atol=1e-5)
+def test_linear_accepts_leading_batch_dims_and_strided_rows():
+    for w in (fp16_exact(24, 16), fp16_exact(24, 16) + 1e-6):
+        x = torch.randn(2, 3, 16)
+        torch.testing.assert_close(cpu_matmul.linear(x, cpu_matmul.prepare(w)), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        xs = torch.randn(6, 32)[:, ::2]   # a non-contiguous view, as split() hands out
+        torch.testing.assert_close(cpu_matmul.linear(xs, cpu_matmul.prepare(w)), F.linear(xs, w), rtol=1e-5, atol=1e-5)
 
 
 @needs_onednn
-def test_kernel_chosen_by_row_count(monkeypatch):
+def test_onednn_chosen_by_row_count(monkeypatch):
     calls = []
     real = cpu_matmul._DNN
     monkeypatch.setattr(cpu_matmul, "_DNN", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    w = cpu_matmul.prepare(torch.randn(16, 8))
+    w = cpu_matmul.prepare(fp16_exact(16, 8) + 1e-6)
     for rows in (1, 4, cpu_matmul.SMALL_ROWS, cpu_matmul.SMALL_ROWS + 1, 256):
         cpu_matmul.linear(torch.randn(rows, 8), w)
     cpu_matmul.linear(torch.randn(2, 8), torch.randn(16, 8))        # a row-major weight: plain F.linear
@@ -55,13 +79,18 @@ def test_kernel_chosen_by_row_count(monkeypatch):
     assert calls == [1, 4, cpu_matmul.SMALL_ROWS]
 
 
-@needs_onednn
-def test_dense_and_dequantized_linears_store_column_major_on_cpu():
-    torch.manual_seed(0)
-    w = torch.randn(32, 16)
+@needs_fbgemm
+def test_model_linears_take_the_storage_their_values_allow():
+    w = fp16_exact(32, 16)
     lin = make_linear("none", {"weight": w, "bias": torch.randn(32)}, torch.float32, "cpu")
-    assert cpu_matmul.is_column_major(lin.weight)
+    assert isinstance(lin.weight, cpu_matmul.HalfWeight) and lin.out_features == 32
     x = torch.randn(3, 16)
     torch.testing.assert_close(lin(x), F.linear(x, w, lin.bias), rtol=1e-5, atol=1e-5)
-    # bf16 compute (a CPU with native bf16, or a test asking for it) keeps the layout it was given.
-    assert not cpu_matmul.is_column_major(make_linear("none", {"weight": w}, torch.bfloat16, "cpu").weight)
+    # A dequantized FP8 weight (per-row scales) needs fp32: it stays a tensor.
+    from quant import formats
+    fp8 = make_linear("fp8", {**formats.quantize_fp8_per_row(torch.randn(32, 16)),
+                              "input_scale": torch.tensor(0.05)}, torch.float32, "cpu")
+    assert isinstance(fp8.weight, torch.Tensor)
+    # bf16 compute (a CPU with native bf16, or a test asking for it) keeps the weight as given.
+    lin16 = make_linear("none", {"weight": w}, torch.bfloat16, "cpu")
+    assert isinstance(lin16.weight, torch.Tensor) and lin16.weight.is_contiguous()
