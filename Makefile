@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 # Python backend stub (which runs the first python3 on PATH) sees the same packages.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup build test clean distclean serve bench bench-engine bench-overhead bench-kernels bench-eagle gpu-check-prepare gpu-check bench-gpu mlperf run submission validate
+.PHONY: help setup build test clean distclean serve bench bench-engine bench-overhead bench-kernels bench-eagle bench-eagle-cost gpu-check-prepare gpu-check bench-gpu mlperf run submission validate
 
 help: ## List the commands
 	@echo "Kiln: ahead-of-time LLM engine builder and Triton Inference Server backend"
@@ -69,6 +69,10 @@ bench-eagle: $(STAMP) ## EAGLE-3 acceptance and speed vs plain decoding on MT-be
 	$(PY) -m builder build configs/smollm2-135m-bf16-eagle3.yaml
 	$(PY) -m backend.spec.bench --engine build/smollm2-135m-bf16-eagle3/engine --num-prompts 16 --max-tokens 64 \
 		--batches 1,8 --dtype float32 $(BENCH_ARGS)
+
+bench-eagle-cost: $(STAMP) ## EAGLE-3 cost per target pass with k drafts and the speedup it implies (GPU: python -m backend.spec.cost --llama8b)
+	$(PY) -m builder build configs/smollm2-135m-bf16-eagle3.yaml
+	$(PY) -m backend.spec.cost --engine build/smollm2-135m-bf16-eagle3/engine --dtype float32 $(BENCH_ARGS)
 
 gpu-check-prepare: $(STAMP) ## Build tiny bundles of every GPU format + CPU outputs into build/gpu-check/
 	$(PY) -m harness.gpucheck prepare
