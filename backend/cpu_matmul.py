@@ -81,6 +81,11 @@ def applies(device: torch.device | str, dtype: torch.dtype) -> bool:
     return (_DNN is not None or _FP16 is not None) and torch.device(device).type == "cpu" and dtype == torch.float32
 
 
+def packs_fp16(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether fp16-exact weights on ``device`` in ``dtype`` become ``HalfWeight``s."""
+    return _FP16 is not None and applies(device, dtype)
+
+
 def is_column_major(w) -> bool:
     return isinstance(w, torch.Tensor) and w.dim() == 2 and w.stride(0) == 1 and w.stride(1) == w.shape[0]
 

@@ -69,6 +69,9 @@ class QuantLinear:
     format: ClassVar[str]
     weight: torch.Tensor  # [out, in] in the compute dtype (dequantized where no native kernel)
     bias: torch.Tensor | None
+    # Per-output-row scale applied after the matmul, when ``weight`` holds per-row quantization
+    # codes rather than their dequantized values (see ``_per_row_codes``).
+    out_scale: torch.Tensor | None = None
 
     def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                  where: str = "linear", kernels: bool = False, aot=None) -> None:
@@ -93,9 +96,27 @@ class QuantLinear:
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    def _per_row_codes(self, codes: torch.Tensor, row_scale: torch.Tensor, dtype, device) -> bool:
+        """Keep per-row-scaled codes (fp8, int8) as the weight and scale output rows instead of
+        dequantizing: ``(diag(s) Q) x = diag(s) (Q x)``, equal up to rounding. Done where FBGEMM's
+        fp16 GEMM runs (CPU): the codes are exact in fp16, the dequantized values are not, so this
+        is what gives quantized bundles the fast CPU path. False (nothing set) elsewhere."""
+        if not cpu_matmul.packs_fp16(device, dtype):
+            return False
+        s = row_scale.to(device=device, dtype=dtype).reshape(-1)
+        if s.numel() not in (1, codes.shape[0]):
+            raise LinearFormatError(f"{self.where}.weight_scale: {s.numel()} values; expected 1 or one per "
+                                    f"output row ({codes.shape[0]})")
+        self.weight = codes.to(device=device, dtype=dtype)
+        self.out_scale = s.expand(codes.shape[0]).contiguous() if s.numel() == 1 else s
+        return True
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T + bias`` over the dequantized weight."""
-        return cpu_matmul.linear(x, self.weight, self.bias)
+        """``x @ weight.T + bias`` over the dequantized weight (or the codes, then row-scaled)."""
+        if self.out_scale is None:
+            return cpu_matmul.linear(x, self.weight, self.bias)
+        y = cpu_matmul.linear(x, self.weight) * self.out_scale
+        return y if self.bias is None else y + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
@@ -131,7 +152,7 @@ class FP8Linear(QuantLinear):
             self.weight_fp8 = w
             self.weight_scale = ws.reshape(1, -1).contiguous()
             self.weight = w  # shape only
-        else:
+        elif not self._per_row_codes(w, ws, dtype, device):
             self.weight = formats.dequantize_fp8(w, ws, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -238,7 +259,8 @@ class Int8SQLinear(QuantLinear):
         ws = _need(tensors, "weight_scale", self.format, self.where).to(device).float().reshape(-1)
         if w.dtype != torch.int8:
             raise LinearFormatError(f"{self.where}.weight: int8_sq format expects int8, got {w.dtype}")
-        self.weight = formats.dequantize_int8(w, ws, dtype=dtype)
+        if not self._per_row_codes(w, ws, dtype, device):
+            self.weight = formats.dequantize_int8(w, ws, dtype=dtype)
         self.input_scale = _need(tensors, "input_scale", self.format, self.where).to(device).float().reshape(())
         pqs = tensors.get("pre_quant_scale")
         self.pre_quant_scale = pqs.to(device=device, dtype=dtype) if pqs is not None else None

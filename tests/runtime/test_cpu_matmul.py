@@ -86,11 +86,34 @@ def test_model_linears_take_the_storage_their_values_allow():
     assert isinstance(lin.weight, cpu_matmul.HalfWeight) and lin.out_features == 32
     x = torch.randn(3, 16)
     torch.testing.assert_close(lin(x), F.linear(x, w, lin.bias), rtol=1e-5, atol=1e-5)
-    # A dequantized FP8 weight (per-row scales) needs fp32: it stays a tensor.
-    from quant import formats
-    fp8 = make_linear("fp8", {**formats.quantize_fp8_per_row(torch.randn(32, 16)),
-                              "input_scale": torch.tensor(0.05)}, torch.float32, "cpu")
-    assert isinstance(fp8.weight, torch.Tensor)
+    # A bf16 checkpoint's weight not exact in fp16 (here: one value changed) stays a tensor.
+    assert isinstance(make_linear("none", {"weight": w + 1e-6}, torch.float32, "cpu").weight, torch.Tensor)
     # bf16 compute (a CPU with native bf16, or a test asking for it) keeps the weight as given.
     lin16 = make_linear("none", {"weight": w}, torch.bfloat16, "cpu")
     assert isinstance(lin16.weight, torch.Tensor) and lin16.weight.is_contiguous()
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("fmt", ["fp8", "int8_sq"])
+def test_per_row_quantized_linears_multiply_codes_and_scale_rows(fmt):
+    """fp8/int8 codes are exact in fp16 while code x scale is not: the codes are packed and the
+    output rows scaled, which is the dequantized matmul up to rounding."""
+    from backend.linear import fake_quant_fp8
+    from quant import formats
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 32) * 0.1, torch.randn(48)
+    if fmt == "fp8":
+        t = {**formats.quantize_fp8_per_row(w), "input_scale": torch.tensor(0.02)}
+        deq = formats.dequantize_fp8(t["weight"], t["weight_scale"])
+        act = lambda x: fake_quant_fp8(x, torch.tensor(0.02))  # noqa: E731
+    else:
+        q = (w / (w.abs().amax(1, keepdim=True) / 127)).round().clamp(-127, 127).to(torch.int8)
+        t = {"weight": q, "weight_scale": w.abs().amax(1) / 127, "input_scale": torch.tensor(0.02)}
+        deq = formats.dequantize_int8(q, t["weight_scale"])
+        act = lambda x: ((x / 0.02).round().clamp(-128, 127) * 0.02)  # noqa: E731
+    lin = make_linear(fmt, {**t, "bias": b}, torch.float32, "cpu")
+    assert isinstance(lin.weight, cpu_matmul.HalfWeight) and lin.out_scale.shape == (48,)
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(lin(x), F.linear(act(x), deq, b), rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="weight_scale: 3 values; expected 1 or one per output row"):
+        make_linear(fmt, {**t, "weight_scale": torch.ones(3)}, torch.float32, "cpu", where="layers.0.o")
