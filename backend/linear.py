@@ -4,9 +4,10 @@ Each class builds from the tensors the bundle stores for one linear (docs/contra
 names without the ``layers.{i}.qkv.`` prefix) and exposes ``forward(x [T, in]) -> [T, out]``.
 
 Where the hardware has no native kernel for a format (every format on CPU), the weight is
-dequantized ONCE at load to the model dtype, and activation quantization (W8A8 / W4A8 formats) is
-emulated by a quantize-dequantize round trip so accuracy measured here (the build's verify stage)
-reflects what the quantized engine computes on a GPU.
+dequantized ONCE at load to the model dtype (per-row formats, fp8 and int8, keep their codes on CPU
+and scale the output rows: the codes are exact in fp16, which FBGEMM's GEMM reads fastest), and
+activation quantization (W8A8 / W4A8 formats) is emulated by a quantize-dequantize round trip so
+accuracy measured here (the build's verify stage) reflects what the quantized engine computes on a GPU.
 
 On an NVIDIA GPU the 4-bit formats keep their packed weights (a quarter of the bf16 bytes, which is
 what decode is bound by) and run the W4A16 Triton GEMM that ``plugins.registry`` names for the
@@ -67,7 +68,7 @@ class QuantLinear:
     """Base: a dequantized (or native) weight, an optional bias, and ``forward``."""
 
     format: ClassVar[str]
-    weight: torch.Tensor  # [out, in] in the compute dtype (dequantized where no native kernel)
+    weight: cpu_matmul.Weight  # [out, in] in the compute dtype (dequantized where no native kernel)
     bias: torch.Tensor | None
     # Per-output-row scale applied after the matmul, when ``weight`` holds per-row quantization
     # codes rather than their dequantized values (see ``_per_row_codes``).
@@ -85,8 +86,9 @@ class QuantLinear:
             self._load(tensors, dtype, device)
         except formats.FormatError as exc:
             raise LinearFormatError(str(exc)) from exc
-        # A dequantized float32 weight on CPU is stored column-major for the few-row kernel
-        # (backend/cpu_matmul.py); packed, fp8 and GPU weights are returned untouched.
+        # A float32 weight on CPU takes the storage of its fastest kernel (backend/cpu_matmul.py:
+        # fp16-packed where exact, else column-major); packed 4-bit, native fp8 and GPU weights
+        # come back untouched.
         self.weight = cpu_matmul.prepare(self.weight)
 
     def _load(self, tensors, dtype, device) -> None:

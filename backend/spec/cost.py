@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="streams per k (median)")
     ap.add_argument("--acceptance", default="docs/perf/eagle3.json",
                     help="a backend.spec.bench result whose chain histogram gives L(k) ('' = none)")
-    ap.add_argument("--out", help="result JSON (default docs/perf/eagle3-cost-<device>.json)")
+    ap.add_argument("--out", help="result JSON (default docs/perf/eagle3-cost-<gpu name | cpu>.json)")
     a = ap.parse_args(argv)
     import torch
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -247,7 +247,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k={r['draft_len']}: {r['ms_per_pass']:8.2f} ms/pass  {r['cost_vs_plain']:.2f}x plain  "
               f"break-even L {r['breakeven_tokens_per_pass']:.2f}, {GOAL}x needs L {r[f'tokens_per_pass_for_{GOAL}x']:.2f}"
               + extra, flush=True)
-    out = Path(a.out or f"docs/perf/eagle3-cost-{'gpu' if a.device == 'cuda' else 'cpu'}.json")
+    if a.out:
+        out = Path(a.out)
+    elif a.device == "cuda":
+        from harness.gpucheck.report import default_path
+        out = default_path(res, "eagle3-cost")          # docs/perf/eagle3-cost-<gpu>.json
+    else:
+        out = Path("docs/perf/eagle3-cost-cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {out}")
