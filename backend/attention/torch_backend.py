@@ -23,9 +23,19 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None, cache_dtype: torch.
     return x.to(cache_dtype)
 
 
+# Every fp8 e4m3 value by its byte (NaN codes included), for the CPU dequantization table.
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_KV_DTYPE).float()
+
+
 def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     if x.dtype == FP8_KV_DTYPE:
         assert scale is not None, "fp8 KV cache needs a per-layer scale"
+        if x.device.type == "cpu":
+            # PyTorch converts fp8 to float element by element on CPU (17 ms per 8M values, and a
+            # decode step dequantizes every sequence's whole context in every layer); gathering from
+            # the 256 scaled values by byte is 4x faster and gives the same bits (same fp32 product).
+            table = (_FP8_VALUES * scale.float()).to(dtype)
+            return table.index_select(0, x.view(torch.uint8).reshape(-1).int()).view(x.shape)
         return (x.float() * scale).to(dtype)
     return x if x.dtype == dtype else x.to(dtype)
 

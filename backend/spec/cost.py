@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="compute dtype with --engine (CPU: float32 is the fast one)")
     ap.add_argument("--draft-lens", default=",".join(map(str, DEFAULT_LENS)), help="k values; 0 = no speculation")
     ap.add_argument("--draft-vocab", type=int, default=32000, help="--llama8b draft vocabulary (EAGLE-3's 32k)")
-    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=128, help="tokens of the timed stream's (random) prompt")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens per timed stream")
     ap.add_argument("--reps", type=int, default=3, help="streams per k (median)")
     ap.add_argument("--acceptance", default="docs/perf/eagle3.json",

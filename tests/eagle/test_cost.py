@@ -76,11 +76,13 @@ def test_cli_refuses_draft_lens_without_the_baseline(capsys):
     assert "must start with 0" in capsys.readouterr().err
 
 
-def test_cli_on_the_trained_eagle_bundle(eagle_bundle, tmp_path):
+@pytest.mark.parametrize("random_head", [False, True])
+def test_cli_on_the_eagle_bundle(eagle_bundle, tmp_path, random_head):
     out = tmp_path / "cost.json"
     assert cost.main(["--engine", str(eagle_bundle), "--device", "cpu", "--dtype", "float32", "--draft-lens", "0,2",
                       "--reps", "1", "--new-tokens", "12", "--prompt-len", "16", "--acceptance", "",
-                      "--out", str(out)]) == 0
+                      "--out", str(out)] + (["--random-draft"] if random_head else [])) == 0
     res = json.loads(out.read_text())
-    assert res["draft"] == "the bundle's trained draft" and [r["draft_len"] for r in res["costs"]] == [0, 2]
+    assert res["draft"] == ("random EAGLE-3 head of the target's shape" if random_head else "the bundle's trained draft")
+    assert [r["draft_len"] for r in res["costs"]] == [0, 2]
     assert res["costs"][1]["drafted_per_step"] > 0

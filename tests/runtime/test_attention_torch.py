@@ -121,3 +121,17 @@ def test_registry_resolves_and_rejects():
     assert resolve_backend_name("auto", "cuda") == "triton"
     with pytest.raises(ValueError, match="engine.attention_backend: unknown backend 'flash'"):
         resolve_backend_name("flash", "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_dequantization_table_gives_the_conversions_bits(dtype):
+    """The CPU path gathers scaled values by byte; it must equal fp8 -> float32 -> x scale -> dtype
+    for every code (NaN codes stay NaN) and keep the tensor's shape."""
+    from backend.attention.torch_backend import FP8_KV_DTYPE, dequantize_kv
+    codes = torch.arange(256, dtype=torch.uint8).repeat(3).view(2, 3, 8, 16).view(FP8_KV_DTYPE)
+    scale = torch.tensor(0.0371)
+    got = dequantize_kv(codes, scale, dtype)
+    want = (codes.float() * scale).to(dtype)
+    assert got.shape == codes.shape and got.dtype == dtype
+    assert torch.equal(got.isnan(), want.isnan()) and int(got.isnan().sum()) == 2 * 3  # 0x7f, 0xff in each repeat
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
