@@ -60,9 +60,9 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", default=str(REPO / "build" / "smollm2-135m-bf16-eagle3" / "engine"))
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--modes", default="chain4,chain2,chain4p20,chain4p35,chain4p50,dynamic")
+    ap.add_argument("--modes", default="chain4,chain2,chain4p10,chain4p20,chain4p35,dynamic")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--batch-modes", default="chain4,chain4p35", help="modes also timed at batch > 1")
+    ap.add_argument("--batch-modes", default="chain4,chain4p10,chain4p20,chain4p35", help="modes also timed at batch > 1")
     ap.add_argument("--dtype", default="float32",
                     help="runner compute dtype; on AVX2 CPUs bf16 math is ~10x slower than fp32")
     ap.add_argument("--out", default=str(REPO / "docs" / "perf" / "eagle3.json"))
