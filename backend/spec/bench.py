@@ -65,14 +65,18 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-modes", default="chain4,chain4p10,chain4p20,chain4p35", help="modes also timed at batch > 1")
     ap.add_argument("--dtype", default="float32",
                     help="runner compute dtype; on AVX2 CPUs bf16 math is ~10x slower than fp32")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="timed runs of every mode, interleaved (mode A, B, .., A, B, ..): tokens/s is "
+                         "their median, so drift on a shared machine moves all modes alike")
     ap.add_argument("--out", default=str(REPO / "docs" / "perf" / "eagle3.json"))
     args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error(f"--reps {args.reps}: must be at least 1")
+    unknown = [m for m in (args.modes + "," + args.batch_modes).split(",") if m and m not in MODES]
+    if unknown:
+        ap.error(f"--modes/--batch-modes: unknown {', '.join(unknown)}; allowed: {', '.join(MODES)}")
 
     import torch
-
-    from backend.executor import Executor
-    from backend.spec.measure import run_greedy
-    from backend.spec.speculator import attach
 
     torch.manual_seed(0)
     load_before = list(os.getloadavg())
@@ -83,35 +87,10 @@ def main(argv=None) -> int:
     prompts = [tok.encode(q, chat=True) for q in mtbench_questions()[:args.num_prompts]]
     from safetensors.torch import load_file
     weights = load_file(str(engine / "weights.safetensors"))
-    results: dict = {}
-    baseline_tokens: dict[int, list] = {}
     batches = [int(b) for b in args.batches.split(",")]
     modes = ["off"] + [m for m in args.modes.split(",") if m]
-    batch_modes = set(args.batch_modes.split(","))
-    for batch in batches:
-        for mode in modes:
-            if batch > 1 and mode != "off" and mode not in batch_modes:
-                continue  # wall clock at batch > 1: only the modes asked for (default: the chain)
-            ex = Executor(engine, dtype=args.dtype, start=False, weights=weights, speculative=False,
-                          max_kv_tokens=16384, max_batch_size=max(batches))
-            if mode != "off":
-                attach(ex, **MODES[mode])
-            r = run_greedy(ex, prompts, args.max_tokens, batch)
-            toks = r.pop("tokens")
-            if mode == "off":
-                baseline_tokens[batch] = toks
-            r["identical_to_off"] = toks == baseline_tokens[batch]
-            if ex.speculator is not None:
-                r.update({k: v for k, v in ex.speculator.stats.as_dict().items()})
-            results[f"{mode}@batch{batch}"] = r
-            print(f"{mode:8s} batch {batch}: {json.dumps(r)}", flush=True)
-            del ex
-    for batch in batches:
-        off = results.get(f"off@batch{batch}")
-        for mode in modes[1:]:
-            r = results.get(f"{mode}@batch{batch}")
-            if off and r:
-                r["speedup_vs_off"] = round(r["tokens_per_s"] / off["tokens_per_s"], 3)
+    results = measure(engine, weights, prompts, modes, batches, set(args.batch_modes.split(",")),
+                      args.max_tokens, args.dtype, args.reps)
 
     commit = git_commit()
     dirty = subprocess.run(["git", "status", "--porcelain", "backend/spec"], capture_output=True,
@@ -125,8 +104,9 @@ def main(argv=None) -> int:
         "machine": {"cpu": cpu_model(), "cores": _cores(), "python": platform.python_version(),
                     "torch": torch.__version__, "device": "cpu",
                     "load_average": {"before": load_before, "after": list(os.getloadavg())},
-                    "note": "shared 2-core development machine with other jobs running: wall-clock "
-                            "numbers are noisy (compare spec and off of the same run only); passes/token "
+                    "note": "shared 2-core development machine: wall-clock numbers are noisy (compare "
+                            "spec and off of the same run only; --reps > 1 takes medians of interleaved "
+                            "runs); passes/token "
                             "and acceptance length are not. Compute dtype as in workload.dtype: on this "
                             "AVX2 CPU bf16 math is ~10x slower than fp32, so wall clock is measured in fp32"},
         "workload": {"dataset": "MT-bench question.jsonl (first turns, the tokenizer's chat template)", "num_prompts": len(prompts),
@@ -146,6 +126,53 @@ def main(argv=None) -> int:
     return 0
 
 
+
+
+def measure(engine: Path, weights: dict, prompts: list[list[int]], modes: list[str], batches: list[int],
+            batch_modes: set[str], max_tokens: int, dtype: str, reps: int = 1) -> dict:
+    """``{"<mode>@batch<b>": result}`` for ``modes`` (the first is "off", the baseline) at each batch
+    size (beyond 1 only the ``batch_modes``). Every run is checked token for token against the
+    baseline's first run; with ``reps`` > 1 the modes run round-robin and ``tokens_per_s`` and
+    ``wall_s`` are the medians (``tokens_per_s_runs`` keeps each run's); the counts are the same in
+    every run (greedy)."""
+    import statistics
+
+    from backend.executor import Executor
+    from backend.spec.measure import run_greedy
+    from backend.spec.speculator import attach
+
+    results: dict = {}
+    for batch in batches:
+        todo = [m for m in modes if batch == 1 or m == "off" or m in batch_modes]
+        runs: dict[str, list[dict]] = {m: [] for m in todo}
+        baseline = None
+        for _ in range(reps):
+            for mode in todo:
+                ex = Executor(engine, dtype=dtype, start=False, weights=weights, speculative=False,
+                              max_kv_tokens=16384, max_batch_size=max(batches))
+                if mode != "off":
+                    attach(ex, **MODES[mode])
+                r = run_greedy(ex, prompts, max_tokens, batch)
+                toks = r.pop("tokens")
+                baseline = toks if baseline is None else baseline
+                r["identical_to_off"] = toks == baseline
+                if ex.speculator is not None:
+                    r.update(ex.speculator.stats.as_dict())
+                runs[mode].append(r)
+                print(f"{mode:8s} batch {batch}: {json.dumps(r)}", flush=True)
+                del ex
+        for mode, rs in runs.items():
+            r = dict(rs[-1], identical_to_off=all(x["identical_to_off"] for x in rs))
+            if reps > 1:
+                r["tokens_per_s_runs"] = [x["tokens_per_s"] for x in rs]
+                r["tokens_per_s"] = round(statistics.median(r["tokens_per_s_runs"]), 2)
+                r["wall_s"] = round(statistics.median(x["wall_s"] for x in rs), 3)
+            results[f"{mode}@batch{batch}"] = r
+        off = results[f"off@batch{batch}"]
+        for mode in todo[1:]:
+            r = results[f"{mode}@batch{batch}"]
+            r["speedup_vs_off"] = round(r["tokens_per_s"] / off["tokens_per_s"], 3)
+    return results
 
 
 def _stage_seconds(work: Path) -> dict:
