@@ -151,19 +151,16 @@ if __name__ == "__main__":
     import argparse
     import datetime as dt
     import json
-    import os
     import pathlib
-    import platform
 
-    from backend.perfinfo import cpu_model, git_commit
+    from backend.perfinfo import cpu_machine, git_commit
     ap = argparse.ArgumentParser(description="Benchmark Kiln's CPU linear path against F.linear over "
                                              "row-major weights (SmolLM2-135M shapes, 30 layers).")
     ap.add_argument("--out", default="docs/perf/cpu_linear.json", help="where to write the results")
     args = ap.parse_args()
     res = {"benchmark": "cpu_linear", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "command": "python -m backend.cpu_matmul --out " + args.out, "commit": git_commit(),
-           "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-                       "python": platform.python_version(), "torch": torch.__version__},
+           "machine": {**cpu_machine(), "threads": torch.get_num_threads(), "torch": torch.__version__},
            "what": "SmolLM2-135M linears (qkv, o, gate_up, down), 30 layers of distinct fp16-exact weights, float32 compute, best of 5; onednn_column_major only runs up to SMALL_ROWS rows (MKL beyond)",
            "small_rows_threshold": SMALL_ROWS, "results": _measure()}
     pathlib.Path(args.out).write_text(json.dumps(res, indent=2) + "\n")

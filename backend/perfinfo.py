@@ -21,6 +21,12 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_machine() -> dict:
+    """The CPU side of a result's ``machine``: model, cores this process may use, Python."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+    return {"cpu": cpu_model(), "cores": cores, "python": platform.python_version()}
+
+
 def git_commit() -> str:
     """Short HEAD of this checkout; KILN_COMMIT when the tree was copied without its .git (a lent GPU
     machine receives the working tree only)."""

@@ -18,12 +18,11 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from backend.perfinfo import cpu_model, git_commit
+from backend.perfinfo import cpu_machine, git_commit
 from backend.triton.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,8 +100,7 @@ def main(argv=None) -> int:
         "benchmark": "eagle3", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m backend.spec.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "commit": commit + ("-dirty" if dirty else ""),
-        "machine": {"cpu": cpu_model(), "cores": _cores(), "python": platform.python_version(),
-                    "torch": torch.__version__, "device": "cpu",
+        "machine": {**cpu_machine(), "torch": torch.__version__, "device": "cpu",
                     "load_average": {"before": load_before, "after": list(os.getloadavg())},
                     "note": "shared 2-core development machine: wall-clock numbers are noisy (compare "
                             "spec and off of the same run only; --reps > 1 takes medians of interleaved "
@@ -124,8 +122,6 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
-
-
 
 
 def measure(engine: Path, weights: dict, prompts: list[list[int]], modes: list[str], batches: list[int],
@@ -185,10 +181,6 @@ def _stage_seconds(work: Path) -> dict:
         except (OSError, ValueError, KeyError):
             pass
     return out
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
 
 
 if __name__ == "__main__":

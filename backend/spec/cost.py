@@ -91,14 +91,14 @@ def decode_pass_ms(ex, prompt: list[int], new_tokens: int) -> dict:
     return {"ms_per_pass": wall / passes * 1e3, "passes": passes, "tokens": len(h.result().token_ids)}
 
 
-def step_costs(ex, draft, lens=DEFAULT_LENS, prompt_len: int = 128, new_tokens: int = 64, reps: int = 3,
-               vocab: int | None = None) -> list[dict]:
+def step_costs(ex, draft, lens=DEFAULT_LENS, prompt_len: int = 128, new_tokens: int = 64,
+               reps: int = 3) -> list[dict]:
     """``C(k)`` for each k in ``lens`` (0 = no speculation): the median of ``reps`` streams, the k
     interleaved so drift on a shared machine moves all of them alike. Also the drafts actually
     proposed per verify step, which must equal k (the check that the chain was not cut)."""
     import random
     rng = random.Random(0)
-    prompt = [rng.randrange(vocab or ex.runner.model.config.vocab_size) for _ in range(prompt_len)]
+    prompt = [rng.randrange(ex.runner.model.config.vocab_size) for _ in range(prompt_len)]
     saved = ex.speculator
     runs: dict[int, list[dict]] = {k: [] for k in lens}
     drafted: dict[int, float] = {}
@@ -155,10 +155,10 @@ def _engine_executor(a):
     ex = Executor(a.engine, device=a.device, dtype=a.dtype, start=False, speculative=False, max_batch_size=8)
     if not a.random_draft:
         draft = EagleSpeculator.for_executor(ex, tree="chain", max_draft_len=1, min_draft_prob=0.0).draft
-        return ex, draft, "the bundle's trained draft", None
+        return ex, draft, "the bundle's trained draft"
     m = ex.spec.doc["model"]
     cfg, t = random_draft(m, m["vocab_size"], device=a.device)
-    return ex, attach_draft(ex, cfg, t), "random EAGLE-3 head of the target's shape", None
+    return ex, attach_draft(ex, cfg, t), "random EAGLE-3 head of the target's shape"
 
 
 def _llama8b_executor(a, tmp: Path):
@@ -179,7 +179,7 @@ def _llama8b_executor(a, tmp: Path):
     draft = attach_draft(ex, cfg, t)
     del t
     torch.cuda.empty_cache()
-    return ex, draft, f"random EAGLE-3 head, Llama-3.1-8B shape, draft vocabulary {a.draft_vocab}", m["vocab_size"]
+    return ex, draft, f"random EAGLE-3 head, Llama-3.1-8B shape, draft vocabulary {a.draft_vocab}"
 
 
 def _header(torch, device: str) -> dict:
@@ -187,14 +187,12 @@ def _header(torch, device: str) -> dict:
         from harness.gpucheck.report import header
         return header(torch, "backend.spec.cost")
     import datetime
-    import os
-    import platform
 
-    from backend.perfinfo import cpu_model, git_commit
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    from backend.perfinfo import cpu_machine, git_commit
+    return {**cpu_machine(), "threads": torch.get_num_threads(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python -m backend.spec.cost"] + sys.argv[1:]), "commit": git_commit(),
-            "python": platform.python_version(), "torch": torch.__version__}
+            "torch": torch.__version__}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,13 +226,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     res = _header(torch, a.device)
     with tempfile.TemporaryDirectory() as tmp:
-        ex, draft, what, vocab = _llama8b_executor(a, Path(tmp)) if a.llama8b else _engine_executor(a)
+        ex, draft, what = _llama8b_executor(a, Path(tmp)) if a.llama8b else _engine_executor(a)
         try:
             res["target"] = "Llama-3.1-8B shape, random FP8 weights" if a.llama8b else str(a.engine)
             res["draft"] = what
             res["device"], res["dtype"] = a.device, str(ex.runner.dtype).replace("torch.", "")
             res["workload"] = {"batch": 1, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "reps": a.reps}
-            costs = step_costs(ex, draft, lens, a.prompt_len, a.new_tokens, a.reps, vocab)
+            costs = step_costs(ex, draft, lens, a.prompt_len, a.new_tokens, a.reps)
         finally:
             ex.shutdown()
     if a.acceptance:
