@@ -77,25 +77,71 @@ def chain_speculator(ex, draft, k: int):
     return EagleSpeculator(draft, ex.runner.kv_caches, TreeGrower.from_settings(draft, "chain", k, 1, k, None, 0.0))
 
 
-def decode_pass_ms(ex, prompt: list[int], new_tokens: int) -> dict:
-    """One greedy stream: ms per target pass after the prefill (the prefill step is not timed)."""
+class _PartTimer:
+    """Wall time inside the target's forward and each speculator phase, synchronizing the device
+    around every call so GPU work lands in the part that queued it (costs a little overlap: use it
+    for the breakdown, not for the headline numbers)."""
+    PARTS = ("target", "prepare", "verify", "propose")
+
+    def __init__(self, ex) -> None:
+        import torch
+        self.ms = dict.fromkeys(self.PARTS, 0.0)
+        self._sync = torch.cuda.synchronize if ex.device.type == "cuda" else (lambda: None)
+        self._undo = []
+        self._wrap(ex.runner, "execute", "target")
+        if ex.speculator is not None:
+            for part in ("prepare", "verify", "propose"):
+                self._wrap(ex.speculator, part, part)
+
+    def _wrap(self, obj, name: str, part: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*args, **kw):
+            self._sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self._sync()
+                self.ms[part] += (time.perf_counter() - t0) * 1e3
+        setattr(obj, name, timed)
+        self._undo.append((obj, name))
+
+    def close(self) -> None:
+        for obj, name in self._undo:
+            delattr(obj, name)      # back to the class's method
+
+
+def decode_pass_ms(ex, prompt: list[int], new_tokens: int, breakdown: bool = False) -> dict:
+    """One greedy stream: ms per target pass after the prefill (the prefill step is not timed);
+    ``breakdown``: also the ms per pass spent in each part (``_PartTimer``)."""
     from backend.sampling_params import SamplingParams
     h = ex.submit(prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
     ex.step()
+    timer = _PartTimer(ex) if breakdown else None
     passes, t0 = 0, time.perf_counter()
-    while not h.finished:
-        passes += 1 if ex.step() else 0
+    try:
+        while not h.finished:
+            passes += 1 if ex.step() else 0
+    finally:
+        if timer is not None:
+            timer.close()
     wall = time.perf_counter() - t0
     if not passes:
         raise ValueError(f"new_tokens={new_tokens}: the stream finished in its prefill step; ask for more tokens")
-    return {"ms_per_pass": wall / passes * 1e3, "passes": passes, "tokens": len(h.result().token_ids)}
+    res = {"ms_per_pass": wall / passes * 1e3, "passes": passes, "tokens": len(h.result().token_ids)}
+    if timer is not None:
+        res["parts_ms_per_pass"] = {p: round(v / passes, 3) for p, v in timer.ms.items()}
+        res["parts_ms_per_pass"]["other"] = round(res["ms_per_pass"] - sum(timer.ms.values()) / passes, 3)
+    return res
 
 
 def step_costs(ex, draft, lens=DEFAULT_LENS, prompt_len: int = 128, new_tokens: int = 64,
-               reps: int = 3) -> list[dict]:
+               reps: int = 3, breakdown: bool = False) -> list[dict]:
     """``C(k)`` for each k in ``lens`` (0 = no speculation): the median of ``reps`` streams, the k
     interleaved so drift on a shared machine moves all of them alike. Also the drafts actually
-    proposed per verify step, which must equal k (the check that the chain was not cut)."""
+    proposed per verify step, which must equal k (the check that the chain was not cut), and with
+    ``breakdown`` one more stream per k timed part by part (``parts_ms_per_pass``)."""
     import random
     rng = random.Random(0)
     prompt = [rng.randrange(ex.runner.model.config.vocab_size) for _ in range(prompt_len)]
@@ -112,6 +158,10 @@ def step_costs(ex, draft, lens=DEFAULT_LENS, prompt_len: int = 128, new_tokens: 
                 runs[k].append(decode_pass_ms(ex, prompt, new_tokens))
                 if spec is not None and spec.stats.verify_steps:
                     drafted[k] = spec.stats.proposed / spec.stats.verify_steps
+        parts = {}
+        for k in lens if breakdown else ():
+            ex.speculator = chain_speculator(ex, draft, k) if k else None
+            parts[k] = decode_pass_ms(ex, prompt, new_tokens, breakdown=True)["parts_ms_per_pass"]
     finally:
         ex.speculator = saved
     base = statistics.median(r["ms_per_pass"] for r in runs[lens[0]])
@@ -122,6 +172,8 @@ def step_costs(ex, draft, lens=DEFAULT_LENS, prompt_len: int = 128, new_tokens: 
                     "drafted_per_step": round(drafted.get(k, 0.0), 3),
                     "breakeven_tokens_per_pass": round(ms / base, 3),
                     f"tokens_per_pass_for_{GOAL}x": round(GOAL * ms / base, 3)})
+        if k in parts:
+            out[-1]["parts_ms_per_pass"] = parts[k]
     return out
 
 
@@ -152,7 +204,8 @@ def project(costs: list[dict], acceptance: dict[int, float]) -> None:
 def _engine_executor(a):
     from backend.executor import Executor
     from backend.spec.speculator import EagleSpeculator
-    ex = Executor(a.engine, device=a.device, dtype=a.dtype, start=False, speculative=False, max_batch_size=8)
+    ex = Executor(a.engine, device=a.device, dtype=a.dtype, start=False, speculative=False, max_batch_size=8,
+                  **({"cuda_graphs": False} if a.eager else {}))
     if not a.random_draft:
         draft = EagleSpeculator.for_executor(ex, tree="chain", max_draft_len=1, min_draft_prob=0.0).draft
         return ex, draft, "the bundle's trained draft"
@@ -173,7 +226,7 @@ def _llama8b_executor(a, tmp: Path):
               "enable_prefix_caching": False, "attention_backend": "triton"}
     weights = bench_gpu.synthetic_fp8_weights(m, device=a.device)
     ex = Executor(bench_gpu.manifest_bundle(m, engine, tmp / "engine"), device=a.device, weights=weights,
-                  verify_hashes=False, start=False)
+                  verify_hashes=False, start=False, cuda_graphs=False if a.eager else "auto")
     del weights
     cfg, t = random_draft(m, a.draft_vocab, device=a.device)
     draft = attach_draft(ex, cfg, t)
@@ -211,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128, help="tokens of the timed stream's (random) prompt")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens per timed stream")
     ap.add_argument("--reps", type=int, default=3, help="streams per k (median)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="one more stream per k, timed part by part: target forward, speculator prepare/verify/propose")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (engine.cuda_graphs=false): the baseline they beat")
     ap.add_argument("--acceptance", default="docs/perf/eagle3.json",
                     help="a backend.spec.bench result whose chain histogram gives L(k) ('' = none)")
     ap.add_argument("--out", help="result JSON (default docs/perf/eagle3-cost-<gpu name | cpu>.json)")
@@ -232,7 +288,11 @@ def main(argv: list[str] | None = None) -> int:
             res["draft"] = what
             res["device"], res["dtype"] = a.device, str(ex.runner.dtype).replace("torch.", "")
             res["workload"] = {"batch": 1, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "reps": a.reps}
-            costs = step_costs(ex, draft, lens, a.prompt_len, a.new_tokens, a.reps)
+            res["cuda_graphs"] = ex.runner.graphs is not None
+            costs = step_costs(ex, draft, lens, a.prompt_len, a.new_tokens, a.reps, a.breakdown)
+            if ex.runner.graphs is not None:
+                g = ex.runner.graphs
+                res["graphs"] = g.failed or {"captured": len(g.graphs), "verify_steps": g.verify_steps}
         finally:
             ex.shutdown()
     if a.acceptance:

@@ -86,3 +86,15 @@ def test_cli_on_the_eagle_bundle(eagle_bundle, tmp_path, random_head):
     assert res["draft"] == ("random EAGLE-3 head of the target's shape" if random_head else "the bundle's trained draft")
     assert [r["draft_len"] for r in res["costs"]] == [0, 2]
     assert res["costs"][1]["drafted_per_step"] > 0
+
+
+def test_breakdown_puts_the_draft_in_propose_and_the_forward_in_target(tiny):
+    ex, draft = tiny
+    rows = cost.step_costs(ex, draft, (0, 2), prompt_len=12, new_tokens=16, reps=1, breakdown=True)
+    plain, spec = (r["parts_ms_per_pass"] for r in rows)
+    assert set(plain) == set(cost._PartTimer.PARTS) | {"other"}
+    assert plain["target"] > 0 and plain["propose"] == plain["verify"] == 0   # no speculator attached
+    assert spec["target"] > 0 and spec["propose"] > 0 and spec["verify"] > 0
+    # the parts are inside the pass: what is left ("other": scheduling, sampling) cannot be negative
+    assert plain["other"] >= -0.01 and spec["other"] >= -0.01
+    assert "execute" not in vars(ex.runner), "the timers are removed after the stream"

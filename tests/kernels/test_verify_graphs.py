@@ -1,0 +1,112 @@
+"""EAGLE verify passes through backend.cuda_graphs' padded static buffers give the same tokens,
+acceptances and draft state as eager passes.
+
+On CPU nothing can be captured, so engine.cuda_graphs=true runs the same padded static-buffer forward
+eagerly, with the triton attention backend under the interpreter (see test_decode_graphs.py). On a
+GPU the same test captures and replays real graphs.
+
+A random draft is (almost) never right, so its chains are rewritten with a planned mix: the first
+``a`` drafts are the target's true greedy continuation (from a plain run), the rest are wrong. That
+exercises every acceptance count, chains of different lengths in one batch (sequences with fewer
+rows than the step's longest query) and the aux-layer outputs the draft is fed from.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend import bench_gpu
+from backend.executor import Executor
+from backend.sampling_params import SamplingParams
+from backend.spec import cost
+from backend.spec.grow import TreeGrower
+from backend.spec.speculator import EagleSpeculator
+from backend.spec.tree import TokenTree
+
+TINY = dict(bench_gpu.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
+            num_kv_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512)
+ENGINE = {"max_batch_size": 8, "max_num_tokens": 256, "max_seq_len": 256, "max_input_len": 64,
+          "kv_block_size": 16, "kv_cache_dtype": "fp8_e4m3", "max_kv_tokens": 4096,
+          "attention_backend": "triton", "enable_prefix_caching": False}
+K = 4
+LENS = (5, 17, 33, 3, 40)
+NEW = (20, 30, 12, 24, 18)
+
+
+class PlannedSpeculator(EagleSpeculator):
+    """The real speculator (draft steps, KV, verification); only the proposed tokens are replaced."""
+
+    def __init__(self, *args, oracle: dict[str, list[int]], **kw) -> None:
+        super().__init__(*args, **kw)
+        self.oracle = oracle
+
+    def propose(self, out, inputs, captured, finished) -> None:
+        super().propose(out, inputs, captured, finished)
+        for s in out.scheduled:
+            req = s.request
+            tree = self._trees.get(req.request_id)
+            if tree is None:
+                continue
+            n = len(req.output_token_ids)
+            truth = self.oracle[req.request_id][n:n + K]
+            length = min(1 + n % K, len(truth))            # 1..K drafts: q differs between sequences
+            good = (3 * n + len(req.prompt_token_ids)) % (length + 1)
+            drafts = [t if i < good else (t + 1) % TINY["vocab_size"] for i, t in enumerate(truth[:length])]
+            self._trees[req.request_id] = TokenTree((tree.tokens[0], *drafts), tuple(range(-1, length)))
+            req.spec_token_ids = drafts
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    w = bench_gpu.synthetic_fp8_weights(TINY, device="cpu", seed=5, std=0.2)
+    path = bench_gpu.manifest_bundle(TINY, ENGINE, tmp_path_factory.mktemp("v") / "engine")
+    cfg, t = cost.random_draft(TINY, 128, seed=1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in LENS]
+    return path, w, cfg, t, prompts
+
+
+def _executor(setup, graphs: bool, device: str) -> Executor:
+    path, w, *_ = setup
+    return Executor(path, device=device, dtype=torch.float32, weights=w, verify_hashes=False, start=False,
+                    cuda_graphs=graphs)
+
+
+def _run(ex: Executor, prompts, extra: int = 0) -> dict[str, list[int]]:
+    handles = [ex.submit(p, SamplingParams(max_tokens=n + extra, temperature=0.0, ignore_eos=True), request_id=f"r{i}")
+               for i, (p, n) in enumerate(zip(prompts, NEW))]
+    while not all(h.finished for h in handles):
+        ex.step()
+    return {h.request_id: h.result().token_ids for h in handles}
+
+
+def _speculative(setup, graphs: bool, device: str, oracle):
+    _, _, cfg, t, prompts = setup
+    ex = _executor(setup, graphs, device)
+    draft = cost.attach_draft(ex, cfg, t)
+    spec = PlannedSpeculator(draft, ex.runner.kv_caches, TreeGrower.from_settings(draft, "chain", K, 1, K, None),
+                             oracle=oracle)
+    ex.speculator = spec
+    captured_rows = []
+    fuse = draft.fuse
+    draft.fuse = lambda aux: (captured_rows.append(aux.float().cpu()), fuse(aux))[1]
+    out = _run(ex, prompts)
+    return out, spec.stats, ex.runner.graphs, torch.cat(captured_rows)
+
+
+def test_graphed_verify_equals_eager(setup, device):
+    oracle = _run(_executor(setup, False, device), setup[4], extra=K)
+    eager_out, eager_stats, none, eager_aux = _speculative(setup, False, device, oracle)
+    graph_out, graph_stats, graphs, graph_aux = _speculative(setup, True, device, oracle)
+    assert none is None and graphs is not None and graphs.failed is None
+    # the plan makes verification accept every count 0..K: the test would not see a KV slip otherwise
+    assert set(eager_stats.accept_hist) == set(range(K + 1)), eager_stats.accept_hist
+    assert eager_out == {rid: toks[:n] for (rid, toks), n in zip(oracle.items(), NEW)}
+    assert graphs.verify_steps >= 10, "verify passes must have taken the static-buffer path"
+    assert {q for q, _, _ in graphs.graphs} <= set(range(1, K + 2))
+    assert bool(graphs.graphs) == (device == "cuda"), "captured on a GPU, never on CPU"
+    assert graph_out == eager_out
+    assert graph_stats.as_dict() == eager_stats.as_dict()
+    # the aux layers fed to the draft come out of the static buffers: same rows, same values
+    assert graph_aux.shape == eager_aux.shape
+    torch.testing.assert_close(graph_aux, eager_aux, rtol=1e-4, atol=1e-4)
