@@ -6,17 +6,17 @@ batch 1 against a 1.9 ms bandwidth floor). A replayed graph issues them all in o
 every step is a verify pass (1 + k query rows per sequence) that also returns the draft's aux layers:
 without graphs for those, speculation pays the eager price on every pass and cannot win.
 
-A graph is keyed by ``(q, b, layers)``: ``q`` the step's longest query (1 = plain decode, 1 + k = a
-verify pass), ``b`` a batch-size bucket and ``layers`` the target layers whose outputs are returned
-as well (EAGLE's aux layers). A step of ``t <= b`` sequences and ``T <= t*q`` query rows is copied
+A graph is keyed by ``(q, b, layers, tree)``: ``q`` the step's longest query (1 = plain decode, 1 + k
+= a verify pass), ``b`` a batch-size bucket, ``layers`` the target layers whose outputs are returned
+as well (EAGLE's aux layers) and ``tree`` whether the step has a token-tree mask. A step of ``t <= b`` sequences and ``T <= t*q`` query rows is copied
 into static buffers of ``b*q`` rows and replayed; its rows ``[:T]`` are the step's. Padding: rows past
 ``T`` write no KV (slot -1); sequences past ``t`` have no query rows and length 0.
 
 * ``q == 1``: the split-K decode kernel, bounded by the engine's max_seq_len (its split count is fixed
   at capture and fits every later step); captured for every bucket at the first such step.
-* ``q > 1``: the varlen prefill kernel with a tree mask (all-true for chains: the kernel ANDs it with
-  causality), launched for ``q`` query rows per sequence; a sequence with fewer rows (a shorter chain)
-  fits too. Captured lazily, one key at a time, as steps of that shape appear.
+* ``q > 1``: the varlen prefill kernel, launched for ``q`` query rows per sequence (a sequence with
+  fewer rows, a shorter chain, fits too); chains run its causal variant, trees its tree-mask variant
+  with the mask in a static buffer. Captured lazily, one key at a time, as steps of that shape appear.
 
 Only steps without prefill rows, with the triton attention backend, take this path; everything else
 runs eagerly. ``capture=False`` replays nothing: the same padded static-buffer forward runs eagerly.
@@ -55,6 +55,7 @@ class _Buffers:
         # q == 1: every sequence is one row (fixed); q > 1: copied from the step, padded.
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device) * (1 if q == 1 else 0)
         self.tree_mask = torch.ones(rows, q, dtype=torch.bool, device=device) if q > 1 else None
+        self.has_tree = False
 
     def load(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
         """Copy one step in; pad every row and sequence past it up to the largest bucket (a graph
@@ -74,21 +75,20 @@ class _Buffers:
         if self.q > 1:
             self.query_start_loc[:t + 1].copy_(meta.query_start_loc)
             self.query_start_loc[t + 1:].fill_(rows)     # padding sequences: no query rows
-            mq = meta.max_query_len
-            if meta.tree_mask is not None:
+            self.has_tree = meta.tree_mask is not None
+            if self.has_tree:
+                mq = meta.max_query_len
                 self.tree_mask[:rows, :mq].copy_(meta.tree_mask)
                 self.tree_mask[:rows, mq:].fill_(True)
-            else:
-                self.tree_mask.fill_(True)
 
-    def meta(self, b: int, max_seq_len: int) -> AttentionMetadata:
+    def meta(self, b: int, max_seq_len: int, tree: bool) -> AttentionMetadata:
         r = b * self.q
         return AttentionMetadata(
             positions=self.positions[:r], slot_mapping=self.slot_mapping[:r], block_tables=self.block_tables[:b],
             seq_lens=self.seq_lens[:b], query_start_loc=self.query_start_loc[:b + 1],
             context_lens=self.context_lens[:b], num_prefills=0, num_prefill_tokens=0, num_decode_tokens=r,
             max_query_len=self.q, max_seq_len=max_seq_len,
-            tree_mask=None if self.tree_mask is None else self.tree_mask[:r])
+            tree_mask=self.tree_mask[:r] if tree else None)
 
 
 class DecodeGraphs:
@@ -100,7 +100,7 @@ class DecodeGraphs:
         self.capture = capture
         self.device = device
         self._buffers: dict[int, _Buffers] = {}
-        # (q, b, layers) -> (graph, logits [b*q, V], {layer: hidden [b*q, H]})
+        # (q, b, layers, tree) -> (graph, logits [b*q, V], {layer: hidden [b*q, H]})
         self.graphs: dict[tuple, tuple[object, torch.Tensor, dict[int, torch.Tensor]]] = {}
         self._pool = None
         self.steps = 0       # steps that took this path (replayed, or run eagerly when not capturing)
@@ -116,9 +116,9 @@ class DecodeGraphs:
             return meta.tree_mask is None and meta.num_decode_tokens == t == int(input_ids.shape[0])
         return int(input_ids.shape[0]) == meta.num_decode_tokens <= t * q
 
-    def _forward(self, q: int, b: int, layers: tuple[int, ...]):
+    def _forward(self, q: int, b: int, layers: tuple[int, ...], tree: bool):
         buf = self._buffers[q]
-        hidden, captured = self.model.forward(buf.input_ids[:b * q], buf.meta(b, self.max_seq_len),
+        hidden, captured = self.model.forward(buf.input_ids[:b * q], buf.meta(b, self.max_seq_len, tree),
                                               self.kv_caches, layers)
         return self.model.compute_logits(hidden), captured
 
@@ -156,14 +156,14 @@ class DecodeGraphs:
         buf.load(input_ids, meta)
         self.steps += 1
         self.verify_steps += q > 1
-        key = (q, b, layers)
+        key = (q, b, layers, buf.has_tree)
         if not self.capture:
             logits, captured = self._forward(*key)
         else:
             if key not in self.graphs:
                 # plain decoding captures every bucket at once (its buckets all appear as requests
                 # come and go); verify shapes one by one, as they appear
-                keys = [(1, s, layers) for s in self.sizes] if q == 1 else [key]
+                keys = [(1, s, layers, False) for s in self.sizes] if q == 1 else [key]
                 try:
                     self._capture([k for k in keys if k not in self.graphs])
                 except Exception as exc:  # noqa: BLE001 - graphs are a speed-up: never the engine's failure

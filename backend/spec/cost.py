@@ -149,8 +149,9 @@ def step_costs(ex, draft, lens=DEFAULT_LENS, prompt_len: int = 128, new_tokens: 
     runs: dict[int, list[dict]] = {k: [] for k in lens}
     drafted: dict[int, float] = {}
     try:
-        ex.speculator = None
-        decode_pass_ms(ex, prompt[:16], 4)                     # warm-up (allocations, kernel compiles)
+        for k in lens:   # warm-up: allocations, kernel compiles, CUDA graphs of every shape timed below
+            ex.speculator = chain_speculator(ex, draft, k) if k else None
+            decode_pass_ms(ex, prompt[:16], 2 * k + 4)
         for _ in range(reps):
             for k in lens:
                 spec = chain_speculator(ex, draft, k) if k else None

@@ -94,7 +94,7 @@ class Eagle3Draft:
         self.lm_head = cpu_matmul.prepare(self.lm_head)
         # draft id -> target id (identity when the vocabularies are the same).
         if "d2t" in tensors and cfg.draft_vocab_size < cfg.vocab_size:
-            self.d2t_ids = (torch.arange(cfg.draft_vocab_size) + tensors["d2t"].long()).to(self.device)
+            self.d2t_ids = (torch.arange(cfg.draft_vocab_size) + tensors["d2t"].long().cpu()).to(self.device)
         else:
             self.d2t_ids = None
         self.q_size = cfg.num_heads * cfg.head_dim

@@ -31,10 +31,14 @@ ENGINE = {"max_batch_size": 8, "max_num_tokens": 256, "max_seq_len": 256, "max_i
 K = 4
 LENS = (5, 17, 33, 3, 40)
 NEW = (20, 30, 12, 24, 18)
+VOCAB = TINY["vocab_size"]
+TREE = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
 
 
 class PlannedSpeculator(EagleSpeculator):
-    """The real speculator (draft steps, KV, verification); only the proposed tokens are replaced."""
+    """The real speculator (draft steps, KV, verification); only the proposed tokens are replaced.
+    Chains get 1..K drafts (so q differs between sequences); static trees carry the true tokens down
+    the rank-0 or the rank-1 branch (accepting rank 1 moves KV entries: the compaction path)."""
 
     def __init__(self, *args, oracle: dict[str, list[int]], **kw) -> None:
         super().__init__(*args, **kw)
@@ -42,18 +46,41 @@ class PlannedSpeculator(EagleSpeculator):
 
     def propose(self, out, inputs, captured, finished) -> None:
         super().propose(out, inputs, captured, finished)
+        shape = self.grower.shape
+        chain = all(p == i - 1 for i, p in enumerate(shape.parents))
         for s in out.scheduled:
             req = s.request
             tree = self._trees.get(req.request_id)
             if tree is None:
                 continue
             n = len(req.output_token_ids)
-            truth = self.oracle[req.request_id][n:n + K]
-            length = min(1 + n % K, len(truth))            # 1..K drafts: q differs between sequences
-            good = (3 * n + len(req.prompt_token_ids)) % (length + 1)
-            drafts = [t if i < good else (t + 1) % TINY["vocab_size"] for i, t in enumerate(truth[:length])]
-            self._trees[req.request_id] = TokenTree((tree.tokens[0], *drafts), tuple(range(-1, length)))
-            req.spec_token_ids = drafts
+            truth = self.oracle[req.request_id][n:n + shape.depth]
+            good = 3 * n + len(req.prompt_token_ids)
+            if chain:
+                length = min(1 + n % K, len(truth))
+                good %= length + 1
+                toks = [t if i < good else (t + 1) % VOCAB for i, t in enumerate(truth[:length])]
+                parents = tuple(range(-1, length))
+            elif len(truth) == shape.depth:
+                good %= shape.depth + 1
+                toks = []
+                for node in range(1, shape.num_nodes):
+                    path = _ranks(shape, node)
+                    right = path[0] == n % 2 and not any(path[1:]) and len(path) <= good
+                    toks.append(truth[len(path) - 1] if right else (truth[len(path) - 1] + node) % VOCAB)
+                parents = shape.parents
+            else:
+                continue      # the stream's last tokens: keep the draft's own tree
+            self._trees[req.request_id] = TokenTree((tree.tokens[0], *toks), parents)
+            req.spec_token_ids = toks
+
+
+def _ranks(shape, node: int) -> list[int]:
+    path = []
+    while node > 0:
+        path.append(shape.ranks[node])
+        node = shape.parents[node]
+    return path[::-1]
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +107,11 @@ def _run(ex: Executor, prompts, extra: int = 0) -> dict[str, list[int]]:
     return {h.request_id: h.result().token_ids for h in handles}
 
 
-def _speculative(setup, graphs: bool, device: str, oracle):
+def _speculative(setup, graphs: bool, device: str, oracle, tree: str = "chain"):
     _, _, cfg, t, prompts = setup
     ex = _executor(setup, graphs, device)
     draft = cost.attach_draft(ex, cfg, t)
-    spec = PlannedSpeculator(draft, ex.runner.kv_caches, TreeGrower.from_settings(draft, "chain", K, 1, K, None),
+    spec = PlannedSpeculator(draft, ex.runner.kv_caches, TreeGrower.from_settings(draft, tree, K, 1, K, TREE),
                              oracle=oracle)
     ex.speculator = spec
     captured_rows = []
@@ -94,16 +121,24 @@ def _speculative(setup, graphs: bool, device: str, oracle):
     return out, spec.stats, ex.runner.graphs, torch.cat(captured_rows)
 
 
-def test_graphed_verify_equals_eager(setup, device):
-    oracle = _run(_executor(setup, False, device), setup[4], extra=K)
-    eager_out, eager_stats, none, eager_aux = _speculative(setup, False, device, oracle)
-    graph_out, graph_stats, graphs, graph_aux = _speculative(setup, True, device, oracle)
+@pytest.fixture(scope="module")
+def oracle(setup, device):
+    """The target's greedy continuations (plain decoding, eager), K tokens longer than the runs."""
+    return _run(_executor(setup, False, device), setup[4], extra=K)
+
+
+@pytest.mark.parametrize("tree", ["chain", "static"])
+def test_graphed_verify_equals_eager(setup, device, oracle, tree):
+    eager_out, eager_stats, none, eager_aux = _speculative(setup, False, device, oracle, tree)
+    graph_out, graph_stats, graphs, graph_aux = _speculative(setup, True, device, oracle, tree)
     assert none is None and graphs is not None and graphs.failed is None
-    # the plan makes verification accept every count 0..K: the test would not see a KV slip otherwise
-    assert set(eager_stats.accept_hist) == set(range(K + 1)), eager_stats.accept_hist
+    # the plan makes verification accept every count: the test would not see a KV slip otherwise
+    depth = K if tree == "chain" else 3
+    assert set(eager_stats.accept_hist) == set(range(depth + 1)), eager_stats.accept_hist
     assert eager_out == {rid: toks[:n] for (rid, toks), n in zip(oracle.items(), NEW)}
-    assert graphs.verify_steps >= 10, "verify passes must have taken the static-buffer path"
-    assert {q for q, _, _ in graphs.graphs} <= set(range(1, K + 2))
+    assert graphs.verify_steps >= 6, "verify passes must have taken the static-buffer path"
+    assert {q for q, *_ in graphs.graphs} <= set(range(1, len(TREE) + 2))
+    assert {tr for *_, tr in graphs.graphs} <= {tree == "static"}
     assert bool(graphs.graphs) == (device == "cuda"), "captured on a GPU, never on CPU"
     assert graph_out == eager_out
     assert graph_stats.as_dict() == eager_stats.as_dict()
