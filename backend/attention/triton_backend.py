@@ -2,8 +2,8 @@
 
 Same interface and semantics as ``backend.attention.torch_backend.TorchAttentionBackend`` (see
 ``backend.attention.AttentionBackend``). Per step it launches at most two attention kernels per layer:
-the varlen paged-prefill kernel for prefill rows (and for speculative rows with several query tokens or a
-tree mask), and the split-K paged-decode kernel for one-token decode rows.
+the varlen paged-prefill kernel for prefill rows (and for speculative token trees or long queries), and
+the split-K paged-decode kernel for one-token decode rows and for the rows of verify passes of chains.
 
 On CPU the kernels only run under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
 imported): slow, meant for tests.
@@ -17,6 +17,11 @@ import torch
 from plugins.kv_write import write_kv as _write_kv
 from plugins.paged_decode import paged_decode
 from plugins.paged_prefill import paged_prefill
+
+
+# Verify passes of chains up to this many rows per sequence run row by row on the decode kernel
+# (``_chain_rows``); each row re-reads its sequence's context, which stops paying for long queries.
+CHAIN_ROWS_MAX = 8
 
 
 def _check_device(t: torch.Tensor) -> None:
@@ -53,6 +58,8 @@ class TritonAttentionBackend:
         # one-token decodes take the decode kernel; multi-token (speculative) rows and trees take the
         # prefill kernel, which handles any query length
         plain_decode = meta.tree_mask is None and num_d > 0 and meta.num_decode_tokens == num_d
+        if not plain_decode and not num_p and meta.tree_mask is None and meta.max_query_len <= CHAIN_ROWS_MAX:
+            return self._chain_rows(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
         if not plain_decode:
             return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                  meta.context_lens, scale, k_scale, v_scale, tree_mask=meta.tree_mask,
@@ -66,6 +73,22 @@ class TritonAttentionBackend:
                                    meta.seq_lens[num_p:], scale, k_scale, v_scale,
                                    max_seq_len=meta.max_seq_len, aot=self.aot)
         return out
+
+    def _chain_rows(self, q, k_cache, v_cache, meta, scale, k_scale, v_scale) -> torch.Tensor:
+        """A verify pass of chains: query row i of a sequence sees its context and new rows 0..i,
+        which is a one-token decode with length ``context + i + 1``. So every row goes through the
+        split-K decode kernel as a sequence of its own: the prefill kernel would run one program per
+        (sequence, KV head), 8 programs at batch 1 on an 8B model, however long the context.
+        Computed on the device from the metadata (no host sync: CUDA graphs capture this); rows past
+        the step's last sequence (graph padding) get length 0."""
+        t = q.shape[0]
+        qsl = meta.query_start_loc
+        rows = torch.arange(t, dtype=qsl.dtype, device=q.device)
+        seq = torch.searchsorted(qsl[1:], rows, right=True).clamp_(max=meta.num_seqs - 1)
+        lens = meta.context_lens.index_select(0, seq) + (rows - qsl.index_select(0, seq)) + 1
+        lens = torch.where(rows < qsl[-1], lens, torch.zeros_like(lens)).to(torch.int32)
+        return paged_decode(q, k_cache, v_cache, meta.block_tables.index_select(0, seq), lens, scale,
+                            k_scale, v_scale, max_seq_len=meta.max_seq_len, aot=self.aot)
 
 
 __all__ = ["TritonAttentionBackend"]

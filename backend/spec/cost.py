@@ -74,7 +74,8 @@ def chain_speculator(ex, draft, k: int):
     """A speculator that drafts exactly ``k`` tokens every step (a chain, no confidence cut)."""
     from backend.spec.grow import TreeGrower
     from backend.spec.speculator import EagleSpeculator
-    return EagleSpeculator(draft, ex.runner.kv_caches, TreeGrower.from_settings(draft, "chain", k, 1, k, None, 0.0))
+    return EagleSpeculator(draft, ex.runner.kv_caches, TreeGrower.from_settings(draft, "chain", k, 1, k, None, 0.0),
+                           ex.runner)
 
 
 class _PartTimer:

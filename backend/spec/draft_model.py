@@ -34,17 +34,62 @@ _L = "layers.0."
 
 @dataclass
 class DraftKV:
-    """Per-sequence draft cache: ``k, v [capacity, Hkv, D]``; entries ``[0, length)`` are committed."""
+    """Per-sequence draft cache: ``k, v [capacity, Hkv, D]``; entries ``[0, length)`` are committed.
+    ``slot >= 0``: ``k, v`` are row ``slot`` of a :class:`DraftKVPool` (fixed addresses, what the
+    CUDA-graphed chain draft reads); otherwise they are this sequence's own tensors, grown on demand."""
     k: torch.Tensor
     v: torch.Tensor
     length: int = 0
+    slot: int = -1
 
     def ensure(self, capacity: int) -> None:
         if capacity > self.k.shape[0]:
+            if self.slot >= 0:
+                raise ValueError(f"draft KV: {capacity} entries exceed the pool's {self.k.shape[0]} per "
+                                 f"sequence (engine.max_seq_len bounds them)")
             new = max(capacity, 2 * self.k.shape[0])
             grow = new - self.k.shape[0]
             self.k = torch.cat([self.k, self.k.new_zeros((grow,) + tuple(self.k.shape[1:]))])
             self.v = torch.cat([self.v, self.v.new_zeros((grow,) + tuple(self.v.shape[1:]))])
+
+
+class DraftKVPool:
+    """Every sequence's draft cache in one tensor pair ``[slots, capacity, Hkv, D]``, so that a
+    captured graph can address any sequence's cache by slot number. The last slot is scratch: the
+    padding rows of a graphed batch write there."""
+
+    def __init__(self, slots: int, capacity: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        bs = 16   # capacity in whole blocks: the pool doubles as a paged cache (block = 16 entries)
+        capacity = -(-capacity // bs) * bs
+        shape = (slots + 1, capacity, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity, self.block_size, self.scratch = capacity, bs, slots
+        self._free = list(range(slots - 1, -1, -1))
+
+    def acquire(self) -> DraftKV | None:
+        """A cleared cache in a free slot; None when every slot is taken (the caller falls back)."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        return DraftKV(self.k[slot], self.v[slot], 0, slot)
+
+    def release(self, cache: DraftKV) -> None:
+        if cache.slot >= 0 and cache.k.data_ptr() == self.k[cache.slot].data_ptr():
+            self._free.append(cache.slot)
+            cache.slot = -2     # released: never handed back twice
+
+    def paged(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool as a paged KV cache ``[blocks, 16, Hkv, D]``: slot s owns a contiguous run of
+        blocks (``block_tables``), so the paged-decode kernel reads a sequence without gathering it."""
+        shape = (-1, self.block_size) + tuple(self.k.shape[2:])
+        return self.k.view(shape), self.v.view(shape)
+
+    def block_tables(self, slots: torch.Tensor) -> torch.Tensor:
+        per = self.capacity // self.block_size
+        return (slots.to(torch.int32)[:, None] * per
+                + torch.arange(per, dtype=torch.int32, device=slots.device)[None, :])
 
 
 @dataclass
@@ -102,6 +147,14 @@ class Eagle3Draft:
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, self.device)
 
+    def kv_pool(self, slots: int, capacity: int) -> DraftKVPool:
+        """The draft's cache pool (made on first call; every speculator of this draft shares it)."""
+        pool = getattr(self, "_pool", None)
+        if pool is None or pool.scratch < slots or pool.capacity < capacity:
+            pool = self._pool = DraftKVPool(slots, capacity, self.cfg.num_kv_heads, self.cfg.head_dim,
+                                            self.dtype, self.device)
+        return pool
+
     def new_cache(self, capacity: int = 256) -> DraftKV:
         shape = (capacity, self.cfg.num_kv_heads, self.cfg.head_dim)
         return DraftKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -135,9 +188,35 @@ class Eagle3Draft:
 
         Every matmul runs once over all N rows (at batch 8 this is what the draft costs); only the
         attention, whose keys differ per sequence, loops over the slices."""
-        c = self.cfg
         n = feats.shape[0]
         assert sum(sl.n for sl in slices) == n, ([sl.n for sl in slices], n)
+        g, q, k, v = self._project(feats, tokens, positions)
+        outs, r = [], 0
+        for sl in slices:
+            outs.append(self._attend(q[r:r + sl.n], k[r:r + sl.n], v[r:r + sl.n], sl))
+            r += sl.n
+        return self._finish(g, outs[0] if len(outs) == 1 else torch.cat(outs))
+
+    def step_pooled(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                    pool: DraftKVPool, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One entry per sequence, every cache in ``pool``: entry i is written at row ``rows[i]`` of
+        slot ``slots[i]`` and sees that slot's rows ``[0, rows[i]]`` (a chain: every earlier row is
+        committed or an ancestor). No host sync and no shape that depends on the data, so it can
+        be captured in a CUDA graph. -> pre-norm outputs ``[N, H]``."""
+        from plugins.paged_decode import paged_decode   # the split-K decode kernel (GPU/interpreter)
+        g, q, k, v = self._project(feats, tokens, positions)
+        flat = slots * pool.capacity + rows
+        pool.k.view(-1, *pool.k.shape[2:]).index_copy_(0, flat, k)
+        pool.v.view(-1, *pool.v.shape[2:]).index_copy_(0, flat, v)
+        kc, vc = pool.paged()
+        attn = paged_decode(q.contiguous(), kc, vc, pool.block_tables(slots), (rows + 1).to(torch.int32),
+                            self.scale, max_seq_len=pool.capacity)
+        return self._finish(g, attn.reshape(q.shape[0], self.q_size))
+
+    def _project(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        """-> the residual input ``g [N, H]`` and rotated ``q [N, Hq, D]``, ``k, v [N, Hkv, D]``."""
+        c = self.cfg
+        n = feats.shape[0]
         emb = F.embedding(tokens, self.embed)
         g = feats.to(self.dtype)
         hin = rms_norm(g, self.input_norm, c.rms_norm_eps) if c.double_hidden_norm else g
@@ -147,14 +226,13 @@ class Eagle3Draft:
         cos, sin = self.rope.tables(positions, self.dtype)
         q = apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
-        v = v.view(n, c.num_kv_heads, c.head_dim)
-        outs, r = [], 0
-        for sl in slices:
-            outs.append(self._attend(q[r:r + sl.n], k[r:r + sl.n], v[r:r + sl.n], sl))
-            r += sl.n
-        attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return g, q, k, v.view(n, c.num_kv_heads, c.head_dim)
+
+    def _finish(self, g: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[N, Hq*D]`` -> the layer's pre-norm output (o, residual, MLP)."""
         h = g + cpu_matmul.linear(attn, self.o)
-        gate, up = cpu_matmul.linear(rms_norm(h, self.post_norm, c.rms_norm_eps), self.gate_up).chunk(2, dim=-1)
+        gate, up = cpu_matmul.linear(rms_norm(h, self.post_norm, self.cfg.rms_norm_eps),
+                                     self.gate_up).chunk(2, dim=-1)
         return h + cpu_matmul.linear(F.silu(gate) * up, self.down)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl: "DraftSlice") -> torch.Tensor:
@@ -187,4 +265,4 @@ class Eagle3Draft:
         return draft_ids if self.d2t_ids is None else self.d2t_ids[draft_ids]
 
 
-__all__ = ["DraftKV", "DraftSlice", "Eagle3Draft"]
+__all__ = ["DraftKV", "DraftKVPool", "DraftSlice", "Eagle3Draft"]

@@ -12,6 +12,7 @@ The shapes come from a registry (``GROWERS``) keyed by ``speculative.tree``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -112,11 +113,15 @@ class ShapeGrower(TreeGrower):
         self.k = max(1, max_rank(shape))
         self.has_children = [bool(shape.children(i)) for i in range(shape.num_nodes)]
         self.by_depth = [shape.nodes_at_depth(d) for d in range(shape.depth + 1)]
+        self.is_chain = all(p == i - 1 for i, p in enumerate(shape.parents))
+        self.graphs = None   # a ChainDraftGraphs (backend/spec/draft_graphs.py) when set: chains only
 
     def grow_many(self, requests: list[GrowRequest]) -> list[TokenTree]:
         d, s = self.draft, self.shape
         if not requests:
             return []
+        if self.graphs is not None and self.graphs.usable(requests):
+            return self._grow_graphed(requests)
         tokens = [[r.root_token] + [0] * (s.num_nodes - 1) for r in requests]
         entry_of: list[dict[int, int]] = [{} for _ in requests]     # node -> its entry index
         out_of = [{0: r.last_out} for r in requests]               # node -> output proposing its children
@@ -158,6 +163,20 @@ class ShapeGrower(TreeGrower):
         if self.min_prob > 0:
             return [TokenTree(tuple(t[:n]), s.parents[:n]) for t, n in zip(tokens, keep)]
         return [TokenTree(tuple(t), s.parents) for t in tokens]
+
+    def _grow_graphed(self, requests: list[GrowRequest]) -> list[TokenTree]:
+        """The whole chain in one graph replay; the confidence cut is ``_cut``'s rule, on the host."""
+        tokens, logps = self.graphs.run(requests)
+        trees = []
+        for r, toks, lps in zip(requests, tokens, logps):
+            n, cum = self.shape.num_nodes, 1.0
+            for node, lp in enumerate(lps[:n - 1] if self.min_prob > 0 else (), 1):
+                cum *= math.exp(lp)
+                if cum < self.min_prob:
+                    n = node
+                    break
+            trees.append(TokenTree((r.root_token, *toks[:n - 1]), self.shape.parents[:n]))
+        return trees
 
     def _cut(self, keep: list[int], cum: list[float], logits: torch.Tensor, top: torch.Tensor, node: int) -> None:
         """Chain node ``node`` was just proposed for each sequence (logit ``top[b, 0]`` of the draft's

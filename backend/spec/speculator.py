@@ -31,7 +31,7 @@ import torch
 from backend.spec.accept import accept_tree, emitted_tokens, speculation_allowed
 from backend.spec.checkpoint import read_bundle_draft
 from backend.spec.draft_model import DraftKV, DraftSlice, Eagle3Draft
-from backend.spec.grow import GrowRequest, TreeGrower
+from backend.spec.grow import GrowRequest, ShapeGrower, TreeGrower
 from backend.spec.tree import TokenTree
 
 
@@ -71,10 +71,21 @@ class SpecStats:
 
 class EagleSpeculator:
     def __init__(self, draft: Eagle3Draft, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 grower: TreeGrower) -> None:
+                 grower: TreeGrower, runner=None) -> None:
+        """``runner``: the target's ModelRunner; when it replays CUDA graphs (or runs their static
+        buffers eagerly, CPU tests) a chain grower gets its own graph and the draft caches a pool."""
         self.draft = draft
         self.kv_caches = kv_caches
         self.grower = grower
+        self.pool = None
+        graphs = getattr(runner, "graphs", None)
+        if graphs is not None and isinstance(grower, ShapeGrower) and grower.is_chain and grower.shape.depth:
+            from backend.cuda_graphs import MAX_QUERY
+            from backend.spec.draft_graphs import ChainDraftGraphs
+            max_batch = graphs.sizes[-1]
+            # entries reach max_seq_len + the drafts being verified; one slot per running sequence
+            self.pool = draft.kv_pool(max_batch, graphs.max_seq_len + MAX_QUERY)
+            grower.graphs = ChainDraftGraphs(draft, self.pool, grower.shape.depth, max_batch, graphs.capture)
         self.capture_hidden_layers = tuple(draft.cfg.aux_layers)
         self.stats = SpecStats()
         self._states: dict[str, _SeqState] = {}
@@ -114,7 +125,7 @@ class EagleSpeculator:
             top_k if top_k is not None else spec.get("top_k", 4),
             depth if depth is not None else spec.get("depth", 4),
             tree_choices if tree_choices is not None else spec.get("tree_choices"), min_draft_prob)
-        return cls(draft, runner.kv_caches, grower)
+        return cls(draft, runner.kv_caches, grower, runner)
 
     # -- the executor seam ----------------------------------------------------------------------
     def prepare(self, out, inputs) -> None:
@@ -234,7 +245,9 @@ class EagleSpeculator:
             if st is None or st.next_pos != s.start_pos:
                 # New request, or its history changed (preemption, prefix-cache hit): start over
                 # from here; the draft just sees less context.
-                st = self._states[rid] = _SeqState(self.draft.new_cache(), s.start_pos)
+                if st is not None:
+                    self._release(st)
+                st = self._states[rid] = _SeqState(self._new_cache(), s.start_pos)
             toks = req.all_token_ids
             assert len(toks) >= st.next_pos + m + 1 or not s.sample, (len(toks), st.next_pos, m)
             use = min(m, len(toks) - 1 - st.next_pos)   # a prompt chunk's last token waits for its successor
@@ -288,9 +301,20 @@ class EagleSpeculator:
                 flat = cache.view(nb * bs, *cache.shape[2:])
                 flat[d_slots] = flat[s_slots]
 
+    def _new_cache(self) -> DraftKV:
+        """A pooled cache when there is a pool with a free slot (the chain graph needs one), else
+        a private growable one (the eager path serves it)."""
+        return (self.pool.acquire() if self.pool is not None else None) or self.draft.new_cache()
+
+    def _release(self, st: _SeqState) -> None:
+        if self.pool is not None:
+            self.pool.release(st.cache)
+
     def _forget(self, request_ids) -> None:
         for rid in request_ids:
-            self._states.pop(rid, None)
+            st = self._states.pop(rid, None)
+            if st is not None:
+                self._release(st)
             self._trees.pop(rid, None)
             self._paths.pop(rid, None)
 

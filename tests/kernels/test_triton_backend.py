@@ -1,5 +1,6 @@
 """The "triton" attention backend equals the "torch" reference backend on whole steps: mixed prefill +
-decode batches, chunked prefill after cached context, speculative rows with a tree mask, fp8 KV."""
+decode batches, chunked prefill after cached context, verify passes of chains, speculative rows with a
+tree mask, fp8 KV."""
 import pytest
 import torch
 
@@ -42,6 +43,8 @@ def _step(ctx, qlens, num_prefills, block_size, device, tree=None):
     ([0, 40, 15, 70], [23, 9, 1, 1], 2),   # fresh prefill, chunked prefill, two decodes
     ([3, 100], [1, 1], 0),                 # decode-only step
     ([0], [37], 1),                        # prefill-only step
+    ([3, 100, 33], [4, 1, 5], 0),          # verify pass of chains: row by row on the decode kernel
+    ([20], [12], 0),                       # a query too long for that: the prefill kernel
 ])
 def test_triton_backend_equals_torch_backend(device, fresh_seed, kv_dtype, ctx, qlens, num_prefills):
     hq, hkv, d, bs = 9, 3, 64, 16
