@@ -15,6 +15,12 @@ rows write to the pool's scratch slot). One graph per bucket, captured when firs
 
 The host gets ``tokens [n, k]`` and ``logp [n, k]`` back in one copy and applies the chain's
 confidence cut (``min_draft_prob``) itself: the same rule as the eager grower.
+
+``run_commit`` puts the step before the chain into the same replay: feeding the draft the rows the
+target just committed (the verify pass's accepted path, at most k + 1 per sequence, from the target's
+captured aux layers). Each such row is a one-token decode of its sequence's pooled cache of length
+``committed + i + 1``, so the same pooled step serves it; the rows are packed as the step had them
+and padded to ``k + 1`` per sequence of the bucket. Prompt chunks (many rows) stay eager.
 """
 from __future__ import annotations
 
@@ -34,16 +40,36 @@ class ChainDraftGraphs:
         self.root_pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self.slots = torch.full((n,), pool.scratch, dtype=torch.int64, device=dev)
         self.lengths = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
+        # run_commit's inputs: up to q = k + 1 committed rows per sequence
+        self.q = k + 1
+        rows = n * self.q
+        self.aux = torch.zeros(rows, draft.cfg.hidden_size * len(draft.cfg.aux_layers), dtype=draft.dtype, device=dev)
+        self.row_tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.row_pos = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.row_slot = torch.full((rows,), pool.scratch, dtype=torch.int64, device=dev)
+        self.row_at = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.last_row = torch.zeros(n, dtype=torch.int64, device=dev)
+        # ("grow" | "commit", bucket) -> (graph, outputs)
+        self.graphs: dict[tuple[str, int], tuple[object, tuple[torch.Tensor, ...]]] = {}
         self._mempool = None
-        self.runs = 0
+        self.runs = 0        # replays (or eager runs of the static-buffer code), both kinds
+        self.commits = 0     # of which run_commit
         self.failed: str | None = None
 
     def usable(self, requests) -> bool:
         return (self.failed is None and 0 < len(requests) <= self.sizes[-1]
                 and all(r.cache.slot >= 0 for r in requests))
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward_commit(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed rows through the draft, then the chain from each sequence's last one."""
+        r = b * self.q
+        d = self.draft
+        feats = d.fuse(self.aux[:r])
+        h = d.step_pooled(feats, self.row_tokens[:r], self.row_pos[:r], self.pool, self.row_slot[:r], self.row_at[:r])
+        self.h[:b].copy_(h.index_select(0, self.last_row[:b]))
+        return self._forward(b)[0], self.h[:b]
+
+    def _forward(self, b: int) -> tuple[torch.Tensor]:
         """-> ``[b, 2, k]`` float: the k target-vocabulary tokens, then their log-probabilities."""
         d = self.draft
         h, slots, lengths = self.h[:b], self.slots[:b], self.lengths[:b]
@@ -56,58 +82,110 @@ class ChainDraftGraphs:
             logps.append(top - logits.logsumexp(-1))
             if depth < self.k:   # the last node has no children: its entry would be wasted
                 h = d.step_pooled(h, tok, self.root_pos[:b] + depth - 1, self.pool, slots, lengths + depth - 1)
-        return torch.stack([torch.stack(toks, 1).float(), torch.stack(logps, 1)], 1)
+        return (torch.stack([torch.stack(toks, 1).float(), torch.stack(logps, 1)], 1),)
 
-    def _capture(self, b: int) -> None:
+    def _capture(self, key: tuple[str, int]) -> None:
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         dev = self.draft.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
+        fn = self._forward_commit if key[0] == "commit" else self._forward
         with torch.cuda.stream(side):       # warm-up: kernel compiles, cuBLAS workspaces
-            self._forward(b)
+            fn(key[1])
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._mempool):
-            out = self._forward(b)
-        self.graphs[b] = (g, out)
+            out = fn(key[1])
+        self.graphs[key] = (g, out)
+
+    def _set_chain_inputs(self, n: int, root_pos: list[int], slots: list[int], lengths: list[int]) -> None:
+        host = torch.tensor([root_pos, slots, lengths], dtype=torch.int64).to(self.draft.device, non_blocking=True)
+        self.root_pos[:n].copy_(host[0])
+        self.slots[:n].copy_(host[1])
+        self.lengths[:n].copy_(host[2])
+        self.slots[n:].fill_(self.pool.scratch)   # padding rows: scratch slot, row 0 onwards
+        self.lengths[n:].zero_()
+        self.root_pos[n:].zero_()
 
     @torch.inference_mode()
     def run(self, requests) -> tuple[list[list[int]], list[list[float]]]:
         """Per request (``GrowRequest`` with a pooled cache): its k chain tokens and their draft
         log-probabilities (``usable`` was true). Writes tentative KV rows past each ``cache.length``."""
         n = len(requests)
-        b = next(s for s in self.sizes if s >= n)
-        dev = self.draft.device
         self.h[:n].copy_(torch.cat([r.last_out for r in requests]))
-        host = torch.tensor([[r.root_pos, r.cache.slot, r.cache.length] for r in requests], dtype=torch.int64)
-        host = host.to(dev, non_blocking=True)
-        self.root_pos[:n].copy_(host[:, 0])
-        self.slots[:n].copy_(host[:, 1])
-        self.lengths[:n].copy_(host[:, 2])
-        self.slots[n:].fill_(self.pool.scratch)   # padding rows: scratch slot, row 0 onwards
-        self.lengths[n:].zero_()
-        self.root_pos[n:].zero_()
+        self._set_chain_inputs(n, [r.root_pos for r in requests], [r.cache.slot for r in requests],
+                               [r.cache.length for r in requests])
+        out = self._replay("grow", n)
+        return _lists(out[0][:n])
+
+    def commit_usable(self, counts: list[int], caches) -> bool:
+        return (self.failed is None and 0 < len(counts) <= self.sizes[-1] and max(counts) <= self.q
+                and all(c.slot >= 0 for c in caches))
+
+    @torch.inference_mode()
+    def run_commit(self, aux: torch.Tensor, counts: list[int], tokens: list[int], positions: list[int],
+                   caches) -> tuple[list[list[int]], list[list[float]], torch.Tensor]:
+        """Feed each sequence's ``counts[i]`` newly committed rows (``aux [N, A*H]`` the target's
+        captured layers, ``tokens``/``positions`` per row, rows of a sequence consecutive) into its
+        pooled cache after ``cache.length``, then grow its chain from the last one (``commit_usable``
+        was true). Returns the chains' tokens and log-probabilities and the draft's output for each
+        sequence's last committed row ``[n, H]`` (a copy). Does not change ``cache.length``."""
+        n, rows = len(counts), int(aux.shape[0])
+        self.commits += 1
+        self.aux[:rows].copy_(aux)
+        slot_rows, at_rows, last, lengths, end = [], [], [], [], 0
+        for c, m in zip(caches, counts):
+            slot_rows += [c.slot] * m
+            at_rows += range(c.length, c.length + m)
+            end += m
+            last.append(end - 1)
+            lengths.append(c.length + m)
+        pad = [0] * (self.sizes[-1] * self.q - rows)
+        host = torch.tensor([tokens + pad, positions + pad, slot_rows + [self.pool.scratch] * len(pad), at_rows + pad],
+                            dtype=torch.int64).to(self.draft.device, non_blocking=True)
+        self.row_tokens.copy_(host[0])
+        self.row_pos.copy_(host[1])
+        self.row_slot.copy_(host[2])
+        self.row_at.copy_(host[3])
+        self.last_row[:n].copy_(torch.tensor(last, dtype=torch.int64))
+        self.last_row[n:].zero_()     # padding sequences: any row inside the smallest bucket
+        self._set_chain_inputs(n, [p + 1 for p in _last_positions(positions, counts)], [c.slot for c in caches],
+                               lengths)
+        out, h = self._replay("commit", n)
+        toks, logps = _lists(out[:n])
+        return toks, logps, h[:n].clone()
+
+    def _replay(self, kind: str, n: int) -> tuple[torch.Tensor, ...]:
+        b = next(s for s in self.sizes if s >= n)
+        fn = self._forward_commit if kind == "commit" else self._forward
         self.runs += 1
         if not self.capture:
-            out = self._forward(b)
-        else:
-            if b not in self.graphs:
-                try:
-                    self._capture(b)
-                except Exception as exc:  # noqa: BLE001 - a speed-up, never the engine's failure
-                    import warnings
-                    self.graphs.clear()
-                    self.failed = f"{type(exc).__name__}: {exc}"
-                    warnings.warn(f"CUDA graph capture of the chain draft failed ({self.failed}); "
-                                  f"drafting eagerly", RuntimeWarning)
-                    torch.cuda.synchronize(dev)
-                    out = self._forward(b)
-                    return _lists(out[:n])
-            g, out = self.graphs[b]
-            g.replay()
-        return _lists(out[:n])
+            return fn(b)
+        key = (kind, b)
+        if key not in self.graphs:
+            try:
+                self._capture(key)
+            except Exception as exc:  # noqa: BLE001 - a speed-up, never the engine's failure
+                import warnings
+                self.graphs.clear()
+                self.failed = f"{type(exc).__name__}: {exc}"
+                warnings.warn(f"CUDA graph capture of the chain draft failed ({self.failed}); "
+                              f"drafting eagerly", RuntimeWarning)
+                torch.cuda.synchronize(self.draft.device)
+                return fn(b)
+        g, out = self.graphs[key]
+        g.replay()
+        return out
+
+
+def _last_positions(positions: list[int], counts: list[int]) -> list[int]:
+    out, end = [], 0
+    for m in counts:
+        end += m
+        out.append(positions[end - 1])
+    return out
 
 
 def _lists(out: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:

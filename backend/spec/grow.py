@@ -165,18 +165,19 @@ class ShapeGrower(TreeGrower):
         return [TokenTree(tuple(t), s.parents) for t in tokens]
 
     def _grow_graphed(self, requests: list[GrowRequest]) -> list[TokenTree]:
-        """The whole chain in one graph replay; the confidence cut is ``_cut``'s rule, on the host."""
+        """The whole chain in one graph replay."""
         tokens, logps = self.graphs.run(requests)
-        trees = []
-        for r, toks, lps in zip(requests, tokens, logps):
-            n, cum = self.shape.num_nodes, 1.0
-            for node, lp in enumerate(lps[:n - 1] if self.min_prob > 0 else (), 1):
-                cum *= math.exp(lp)
-                if cum < self.min_prob:
-                    n = node
-                    break
-            trees.append(TokenTree((r.root_token, *toks[:n - 1]), self.shape.parents[:n]))
-        return trees
+        return [self.chain_tree(r.root_token, t, lp) for r, t, lp in zip(requests, tokens, logps)]
+
+    def chain_tree(self, root_token: int, tokens: list[int], logps: list[float]) -> TokenTree:
+        """A chain from a graph's top-1 tokens and their log-probabilities, cut by ``_cut``'s rule."""
+        n, cum = self.shape.num_nodes, 1.0
+        for node, lp in enumerate(logps[:n - 1] if self.min_prob > 0 else (), 1):
+            cum *= math.exp(lp)
+            if cum < self.min_prob:
+                n = node
+                break
+        return TokenTree((root_token, *tokens[:n - 1]), self.shape.parents[:n])
 
     def _cut(self, keep: list[int], cum: list[float], logits: torch.Tensor, top: torch.Tensor, node: int) -> None:
         """Chain node ``node`` was just proposed for each sequence (logit ``top[b, 0]`` of the draft's

@@ -229,11 +229,9 @@ class EagleSpeculator:
             else:
                 rows = list(range(qsl[i], qsl[i] + s.num_new_tokens))
             work.append((s, req, rows))
-        if not work:
+        if not work or self._propose_graphed(work, captured):
             return
-        all_rows = torch.tensor([r for _, _, rows in work for r in rows], device=self.draft.device)
-        aux = torch.cat([captured[layer].index_select(0, all_rows) for layer in self.capture_hidden_layers], -1)
-        feats = self.draft.fuse(aux)
+        feats = self.draft.fuse(self._aux(captured, [r for _, _, rows in work for r in rows]))
         # Every sequence's newly committed rows go through the draft in ONE call, then every tree
         # is grown depth by depth in one call per depth: the draft's cost scales with the batch's
         # rows, not its number of sequences.
@@ -282,6 +280,45 @@ class EagleSpeculator:
         for req, tree in zip(grown, self.grower.grow_many(grow)):
             self._trees[req.request_id] = tree
             req.spec_token_ids = list(tree.tokens[1:])
+
+    def _aux(self, captured: dict[int, torch.Tensor], rows: list[int]) -> torch.Tensor:
+        """The draft's input for the step's token ``rows``: the target's aux layers side by side."""
+        idx = torch.tensor(rows, device=self.draft.device)
+        return torch.cat([captured[layer].index_select(0, idx) for layer in self.capture_hidden_layers], -1)
+
+    def _propose_graphed(self, work, captured: dict[int, torch.Tensor]) -> bool:
+        """``propose`` as one graph replay (``ChainDraftGraphs.run_commit``) when the step allows it:
+        every sequence has a pooled draft state that this step's committed rows continue, all of them
+        (at most k + 1: a decode or verify step, no prompt chunk) are fed, and a chain is grown for
+        each. Otherwise (returns False) the eager path below runs for the whole step."""
+        g = getattr(self.grower, "graphs", None)
+        if g is None:
+            return False
+        items = []
+        for s, req, rows in work:
+            st = self._states.get(req.request_id)
+            if (st is None or st.next_pos != s.start_pos or not s.sample
+                    or len(req.all_token_ids) - 1 - st.next_pos != len(rows)
+                    or not speculation_allowed(req.params, len(req.output_token_ids))):
+                return False
+            items.append((req, st, rows))
+        counts = [len(rows) for _, _, rows in items]
+        if not g.commit_usable(counts, [st.cache for _, st, _ in items]):
+            return False
+        aux = self._aux(captured, [r for _, _, rows in items for r in rows])
+        tokens, positions = [], []
+        for req, st, rows in items:
+            tokens += req.all_token_ids[st.next_pos + 1:st.next_pos + 1 + len(rows)]
+            positions += range(st.next_pos, st.next_pos + len(rows))
+        drafts, logps, last = g.run_commit(aux, counts, tokens, positions, [st.cache for _, st, _ in items])
+        for i, (req, st, rows) in enumerate(items):
+            st.cache.length += len(rows)
+            st.next_pos += len(rows)
+            st.last_out = last[i:i + 1]
+            tree = self.grower.chain_tree(req.all_token_ids[-1], drafts[i], logps[i])
+            self._trees[req.request_id] = tree
+            req.spec_token_ids = list(tree.tokens[1:])
+        return True
 
     def request_stats(self, request_id: str) -> dict:
         """Draft tokens scored and kept for one (recent) request."""

@@ -43,9 +43,11 @@ class PlannedSpeculator(EagleSpeculator):
     def __init__(self, *args, oracle: dict[str, list[int]], **kw) -> None:
         super().__init__(*args, **kw)
         self.oracle = oracle
+        self.drafted = []     # what the draft itself proposed, step by step (before the rewrite)
 
     def propose(self, out, inputs, captured, finished) -> None:
         super().propose(out, inputs, captured, finished)
+        self.drafted.append(sorted((r, tuple(t.tokens)) for r, t in self._trees.items()))
         shape = self.grower.shape
         chain = all(p == i - 1 for i, p in enumerate(shape.parents))
         for s in out.scheduled:
@@ -115,15 +117,22 @@ def _speculative(setup, graphs: bool, device: str, oracle, tree: str = "chain"):
                              ex.runner, oracle=oracle)
     ex.speculator = spec
     captured_rows = []
-    fuse = draft.fuse
-    draft.fuse = lambda aux: (captured_rows.append(aux.float().cpu()), fuse(aux))[1]
+    aux_of = spec._aux
+
+    def recorded(captured, rows):
+        aux = aux_of(captured, rows)
+        captured_rows.append(aux.float().cpu())
+        return aux
+    spec._aux = recorded
     out = _run(ex, prompts)
     chain_graphs = spec.grower.graphs
     if graphs and tree == "chain":   # the chain draft ran as its graph too, from pooled caches
-        assert chain_graphs is not None and chain_graphs.runs >= 6 and spec.pool is not None
+        assert chain_graphs is not None and spec.pool is not None
+        assert chain_graphs.commits >= 6, "decode/verify steps feed the draft inside the graph"
+        assert chain_graphs.runs > chain_graphs.commits, "prompt steps feed it eagerly, then grow in the graph"
     else:
         assert chain_graphs is None and spec.pool is None
-    return out, spec.stats, ex.runner.graphs, torch.cat(captured_rows)
+    return out, spec.stats, ex.runner.graphs, torch.cat(captured_rows), spec.drafted
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +143,8 @@ def oracle(setup, device):
 
 @pytest.mark.parametrize("tree", ["chain", "static"])
 def test_graphed_verify_equals_eager(setup, device, oracle, tree):
-    eager_out, eager_stats, none, eager_aux = _speculative(setup, False, device, oracle, tree)
-    graph_out, graph_stats, graphs, graph_aux = _speculative(setup, True, device, oracle, tree)
+    eager_out, eager_stats, none, eager_aux, eager_drafts = _speculative(setup, False, device, oracle, tree)
+    graph_out, graph_stats, graphs, graph_aux, graph_drafts = _speculative(setup, True, device, oracle, tree)
     assert none is None and graphs is not None and graphs.failed is None
     # the plan makes verification accept every count: the test would not see a KV slip otherwise
     depth = K if tree == "chain" else 3
@@ -151,3 +160,5 @@ def test_graphed_verify_equals_eager(setup, device, oracle, tree):
     # the aux layers fed to the draft come out of the static buffers: same rows, same values
     assert graph_aux.shape == eager_aux.shape
     torch.testing.assert_close(graph_aux, eager_aux, rtol=1e-4, atol=1e-4)
+    # and the draft, fed inside its graph from the pooled cache, proposes what it proposes eagerly
+    assert graph_drafts == eager_drafts
