@@ -56,6 +56,17 @@ class ChainDraftGraphs:
         self.commits = 0     # of which run_commit
         self.failed: str | None = None
 
+    @classmethod
+    def shared(cls, draft: Eagle3Draft, pool: DraftKVPool, k: int, max_batch: int, capture: bool) -> "ChainDraftGraphs":
+        """One instance per (draft, pool, k, batch): speculators made again for the same draft (a
+        benchmark switching k, a restart of speculation) reuse the captured graphs instead of
+        capturing again in the middle of serving."""
+        cache = draft.__dict__.setdefault("_chain_graphs", {})
+        key = (id(pool), k, max_batch, capture)
+        if key not in cache:
+            cache[key] = cls(draft, pool, k, max_batch, capture)
+        return cache[key]
+
     def usable(self, requests) -> bool:
         return (self.failed is None and 0 < len(requests) <= self.sizes[-1]
                 and all(r.cache.slot >= 0 for r in requests))

@@ -85,7 +85,7 @@ class EagleSpeculator:
             max_batch = graphs.sizes[-1]
             # entries reach max_seq_len + the drafts being verified; one slot per running sequence
             self.pool = draft.kv_pool(max_batch, graphs.max_seq_len + MAX_QUERY)
-            grower.graphs = ChainDraftGraphs(draft, self.pool, grower.shape.depth, max_batch, graphs.capture)
+            grower.graphs = ChainDraftGraphs.shared(draft, self.pool, grower.shape.depth, max_batch, graphs.capture)
         self.capture_hidden_layers = tuple(draft.cfg.aux_layers)
         self.stats = SpecStats()
         self._states: dict[str, _SeqState] = {}

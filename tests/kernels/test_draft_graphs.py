@@ -85,3 +85,10 @@ def test_pool_slots_are_reused_and_exhaustion_falls_back():
     assert c.slot == 0 and pool2.acquire() is None
     with pytest.raises(ValueError, match="exceed the pool's 48"):
         c.ensure(49)
+
+
+def test_speculators_of_one_draft_share_its_chain_graphs(draft):
+    pool = draft.kv_pool(4, 64)
+    a = ChainDraftGraphs.shared(draft, pool, K, 4, capture=False)
+    assert ChainDraftGraphs.shared(draft, pool, K, 4, capture=False) is a
+    assert ChainDraftGraphs.shared(draft, pool, K + 1, 4, capture=False) is not a
