@@ -34,6 +34,6 @@ fi
 if want spec; then
   # EAGLE-3 per-pass cost for a Llama-3.1-8B-shaped FP8 target (random weights) and the batch-1
   # speedup it implies with the SmolLM2 draft's MT-bench acceptance (backend/spec/cost.py).
-  timeout "${T_SPEC:-180}" $PY -m backend.spec.cost --llama8b --out "$OUT/eagle3-cost.json" > "$OUT/spec-cost.log" 2>&1
+  timeout "${T_SPEC:-180}" $PY -m backend.spec.cost --llama8b --breakdown --out "$OUT/eagle3-cost.json" > "$OUT/spec-cost.log" 2>&1
   echo "spec-cost rc=$?"
 fi
