@@ -68,8 +68,9 @@ class ChainDraftGraphs:
         return cache[key]
 
     def usable(self, requests) -> bool:
+        cap = self.pool.capacity - (self.k - 1)   # the chain writes k - 1 rows past the committed ones
         return (self.failed is None and 0 < len(requests) <= self.sizes[-1]
-                and all(r.cache.slot >= 0 for r in requests))
+                and all(r.cache.slot >= 0 and r.cache.length <= cap for r in requests))
 
     def _forward_commit(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The committed rows through the draft, then the chain from each sequence's last one."""
@@ -132,8 +133,9 @@ class ChainDraftGraphs:
         return _lists(out[0][:n])
 
     def commit_usable(self, counts: list[int], caches) -> bool:
+        cap = self.pool.capacity - (self.k - 1)   # the committed rows, then the chain's
         return (self.failed is None and 0 < len(counts) <= self.sizes[-1] and max(counts) <= self.q
-                and all(c.slot >= 0 for c in caches))
+                and all(c.slot >= 0 and c.length + m <= cap for c, m in zip(caches, counts)))
 
     @torch.inference_mode()
     def run_commit(self, aux: torch.Tensor, counts: list[int], tokens: list[int], positions: list[int],

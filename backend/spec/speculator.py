@@ -79,8 +79,9 @@ class EagleSpeculator:
         self.grower = grower
         self.pool = None
         graphs = getattr(runner, "graphs", None)
-        if graphs is not None and isinstance(grower, ShapeGrower) and grower.is_chain and grower.shape.depth:
-            from backend.cuda_graphs import MAX_QUERY
+        from backend.cuda_graphs import MAX_QUERY
+        if (graphs is not None and isinstance(grower, ShapeGrower) and grower.is_chain
+                and 0 < grower.shape.depth < MAX_QUERY):
             from backend.spec.draft_graphs import ChainDraftGraphs
             max_batch = graphs.sizes[-1]
             # entries reach max_seq_len + the drafts being verified; one slot per running sequence

@@ -92,3 +92,15 @@ def test_speculators_of_one_draft_share_its_chain_graphs(draft):
     a = ChainDraftGraphs.shared(draft, pool, K, 4, capture=False)
     assert ChainDraftGraphs.shared(draft, pool, K, 4, capture=False) is a
     assert ChainDraftGraphs.shared(draft, pool, K + 1, 4, capture=False) is not a
+
+
+def test_a_cache_too_full_for_the_chain_takes_the_eager_path(draft):
+    pool = DraftKVPool(2, 40, draft.cfg.num_kv_heads, draft.cfg.head_dim, draft.dtype, draft.device)
+    graphs = ChainDraftGraphs(draft, pool, K, 2, capture=False)
+    # capacity 48: a chain of K writes K - 1 rows past the committed ones, a commit step 1 more first
+    (req,) = _requests(draft, pool, [48 - (K - 1) - 1], seed=5)
+    assert graphs.usable([req]) and graphs.commit_usable([1], [req.cache])
+    req.cache.length += 1
+    assert graphs.usable([req]) and not graphs.commit_usable([1], [req.cache])
+    req.cache.length += 1
+    assert not graphs.usable([req])
