@@ -130,11 +130,20 @@ class ModelRunner:
         if self.kv_dtype == torch.float8_e4m3fn and any(k is None for k, _ in self.model.kv_cache_scales):
             raise EngineError("engine.json: kv_cache_dtype fp8 needs layers.{i}.attn.k_scale/v_scale in "
                               "weights.safetensors; rebuild with quantization.kv_cache=fp8")
+        # What the cache tensors hold: kv_dtype, except an fp8 cache on CPU with the torch backend,
+        # which stores the fp8 values already scaled, in the compute dtype (same numbers: see
+        # TorchAttentionBackend.fp8_as_float). PyTorch has no fast fp8 conversion on CPU, and a step
+        # converted every sequence's whole context in every layer (0.7 s of a 1.4 s step at 64
+        # sequences, SmolLM2); RAM, not bandwidth, is what a CPU has plenty of.
+        self.kv_storage_dtype = self.kv_dtype
+        if self.kv_dtype == torch.float8_e4m3fn and self.device.type == "cpu" and self.attention.name == "torch":
+            self.kv_storage_dtype = self.dtype
+            self.attention.fp8_as_float = True
         self.block_size = int(spec.engine.get("kv_block_size", 16))
         self.num_blocks = self._plan_kv_blocks()
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_storage_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_storage_dtype, device=self.device))
                           for _ in range(cfg.num_layers)]
         self.graphs = self._decode_graphs(backend_name, max_seq)
 
@@ -159,7 +168,7 @@ class ModelRunner:
     def _plan_kv_blocks(self) -> int:
         cfg, eng = self.spec.model, self.spec.engine
         per_tok = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                     torch.empty((), dtype=self.kv_dtype).element_size())
+                                     torch.empty((), dtype=self.kv_storage_dtype).element_size())
         free_dev = None
         if self.device.type == "cuda":
             free_dev, _ = torch.cuda.mem_get_info(self.device)

@@ -49,6 +49,11 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 class TorchAttentionBackend:
     name = "torch"
+    # Set by the runner for an fp8 KV cache on CPU: the cache tensors are float and hold what an fp8
+    # cache would give back on reading, ``dequantize(quantize(x))``, rounded to the cache dtype once on
+    # writing (the same fp32 product and rounding as dequantizing at read time, so the same numbers
+    # reach attention), and reading needs no conversion.
+    fp8_as_float = False
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         """Scatter ``k, v [T, Hkv, D]`` into the caches at ``slot_mapping [T]`` (-1 = skip)."""
@@ -58,8 +63,12 @@ class TorchAttentionBackend:
             slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
         k_flat = k_cache.view(num_blocks * block_size, hkv, d)
         v_flat = v_cache.view(num_blocks * block_size, hkv, d)
-        k_new = quantize_kv(k, k_scale, k_cache.dtype)
-        v_new = quantize_kv(v, v_scale, v_cache.dtype)
+        if self.fp8_as_float and k_cache.dtype != FP8_KV_DTYPE:
+            k_new = dequantize_kv(quantize_kv(k, k_scale, FP8_KV_DTYPE), k_scale, k_cache.dtype)
+            v_new = dequantize_kv(quantize_kv(v, v_scale, FP8_KV_DTYPE), v_scale, v_cache.dtype)
+        else:
+            k_new = quantize_kv(k, k_scale, k_cache.dtype)
+            v_new = quantize_kv(v, v_scale, v_cache.dtype)
         if k_cache.dtype == FP8_KV_DTYPE:  # index_copy_ has no fp8 kernel on CPU: copy the bytes
             k_flat, v_flat, k_new, v_new = (t.view(torch.uint8) for t in (k_flat, v_flat, k_new, v_new))
         k_flat.index_copy_(0, slot_mapping, k_new)

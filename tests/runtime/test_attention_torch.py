@@ -12,7 +12,7 @@ from backend.attention.metadata import AttentionMetadata
 BS, HKV, HQ, D = 4, 2, 6, 16
 
 
-def _setup(ctx, qlens, num_prefills, kv_dtype=torch.float32, scale=None, tree=None, seed=0):
+def _setup(ctx, qlens, num_prefills, kv_dtype=torch.float32, scale=None, tree=None, seed=0, fp8_as_float=False):
     g = torch.Generator().manual_seed(seed)
     nb_per = [-(-(c + n) // BS) for c, n in zip(ctx, qlens)]
     tables, nxt = [], 1  # block 0 stays unused: padding in tables points at it
@@ -25,6 +25,7 @@ def _setup(ctx, qlens, num_prefills, kv_dtype=torch.float32, scale=None, tree=No
     full_k = [torch.randn(c + n, HKV, D, generator=g) for c, n in zip(ctx, qlens)]
     full_v = [torch.randn(c + n, HKV, D, generator=g) for c, n in zip(ctx, qlens)]
     be = get_backend("torch")
+    be.fp8_as_float = fp8_as_float
 
     def slot(b, p):
         return tables[b][p // BS] * BS + p % BS
@@ -114,6 +115,42 @@ def test_fp8_cache_stores_scaled_values_and_dequantizes():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # ... and e4m3 keeps about two significant digits of the original.
     assert (out - _reference(q, fk, fv, ctx, qlens)).abs().mean() < 0.03
+
+
+def test_fp8_values_kept_in_float_storage_attend_exactly_like_the_fp8_cache():
+    """The runner's CPU layout for fp8 KV: float tensors holding the dequantized fp8 values. Same
+    numbers in, same numbers out, bit for bit, as storing fp8 bytes and dequantizing at read time."""
+    ctx, qlens = [9, 0, 30], [4, 6, 1]
+    scale = torch.tensor(0.07)
+    be8, q, kc8, vc8, meta, _, _ = _setup(ctx, qlens, 1, kv_dtype=torch.float8_e4m3fn, scale=scale)
+    bef, _, kcf, vcf, _, _, _ = _setup(ctx, qlens, 1, kv_dtype=torch.float32, scale=scale, fp8_as_float=True)
+    assert kcf.dtype == torch.float32
+    from backend.attention.torch_backend import dequantize_kv
+    assert torch.equal(kcf, dequantize_kv(kc8, scale, torch.float32))
+    assert torch.equal(vcf, dequantize_kv(vc8, scale, torch.float32))
+    out8 = be8.forward(q, kc8, vc8, meta, 1 / math.sqrt(D), scale, scale)
+    outf = bef.forward(q, kcf, vcf, meta, 1 / math.sqrt(D), scale, scale)
+    assert torch.equal(out8, outf)
+    # without the flag a float cache keeps full precision: the flag is what rounds
+    _, _, kc32, _, _, _, _ = _setup(ctx, qlens, 1, kv_dtype=torch.float32, scale=scale)
+    assert not torch.equal(kc32, kcf)
+
+
+def test_runner_stores_an_fp8_cache_as_float_on_cpu(tmp_path):
+    from backend import bench_gpu
+    from backend.runner import ModelRunner, load_engine_spec
+    m = dict(bench_gpu.LLAMA31_8B, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+             num_kv_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256)
+    engine = {"max_batch_size": 2, "max_seq_len": 64, "kv_block_size": 16, "kv_cache_dtype": "fp8_e4m3",
+              "max_kv_tokens": 256}
+    path = bench_gpu.manifest_bundle(m, engine, tmp_path / "engine")
+    w = bench_gpu.synthetic_fp8_weights(m, device="cpu")
+    runner = ModelRunner(load_engine_spec(path), "cpu", torch.float32, weights=w)
+    assert runner.kv_dtype == torch.float8_e4m3fn and runner.kv_storage_dtype == torch.float32
+    assert runner.kv_caches[0][0].dtype == torch.float32 and runner.attention.fp8_as_float
+    # a float32 override of the same bundle is a plain float cache: nothing rounded to fp8
+    plain = ModelRunner(load_engine_spec(path, {"kv_cache_dtype": "float32"}), "cpu", torch.float32, weights=w)
+    assert plain.kv_storage_dtype == torch.float32 and not plain.attention.fp8_as_float
 
 
 def test_registry_resolves_and_rejects():
