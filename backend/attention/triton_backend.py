@@ -79,16 +79,20 @@ class TritonAttentionBackend:
         which is a one-token decode with length ``context + i + 1``. So every row goes through the
         split-K decode kernel as a sequence of its own: the prefill kernel would run one program per
         (sequence, KV head), 8 programs at batch 1 on an 8B model, however long the context.
-        Computed on the device from the metadata (no host sync: CUDA graphs capture this); rows past
+        Computed on the device from the metadata (no host sync: CUDA graphs capture this), once per
+        step: every layer reuses it (ten small kernels a layer cost ~0.3 ms a pass at 8B). Rows past
         the step's last sequence (graph padding) get length 0."""
-        t = q.shape[0]
-        qsl = meta.query_start_loc
-        rows = torch.arange(t, dtype=qsl.dtype, device=q.device)
-        seq = torch.searchsorted(qsl[1:], rows, right=True).clamp_(max=meta.num_seqs - 1)
-        lens = meta.context_lens.index_select(0, seq) + (rows - qsl.index_select(0, seq)) + 1
-        lens = torch.where(rows < qsl[-1], lens, torch.zeros_like(lens)).to(torch.int32)
-        return paged_decode(q, k_cache, v_cache, meta.block_tables.index_select(0, seq), lens, scale,
-                            k_scale, v_scale, max_seq_len=meta.max_seq_len, aot=self.aot)
+        rows_meta = meta.__dict__.get("_chain_rows")
+        if rows_meta is None or rows_meta[0].shape[0] != q.shape[0]:
+            qsl = meta.query_start_loc
+            rows = torch.arange(q.shape[0], dtype=qsl.dtype, device=q.device)
+            seq = torch.searchsorted(qsl[1:], rows, right=True).clamp_(max=meta.num_seqs - 1)
+            lens = meta.context_lens.index_select(0, seq) + (rows - qsl.index_select(0, seq)) + 1
+            lens = torch.where(rows < qsl[-1], lens, torch.zeros_like(lens)).to(torch.int32)
+            rows_meta = meta.__dict__["_chain_rows"] = (lens, meta.block_tables.index_select(0, seq))
+        lens, tables = rows_meta
+        return paged_decode(q, k_cache, v_cache, tables, lens, scale, k_scale, v_scale,
+                            max_seq_len=meta.max_seq_len, aot=self.aot)
 
 
 __all__ = ["TritonAttentionBackend"]
