@@ -41,10 +41,12 @@ def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtyp
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """``cache[block_table]`` (fp8 gathered as bytes: advanced indexing has no fp8 CPU kernel)."""
-    if cache.dtype == FP8_KV_DTYPE:
-        return cache.view(torch.uint8)[block_table].view(FP8_KV_DTYPE)
-    return cache[block_table]
+    """``cache[block_table]`` as one ``index_select`` over the flattened table: the same copy, 4x
+    faster on CPU than advanced indexing with a 2-D index (measured: 2.0 vs 8.0 ms for 64 sequences
+    x 41 blocks of SmolLM2). fp8 is gathered as bytes (no fp8 CPU kernel)."""
+    raw = cache.view(torch.uint8) if cache.dtype == FP8_KV_DTYPE else cache
+    out = raw.index_select(0, block_table.reshape(-1)).view(*block_table.shape, *cache.shape[1:])
+    return out.view(FP8_KV_DTYPE) if cache.dtype == FP8_KV_DTYPE else out
 
 
 class TorchAttentionBackend:
