@@ -55,8 +55,8 @@ class TritonAttentionBackend:
         num_p, num_seqs = meta.num_prefills, int(meta.seq_lens.shape[0])
         p_tok = meta.num_prefill_tokens
         num_d = num_seqs - num_p
-        # one-token decodes take the decode kernel; multi-token (speculative) rows and trees take the
-        # prefill kernel, which handles any query length
+        # one-token decodes and the rows of chain verify passes take the decode kernel; prefills,
+        # token trees and long queries the prefill kernel, which handles any query length and mask
         plain_decode = meta.tree_mask is None and num_d > 0 and meta.num_decode_tokens == num_d
         if not plain_decode and not num_p and meta.tree_mask is None and meta.max_query_len <= CHAIN_ROWS_MAX:
             return self._chain_rows(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
