@@ -40,6 +40,25 @@ def buckets(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
 
 
+def capture_graphs(fns: list, device: torch.device, pool) -> list[tuple[object, object]]:
+    """Warm each ``fn`` up once on a side stream (kernel compiles, cuBLAS workspaces stay out of the
+    graph), then capture each, in the order given, into the memory ``pool``: ``[(graph, outputs)]``."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    out = []
+    for fn in fns:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            res = fn()
+        out.append((g, res))
+    return out
+
+
 class _Buffers:
     """Static inputs of every graph of one query length ``q``: rows for the largest bucket."""
 
@@ -129,17 +148,9 @@ class DecodeGraphs:
         write is the step's own, and padding rows write none."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):       # warm-up off the default stream: compiles, cuBLAS handles
-            for key in keys:
-                self._forward(*key)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
-        for key in sorted(keys, key=lambda k: -k[0] * k[1]):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
-                logits, captured = self._forward(*key)
+        keys = sorted(keys, key=lambda k: -k[0] * k[1])
+        made = capture_graphs([lambda key=key: self._forward(*key) for key in keys], self.device, self._pool)
+        for key, (g, (logits, captured)) in zip(keys, made):
             self.graphs[key] = (g, logits, captured)
 
     @torch.inference_mode()

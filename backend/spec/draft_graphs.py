@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.cuda_graphs import buckets
+from backend.cuda_graphs import buckets, capture_graphs
 from backend.spec.draft_model import DraftKVPool, Eagle3Draft
 
 
@@ -97,22 +97,6 @@ class ChainDraftGraphs:
                 h = d.step_pooled(h, tok, self.root_pos[:b] + depth - 1, self.pool, slots, lengths + depth - 1)
         return (torch.stack([torch.stack(toks, 1).float(), torch.stack(logps, 1)], 1),)
 
-    def _capture(self, key: tuple[str, int]) -> None:
-        if self._mempool is None:
-            self._mempool = torch.cuda.graph_pool_handle()
-        dev = self.draft.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        fn = self._forward_commit if key[0] == "commit" else self._forward
-        with torch.cuda.stream(side):       # warm-up: kernel compiles, cuBLAS workspaces
-            fn(key[1])
-        torch.cuda.current_stream(dev).wait_stream(side)
-        torch.cuda.synchronize(dev)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._mempool):
-            out = fn(key[1])
-        self.graphs[key] = (g, out)
-
     def _set_chain_inputs(self, n: int, root_pos: list[int], slots: list[int], lengths: list[int]) -> None:
         host = torch.tensor([root_pos, slots, lengths], dtype=torch.int64).to(self.draft.device, non_blocking=True)
         self.root_pos[:n].copy_(host[0])
@@ -165,8 +149,7 @@ class ChainDraftGraphs:
         self.row_at.copy_(host[3])
         self.last_row[:n].copy_(torch.tensor(last, dtype=torch.int64))
         self.last_row[n:].zero_()     # padding sequences: any row inside the smallest bucket
-        self._set_chain_inputs(n, [p + 1 for p in _last_positions(positions, counts)], [c.slot for c in caches],
-                               lengths)
+        self._set_chain_inputs(n, [positions[i] + 1 for i in last], [c.slot for c in caches], lengths)
         out, h = self._replay("commit", n)
         toks, logps = _lists(out[:n])
         return toks, logps, h[:n].clone()
@@ -180,7 +163,9 @@ class ChainDraftGraphs:
         key = (kind, b)
         if key not in self.graphs:
             try:
-                self._capture(key)
+                if self._mempool is None:
+                    self._mempool = torch.cuda.graph_pool_handle()
+                self.graphs[key] = capture_graphs([lambda: fn(b)], self.draft.device, self._mempool)[0]
             except Exception as exc:  # noqa: BLE001 - a speed-up, never the engine's failure
                 import warnings
                 self.graphs.clear()
@@ -192,14 +177,6 @@ class ChainDraftGraphs:
         g, out = self.graphs[key]
         g.replay()
         return out
-
-
-def _last_positions(positions: list[int], counts: list[int]) -> list[int]:
-    out, end = [], 0
-    for m in counts:
-        end += m
-        out.append(positions[end - 1])
-    return out
 
 
 def _lists(out: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
