@@ -54,25 +54,25 @@ serve: $(STAMP) ## Serve build/<stem>/model_repository with Triton on 127.0.0.1 
 	$(PY) -m harness.serve --model-repository $(OUT)/model_repository
 
 bench: $(STAMP) ## Serving benchmark (concurrency sweep, Poisson mode); BENCH_ARGS="--start --baseline hf" runs it self-contained
-	$(PY) -m harness.bench --model-repository $(OUT)/model_repository $(BENCH_ARGS)
+	$(PY) -m harness.bench.serving --model-repository $(OUT)/model_repository $(BENCH_ARGS)
 
 bench-engine: $(STAMP) ## Executor throughput vs Hugging Face generate on this CPU (same prompts, same run)
-	$(PY) -m backend.bench --engine $(OUT)/engine $(BENCH_ARGS)
+	$(PY) -m harness.bench.engine --engine $(OUT)/engine $(BENCH_ARGS)
 
 bench-overhead: $(STAMP) ## Host overhead per engine step at 256 sequences with a zero-cost stub model
-	$(PY) -m backend.bench_overhead $(BENCH_ARGS)
+	$(PY) -m harness.bench.overhead $(BENCH_ARGS)
 
 bench-kernels: $(STAMP) ## Kernel tests and bandwidth/TFLOP/s on an NVIDIA GPU
-	$(PY) -m plugins.bench $(BENCH_ARGS)
+	$(PY) -m harness.bench.kernels $(BENCH_ARGS)
 
 bench-eagle: $(STAMP) ## EAGLE-3 acceptance and speed vs plain decoding on MT-bench (builds the eagle3 config first)
 	$(PY) -m builder build configs/smollm2-135m-bf16-eagle3.yaml
-	$(PY) -m backend.spec.bench --engine build/smollm2-135m-bf16-eagle3/engine --num-prompts 16 --max-tokens 64 \
+	$(PY) -m harness.bench.eagle --engine build/smollm2-135m-bf16-eagle3/engine --num-prompts 16 --max-tokens 64 \
 		--batches 1,8 --dtype float32 $(BENCH_ARGS)
 
-bench-eagle-cost: $(STAMP) ## EAGLE-3 cost per target pass with k drafts and the speedup it implies (GPU: python -m backend.spec.cost --llama8b)
+bench-eagle-cost: $(STAMP) ## EAGLE-3 cost per target pass with k drafts and the speedup it implies (GPU: python -m harness.bench.eagle_cost --llama8b)
 	$(PY) -m builder build configs/smollm2-135m-bf16-eagle3.yaml
-	$(PY) -m backend.spec.cost --engine build/smollm2-135m-bf16-eagle3/engine --dtype float32 $(BENCH_ARGS)
+	$(PY) -m harness.bench.eagle_cost --engine build/smollm2-135m-bf16-eagle3/engine --dtype float32 $(BENCH_ARGS)
 
 gpu-check-prepare: $(STAMP) ## Build tiny bundles of every GPU format + CPU outputs into build/gpu-check/
 	$(PY) -m harness.gpucheck prepare
@@ -81,7 +81,7 @@ gpu-check: $(STAMP) ## On an NVIDIA GPU: AOT cubins without JIT, triton vs torch
 	$(PY) -m harness.gpucheck run $(BENCH_ARGS)
 
 bench-gpu: $(STAMP) ## On an NVIDIA GPU: Llama-3.1-8B-shaped FP8 engine, single-stream and 1000/1000 throughput
-	$(PY) -m backend.bench_gpu $(BENCH_ARGS)
+	$(PY) -m harness.bench.gpu $(BENCH_ARGS)
 
 mlperf: $(STAMP) ## LoadGen run: make mlperf SCENARIO=Offline|Server|Interactive MODE=PerformanceOnly|AccuracyOnly [TEST_RUN=1] [COMPLIANCE=TEST06]
 	$(PY) -m harness.mlperf --config $(CONFIG) --output $(OUT) --scenario $(or $(SCENARIO),Offline) --mode $(or $(MODE),PerformanceOnly) $(if $(TEST_RUN),--test-run,) $(if $(COMPLIANCE),--compliance $(COMPLIANCE),) $(MLPERF_ARGS)

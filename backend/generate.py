@@ -14,10 +14,10 @@ import argparse
 import json
 import sys
 
-from backend.executor import Executor
-from backend.runner import EngineError
-from backend.sampling_params import SamplingParams
-from backend.triton.tokenizer import load_tokenizer
+from backend.engine.executor import Executor
+from backend.model.runner import EngineError
+from backend.engine.sampling_params import SamplingParams
+from backend.serving.tokenizer import load_tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from backend import cpu_matmul
-from backend.attention import AttentionBackend
-from backend.linear import QuantLinear, make_linear
+from backend.ops import cpu_matmul
+from backend.ops.attention import AttentionBackend
+from backend.ops.linear import QuantLinear, make_linear
 from backend.model.config import ModelConfig
 from backend.model.layers import RotaryEmbedding, apply_rope, rms_norm, silu_and_mul
 
@@ -69,7 +69,7 @@ class LlamaModel:
         self.embed_tokens = dense("embed_tokens.weight")
         self.norm = dense("norm.weight")
         lm_head = self.embed_tokens if config.tie_word_embeddings else dense("lm_head.weight")
-        # On CPU the logits matmul wants its own storage (backend/cpu_matmul.py: fp16-packed or
+        # On CPU the logits matmul wants its own storage (backend/ops/cpu_matmul.py: fp16-packed or
         # column-major); a tied head then becomes a second copy, since the embedding gather needs rows.
         self.lm_head = cpu_matmul.prepare(lm_head)
         self.layers: list[DecoderLayer] = []

@@ -21,7 +21,7 @@ minutes on a 2-core CPU:
 whose hidden size, vocabulary or aux layers do not fit the target.
 
 Output (top of ``ctx.out_dir``, copied to ``engine/draft/`` by compile): ``weights.safetensors`` and
-``config.json`` (``backend/spec/checkpoint.py``); ``info["speculative"]`` goes into engine.json.
+``config.json`` (``backend/speculative/checkpoint.py``); ``info["speculative"]`` goes into engine.json.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def fingerprint(ctx: StageContext) -> str:
 
 
 def run(ctx: StageContext) -> dict:
-    from backend.spec.checkpoint import DraftCheckpointError, read_hf_draft, write_bundle_draft
+    from backend.speculative.checkpoint import DraftCheckpointError, read_hf_draft, write_bundle_draft
 
     s = ctx.config.speculative
     target_dir = ctx.results["import"].path
@@ -124,7 +124,7 @@ def train_draft(ctx: StageContext, target_dir: Path, export_dir: Path) -> dict:
     import modelopt.torch.speculative as mtsp
     from modelopt.torch.export import export_speculative_decoding
 
-    from backend.spec.checkpoint import default_aux_layers
+    from backend.speculative.checkpoint import default_aux_layers
 
     s = ctx.config.speculative
     tr = s.train

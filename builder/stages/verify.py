@@ -2,7 +2,7 @@
 
 Both models read the same held-out prompts (``quant/data/heldout.jsonl``, never used for
 calibration). The reference is the import stage's checkpoint run by Hugging Face transformers in
-fp32; the candidate is the bundle run by OUR runtime (``backend.runner.ModelRunner``: the same
+fp32; the candidate is the bundle run by OUR runtime (``backend.model.runner.ModelRunner``: the same
 linear formats, KV-cache dtype and attention code that serve it). For every prompt position we
 compare next-token distributions: top-1 agreement and mean KL(reference || bundle).
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from backend.runner import prefill_logits  # the one teacher-forced pass (verify and gpucheck)
+from backend.model.runner import prefill_logits  # the one teacher-forced pass (verify and gpucheck)
 from builder.stages.base import StageContext, StageError
 
 HELDOUT = Path(__file__).resolve().parents[2] / "quant" / "data" / "heldout.jsonl"
@@ -99,8 +99,8 @@ def compare(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[int, float,
 def run(ctx: StageContext) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from backend.runner import ModelRunner, load_engine_spec
-    from backend.triton.tokenizer import load_tokenizer
+    from backend.model.runner import ModelRunner, load_engine_spec
+    from backend.serving.tokenizer import load_tokenizer
 
     bundle_dir = ctx.results["compile"].path
     ref_dir = ctx.results["import"].path
@@ -142,9 +142,9 @@ def draft_acceptance(ctx: StageContext, bundle_dir: Path, texts: list[str]) -> d
     spec = json.loads((bundle_dir / "engine.json").read_text()).get("speculative") or {}
     if spec.get("method") != "eagle3":
         return None
-    from backend.executor import Executor
-    from backend.spec.measure import acceptance
-    from backend.triton.tokenizer import load_tokenizer
+    from backend.engine.executor import Executor
+    from backend.speculative.measure import acceptance
+    from backend.serving.tokenizer import load_tokenizer
 
     tok = load_tokenizer(bundle_dir)
     prompts = [tok.encode(t, chat=True)[-MAX_PROMPT_TOKENS:] for t in texts]

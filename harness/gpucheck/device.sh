@@ -23,17 +23,17 @@ if want check; then
   echo "gpu-check rc=$?"
 fi
 if want kernels; then
-  timeout "${T_KERNELS:-210}" $PY -m plugins.bench --out "$OUT/kernels.json" ${KERNEL_ARGS:-} > "$OUT/bench-kernels.log" 2>&1
+  timeout "${T_KERNELS:-210}" $PY -m harness.bench.kernels --out "$OUT/kernels.json" ${KERNEL_ARGS:-} > "$OUT/bench-kernels.log" 2>&1
   echo "bench-kernels rc=$?"
 fi
 if want bench; then
-  timeout "${T_BENCH:-200}" $PY -m backend.bench_gpu --max-seconds "${MAX_SECONDS:-110}" --out "$OUT/gpu-bench.json" \
+  timeout "${T_BENCH:-200}" $PY -m harness.bench.gpu --max-seconds "${MAX_SECONDS:-110}" --out "$OUT/gpu-bench.json" \
     > "$OUT/bench-gpu.log" 2>&1
   echo "bench-gpu rc=$?"
 fi
 if want spec; then
   # EAGLE-3 per-pass cost for a Llama-3.1-8B-shaped FP8 target (random weights) and the batch-1
-  # speedup it implies with the SmolLM2 draft's MT-bench acceptance (backend/spec/cost.py).
-  timeout "${T_SPEC:-180}" $PY -m backend.spec.cost --llama8b --breakdown --out "$OUT/eagle3-cost.json" > "$OUT/spec-cost.log" 2>&1
+  # speedup it implies with the SmolLM2 draft's MT-bench acceptance (harness/bench/eagle_cost.py).
+  timeout "${T_SPEC:-180}" $PY -m harness.bench.eagle_cost --llama8b --breakdown --out "$OUT/eagle3-cost.json" > "$OUT/spec-cost.log" 2>&1
   echo "spec-cost rc=$?"
 fi

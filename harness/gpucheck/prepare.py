@@ -93,9 +93,9 @@ def cpu_reference(bundle: Path, ids: list[list[int]]) -> list[list[int]]:
     import torch
     from safetensors.torch import save_file
 
-    from backend.executor import Executor
-    from backend.runner import prefill_logits
-    from backend.sampling_params import SamplingParams
+    from backend.engine.executor import Executor
+    from backend.model.runner import prefill_logits
+    from backend.engine.sampling_params import SamplingParams
     ex = Executor(bundle, device="cpu", dtype=torch.float32, start=False)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outs = [r.token_ids for r in ex.generate(ids, params)]

@@ -37,8 +37,8 @@ DEVICE = "cuda"   # --device cpu smoke-tests this script on CPU (triton backend 
 def _greedy(bundle: Path, prompts, max_tokens: int, dtype, backend: str):
     import torch
 
-    from backend.executor import Executor
-    from backend.sampling_params import SamplingParams
+    from backend.engine.executor import Executor
+    from backend.engine.sampling_params import SamplingParams
     cuda = DEVICE == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -68,8 +68,8 @@ def teacher_forced(bundle: Path, prompts, cpu_outs, dtype, backend: str):
     tied (fp8 rounding, reduced-precision MMA); per-position distributions measure the numerics."""
     import torch
 
-    from backend.executor import Executor
-    from backend.runner import prefill_logits
+    from backend.engine.executor import Executor
+    from backend.model.runner import prefill_logits
     ex = Executor(bundle, device=DEVICE, dtype=dtype, start=False, attention_backend=backend)
     out = torch.cat([prefill_logits(ex.runner, list(p) + list(o[:-1]))[len(p) - 1:] for p, o in zip(prompts, cpu_outs)])
     del ex
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpucheck run: {ref_file} missing; run: python -m harness.gpucheck prepare", file=sys.stderr)
         return 2
     ref = json.loads(ref_file.read_text())
-    from harness.gpucheck.report import header, write_report
+    from harness.bench.report import header, write_report
     res = header(torch, "harness.gpucheck run")
     return _check_all(ref, a, res, write_report)
 
@@ -180,7 +180,7 @@ def _smoke(a) -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("gpucheck run --device cpu: set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
-    from harness.gpucheck.report import write_report
+    from harness.bench.report import write_report
     ref = json.loads((DIR / "ref" / "reference.json").read_text())
     return _check_all(ref, a, {"gpu": "cpu-smoke"}, write_report)
 

@@ -109,7 +109,7 @@ def _source_reference() -> str:
         f"- uncommitted changes: {'yes' if git('status', '--porcelain', '--untracked-files=no') else 'no'}", "",
         "LoadGen connection: harness/mlperf/sut.py (SUT over Triton gRPC streaming) and harness/mlperf/run.py.",
         "Preprocessing: harness/mlperf/datasets.py (token ids from the reference datasets).",
-        "Model and batching: backend/ (in-flight batching over a paged KV cache, scheduler in backend/scheduler.py).",
+        "Model and batching: backend/ (in-flight batching over a paged KV cache, scheduler in backend/engine/scheduler.py).",
         "Weights and quantization: builder/ and quant/ (NVIDIA ModelOpt calibration, `make build`).", ""])
 
 

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from backend.sampling_params import SamplingParams
-from backend.spec.accept import (accept_tree, emitted_tokens, rejection_accept, speculation_allowed,
+from backend.engine.sampling_params import SamplingParams
+from backend.speculative.accept import (accept_tree, emitted_tokens, rejection_accept, speculation_allowed,
                                  target_probs)
-from backend.spec.tree import TokenTree
+from backend.speculative.tree import TokenTree
 
 # Upper 0.1% points of the chi-square distribution (a correct sampler fails 1 run in 1000).
 CHI2_999 = {7: 24.32, 15: 37.70, 63: 103.4}

@@ -1,4 +1,4 @@
-"""backend.spec.cost: the per-pass cost of k drafts, measured through the real executor and
+"""harness.bench.eagle_cost: the per-pass cost of k drafts, measured through the real executor and
 speculator (on CPU here; the --llama8b run needs a GPU), and the projection from a bench result."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from backend import bench_gpu
-from backend.spec import cost
+from harness.bench import gpu as bench_gpu
+from harness.bench import eagle_cost as cost
 
 TINY = dict(bench_gpu.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
             num_kv_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512)
@@ -17,7 +17,7 @@ TINY = dict(bench_gpu.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_la
 @pytest.fixture()
 def tiny(tmp_path):
     """A Llama-3.1-shaped FP8 target and a random EAGLE-3 head, both tiny (what --llama8b builds)."""
-    from backend.executor import Executor
+    from backend.engine.executor import Executor
     engine = {"max_batch_size": 4, "max_num_tokens": 256, "max_seq_len": 128, "max_input_len": 64,
               "kv_block_size": 16, "kv_cache_dtype": "fp8_e4m3", "max_kv_tokens": 2048}
     ex = Executor(bench_gpu.manifest_bundle(TINY, engine, tmp_path / "engine"), device="cpu",

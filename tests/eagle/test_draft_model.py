@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from backend.spec.checkpoint import DraftCheckpointError, read_hf_draft, write_bundle_draft, read_bundle_draft
-from backend.spec.draft_model import Eagle3Draft
+from backend.speculative.checkpoint import DraftCheckpointError, read_hf_draft, write_bundle_draft, read_bundle_draft
+from backend.speculative.draft_model import Eagle3Draft
 
 
 @pytest.fixture(scope="module")

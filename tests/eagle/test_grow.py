@@ -3,10 +3,10 @@ draft equals running each path on its own."""
 import pytest
 import torch
 
-from backend.spec.checkpoint import DraftConfig
-from backend.spec.draft_model import Eagle3Draft
-from backend.spec.grow import TreeGrower
-from backend.spec.tree import static_shape
+from backend.speculative.checkpoint import DraftConfig
+from backend.speculative.draft_model import Eagle3Draft
+from backend.speculative.grow import TreeGrower
+from backend.speculative.tree import static_shape
 
 H, V = 32, 64
 
@@ -101,7 +101,7 @@ def test_unknown_tree_kind_is_refused(draft):
 def test_batched_growth_equals_one_sequence_at_a_time(draft, kind, settings):
     # Sequences of different lengths in one batched call: each tree must be exactly the tree grown
     # alone (nothing leaks between the sequences' caches or masks).
-    from backend.spec.grow import GrowRequest
+    from backend.speculative.grow import GrowRequest
 
     grower = TreeGrower.from_settings(draft, kind, *settings)
     reqs = []
@@ -115,7 +115,7 @@ def test_batched_growth_equals_one_sequence_at_a_time(draft, kind, settings):
 
 
 def test_batched_step_equals_per_sequence_steps(draft):
-    from backend.spec.draft_model import DraftSlice
+    from backend.speculative.draft_model import DraftSlice
 
     g = torch.Generator().manual_seed(3)
     caches = [committed(draft, n)[0] for n in (4, 7)]
@@ -144,7 +144,7 @@ def chain_probs(draft, cache, last, root_pos, k):
 
 @pytest.mark.parametrize("n, root", [(6, 5), (3, 7), (9, 1)])
 def test_min_draft_prob_cuts_the_chain_where_its_confidence_falls(draft, n, root):
-    from backend.spec.grow import GrowRequest
+    from backend.speculative.grow import GrowRequest
 
     cache, last = committed(draft, n)
     full = TreeGrower.from_settings(draft, "chain", 4, 0, 0, None).grow(cache, last, root, n)

@@ -8,9 +8,9 @@ promise and is checked where rounding cannot flip a near-tie argmax.
 import pytest
 import torch
 
-from backend.executor import Executor
-from backend.sampling_params import SamplingParams
-from backend.spec.speculator import attach
+from backend.engine.executor import Executor
+from backend.engine.sampling_params import SamplingParams
+from backend.speculative.speculator import attach
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from backend.spec.tree import (DynamicCandidate, TokenTree, chain_shape, fill_shape, greedy_accept,
+from backend.speculative.tree import (DynamicCandidate, TokenTree, chain_shape, fill_shape, greedy_accept,
                                max_rank, select_dynamic, static_shape)
 
 
@@ -13,8 +13,8 @@ def test_tree_module_imports_no_torch():
     saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "torch" or k.startswith("torch.")}
     sys.modules["torch"] = None  # any "import torch" now raises ImportError
     try:
-        sys.modules.pop("backend.spec.tree", None)
-        importlib.import_module("backend.spec.tree")
+        sys.modules.pop("backend.speculative.tree", None)
+        importlib.import_module("backend.speculative.tree")
     finally:
         del sys.modules["torch"]
         sys.modules.update(saved)

@@ -100,7 +100,7 @@ def test_plan_covers_what_the_backend_launches(monkeypatch, device):
     # the interpreter uses its own tile sizes; give it the GPU ones so keys are the GPU's
     monkeypatch.setattr(paged_prefill, "CPU_TILES", paged_prefill.gpu_tiles())
     monkeypatch.setattr(kv_write, "CPU_TOKENS", kv_write.GPU_TOKENS)
-    from backend.attention.triton_backend import TritonAttentionBackend
+    from backend.ops.attention.triton_backend import TritonAttentionBackend
     from tests.kernels.test_triton_backend import _step
     rec = _Recorder()
     be = TritonAttentionBackend(aot=rec)

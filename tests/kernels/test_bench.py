@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from plugins import bench
+from harness.bench import kernels as bench
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")

@@ -1,4 +1,4 @@
-"""Decode steps through backend.cuda_graphs' padded static buffers give the same tokens as eager steps.
+"""Decode steps through backend.ops.cuda_graphs' padded static buffers give the same tokens as eager steps.
 
 On CPU nothing can be captured (CUDA graphs need a GPU), so engine.cuda_graphs=true runs the same
 padded static-buffer forward eagerly, with the triton backend under the interpreter: padding rows
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend import bench_gpu
-from backend.cuda_graphs import buckets
-from backend.executor import Executor
-from backend.runner import EngineError
-from backend.sampling_params import SamplingParams
+from harness.bench import gpu as bench_gpu
+from backend.ops.cuda_graphs import buckets
+from backend.engine.executor import Executor
+from backend.model.runner import EngineError
+from backend.engine.sampling_params import SamplingParams
 
 TINY = dict(bench_gpu.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512)

@@ -1,4 +1,4 @@
-"""The CUDA-graphed chain draft (backend/spec/draft_graphs.py) proposes exactly the eager grower's
+"""The CUDA-graphed chain draft (backend/speculative/draft_graphs.py) proposes exactly the eager grower's
 chains: same tokens, same confidence cut, from pooled caches read through the paged-decode kernel.
 
 On CPU the graph's padded static-buffer code runs eagerly with the kernel under Triton's interpreter;
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.spec import cost
-from backend.spec.draft_graphs import ChainDraftGraphs
-from backend.spec.draft_model import DraftKVPool, DraftSlice, Eagle3Draft
-from backend.spec.grow import GrowRequest, TreeGrower
+from harness.bench import eagle_cost as cost
+from backend.speculative.draft_graphs import ChainDraftGraphs
+from backend.speculative.draft_model import DraftKVPool, DraftSlice, Eagle3Draft
+from backend.speculative.grow import GrowRequest, TreeGrower
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
              vocab_size=512, rms_norm_eps=1e-5, rope_theta=500000.0)

@@ -16,9 +16,9 @@ MAX_TOKENS = 3
 def test_greedy_tokens_equal_torch_backend(device, build_bundle):
     from tokenizers import Tokenizer
 
-    from backend.executor import Executor
-    from backend.runner import load_weights
-    from backend.sampling_params import SamplingParams
+    from backend.engine.executor import Executor
+    from backend.model.runner import load_weights
+    from backend.engine.sampling_params import SamplingParams
 
     # the real pipeline-built bf16 bundle (shared with the other areas); weights upcast to fp32 so
     # the interpreter's kernels and the reference compare in the same precision

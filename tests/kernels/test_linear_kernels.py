@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.linear import make_linear
+from backend.ops.linear import make_linear
 from quant import formats
 from tests.kernels.kernel_utils import assert_close
 

@@ -4,8 +4,8 @@ tree mask, fp8 KV."""
 import pytest
 import torch
 
-from backend.attention import get_backend
-from backend.attention.metadata import AttentionMetadata
+from backend.ops.attention import get_backend
+from backend.ops.attention.metadata import AttentionMetadata
 from plugins.reference.kv_cache import write_kv_ref
 from tests.kernels.kernel_utils import assert_close
 

@@ -1,4 +1,4 @@
-"""EAGLE verify passes through backend.cuda_graphs' padded static buffers give the same tokens,
+"""EAGLE verify passes through backend.ops.cuda_graphs' padded static buffers give the same tokens,
 acceptances and draft state as eager passes.
 
 On CPU nothing can be captured, so engine.cuda_graphs=true runs the same padded static-buffer forward
@@ -15,13 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend import bench_gpu
-from backend.executor import Executor
-from backend.sampling_params import SamplingParams
-from backend.spec import cost
-from backend.spec.grow import TreeGrower
-from backend.spec.speculator import EagleSpeculator
-from backend.spec.tree import TokenTree
+from harness.bench import gpu as bench_gpu
+from backend.engine.executor import Executor
+from backend.engine.sampling_params import SamplingParams
+from harness.bench import eagle_cost as cost
+from backend.speculative.grow import TreeGrower
+from backend.speculative.speculator import EagleSpeculator
+from backend.speculative.tree import TokenTree
 
 TINY = dict(bench_gpu.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
             num_kv_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512)

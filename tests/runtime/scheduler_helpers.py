@@ -1,6 +1,6 @@
 """Shared pieces of the scheduler tests: a deterministic stand-in model and request builders."""
-from backend.request import Request
-from backend.sampling_params import SamplingParams
+from backend.engine.request import Request
+from backend.engine.sampling_params import SamplingParams
 
 EOS = 2
 

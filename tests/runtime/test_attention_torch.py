@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from backend.attention import get_backend, resolve_backend_name
-from backend.attention.metadata import AttentionMetadata
+from backend.ops.attention import get_backend, resolve_backend_name
+from backend.ops.attention.metadata import AttentionMetadata
 
 BS, HKV, HQ, D = 4, 2, 6, 16
 
@@ -125,7 +125,7 @@ def test_fp8_values_kept_in_float_storage_attend_exactly_like_the_fp8_cache():
     be8, q, kc8, vc8, meta, _, _ = _setup(ctx, qlens, 1, kv_dtype=torch.float8_e4m3fn, scale=scale)
     bef, _, kcf, vcf, _, _, _ = _setup(ctx, qlens, 1, kv_dtype=torch.float32, scale=scale, fp8_as_float=True)
     assert kcf.dtype == torch.float32
-    from backend.attention.torch_backend import dequantize_kv
+    from backend.ops.attention.torch_backend import dequantize_kv
     assert torch.equal(kcf, dequantize_kv(kc8, scale, torch.float32))
     assert torch.equal(vcf, dequantize_kv(vc8, scale, torch.float32))
     out8 = be8.forward(q, kc8, vc8, meta, 1 / math.sqrt(D), scale, scale)
@@ -137,8 +137,8 @@ def test_fp8_values_kept_in_float_storage_attend_exactly_like_the_fp8_cache():
 
 
 def test_runner_stores_an_fp8_cache_as_float_on_cpu(tmp_path):
-    from backend import bench_gpu
-    from backend.runner import ModelRunner, load_engine_spec
+    from harness.bench import gpu as bench_gpu
+    from backend.model.runner import ModelRunner, load_engine_spec
     m = dict(bench_gpu.LLAMA31_8B, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
              num_kv_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256)
     engine = {"max_batch_size": 2, "max_seq_len": 64, "kv_block_size": 16, "kv_cache_dtype": "fp8_e4m3",
@@ -164,7 +164,7 @@ def test_registry_resolves_and_rejects():
 def test_fp8_dequantization_table_gives_the_conversions_bits(dtype):
     """The CPU path gathers scaled values by byte; it must equal fp8 -> float32 -> x scale -> dtype
     for every code (NaN codes stay NaN) and keep the tensor's shape."""
-    from backend.attention.torch_backend import FP8_KV_DTYPE, dequantize_kv
+    from backend.ops.attention.torch_backend import FP8_KV_DTYPE, dequantize_kv
     codes = torch.arange(256, dtype=torch.uint8).repeat(3).view(2, 3, 8, 16).view(FP8_KV_DTYPE)
     scale = torch.tensor(0.0371)
     got = dequantize_kv(codes, scale, dtype)

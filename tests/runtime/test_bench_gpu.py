@@ -1,11 +1,11 @@
-"""backend.bench_gpu's pieces on CPU with a tiny shape (the benchmark itself needs a GPU): synthetic FP8
+"""harness.bench.gpu's pieces on CPU with a tiny shape (the benchmark itself needs a GPU): synthetic FP8
 weights in the bundle layout load into a real Executor through a manifest-only bundle and generate, and
 the single-stream and throughput measurements count what was generated."""
 from __future__ import annotations
 
 import pytest
 
-from backend import bench_gpu
+from harness.bench import gpu as bench_gpu
 
 TINY = dict(bench_gpu.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512)
@@ -13,7 +13,7 @@ TINY = dict(bench_gpu.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_la
 
 @pytest.fixture()
 def executor(tmp_path):
-    from backend.executor import Executor
+    from backend.engine.executor import Executor
     w = bench_gpu.synthetic_fp8_weights(TINY, device="cpu")
     assert w["layers.0.qkv.weight"].shape == (4 * 32 + 2 * 2 * 32, 128)
     assert bench_gpu.weight_bytes_per_token(w) < sum(t.numel() * t.element_size() for t in w.values())

@@ -1,4 +1,4 @@
-"""The CPU linear path (backend/cpu_matmul.py): the same numbers as F.linear, each storage chosen
+"""The CPU linear path (backend/ops/cpu_matmul.py): the same numbers as F.linear, each storage chosen
 only where its values survive it exactly, each kernel taken only where it was measured to win, and
 weights converted once, shared rather than copied."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend import cpu_matmul
-from backend.linear import make_linear
+from backend.ops import cpu_matmul
+from backend.ops.linear import make_linear
 
 needs_onednn = pytest.mark.skipif(cpu_matmul._DNN is None, reason="this PyTorch build has no oneDNN linear")
 needs_fbgemm = pytest.mark.skipif(cpu_matmul._FP16 is None, reason="this PyTorch build has no FBGEMM (non-x86)")
@@ -98,7 +98,7 @@ def test_model_linears_take_the_storage_their_values_allow():
 def test_per_row_quantized_linears_multiply_codes_and_scale_rows(fmt):
     """fp8/int8 codes are exact in fp16 while code x scale is not: the codes are packed and the
     output rows scaled, which is the dequantized matmul up to rounding."""
-    from backend.linear import fake_quant_fp8
+    from backend.ops.linear import fake_quant_fp8
     from quant import formats
     torch.manual_seed(0)
     w, b = torch.randn(48, 32) * 0.1, torch.randn(48)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from backend.sampling_params import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

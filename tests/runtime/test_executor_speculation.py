@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from backend.request import RequestStatus
-from backend.sampling_params import SamplingParams
+from backend.engine.request import RequestStatus
+from backend.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 K = 3

@@ -5,11 +5,11 @@ import random
 import pytest
 import torch
 
-from backend.inputs import InputPreparer
-from backend.kv_cache import BlockManager
-from backend.request import Request
-from backend.sampling_params import SamplingParams
-from backend.scheduler import Scheduler
+from backend.engine.inputs import InputPreparer
+from backend.engine.kv_cache import BlockManager
+from backend.engine.request import Request
+from backend.engine.sampling_params import SamplingParams
+from backend.engine.scheduler import Scheduler
 
 
 def make(rid, prompt, max_tokens=8):
@@ -204,7 +204,7 @@ def test_block_table_overflow_is_a_clear_error():
 def test_host_overhead_benchmark_runs_and_records_its_context(tmp_path):
     import json
 
-    from backend import bench_overhead
+    from harness.bench import overhead as bench_overhead
 
     out = tmp_path / "host.json"
     assert bench_overhead.main(["--num-seqs", "8", "--steps", "5", "--max-num-tokens", "64",

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from backend.kv_cache import BlockManager, kv_bytes_per_token, kv_capacity_blocks
-from backend.request import Request
-from backend.sampling_params import SamplingParams
+from backend.engine.kv_cache import BlockManager, kv_bytes_per_token, kv_capacity_blocks
+from backend.engine.request import Request
+from backend.engine.sampling_params import SamplingParams
 
 BS = 4
 
@@ -29,9 +29,9 @@ def snapshot(bm, *reqs):
 
 
 def test_pure_core_imports_no_torch():
-    code = ("import sys; import backend.kv_cache, backend.kv_capacity, backend.scheduler, "
-            "backend.scheduler_types, backend.scheduler_policies, backend.request, "
-            "backend.sampling_params; bad = [m for m in ('torch', 'numpy') if m in sys.modules]; "
+    code = ("import sys; import backend.engine.kv_cache, backend.engine.kv_capacity, backend.engine.scheduler, "
+            "backend.engine.scheduler_types, backend.engine.scheduler_policies, backend.engine.request, "
+            "backend.engine.sampling_params; bad = [m for m in ('torch', 'numpy') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -108,7 +108,7 @@ def test_prefix_hit_across_requests_and_last_token_always_computed():
 
 
 def a_blocks_first_two(bm, prompt):
-    from backend.kv_cache import _ROOT, hash_block
+    from backend.engine.kv_cache import _ROOT, hash_block
     h0 = hash_block(_ROOT, prompt[:4])
     h1 = hash_block(h0, prompt[4:8])
     return [bm._cached[h0], bm._cached[h1]]

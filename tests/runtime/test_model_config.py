@@ -8,7 +8,7 @@ import torch
 
 from backend.model.config import ModelConfig, ModelConfigError
 from backend.model.layers import RotaryEmbedding, rope_type
-from backend.runner import EngineError, EngineSpec, ModelRunner, compute_dtype
+from backend.model.runner import EngineError, EngineSpec, ModelRunner, compute_dtype
 
 SMOL = {"architecture": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_layers": 30,
         "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "vocab_size": 49152, "rms_norm_eps": 1e-5,

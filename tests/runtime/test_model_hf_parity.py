@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.sampling_params import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -12,10 +12,10 @@ NEW_TOKENS = 64
 
 
 def test_logits_match_hf_on_a_prefill(smollm2_bundle, weights_fp32, hf_model_fp32, smollm2_hf, varied_prompts):
-    from backend.attention import get_backend
-    from backend.attention.metadata import AttentionMetadata
+    from backend.ops.attention import get_backend
+    from backend.ops.attention.metadata import AttentionMetadata
     from backend.model.llama import LlamaModel
-    from backend.runner import load_engine_spec
+    from backend.model.runner import load_engine_spec
 
     spec = load_engine_spec(smollm2_bundle)
     model = LlamaModel(spec.model, weights_fp32, "none", get_backend("torch"), dtype=torch.float32)
@@ -40,15 +40,15 @@ def test_logits_match_hf_on_a_prefill(smollm2_bundle, weights_fp32, hf_model_fp3
     for what, got, hf32, f64 in (("logits", ours, ref.logits[0], exact.logits[0]),
                                  ("layer 3", captured[3], ref.hidden_states[4][0], exact.hidden_states[4][0])):
         torch.testing.assert_close(got, hf32, atol=1e-3, rtol=1e-3, msg=what)
-        # Both are fp32 sums in different orders (our CPU kernels, backend/cpu_matmul.py, are not
+        # Both are fp32 sums in different orders (our CPU kernels, backend/ops/cpu_matmul.py, are not
         # MKL's): judged against float64, ours must be as accurate as an fp32 model is. Measured
         # 2.5x (logits) and 6x (layer 3, whose residual reaches 880) HF's error; an fp16 activation
         # or a wrong term would be orders of magnitude off.
         ours_err, hf_err = ((t.double() - f64).abs().max().item() for t in (got, hf32))
         assert ours_err <= 16 * hf_err + 1e-6, (what, ours_err, hf_err)
     # SmolLM2 (bf16) ties lm_head to the embedding: on CPU the head is an fp16-packed copy for the
-    # logits kernel (backend/cpu_matmul.py), exact, while the embedding keeps fp32 rows for the gather.
-    from backend import cpu_matmul
+    # logits kernel (backend/ops/cpu_matmul.py), exact, while the embedding keeps fp32 rows for the gather.
+    from backend.ops import cpu_matmul
     assert model.embed_tokens.is_contiguous()
     if cpu_matmul._FP16 is not None:
         assert isinstance(model.lm_head, cpu_matmul.HalfWeight)

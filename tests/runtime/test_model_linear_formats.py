@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.linear import LINEAR_FORMATS, LinearFormatError, make_linear
+from backend.ops.linear import LINEAR_FORMATS, LinearFormatError, make_linear
 from quant import formats
 
 OUT, IN = 48, 128

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from backend.sampler import Sampler, SampleRow, make_generator
-from backend.sampling_params import SamplingParams
+from backend.engine.sampler import Sampler, SampleRow, make_generator
+from backend.engine.sampling_params import SamplingParams
 
 V = 50
 EOS = 7

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from backend.sampling_params import MAX_LOGPROBS, SamplingParams
+from backend.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def test_defaults_are_valid_and_greedy_flag():

@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from backend.kv_cache import BlockManager
-from backend.request import Request, RequestStatus
-from backend.sampling_params import SamplingParams
-from backend.scheduler import POLICIES, Scheduler
+from backend.engine.kv_cache import BlockManager
+from backend.engine.request import Request, RequestStatus
+from backend.engine.sampling_params import SamplingParams
+from backend.engine.scheduler import POLICIES, Scheduler
 from tests.runtime.scheduler_helpers import EOS, make, next_token, random_requests, reference_output, run, step  # noqa: F401
 
 @pytest.mark.parametrize("seed", range(4))

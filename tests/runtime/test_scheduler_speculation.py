@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from backend.kv_cache import BlockManager
-from backend.scheduler import POLICIES, Scheduler
+from backend.engine.kv_cache import BlockManager
+from backend.engine.scheduler import POLICIES, Scheduler
 from tests.runtime.scheduler_helpers import make, next_token, random_requests, reference_output, step
 
 

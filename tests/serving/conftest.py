@@ -26,7 +26,7 @@ def tokenizer_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def text_tokenizer(tokenizer_dir):
-    from backend.triton.tokenizer import load_tokenizer
+    from backend.serving.tokenizer import load_tokenizer
     return load_tokenizer(tokenizer_dir)
 
 

@@ -11,12 +11,12 @@ import types
 import numpy as np
 import pytest
 
-from backend.triton.acceptance import ACCEPTANCE_OUTPUTS, acceptance_tensors, draft_counts, read_acceptance
-from backend.triton.convert import EngineLimits, InvalidRequest
-from backend.triton.engine_request import parse_engine_request
-from backend.triton.metrics import ServingMetrics, stats_counters, stats_gauges
-from backend.triton.postprocess import postprocess_tensors
-from backend.triton.preprocess import Preprocessor, preprocessing_outputs
+from backend.serving.acceptance import ACCEPTANCE_OUTPUTS, acceptance_tensors, draft_counts, read_acceptance
+from backend.serving.convert import EngineLimits, InvalidRequest
+from backend.serving.engine_request import parse_engine_request
+from backend.serving.metrics import ServingMetrics, stats_counters, stats_gauges
+from backend.serving.postprocess import postprocess_tensors
+from backend.serving.preprocess import Preprocessor, preprocessing_outputs
 
 LIMITS = EngineLimits(max_input_len=32, max_seq_len=64)
 

@@ -5,9 +5,10 @@ import types
 
 import pytest
 
-from backend.triton.engine_host import chosen_logprobs
-from backend.triton.metrics import stats_gauges
-from harness import bench, client, serve
+from backend.serving.engine_host import chosen_logprobs
+from backend.serving.metrics import stats_gauges
+from harness.bench import serving as bench
+from harness import client, serve
 from harness.serving_server import free_port
 
 

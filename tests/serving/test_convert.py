@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from backend.sampling_params import SamplingParams
-from backend.triton.convert import EngineLimits, InvalidRequest, from_words_list, to_words_list
-from backend.triton.engine_request import parse_engine_request
-from backend.triton.postprocess import postprocess_tensors
-from backend.triton.preprocess import Preprocessor, preprocessing_outputs
+from backend.engine.sampling_params import SamplingParams
+from backend.serving.convert import EngineLimits, InvalidRequest, from_words_list, to_words_list
+from backend.serving.engine_request import parse_engine_request
+from backend.serving.postprocess import postprocess_tensors
+from backend.serving.preprocess import Preprocessor, preprocessing_outputs
 
 LIMITS = EngineLimits(max_input_len=32, max_seq_len=64)
 

@@ -26,9 +26,9 @@ EMOJI_PROMPT = "List of fruit emoji: 🍎 🍌 🍇"
 @pytest.fixture(scope="module")
 def reference(serving_build):
     """Greedy outputs of the same bundle through backend's Executor in this process (batch of one)."""
-    from backend.executor import Executor
-    from backend.sampling_params import SamplingParams
-    from backend.triton.tokenizer import load_tokenizer
+    from backend.engine.executor import Executor
+    from backend.engine.sampling_params import SamplingParams
+    from backend.serving.tokenizer import load_tokenizer
     tok = load_tokenizer(serving_build / "engine")
     ex = Executor(serving_build / "engine", start=False)
     try:
@@ -153,7 +153,7 @@ def test_cancelled_engine_request_frees_its_blocks(reference, triton_server):
     """A client of the engine model itself (token ids in, like tensorrtllm_backend's engine)."""
     import tritonclient.grpc as g
     import tritonclient.grpc.aio as aio
-    from backend.triton.tokenizer import load_tokenizer
+    from backend.serving.tokenizer import load_tokenizer
     ids = load_tokenizer(triton_server.repo.parent / "engine").encode("Write a long story about a dragon.")
     inputs = []
     for name, arr in (("input_ids", np.array(ids, np.int32)), ("request_output_len", np.array([600], np.int32)),
@@ -251,7 +251,7 @@ def test_custom_metrics_are_exported(triton_server):
 def test_a_bundle_without_a_draft_reports_zero_acceptance(reference, triton_server):
     """This bundle has no EAGLE draft: the acceptance outputs are zeros (present in the ensemble
     always, in bls when asked) and the speculation metrics exist and stay at 0."""
-    from backend.triton.acceptance import read_acceptance
+    from backend.serving.acceptance import read_acceptance
     zeros = {"acceptance_rate": 0.0, "total_accepted_draft_tokens": 0, "total_draft_tokens": 0}
     text, n = PROMPTS["paris"]
     for model, flag in (("ensemble", {}), ("bls", {"return_perf_metrics": True})):

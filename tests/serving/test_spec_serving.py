@@ -2,7 +2,7 @@
 
 One real server for the module, serving the real SmolLM2 bf16 bundle WITH the CI-sized draft that
 the eagle tests build (same overrides, so the same cached build: ModelOpt-trained for 24 steps).
-The reference is the same bundle in this process through ``backend.executor.Executor``, greedy,
+The reference is the same bundle in this process through ``backend.engine.executor.Executor``, greedy,
 each prompt alone: with speculation on (the tokens and per-request draft counts the server must
 reproduce) and off (which, in float32, the CPU runtime's dtype, gives the very same tokens: so the
 server's speculative output equals plain decoding; a request that cannot speculate is checked
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import requests
 
-from backend.triton.acceptance import ACCEPTANCE_OUTPUTS, read_acceptance
+from backend.serving.acceptance import ACCEPTANCE_OUTPUTS, read_acceptance
 from harness.serving_client import grpc_inputs, http_generate
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
@@ -43,9 +43,9 @@ def eagle_build(build_bundle):
 def reference(eagle_build):
     """prompt key -> (prompt ids, greedy ids without speculation, with it, (proposed, accepted),
     the text with speculation); plus "dtype": the runtime's compute dtype."""
-    from backend.executor import Executor
-    from backend.sampling_params import SamplingParams
-    from backend.triton.tokenizer import load_tokenizer
+    from backend.engine.executor import Executor
+    from backend.engine.sampling_params import SamplingParams
+    from backend.serving.tokenizer import load_tokenizer
     tok = load_tokenizer(eagle_build / "engine")
     ex = Executor(eagle_build / "engine", start=False)
     assert ex.speculator is not None, "the bundle's draft was not attached"
@@ -190,7 +190,7 @@ def test_clients_that_do_not_ask_see_no_acceptance_outputs(reference, server):
 
 
 def test_request_that_cannot_speculate_reports_zeros(reference, server):
-    # log-probabilities rule drafts out for the request (backend/spec/accept.py): plain decoding
+    # log-probabilities rule drafts out for the request (backend/speculative/accept.py): plain decoding
     ids, plain, _spec, _counts, _text = reference["paris"]
     responses = stream(server.grpc_url, "engine", engine_inputs(ids, return_perf_metrics=True,
                                                                 return_log_probs=True))

@@ -1,8 +1,8 @@
-"""Triton model: BLS version of the ensemble (decoupled). Logic: backend/triton/bls.py."""
+"""Triton model: BLS version of the ensemble (decoupled). Logic: backend/serving/bls.py."""
 import triton_python_backend_utils as pb_utils
 
-from backend.triton.bls import BlsHost
-from backend.triton.model_args import engine_dir, model_config, parameter
+from backend.serving.bls import BlsHost
+from backend.serving.model_args import engine_dir, model_config, parameter
 
 
 class TritonPythonModel:

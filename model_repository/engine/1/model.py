@@ -1,8 +1,8 @@
-"""Triton model: the Kiln engine (decoupled). Logic: backend/triton/engine_host.py."""
+"""Triton model: the Kiln engine (decoupled). Logic: backend/serving/engine_host.py."""
 import triton_python_backend_utils as pb_utils
 
-from backend.triton.engine_host import EngineHost
-from backend.triton.model_args import engine_dir, model_config, parameter
+from backend.serving.engine_host import EngineHost
+from backend.serving.model_args import engine_dir, model_config, parameter
 
 
 class TritonPythonModel:

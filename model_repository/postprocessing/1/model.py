@@ -1,9 +1,9 @@
-"""Triton model: stateless detokenization of one engine response. Logic: backend/triton/postprocess.py."""
+"""Triton model: stateless detokenization of one engine response. Logic: backend/serving/postprocess.py."""
 import triton_python_backend_utils as pb_utils
 
-from backend.triton.model_args import engine_dir, model_config
-from backend.triton.postprocess import postprocess_tensors
-from backend.triton.tokenizer import load_tokenizer
+from backend.serving.model_args import engine_dir, model_config
+from backend.serving.postprocess import postprocess_tensors
+from backend.serving.tokenizer import load_tokenizer
 
 _INPUTS = ("output_ids", "context_ids", "text_trim", "echo_text", "output_log_probs", "acceptance_rate",
            "total_accepted_draft_tokens", "total_draft_tokens")

@@ -1,9 +1,9 @@
-"""Triton model: tokenization and request validation. Logic: backend/triton/preprocess.py."""
+"""Triton model: tokenization and request validation. Logic: backend/serving/preprocess.py."""
 import triton_python_backend_utils as pb_utils
 
-from backend.triton.convert import InvalidRequest
-from backend.triton.model_args import engine_dir, model_config
-from backend.triton.preprocess import TEXT_INPUT_NAMES, Preprocessor, preprocessing_outputs
+from backend.serving.convert import InvalidRequest
+from backend.serving.model_args import engine_dir, model_config
+from backend.serving.preprocess import TEXT_INPUT_NAMES, Preprocessor, preprocessing_outputs
 
 
 class TritonPythonModel:

@@ -1,0 +1,1 @@
+"""Engine core: executor, scheduler, KV block manager, request state, sampler, step inputs."""

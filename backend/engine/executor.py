@@ -1,0 +1,375 @@
+"""The executor: one loop thread that owns the device and runs in-flight batching.
+
+``step() = schedule -> prepare inputs -> run model -> sample (or verify drafts) -> update -> emit``.
+
+Threading contract (the Triton Python backend relies on it):
+* ``submit`` validates and queues from the caller's thread (errors raise there, nothing is queued);
+* every event, including callbacks given to ``submit(on_event=...)``, is delivered from the loop
+  thread; each request gets exactly one event with ``finished=True`` (length, stop, cancelled, error);
+* ``cancel`` is asynchronous: the loop aborts the request before its next step and frees its blocks;
+* an exception inside a step fails the requests of that step with an error event; the loop goes on.
+
+Speculative decoding seam: an optional ``speculator`` (see ``Speculator``) proposes draft tokens
+after each step (``propose``) and turns the target model's logits for ``1 + k`` rows per sequence
+into accepted tokens (``verify``). Without one, one token is sampled per sequence.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import torch
+
+from backend.engine.kv_cache import BlockManager
+from backend.engine.request import FINISH_REASONS, Request, RequestStatus
+from backend.model.runner import EngineError, ModelRunner, load_engine_spec
+from backend.engine.sampler import Sampler, SampleRow, make_generator
+from backend.engine.sampling_params import SamplingParams
+from backend.engine.scheduler import Scheduler, SchedulerOutput
+from backend.engine.inputs import InputPreparer, StepInputs
+
+# Latency samples kept for stats() (a ring: serving reads percentiles of recent traffic).
+_SAMPLES = 4096
+
+
+@dataclass
+class TokenEvent:
+    request_id: str
+    token_ids: list[int]
+    logprobs: list | None = None
+    finished: bool = False
+    finish_reason: str | None = None     # "length" | "stop" | "cancelled" | "error"
+    error: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list | None = None
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Speculator(Protocol):
+    """What the executor calls when speculative decoding is on (implemented in ``backend/spec``).
+
+    * ``capture_hidden_layers``: target layers whose outputs ``propose`` needs.
+    * ``prepare(out, inputs)``: before the forward; may set ``inputs.meta.tree_mask`` for token trees.
+    * ``verify(out, logits, rows, sampler)``: ``logits`` has ``1 + num_spec_tokens`` rows per sampling
+      sequence (scheduled order); returns, per sampling sequence, the accepted draft tokens followed by
+      one token sampled from the target (the list the scheduler's ``update`` takes).
+    * ``propose(out, inputs, captured, finished)``: after ``update``; sets ``request.spec_token_ids``
+      for running requests (the scheduler reserves slots for them next step). ``captured[i]`` is the
+      output of target layer ``i`` for EVERY token of the step (``[T, hidden]``, the step's token
+      order: ``inputs.meta.query_start_loc`` delimits sequences); ``inputs.logits_counts`` tells how
+      many rows each sampling sequence had. Requests with ``params.speculative = False`` must get
+      no drafts.
+    Greedy requests must produce exactly the tokens they would without speculation.
+    """
+    capture_hidden_layers: tuple[int, ...]
+
+    def prepare(self, out: SchedulerOutput, inputs: StepInputs) -> None: ...
+    def verify(self, out: SchedulerOutput, logits: torch.Tensor, rows: list[SampleRow],
+               sampler: Sampler) -> list[list[int]]: ...
+    def propose(self, out: SchedulerOutput, inputs: StepInputs, captured: dict[int, torch.Tensor],
+                finished: list[Request]) -> None: ...
+
+
+class RequestHandle:
+    """Iterate for ``TokenEvent``s (blocking), or pass ``on_event`` to ``submit`` instead."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 on_event: Callable[[TokenEvent], None] | None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._on_event = on_event
+        self._events: deque[TokenEvent] = deque()
+        self._cond = threading.Condition()
+        self.finished = False
+
+    def _deliver(self, ev: TokenEvent) -> None:
+        if self._on_event is not None:
+            self._on_event(ev)
+        with self._cond:
+            if self._on_event is None:
+                self._events.append(ev)
+            self.finished = self.finished or ev.finished
+            self._cond.notify_all()
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        assert self._on_event is None, "this handle delivers its events to the on_event callback"
+        while True:
+            with self._cond:
+                while not self._events:
+                    self._cond.wait()
+                ev = self._events.popleft()
+            yield ev
+            if ev.finished:
+                return
+
+    def result(self) -> GenerationResult:
+        """Block until finished and collect every event into one result."""
+        tokens: list[int] = []
+        logprobs: list = []
+        last = None
+        for ev in self:
+            tokens.extend(ev.token_ids)
+            if ev.logprobs:
+                logprobs.extend(ev.logprobs)
+            last = ev
+        return GenerationResult(self.request_id, self.prompt_token_ids, tokens, last.finish_reason,
+                                logprobs or None, last.error)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.finished, timeout)
+
+
+class Executor:
+    def __init__(self, bundle_path, device: str = "cpu", dtype: torch.dtype | str | None = None,
+                 speculator: Speculator | None = None, start: bool = True,
+                 weights: dict[str, torch.Tensor] | None = None, verify_hashes: bool = True,
+                 speculative: bool = True, **engine_overrides: Any) -> None:
+        """``engine_overrides`` replace ``engine.json`` engine keys (e.g. ``max_kv_tokens=4096``).
+        ``weights`` reuses tensors already loaded from this bundle (several executors, one copy).
+        ``start=False`` runs no thread: the caller drives ``step()`` (``generate`` does it).
+        ``verify_hashes`` checks every bundle file's sha256 against engine.json first.
+        ``speculative=False`` keeps a bundle's EAGLE draft unused (otherwise it is attached)."""
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        self.spec = load_engine_spec(bundle_path, engine_overrides, verify_hashes=verify_hashes)
+        self.runner = ModelRunner(self.spec, device=device, dtype=dtype, weights=weights)
+        eng, cfg = self.spec.engine, self.spec.model
+        self.max_seq_len = int(eng.get("max_seq_len", cfg.max_position_embeddings))
+        self.max_input_len = int(eng.get("max_input_len", self.max_seq_len - 1))
+        self.vocab_size = cfg.vocab_size
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
+                                          bool(eng.get("enable_prefix_caching", True)))
+        try:
+            self.scheduler = Scheduler(self.block_manager, int(eng.get("max_batch_size", 64)),
+                                       int(eng.get("max_num_tokens", 2048)),
+                                       eng.get("scheduler_policy", "max_utilization"),
+                                       bool(eng.get("enable_chunked_prefill", True)),
+                                       max_seq_len=self.max_seq_len, eos_token_ids=cfg.eos_token_ids)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from exc
+        self.sampler = Sampler(cfg.eos_token_ids)
+        self.speculator = speculator
+        self.device = self.runner.device
+        if speculator is None and speculative and \
+                (self.spec.doc.get("speculative") or {}).get("method") == "eagle3":
+            from backend.speculative.speculator import attach  # lazy: draft-less bundles never import it
+            attach(self)
+        # Room in each block-table row for a full sequence plus draft tokens being verified.
+        max_blocks = -(-(self.max_seq_len + 64) // self.runner.block_size)
+        # Given the block manager, the preparer refreshes only block-table rows that changed.
+        self.inputs = InputPreparer(self.runner.block_size, max_blocks, self.device,
+                                    block_manager=self.block_manager)
+
+        self._lock = threading.Lock()            # guards the scheduler between threads
+        self._wake = threading.Condition(self._lock)
+        self._handles: dict[str, RequestHandle] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._cancels: deque[str] = deque()
+        self._ids = itertools.count()
+        self._stop = False
+        self._ttft: deque[float] = deque(maxlen=_SAMPLES)
+        self._tpot: deque[float] = deque(maxlen=_SAMPLES)
+        self._step_errors = 0
+        self._started = time.monotonic()
+        self._thread: threading.Thread | None = None
+        if start:
+            self.start()
+
+    # -- public API ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="kiln-executor", daemon=True)
+            self._thread.start()
+
+    def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+               request_id: str | None = None,
+               on_event: Callable[[TokenEvent], None] | None = None) -> RequestHandle:
+        """Validate and queue one request. Raises ValueError (nothing queued) on bad input."""
+        params = params or SamplingParams()
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids: empty; allowed: at least one token id")
+        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: {bad!r} is not a token id; allowed: 0..{self.vocab_size - 1}")
+        if len(prompt) > self.max_input_len:
+            raise ValueError(f"prompt_token_ids: {len(prompt)} tokens; allowed: at most "
+                             f"engine.max_input_len = {self.max_input_len}")
+        params.validate(self.max_seq_len - len(prompt), self.vocab_size)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(rid, prompt, params)
+        handle = RequestHandle(rid, prompt, on_event)
+        with self._lock:
+            if self._stop:
+                raise RuntimeError("executor is shut down")
+            self.scheduler.add(req)          # raises ValueError before anything is queued
+            self._handles[rid] = handle
+            if params.seed is not None:
+                self._generators[rid] = make_generator(params.seed, self.device)
+            self._wake.notify()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request wherever it is; its final event says ``cancelled``. Unknown ids are ignored."""
+        with self._lock:
+            self._cancels.append(request_id)
+            self._wake.notify()
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+                 | None = None) -> list[GenerationResult]:
+        """Submit all prompts, wait for all; results in prompt order."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"generate: {len(plist)} sampling params for {len(prompts)} prompts")
+        handles = [self.submit(p, sp) for p, sp in zip(prompts, plist)]
+        if self._thread is None:  # manual stepping mode (tests): drive the loop here
+            while not all(h.finished for h in handles):
+                self.step()
+        return [h.result() for h in handles]
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            s = self.scheduler.stats()
+        elapsed = time.monotonic() - self._started
+        if self.speculator is not None and hasattr(self.speculator, "stats"):
+            s.update(self.speculator.stats.as_dict())
+        s.update({"generated_tokens_per_s": s["generated_tokens"] / elapsed if elapsed > 0 else 0.0,
+                  "ttft_s": list(self._ttft), "tpot_s": list(self._tpot),
+                  "step_errors": self._step_errors, "kv_cache_bytes": self.runner.kv_cache_bytes,
+                  "device": str(self.device)})
+        return s
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop; requests still unfinished get a final ``cancelled`` event."""
+        with self._lock:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        with self._lock:
+            pending = list(self.scheduler.requests)
+        for rid in pending:
+            self._abort(rid, RequestStatus.FINISHED_ABORTED, None)
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- loop ---------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self._cancels and not self.scheduler.has_unfinished():
+                    self._wake.wait()
+                if self._stop:
+                    return
+            self.step()
+
+    def step(self) -> int:
+        """Run one iteration. Returns the number of sequences scheduled (0 = nothing to do)."""
+        self._process_cancels()
+        with self._lock:
+            out = self.scheduler.schedule()
+        if out.is_empty:
+            return 0
+        try:
+            self._run(out)
+        except Exception as exc:  # noqa: BLE001 - a failing step must not kill the loop
+            self._step_errors += 1
+            msg = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+            for s in out.scheduled:
+                self._abort(s.request.request_id, RequestStatus.FINISHED_ERROR, msg)
+        return len(out.scheduled)
+
+    def _run(self, out: SchedulerOutput) -> None:
+        spec = self.speculator
+        inputs = self.inputs.prepare(out)
+        if spec is not None:
+            spec.prepare(out, inputs)
+        capture = spec.capture_hidden_layers if spec is not None else ()
+        logits, captured = self.runner.execute(inputs.input_ids, inputs.meta, inputs.logits_indices, capture)
+        sampling = [s.request for s in inputs.sample_seqs]
+        rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids,
+                          self._generators.get(r.request_id)) for r in sampling]
+        logprobs = None
+        if spec is not None and out.num_spec_tokens:
+            sampled: list = spec.verify(out, logits, rows, self.sampler)
+            # Rows sampled without drafts in a speculative step keep their logprobs.
+            logprobs = getattr(spec, "last_logprobs", None)
+        else:
+            res = self.sampler(logits, rows)
+            sampled, logprobs = res.token_ids, res.logprobs
+        with self._lock:
+            before = [len(r.output_token_ids) for r in sampling]
+            finished = self.scheduler.update(out, sampled)
+        if spec is not None:
+            spec.propose(out, inputs, captured, finished)
+        now = time.monotonic()
+        for i, req in enumerate(sampling):
+            new = req.output_token_ids[before[i]:]
+            if req.status is RequestStatus.FINISHED_ABORTED or not new:
+                continue
+            lp = [logprobs[i]] if logprobs is not None and logprobs[i] is not None else None
+            if lp:
+                req.output_logprobs.extend(lp)
+            done = req.status.is_finished
+            if done:
+                self._record_latency(req, now)
+            self._emit(req.request_id, TokenEvent(req.request_id, new, lp, done,
+                                                  FINISH_REASONS.get(req.status) if done else None),
+                       final=done)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _process_cancels(self) -> None:
+        while True:
+            with self._lock:
+                if not self._cancels:
+                    return
+                rid = self._cancels.popleft()
+            self._abort(rid, RequestStatus.FINISHED_ABORTED, None)
+
+    def _abort(self, rid: str, status: RequestStatus, error: str | None) -> None:
+        with self._lock:
+            req = self.scheduler.abort(rid, status, error)
+        if req is not None:
+            self._emit(rid, TokenEvent(rid, [], None, True, FINISH_REASONS[status], error), final=True)
+
+    def _emit(self, rid: str, ev: TokenEvent, final: bool) -> None:
+        handle = self._handles.get(rid)
+        if handle is None:
+            return
+        if final:
+            self._handles.pop(rid, None)
+            self._generators.pop(rid, None)
+        try:
+            handle._deliver(ev)
+        except Exception:  # noqa: BLE001 - a consumer's callback bug must not stop the engine
+            traceback.print_exc()
+
+    def _record_latency(self, req: Request, now: float) -> None:
+        if req.first_token_time is not None:
+            self._ttft.append(req.first_token_time - req.arrival_time)
+            n = len(req.output_token_ids)
+            if n > 1:
+                self._tpot.append((now - req.first_token_time) / (n - 1))
+
+
+__all__ = ["Executor", "GenerationResult", "RequestHandle", "Speculator", "TokenEvent"]

@@ -1,0 +1,265 @@
+"""Step input preparation: ``SchedulerOutput`` -> flat ``input_ids``, ``AttentionMetadata`` and the
+rows to compute logits for. This is the hot path of host overhead, so:
+
+- per-sequence work is Python, per-token work is numpy (positions, slot mapping), never a Python
+  loop over tokens;
+- block tables are kept in a persistent numpy array with one row per live request, updated
+  incrementally (a decode step usually appends nothing; a new block appends one entry), and the
+  step's table is one fancy-indexing gather;
+- every integer array of one dtype goes to the device in ONE copy (int64: ids, positions, slots,
+  logits rows; int32: block tables, lengths, offsets), then views are sliced out of it.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from backend.ops.attention.metadata import AttentionMetadata
+from backend.engine.kv_cache import BlockManager
+from backend.engine.scheduler import ScheduledSeq, SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor          # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor     # [L] int64 rows of the step's hidden states to compute logits on
+    sample_seqs: list[ScheduledSeq]  # sequences that sample, in logits order
+    # Logits rows per sampling sequence (1 + its draft tokens); None when every count is 1.
+    logits_counts: list[int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class InputPreparer:
+    """Builds one step's inputs. One instance per executor (it caches block-table rows)."""
+
+    def __init__(self, block_size: int, max_blocks_per_seq: int, device: str | torch.device = "cpu",
+                 initial_rows: int = 64, block_manager: BlockManager | None = None) -> None:
+        """With ``block_manager`` (recommended; it must be the scheduler's), rows are refreshed from
+        its ``block_table_changes`` log; without it every sequence's row is checked every step."""
+        assert block_size > 0 and max_blocks_per_seq > 0
+        assert block_manager is None or block_manager.block_size == block_size
+        self.block_manager = block_manager
+        if block_manager is not None:
+            block_manager.track_block_table_changes()
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = torch.device(device)
+        self._bt = np.zeros((initial_rows, max_blocks_per_seq), dtype=np.int32)
+        self._row_of: dict[str, int] = {}
+        self._free_rows: list[int] = list(range(initial_rows - 1, -1, -1))
+        # Per row: the block list object last copied (identity changes when the BlockManager frees
+        # the request) and how many of its entries are in the row.
+        self._row_src: list[list[int] | None] = [None] * initial_rows
+        self._row_len: list[int] = [0] * initial_rows
+        # Off-CPU devices: pack each dtype group into one staging buffer (pinned when CUDA is
+        # there), two of each so a step's asynchronous copy can still be in flight while the next
+        # step is prepared.
+        self._pack = self.device.type != "cpu"
+        self._pin = self._pack and torch.cuda.is_available()
+        self._staging: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self._flip = 0
+
+    @property
+    def num_rows_in_use(self) -> int:
+        return len(self._row_of)
+
+    def release(self, request_id: str) -> None:
+        row = self._row_of.pop(request_id, None)
+        if row is not None:
+            self._bt[row, :self._row_len[row]] = 0
+            self._row_src[row] = None
+            self._row_len[row] = 0
+            self._free_rows.append(row)
+
+    def _grow(self) -> None:
+        old = self._bt.shape[0]
+        new = old * 2
+        bt = np.zeros((new, self.max_blocks_per_seq), dtype=np.int32)
+        bt[:old] = self._bt
+        self._bt = bt
+        self._row_src.extend([None] * (new - old))
+        self._row_len.extend([0] * (new - old))
+        self._free_rows.extend(range(new - 1, old - 1, -1))
+
+    def _row(self, rid: str, blocks: list[int]) -> int:
+        """The request's row in the persistent block table, brought up to date."""
+        row = self._row_of.get(rid)
+        if row is None:
+            if not self._free_rows:
+                self._grow()
+            row = self._free_rows.pop()
+            self._row_of[rid] = row
+        n = len(blocks)
+        old = self._row_len[row]
+        if self._row_src[row] is not blocks:
+            if n > self.max_blocks_per_seq:
+                raise ValueError(f"request {rid!r} holds {n} KV blocks; the block table has room for "
+                                 f"{self.max_blocks_per_seq} (max_seq_len / kv_block_size)")
+            bt = self._bt[row]
+            bt[:n] = blocks
+            if old > n:
+                bt[n:old] = 0
+            self._row_src[row] = blocks
+            self._row_len[row] = n
+        elif n != old:
+            # Same list object: the BlockManager only appended to it (shrinking makes a new list).
+            assert n > old, f"block table of {rid!r} shrank in place"
+            if n > self.max_blocks_per_seq:
+                raise ValueError(f"request {rid!r} holds {n} KV blocks; the block table has "
+                                 f"room for {self.max_blocks_per_seq}")
+            self._bt[row, old:n] = blocks[old:]
+            self._row_len[row] = n
+        return row
+
+    def _rows_checked(self, seqs: list[ScheduledSeq]) -> list[int]:
+        """Each sequence's row, refreshed when its block list object or length changed."""
+        row_of, row_src, row_len = self._row_of, self._row_src, self._row_len
+        rows: list[int] = []
+        rows_append = rows.append
+        for s in seqs:
+            req = s.request
+            blocks = req.block_ids
+            row = row_of.get(req.request_id)
+            if row is None or row_src[row] is not blocks or row_len[row] != len(blocks):
+                row = self._row(req.request_id, blocks)
+            rows_append(row)
+        return rows
+
+    def prepare(self, output: SchedulerOutput) -> StepInputs:
+        for rid in output.finished_request_ids:
+            self.release(rid)
+        seqs = output.scheduled
+        assert seqs, "nothing scheduled"
+        nseq = len(seqs)
+        num_prefills = output.num_prefills
+        any_spec = output.num_spec_tokens > 0
+
+        # Per sequence (Python): block-table rows, brought up to date only when they changed.
+        row_of = self._row_of
+        bm = self.block_manager
+        if bm is not None:
+            changes = bm.block_table_changes
+            if changes:
+                for req in changes:
+                    if not req.is_finished:      # finished ones were released above
+                        self._row(req.request_id, req.block_ids)
+                changes.clear()
+            try:
+                rows = [row_of[s.request.request_id] for s in seqs]
+            except KeyError:                     # a request this preparer never saw: check all
+                rows = self._rows_checked(seqs)
+        else:
+            rows = self._rows_checked(seqs)
+        starts = [s.start_pos for s in seqs]
+        uniform = not num_prefills and not any_spec      # every query is one token
+        counts = None if uniform else [s.num_new_tokens for s in seqs]
+        ids: list[int] = []
+        for s in seqs[:num_prefills]:
+            ids.extend(s.request.all_token_ids[s.start_pos:s.start_pos + s.num_new_tokens])
+        decodes = seqs[num_prefills:]
+        if any_spec:
+            for s in decodes:
+                ids.append(s.request.all_token_ids[s.start_pos])
+                if s.num_spec_tokens:
+                    ids.extend(s.request.spec_token_ids[:s.num_spec_tokens])
+        else:
+            ids += [s.request.all_token_ids[s.start_pos] for s in decodes]
+        prefill_samples = [s.sample for s in seqs[:num_prefills]]
+        all_sample = all(prefill_samples)
+        sample_seqs = decodes if all_sample and not num_prefills else (
+            [s for s in seqs[:num_prefills] if s.sample] + decodes)
+
+        # Per token (numpy).
+        bs = self.block_size
+        # array() + frombuffer: the fastest list -> ndarray conversion for Python ints.
+        starts_np = np.frombuffer(array("q", starts), dtype=np.int64)
+        rows_np = np.frombuffer(array("q", rows), dtype=np.int64)
+        if uniform:
+            counts_np = np.ones(nseq, dtype=np.int64)
+            qsl = np.arange(nseq + 1, dtype=np.int64)
+        else:
+            counts_np = np.frombuffer(array("q", counts), dtype=np.int64)
+            qsl = np.zeros(nseq + 1, dtype=np.int64)
+            np.cumsum(counts_np, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        seq_lens = starts_np + counts_np
+        max_seq_len = int(seq_lens.max())
+        if num_tokens == nseq:           # all one-token queries (decodes): no repeat needed
+            positions = starts_np
+            token_rows = rows_np
+        else:
+            positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(qsl[:-1] - starts_np,
+                                                                           counts_np)
+            token_rows = np.repeat(rows_np, counts_np)
+        bt = self._bt
+        slots = bt[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        width = -(-max_seq_len // bs)
+        block_tables = bt[rows_np, :width]
+
+        logits_counts = None
+        if any_spec:
+            idx: list[int] = []
+            ends = qsl[1:].tolist()
+            for i, s in enumerate(seqs):
+                if s.sample:
+                    e = ends[i]
+                    idx.extend(range(e - 1 - s.num_spec_tokens, e))
+            logits_idx = np.array(idx, dtype=np.int64)
+            logits_counts = [1 + s.num_spec_tokens for s in sample_seqs]
+        elif all_sample:
+            logits_idx = qsl[1:] - 1
+        else:
+            keep = np.ones(nseq, dtype=bool)
+            keep[:num_prefills] = prefill_samples
+            logits_idx = (qsl[1:] - 1)[keep]
+
+        ids_np = np.frombuffer(array("q", ids), dtype=np.int64)
+        i64 = self._to_device([ids_np, positions, slots, logits_idx], np.int64, torch.int64)
+        i32 = self._to_device([block_tables.reshape(-1), seq_lens, qsl, starts_np], np.int32,
+                              torch.int32)
+        t_ids, t_pos, t_slots, t_logits = i64
+        t_bt, t_seq_lens, t_qsl, t_ctx = i32
+        num_prefill_tokens = int(qsl[num_prefills])
+        meta = AttentionMetadata(
+            positions=t_pos, slot_mapping=t_slots, block_tables=t_bt.view(nseq, width),
+            seq_lens=t_seq_lens, query_start_loc=t_qsl, context_lens=t_ctx,
+            num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=num_tokens - num_prefill_tokens,
+            max_query_len=1 if uniform else int(counts_np.max()), max_seq_len=max_seq_len)
+        self._flip ^= 1
+        return StepInputs(t_ids, meta, t_logits, sample_seqs, logits_counts)
+
+    def _to_device(self, arrays: list[np.ndarray], np_dtype, torch_dtype) -> list[torch.Tensor]:
+        """GPU: concatenate ``arrays`` into one pinned buffer, copy it in one transfer, return
+        views. CPU: wrap each array without copying (a concatenation would only cost time)."""
+        if not self._pack:
+            return [torch.from_numpy(a if a.dtype == np_dtype else a.astype(np_dtype))
+                    for a in arrays]
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        key = (torch_dtype, self._flip)
+        buf = self._staging.get(key)
+        if buf is None or buf.numel() < total:
+            buf = torch.empty(max(total, 4096) * 2, dtype=torch_dtype, pin_memory=self._pin)
+            self._staging[key] = buf
+        host = buf[:total]
+        np.concatenate(arrays, out=host.numpy(), casting="unsafe")
+        dev = host.to(self.device, non_blocking=self._pin)
+        if dev.data_ptr() == host.data_ptr():
+            dev = dev.clone()            # same device: never hand out views of the staging buffer
+        out = []
+        off = 0
+        for n in sizes:
+            out.append(dev[off:off + n])
+            off += n
+        return out
+
+
+__all__ = ["InputPreparer", "StepInputs"]

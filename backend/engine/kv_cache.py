@@ -1,0 +1,369 @@
+"""Paged KV cache bookkeeping: blocks, block tables, refcounts and the prefix cache (no torch).
+
+The tensors live in the model runner; this module only decides which block holds which tokens.
+
+Prefix caching: a FULL block is named by a chained hash ``H_i = blake2b(H_{i-1} || tokens_i)``, so
+equal hashes mean equal token prefixes up to and including that block. A block gets its hash
+("committed") only once its KV has been computed, i.e. once ``request.num_computed_tokens`` covers it
+(a block registered at allocation time could be freed by a preemption in the same step before its KV
+is written, and a later hit would read garbage). Freed blocks that carry a hash stay reusable in an
+LRU pool and are evicted only when no never-cached free block is left.
+
+Speculative decoding: ``append_slots(..., num_tentative=k)`` / ``append_tentative`` reserve slots for
+unverified tokens, ``rollback(request, n)`` returns the last ``n``; tentative tokens are never hashed
+because hashes only cover ``all_token_ids`` (accepted tokens) up to ``num_computed_tokens``.
+
+A request's ``block_ids`` list is only ever appended to in place; any other change (free, rollback,
+re-admission) installs a new list. Consumers that keep a copy (``backend/engine/inputs.py``) rely on that,
+or read the opt-in ``block_table_changes`` log.
+
+Not thread-safe: the executor's loop thread (or its lock) owns the scheduler and this manager.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+# Capacity planning lives in its own module; re-exported here for callers of the first version.
+from backend.engine.kv_capacity import kv_bytes_per_token, kv_capacity_blocks, read_mem_available
+from backend.engine.request import Request
+
+_ROOT = b"kiln-kv-root"
+
+
+def hash_block(parent: bytes, tokens) -> bytes:
+    """Chained block hash. blake2b rather than Python's ``hash()``: tuple hashes of ints are
+    deterministic and easy to collide on purpose, and a collision would serve another user's KV."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+class BlockManager:
+    """Fixed-size KV blocks shared by all requests.
+
+    Block states: *free* (refcount 0, no hash; handed out first), *evictable* (refcount 0 with a
+    hash; LRU order, reused on a prefix hit or evicted when free runs out), *used* (refcount > 0).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"kv cache: num_blocks {num_blocks!r}; allowed: an integer >= 1")
+        if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"engine.kv_block_size: {block_size!r}; allowed: a power of two >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}            # hash -> block holding that prefix
+        # Stack of never-cached free blocks; popping from the end hands out block 0 first.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._evictable: OrderedDict[int, None] = OrderedDict()   # least recently used first
+        self._holders: dict[str, Request] = {}         # requests that hold blocks (leak checks)
+        # Requests whose block list changed (grew, was replaced or emptied) since the consumer
+        # (input preparation) last cleared this list: it then refreshes only those block-table rows
+        # instead of checking every sequence every step. None (off) until a consumer asks for it:
+        # an unread log would grow forever.
+        self.block_table_changes: list[Request] | None = None
+        # Counters (tokens): prompt tokens looked up at admission and how many were cached.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_evictions = 0
+
+    # -- counters -----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that an allocation can take (never-cached free + evictable cached)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free) - len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a reusable prefix (in use or evictable)."""
+        return len(self._cached)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable)
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def stats(self) -> dict:
+        return {"kv_blocks_total": self.num_blocks, "kv_blocks_used": self.num_used_blocks,
+                "kv_blocks_free": self.num_free_blocks, "kv_blocks_cached": self.num_cached_blocks,
+                "kv_block_size": self.block_size, "prefix_cache_queries": self.prefix_cache_queries,
+                "prefix_cache_hits": self.prefix_cache_hits,
+                "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+                "kv_evictions": self.num_evictions}
+
+    # -- prefix lookup ------------------------------------------------------------------------
+    def _compute_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+        hashes = request.block_hashes
+        bs = self.block_size
+        toks = request.all_token_ids
+        parent = hashes[-1] if hashes else _ROOT
+        for i in range(len(hashes), num_full_blocks):
+            parent = hash_block(parent, toks[i * bs:(i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
+    def _lookup_blocks(self, request: Request) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        # Leave at least the last token to compute: its logits give the next token.
+        max_blocks = (len(request.all_token_ids) - 1) // self.block_size
+        hashes = self._compute_hashes(request, max_blocks)
+        hits = []
+        cached = self._cached
+        for i in range(max_blocks):
+            block = cached.get(hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def lookup(self, request: Request) -> int:
+        """Tokens of ``request`` that the prefix cache would serve now (no side effects)."""
+        return len(self._lookup_blocks(request)) * self.block_size
+
+    def num_blocks_needed(self, request: Request, num_tokens: int) -> int:
+        """Free blocks an admission of ``request`` holding ``num_tokens`` tokens would consume
+        (cache hits on blocks already in use are free; hits on evictable blocks are not)."""
+        hits = self._lookup_blocks(request)
+        total = -(-num_tokens // self.block_size)
+        ref = self.ref_counts
+        return max(total - len(hits), 0) + sum(1 for b in hits if ref[b] == 0)
+
+    def can_allocate(self, request: Request, num_tokens: int, reserved_blocks: int = 0) -> bool:
+        return self.num_blocks_needed(request, num_tokens) <= self.num_free_blocks - reserved_blocks
+
+    # -- allocation ---------------------------------------------------------------------------
+    def _take(self, n: int) -> list[int]:
+        """Pop ``n`` blocks (caller checked availability): never-cached ones first, then evict LRU."""
+        free = self._free
+        out = []
+        while len(out) < n and free:
+            out.append(free.pop())
+        if len(out) < n:
+            evictable, cached, block_hash = self._evictable, self._cached, self.block_hash
+            for _ in range(n - len(out)):
+                block, _ = evictable.popitem(last=False)
+                del cached[block_hash[block]]
+                block_hash[block] = None
+                out.append(block)
+                self.num_evictions += 1
+        ref = self.ref_counts
+        for b in out:
+            ref[b] = 1
+        return out
+
+    def allocate_for(self, request: Request, num_tokens: int) -> int | None:
+        """Admit a request that holds no blocks: reuse its cached prefix, then reserve slots for up to
+        ``num_tokens`` more tokens (capped at the request's length).
+
+        Returns the number of tokens served from the prefix cache (``request.num_computed_tokens``
+        is set to it; the step computes ``request.num_slots - request.num_computed_tokens`` tokens),
+        or ``None`` when there are not enough free blocks (nothing changes then).
+        """
+        assert not request.block_ids and request.num_slots == 0, f"{request} already holds blocks"
+        assert num_tokens >= 1
+        hits = self._lookup_blocks(request)
+        bs = self.block_size
+        num_cached = len(hits) * bs
+        target = min(num_cached + num_tokens, len(request.all_token_ids))
+        ref = self.ref_counts
+        num_new = -(-target // bs) - len(hits)
+        if num_new + sum(1 for b in hits if ref[b] == 0) > self.num_free_blocks:
+            return None
+        evictable = self._evictable
+        for b in hits:
+            if ref[b] == 0:
+                del evictable[b]
+            ref[b] += 1
+        request.block_ids = hits + self._take(num_new)
+        if self.block_table_changes is not None:
+            self.block_table_changes.append(request)
+        request.num_slots = target
+        request.num_tentative_tokens = 0
+        request.num_committed_blocks = len(hits)
+        request.num_computed_tokens = num_cached
+        request.num_cached_tokens = num_cached
+        self._holders[request.request_id] = request
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += len(request.all_token_ids)
+            self.prefix_cache_hits += num_cached
+        return num_cached
+
+    def append_slots(self, request: Request, num_new_tokens: int, num_tentative: int = 0) -> bool:
+        """Make room for ``num_new_tokens`` tokens after ``request.num_computed_tokens`` plus
+        ``num_tentative`` unverified speculative ones. Returns False (nothing changed) when the pool
+        is exhausted: the scheduler then preempts someone."""
+        assert request.num_tentative_tokens == 0, "roll back tentative slots before reserving more"
+        self._commit(request)
+        target = request.num_computed_tokens + num_new_tokens + num_tentative
+        assert target >= request.num_slots, "append_slots cannot shrink a reservation"
+        blocks = request.block_ids
+        need = -(-target // self.block_size) - len(blocks)
+        if need > 0:
+            if need > len(self._free) + len(self._evictable):
+                return False
+            if need == 1 and self._free:     # the common decode case, without list building
+                b = self._free.pop()
+                self.ref_counts[b] = 1
+                blocks.append(b)
+            else:
+                blocks.extend(self._take(need))
+            if self.block_table_changes is not None:
+                self.block_table_changes.append(request)
+        request.num_slots = target
+        request.num_tentative_tokens = num_tentative
+        return True
+
+    def append_tentative(self, request: Request, n: int) -> bool:
+        """Reserve ``n`` more slots after the current reservation for unverified tokens."""
+        if n <= 0:
+            return True
+        target = request.num_slots + n
+        need = -(-target // self.block_size) - len(request.block_ids)
+        if need > 0:
+            if need > self.num_free_blocks:
+                return False
+            request.block_ids.extend(self._take(need))
+            if self.block_table_changes is not None:
+                self.block_table_changes.append(request)
+        request.num_slots = target
+        request.num_tentative_tokens += n
+        return True
+
+    def rollback(self, request: Request, n: int) -> None:
+        """Give back the last ``n`` reserved slots (rejected speculative tokens); the remaining
+        tentative slots count as accepted. Blocks no longer needed return to the free pool in the
+        reverse order they were taken, so a reserve+rollback leaves the pool exactly as it was."""
+        assert 0 <= n <= request.num_tentative_tokens, (
+            f"rollback of {n} slots but {request.num_tentative_tokens} are tentative")
+        request.num_slots -= n
+        request.num_tentative_tokens = 0
+        assert request.num_slots >= request.num_computed_tokens
+        keep = -(-request.num_slots // self.block_size)
+        blocks = request.block_ids
+        if len(blocks) > keep:
+            ref, free = self.ref_counts, self._free
+            for b in reversed(blocks[keep:]):
+                assert ref[b] == 1 and self.block_hash[b] is None, "rolled back a shared or cached block"
+                ref[b] = 0
+                free.append(b)
+            # A new list, never an in-place shrink: consumers that cache a copy of a block table
+            # (input preparation) rely on "same list object => only appended to".
+            request.block_ids = blocks[:keep]
+            if self.block_table_changes is not None:
+                self.block_table_changes.append(request)
+
+    def _commit(self, request: Request) -> None:
+        """Register the hashes of blocks that became full with computed, accepted tokens."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // bs
+        committed = request.num_committed_blocks
+        if num_full <= committed:
+            return
+        hashes = self._compute_hashes(request, num_full)
+        cached, block_hash, blocks = self._cached, self.block_hash, request.block_ids
+        for i in range(committed, num_full):
+            h = hashes[i]
+            if h not in cached:
+                # Another request may have computed the same prefix concurrently: keep the first.
+                b = blocks[i]
+                if block_hash[b] is None:
+                    block_hash[b] = h
+                    cached[h] = b
+        request.num_committed_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Release every block of ``request`` (finish, abort or preemption). Full computed blocks
+        stay cached; the sequence's tail is queued for eviction before its head, which is the part
+        other requests are likely to share."""
+        if request.block_ids:
+            if request.num_tentative_tokens:
+                request.num_slots -= request.num_tentative_tokens
+                request.num_tentative_tokens = 0
+            self._commit(request)
+            ref, block_hash = self.ref_counts, self.block_hash
+            evictable, free = self._evictable, self._free
+            for b in reversed(request.block_ids):
+                ref[b] -= 1
+                assert ref[b] >= 0
+                if ref[b] == 0:
+                    if block_hash[b] is not None:
+                        evictable[b] = None
+                    else:
+                        free.append(b)
+            if self.block_table_changes is not None:
+                self.block_table_changes.append(request)
+        # A new list object: input preparation detects a changed block table by identity.
+        request.block_ids = []
+        request.num_slots = 0
+        request.num_tentative_tokens = 0
+        request.num_committed_blocks = 0
+        self._holders.pop(request.request_id, None)
+
+    def track_block_table_changes(self) -> list[Request]:
+        """Start logging block-list changes (see ``block_table_changes``); returns the log."""
+        if self.block_table_changes is None:
+            self.block_table_changes = []
+        return self.block_table_changes
+
+    def slot(self, request: Request, pos: int) -> int:
+        """Flat KV slot of token ``pos`` of ``request`` (block_id * block_size + offset)."""
+        assert 0 <= pos < request.num_slots, f"position {pos} outside {request.num_slots} slots"
+        bs = self.block_size
+        return request.block_ids[pos // bs] * bs + pos % bs
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash (after an executor error the KV contents are suspect).
+        Returns how many hashes were dropped."""
+        n = len(self._cached)
+        for b in self._evictable:
+            self._free.append(b)
+        self._evictable.clear()
+        self._cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        return n
+
+    # -- consistency (tests and debugging) ----------------------------------------------------
+    def check_invariants(self) -> None:
+        """Assert the pool is a consistent partition and refcounts match the block tables."""
+        counts = [0] * self.num_blocks
+        for req in self._holders.values():
+            for b in req.block_ids:
+                counts[b] += 1
+            assert len(req.block_ids) == -(-req.num_slots // self.block_size), req
+        assert counts == self.ref_counts, "refcounts do not match the block tables"
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free) and not (free & evictable)
+        for b in range(self.num_blocks):
+            in_pool = b in free or b in evictable
+            assert in_pool == (self.ref_counts[b] == 0), f"block {b}: pool membership vs refcount"
+            if b in free:
+                assert self.block_hash[b] is None
+            if b in evictable:
+                assert self.block_hash[b] is not None
+        for h, b in self._cached.items():
+            assert self.block_hash[b] == h
+        assert sum(h is not None for h in self.block_hash) == len(self._cached)
+
+    @property
+    def num_holders(self) -> int:
+        return len(self._holders)
+
+
+__all__ = ["BlockManager", "hash_block", "kv_bytes_per_token", "kv_capacity_blocks",
+           "read_mem_available"]

@@ -1,0 +1,195 @@
+"""Token sampling, vectorised over the batch.
+
+One call handles a whole step: ``Sampler()(logits [B, V] fp32, rows) -> SampleOutput``. Per-row
+work in Python is limited to what is inherently per request (sparse masks, seeded generators);
+every dense operation over the vocabulary runs once for the batch, and the expensive ones (penalty
+counts, sorting for top-p) only when some row asks for them.
+
+Order (as in vLLM / Hugging Face): bad-token and min_tokens masks -> repetition, presence and
+frequency penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> draw.
+Log-probabilities are those of the model (log-softmax of the raw logits), reported for the chosen
+token and the top ``logprobs`` alternatives.
+
+Reproducibility: a request with a ``seed`` owns a ``torch.Generator`` seeded once; each step it
+draws exactly one row of exponential noise (the Gumbel/exponential-race form of categorical
+sampling: ``argmax(p / E)``, ``E ~ Exp(1)``), so its tokens do not depend on what else is batched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from backend.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs about one sequence for one draw."""
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None = None   # required when params.seed is set
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    # Per row: None, or (chosen token's logprob, [(token, logprob), ...] top-n alternatives).
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    # torch seeds are 64-bit signed internally; fold the uint64 range Triton allows into it.
+    g.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
+    return g
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per sample row"
+        raw = logits
+        logits = logits.float().clone() if self._needs_edit(rows) else logits.float()
+        self._apply_masks(logits, rows)
+        self._apply_penalties(logits, rows)
+
+        greedy = [r.params.temperature == 0.0 for r in rows]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, rows, greedy)
+        token_list = tokens.tolist()
+        out = SampleOutput(token_ids=token_list)
+        if any(r.params.logprobs > 0 for r in rows):
+            out.logprobs = self._logprobs(raw, rows, tokens)
+        else:
+            out.logprobs = [None] * len(rows)
+        return out
+
+    # -- masks and penalties -----------------------------------------------------------------
+    def _needs_edit(self, rows: Sequence[SampleRow]) -> bool:
+        return any(self._has_mask(r) or _has_penalty(r.params) or r.params.temperature != 0.0
+                   for r in rows)
+
+    def _has_mask(self, r: SampleRow) -> bool:
+        p = r.params
+        return bool(p.bad_token_ids) or (len(r.output_token_ids) < p.min_tokens)
+
+    def _apply_masks(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
+        """Forbid bad-word completions and, before ``min_tokens`` are generated, every stop token."""
+        row_idx: list[int] = []
+        col_idx: list[int] = []
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.bad_token_ids:
+                history = list(r.prompt_token_ids[-64:]) + list(r.output_token_ids)
+                for seq in p.bad_token_ids:
+                    # A bad word is forbidden as the token that would complete it.
+                    prefix = list(seq[:-1])
+                    if not prefix or history[-len(prefix):] == prefix:
+                        row_idx.append(i)
+                        col_idx.append(seq[-1])
+            if len(r.output_token_ids) < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                for tok in stops:
+                    row_idx.append(i)
+                    col_idx.append(tok)
+        if row_idx:
+            logits[torch.tensor(row_idx, device=logits.device),
+                   torch.tensor(col_idx, device=logits.device)] = float("-inf")
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
+        idx = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+        if not idx:
+            return
+        dev = logits.device
+        n, vocab = len(idx), logits.shape[1]
+        sub = logits[idx]
+        # Output-token counts (presence/frequency) and prompt+output occurrence (repetition).
+        out_counts = torch.zeros(n, vocab, device=dev)
+        seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+        for j, i in enumerate(idx):
+            r = rows[i]
+            if r.output_token_ids:
+                toks = torch.tensor(list(r.output_token_ids), device=dev)
+                out_counts[j].index_add_(0, toks, torch.ones(len(toks), device=dev))
+            if r.params.repetition_penalty != 1.0 and r.prompt_token_ids:
+                seen[j, torch.tensor(list(r.prompt_token_ids), device=dev)] = True
+        seen |= out_counts > 0
+        rep = torch.tensor([rows[i].params.repetition_penalty for i in idx], device=dev).view(-1, 1)
+        pres = torch.tensor([rows[i].params.presence_penalty for i in idx], device=dev).view(-1, 1)
+        freq = torch.tensor([rows[i].params.frequency_penalty for i in idx], device=dev).view(-1, 1)
+        # Repetition (CTRL paper / HF): shrink positive logits, grow negative ones.
+        penalised = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalised, sub)
+        sub = sub - freq * out_counts - pres * (out_counts > 0).float()
+        logits[idx] = sub
+
+    # -- random sampling ---------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SampleRow], greedy: list[bool]) -> torch.Tensor:
+        dev = logits.device
+        b, vocab = logits.shape
+        greedy_t = torch.tensor(greedy, device=dev)
+        temp = torch.tensor([r.params.temperature if not g else 1.0 for r, g in zip(rows, greedy)],
+                            device=dev).view(-1, 1)
+        argmax = logits.argmax(dim=-1)
+        scaled = logits / temp
+
+        top_k = [r.params.top_k for r in rows]
+        if any(0 < k < vocab for k in top_k):
+            k_t = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
+            kmax = int(k_t.max())
+            top_vals = scaled.topk(kmax, dim=-1).values
+            kth = top_vals.gather(1, (k_t - 1).view(-1, 1))  # value of each row's k-th best token
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+
+        top_p = [r.params.top_p for r in rows]
+        if any(p < 1.0 for p in top_p):
+            p_t = torch.tensor(top_p, device=dev).view(-1, 1)
+            sorted_vals, sorted_idx = scaled.sort(dim=-1, descending=True)
+            probs_sorted = sorted_vals.softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches p: drop a token if the mass BEFORE it does.
+            mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+            drop_sorted = mass_before >= p_t
+            drop = torch.zeros_like(drop_sorted).scatter_(1, sorted_idx, drop_sorted)
+            scaled = scaled.masked_fill(drop, float("-inf"))
+
+        probs = scaled.softmax(dim=-1)
+        min_p = [r.params.min_p for r in rows]
+        if any(p > 0.0 for p in min_p):
+            mp_t = torch.tensor(min_p, device=dev).view(-1, 1)
+            probs = probs.masked_fill(probs < mp_t * probs.max(dim=-1, keepdim=True).values, 0.0)
+
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab, device=dev).exponential_()
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy_t, argmax, sampled)
+
+    # -- log-probabilities -------------------------------------------------------------------
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, rows: Sequence[SampleRow], tokens: torch.Tensor):
+        lp = raw.float().log_softmax(dim=-1)
+        chosen = lp.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
+        n = max(r.params.logprobs for r in rows)
+        top_vals, top_idx = lp.topk(n, dim=-1)
+        top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
+        result = []
+        for i, r in enumerate(rows):
+            k = r.params.logprobs
+            result.append((chosen[i], list(zip(top_idx[i][:k], top_vals[i][:k]))) if k > 0 else None)
+        return result
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0

@@ -1,0 +1,60 @@
+"""Admission policies of the scheduler, one registry (pure Python, no torch).
+
+A policy answers "may this waiting request be admitted now?" on top of the block manager's own
+"are there blocks for its first chunk?". ``max_utilization`` says yes to everything (the scheduler
+preempts when running requests later run out of blocks); ``guaranteed_no_evict`` admits a request
+only if the blocks for its whole life (prompt + max_tokens, capped at max_seq_len) are free after
+reserving the same for every running request, so running requests never need preemption.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from backend.engine.request import Request
+
+if TYPE_CHECKING:
+    from backend.engine.scheduler import Scheduler
+
+
+class MaxUtilization:
+    """Admit greedily; when a running request needs a block and none is free, preempt."""
+    name = "max_utilization"
+
+    def begin(self, scheduler: "Scheduler") -> None:
+        pass
+
+    def admit(self, scheduler: "Scheduler", request: Request) -> bool:
+        return True
+
+    def admitted(self, scheduler: "Scheduler", request: Request) -> None:
+        pass
+
+
+class GuaranteedNoEvict:
+    """Admit only requests whose whole life fits next to the running requests' reservations."""
+    name = "guaranteed_no_evict"
+
+    def __init__(self) -> None:
+        self._reserved = 0
+
+    def begin(self, scheduler: "Scheduler") -> None:
+        need = scheduler.blocks_for_life
+        self._reserved = sum(max(need(r) - len(r.block_ids), 0) for r in scheduler.running)
+
+    def admit(self, scheduler: "Scheduler", request: Request) -> bool:
+        bm = scheduler.block_manager
+        life = scheduler.life_tokens(request)
+        return bm.num_blocks_needed(request, life) <= bm.num_free_blocks - self._reserved
+
+    def admitted(self, scheduler: "Scheduler", request: Request) -> None:
+        self._reserved += max(scheduler.blocks_for_life(request) - len(request.block_ids), 0)
+
+
+POLICIES: dict[str, Callable[[], object]] = {
+    MaxUtilization.name: MaxUtilization,
+    GuaranteedNoEvict.name: GuaranteedNoEvict,
+}
+
+
+__all__ = ["POLICIES", "GuaranteedNoEvict", "MaxUtilization"]

@@ -1,0 +1,224 @@
+"""Model runner: the weights, the KV cache tensors and one forward pass per step.
+
+The runner is the only part of the executor that touches tensors of the model's size. It knows
+nothing about requests: the executor gives it ``input_ids``, the step's ``AttentionMetadata`` and
+which token rows need logits, and gets logits (and captured hidden states) back.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backend.ops.attention import get_backend, resolve_backend_name
+from backend.engine.kv_cache import kv_bytes_per_token, kv_capacity_blocks
+from backend.model.config import ModelConfig
+from backend.model.llama import LlamaModel
+
+# engine.kv_cache_dtype values -> torch dtype ("auto"/None = the model dtype).
+KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
+             "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Model architectures this runtime builds, by engine.json model.architecture.
+MODEL_CLASSES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel}
+# Engine keys a run may set although a bundle need not record them.
+RUNTIME_ONLY_KEYS = ("kv_cache_dtype", "max_kv_tokens", "attention_backend", "cuda_graphs")
+# On CPU the KV pool comes from RAM shared with everything else; a tenth is plenty for serving.
+CPU_RAM_FRACTION = 0.1
+
+
+def cpu_has_native_bf16() -> bool:
+    """bf16 matmuls are only fast on CPUs with AVX512-BF16 or AMX; elsewhere (AVX2) PyTorch converts
+    element by element and a bf16 linear is several times SLOWER than fp32 (measured: 10x at M=1)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return "BF16" in cap or "AMX" in cap
+
+
+def compute_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the runner computes in when the caller does not choose: the bundle's, except on a
+    CPU without native bf16/fp16 math, where upcasting to fp32 is exact for the weights and faster."""
+    if device.type == "cpu" and model_dtype in (torch.bfloat16, torch.float16) and not cpu_has_native_bf16():
+        return torch.float32
+    return model_dtype
+
+
+class EngineError(ValueError):
+    """The engine bundle or an engine override is unusable: one line saying what to fix."""
+
+
+@dataclass
+class EngineSpec:
+    """What the runtime reads from a bundle: ``engine.json`` sections plus the bundle path."""
+    path: Path
+    doc: dict[str, Any]
+    model: ModelConfig
+    engine: dict[str, Any]
+    quant_format: str
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.engine.get("kv_cache_dtype") or self.model.dtype
+
+
+def load_engine_spec(path: str | os.PathLike, overrides: dict[str, Any] | None = None,
+                     verify_hashes: bool = False) -> EngineSpec:
+    """Read ``<path>/engine.json`` through ``backend.bundle.load_bundle`` (format version, files present,
+    optionally their sha256) and apply ``engine.*`` overrides by key."""
+    from backend.bundle import BundleError, load_bundle  # format version + file hash checks
+    path = Path(path)
+    try:
+        doc = load_bundle(path, verify_hashes=verify_hashes).manifest
+    except BundleError as exc:
+        raise EngineError(str(exc)) from exc
+    engine = dict(doc.get("engine") or {})
+    for key, value in (overrides or {}).items():
+        if key not in engine and key not in RUNTIME_ONLY_KEYS:
+            raise EngineError(f"engine override {key!r}: unknown key; allowed: "
+                              f"{', '.join(sorted(set(engine) | set(RUNTIME_ONLY_KEYS)))}")
+        engine[key] = value
+    quant = doc.get("quantization") or {}
+    return EngineSpec(path=path, doc=doc, model=ModelConfig.from_dict(doc["model"]), engine=engine,
+                      quant_format=quant.get("format", "none"))
+
+
+def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    f = path / "weights.safetensors"
+    if not f.is_file():
+        raise EngineError(f"{f}: not found; rebuild with: make build CONFIG=...")
+    return load_file(str(f), device=str(device) if device.type != "cuda" else f"cuda:{device.index or 0}")
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and ``execute`` for one step."""
+
+    def __init__(self, spec: EngineSpec, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None, weights: dict[str, torch.Tensor] | None = None) -> None:
+        self.spec = spec
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise EngineError("device 'cuda' requested but no CUDA GPU is visible; allowed here: cpu")
+        cfg = spec.model
+        self.dtype = dtype or compute_dtype(cfg.torch_dtype, self.device)
+        backend_name = resolve_backend_name(spec.engine.get("attention_backend", "auto"), str(self.device))
+        self.attention = get_backend(backend_name, str(self.device))
+        if self.device.type == "cuda" and spec.doc.get("kernels") and hasattr(self.attention, "load_aot"):
+            # The build compiled these cubins for the bundle's target SMs: launching them skips JIT at
+            # start. Any problem with them must cost speed, never the engine, so fall back to JIT.
+            try:
+                self.attention.load_aot(spec.path, spec.doc["kernels"], self.device)
+            except Exception as exc:  # noqa: BLE001
+                warnings.warn(f"AOT kernels of {spec.path} not usable here ({exc}); using Triton JIT")
+        window = cfg.sliding_window
+        max_seq = int(spec.engine.get("max_seq_len", cfg.max_position_embeddings))
+        if window and max_seq > window:
+            # Below the window, sliding-window attention IS full attention; above it we would be wrong.
+            raise EngineError(f"engine.max_seq_len: {max_seq} exceeds the model's sliding_window ({window}), "
+                              f"which this runtime does not implement; allowed: at most {window}")
+        cls = MODEL_CLASSES[cfg.architecture]
+        weights = weights if weights is not None else load_weights(spec.path, self.device)
+        self.model = cls(cfg, weights, spec.quant_format, self.attention, self.device, self.dtype)
+        del weights
+
+        kv_name = spec.kv_cache_dtype
+        if kv_name not in KV_DTYPES:
+            raise EngineError(f"engine.kv_cache_dtype: {kv_name!r}; allowed: {', '.join(KV_DTYPES)}")
+        self.kv_dtype = KV_DTYPES[kv_name] if kv_name != cfg.dtype else self.dtype
+        if self.kv_dtype == torch.float8_e4m3fn and any(k is None for k, _ in self.model.kv_cache_scales):
+            raise EngineError("engine.json: kv_cache_dtype fp8 needs layers.{i}.attn.k_scale/v_scale in "
+                              "weights.safetensors; rebuild with quantization.kv_cache=fp8")
+        # What the cache tensors hold: kv_dtype, except an fp8 cache on CPU with the torch backend,
+        # which stores the fp8 values already scaled, in the compute dtype (same numbers: see
+        # TorchAttentionBackend.fp8_as_float). PyTorch has no fast fp8 conversion on CPU, and a step
+        # converted every sequence's whole context in every layer (0.7 s of a 1.4 s step at 64
+        # sequences, SmolLM2); RAM, not bandwidth, is what a CPU has plenty of.
+        self.kv_storage_dtype = self.kv_dtype
+        if self.kv_dtype == torch.float8_e4m3fn and self.device.type == "cpu" and self.attention.name == "torch":
+            self.kv_storage_dtype = self.dtype
+            self.attention.fp8_as_float = True
+        self.block_size = int(spec.engine.get("kv_block_size", 16))
+        self.num_blocks = self._plan_kv_blocks()
+        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_storage_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_storage_dtype, device=self.device))
+                          for _ in range(cfg.num_layers)]
+        self.graphs = self._decode_graphs(backend_name, max_seq)
+
+    def _decode_graphs(self, backend_name: str, max_seq: int):
+        """engine.cuda_graphs: "auto" (default) = on for a CUDA device with the triton attention backend;
+        true on CPU runs the same padded static-buffer path eagerly (tests); false = never."""
+        want = self.spec.engine.get("cuda_graphs", "auto")
+        if want not in ("auto", True, False):
+            raise EngineError(f"engine.cuda_graphs: {want!r}; allowed: auto, true, false")
+        if want is False or (want == "auto" and self.device.type != "cuda"):
+            return None
+        if backend_name != "triton":
+            if want is True:
+                raise EngineError(f"engine.cuda_graphs: true needs engine.attention_backend triton "
+                                  f"(got {backend_name}); allowed: auto, false")
+            return None
+        from backend.ops.cuda_graphs import DecodeGraphs
+        max_blocks = -(-(max_seq + 64) // self.block_size)   # the executor's block-table width
+        return DecodeGraphs(self.model, self.kv_caches, int(self.spec.engine.get("max_batch_size", 64)),
+                            max_blocks, max_seq, self.device, capture=self.device.type == "cuda")
+
+    def _plan_kv_blocks(self) -> int:
+        cfg, eng = self.spec.model, self.spec.engine
+        per_tok = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                     torch.empty((), dtype=self.kv_storage_dtype).element_size())
+        free_dev = None
+        if self.device.type == "cuda":
+            free_dev, _ = torch.cuda.mem_get_info(self.device)
+        max_seq = int(eng.get("max_seq_len", cfg.max_position_embeddings))
+        try:
+            return kv_capacity_blocks(
+                self.block_size, per_tok, max_kv_tokens=eng.get("max_kv_tokens"),
+                free_device_bytes=free_dev,
+                free_mem_fraction=float(eng.get("kv_cache_free_mem_fraction", 0.9)),
+                cpu_ram_fraction=CPU_RAM_FRACTION,
+                max_useful_tokens=int(eng.get("max_batch_size", 64)) * max_seq,
+                min_tokens=min(max_seq, self.block_size))
+        except ValueError as exc:
+            raise EngineError(str(exc)) from exc
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    @torch.inference_mode()
+    def execute(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor,
+                capture_hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run one step. ``logits_indices [N]`` picks the token rows whose next-token logits are
+        needed (the last token of each sequence that samples this step); returns fp32 ``[N, V]``."""
+        if self.graphs is not None and self.graphs.usable(input_ids, meta, capture_hidden_layers):
+            # index_select copies: the graph's output buffers are overwritten by the next replay (the
+            # captured layers are views: the speculator copies the rows it needs before that)
+            logits, captured = self.graphs.run(input_ids, meta, capture_hidden_layers)
+            return logits.index_select(0, logits_indices), captured
+        hidden, captured = self.model.forward(input_ids, meta, self.kv_caches, capture_hidden_layers)
+        logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+        return logits, captured
+
+
+def prefill_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """All-position next-token logits of one prompt (one prefill step into blocks 0.. of an otherwise
+    unused runner): the teacher-forced comparisons of the verify stage and the GPU checks."""
+    from backend.ops.attention.metadata import AttentionMetadata
+    t, bs = len(ids), runner.block_size
+    nblk = -(-t // bs)
+    if nblk > runner.num_blocks:
+        raise EngineError(f"prefill_logits: {t} tokens need {nblk} KV blocks; the pool has {runner.num_blocks}")
+    i32 = torch.int32
+    dev = runner.device
+    meta = AttentionMetadata(
+        positions=torch.arange(t, device=dev), slot_mapping=torch.arange(t, device=dev),
+        block_tables=torch.arange(nblk, dtype=i32, device=dev).view(1, -1),
+        seq_lens=torch.tensor([t], dtype=i32, device=dev),
+        query_start_loc=torch.tensor([0, t], dtype=i32, device=dev),
+        context_lens=torch.zeros(1, dtype=i32, device=dev), num_prefills=1, num_prefill_tokens=t,
+        num_decode_tokens=0, max_query_len=t, max_seq_len=t)
+    logits, _ = runner.execute(torch.tensor(ids, device=dev), meta, torch.arange(t, device=dev))
+    return logits.float().cpu()

@@ -1,0 +1,1 @@
+"""Device operations: linears by quantization format, CPU matmul, CUDA graphs, attention backends."""

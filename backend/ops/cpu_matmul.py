@@ -1,0 +1,118 @@
+"""Dense matmuls on CPU: the weight storage and kernel that make few-row GEMMs fast.
+
+Decoding multiplies one row per sequence by every weight; an EAGLE verify pass multiplies 2-6. On
+the x86 CPUs we run on (AVX2, no AVX-512; PyTorch's MKL build), ``F.linear`` over the row-major
+float32 weight is far from memory-bound for those shapes: two rows cost 1.7x one and three 2.2x,
+which alone cancels what speculation saves. Two better paths, by what the weight holds:
+
+* ``HalfWeight``: a float32 weight whose every value is exactly a float16 (all of a bf16
+  checkpoint's matrices in practice: bf16's 8-bit significand fits fp16's 11 bits, and SmolLM2's
+  weights lie in fp16's range) is packed by FBGEMM as fp16 and multiplied by its fp16 GEMM, which
+  widens the weights in registers and keeps activations and accumulation in fp32. Half the bytes
+  read, and a kernel made for small batches: the cost barely grows up to three rows.
+* otherwise (values that need fp32: dequantized FP8/INT4, fp32 checkpoints) the weight is stored
+  column-major (``[in, out]`` contiguous, viewed as ``[out, in]``), where oneDNN's matmul is faster
+  than MKL up to a few dozen rows; MKL keeps larger row counts (prefill).
+
+Measured on SmolLM2-135M's 30 layers of linears (docs/perf/cpu_linear.json, ``python -m
+harness.bench.cpu_linear``), ms, MKL row-major / column-major (oneDNN to 32 rows) / FBGEMM fp16:
+1 row 42 / 23 / 10, 2 rows 71 / 31 / 11, 3 rows 91 / 32 / 11, 5 rows 51 / 40 / 14, 512 rows
+1133 / 1172 / 985. Results are ``F.linear``'s up to fp32 summation order
+(tests/runtime/test_model_hf_parity.py bounds the error against float64).
+
+Only float32 compute: it is what CPUs without native bf16 compute in (``runner.compute_dtype``) and
+the only dtype measured here. Elsewhere (GPU, bf16) ``prepare`` returns the weight unchanged and
+``linear`` is ``F.linear``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Rows up to which oneDNN is used on a column-major weight: ahead of MKL up to 32 rows, behind from 64.
+SMALL_ROWS = 32
+
+
+def _onednn_linear():
+    """PyTorch's oneDNN linear, or None in a build without it."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _fbgemm_fp16():
+    """FBGEMM's fp16-weight GEMM (prepack, apply), or None (a build without FBGEMM: non-x86)."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return None
+    try:
+        return torch.ops.quantized.linear_prepack_fp16, torch.ops.quantized.linear_dynamic_fp16
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_DNN = _onednn_linear()
+_FP16 = _fbgemm_fp16()
+
+
+class HalfWeight:
+    """A float32 ``[out, in]`` weight held as FBGEMM-packed fp16 (exact: see ``prepare``).
+
+    Not a tensor: only ``linear`` multiplies by it; ``shape``, ``dtype`` (the compute dtype,
+    float32) and ``device`` answer what owners ask of a weight, ``unpack`` gives the values back."""
+
+    __slots__ = ("packed", "shape", "dtype", "device")
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.packed = _FP16[0](w.contiguous(), None)
+        self.shape, self.dtype, self.device = w.shape, w.dtype, w.device
+
+    def unpack(self) -> torch.Tensor:
+        return torch.ops.quantized.linear_unpack_fp16(self.packed)[0].float()
+
+
+Weight = torch.Tensor | HalfWeight
+
+
+def applies(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether weights on ``device`` in ``dtype`` are re-stored for the CPU kernels."""
+    return (_DNN is not None or _FP16 is not None) and torch.device(device).type == "cpu" and dtype == torch.float32
+
+
+def packs_fp16(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether fp16-exact weights on ``device`` in ``dtype`` become ``HalfWeight``s."""
+    return _FP16 is not None and applies(device, dtype)
+
+
+def is_column_major(w) -> bool:
+    return isinstance(w, torch.Tensor) and w.dim() == 2 and w.stride(0) == 1 and w.stride(1) == w.shape[0]
+
+
+def _exact_in_fp16(w: torch.Tensor) -> bool:
+    return bool(torch.equal(w.to(torch.float16).float(), w))
+
+
+def prepare(w: Weight) -> Weight:
+    """``w [out, in]`` -> the same values in the storage its CPU kernel wants where ``applies``
+    (a ``HalfWeight`` when every value is exactly an fp16, else column-major); otherwise ``w``.
+
+    Idempotent, so a weight shared between owners (a tied lm_head, a draft reusing the target's)
+    is converted once and stays one object."""
+    if isinstance(w, HalfWeight) or not applies(w.device, w.dtype) or w.dim() != 2 or is_column_major(w):
+        return w
+    if _FP16 is not None and _exact_in_fp16(w):
+        return HalfWeight(w)
+    return w.t().contiguous().t() if _DNN is not None else w
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` through the kernel ``w``'s storage was chosen for."""
+    if isinstance(w, HalfWeight):
+        y = _FP16[1](x.float().contiguous(), w.packed)
+        return y if bias is None else y + bias
+    if (_DNN is not None and x.device.type == "cpu" and x.dtype == torch.float32
+            and is_column_major(w) and x.numel() <= SMALL_ROWS * x.shape[-1]):
+        return _DNN(x, w, bias, "none", [], "")
+    return F.linear(x, w, bias)

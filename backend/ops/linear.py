@@ -1,0 +1,302 @@
+"""Linear layers by quantization format: ONE registry, keyed by the format names of the bundle.
+
+Each class builds from the tensors the bundle stores for one linear (docs/contracts.md section 3,
+names without the ``layers.{i}.qkv.`` prefix) and exposes ``forward(x [T, in]) -> [T, out]``.
+
+Where the hardware has no native kernel for a format (every format on CPU), the weight is
+dequantized ONCE at load to the model dtype (per-row formats, fp8 and int8, keep their codes on CPU
+and scale the output rows: the codes are exact in fp16, which FBGEMM's GEMM reads fastest), and
+activation quantization (W8A8 / W4A8 formats) is emulated by a quantize-dequantize round trip so
+accuracy measured here (the build's verify stage) reflects what the quantized engine computes on a GPU.
+
+On an NVIDIA GPU the 4-bit formats keep their packed weights (a quarter of the bf16 bytes, which is
+what decode is bound by) and run the W4A16 Triton GEMM that ``plugins.registry`` names for the
+format; FP8 runs ``torch._scaled_mm`` on Hopper or newer. NVFP4 activations are not quantized there:
+Hopper has no FP4 tensor cores, so the GPU path is W4A16 (at least as accurate as the W4A4 the verify
+stage measures).
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from backend.ops import cpu_matmul
+from quant import formats
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
+
+class LinearFormatError(ValueError):
+    """A bundle's linear tensors do not match its declared quantization format."""
+
+
+def _need(tensors: dict[str, torch.Tensor], name: str, fmt: str, where: str) -> torch.Tensor:
+    if name not in tensors:
+        raise LinearFormatError(f"{where}: format {fmt!r} needs tensor {name!r}; "
+                                f"found: {', '.join(sorted(tensors)) or 'none'}")
+    return tensors[name]
+
+
+def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-tensor static fp8 e4m3 activation quantization, returned dequantized in ``x``'s dtype."""
+    q = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return (q.float() * scale).to(x.dtype)
+
+
+def has_fp8_matmul(device: torch.device) -> bool:
+    """``torch._scaled_mm`` needs fp8 tensor cores: compute capability 8.9 (Ada) or newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _kernel(fmt: str, device: torch.device, dtype: torch.dtype):
+    """The registry's Triton GEMM for a packed format (imported only when kernels are used)."""
+    from plugins import registry
+    return registry.get("linear", device, dtype, fmt, kind="triton")
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
+
+
+# Formats whose packed weights have a GEMM kernel in plugins.registry (see make_linear).
+PACKED_KERNEL_FORMATS = ("nvfp4", "int4_awq", "w4a8_awq")
+
+
+class QuantLinear:
+    """Base: a dequantized (or native) weight, an optional bias, and ``forward``."""
+
+    format: ClassVar[str]
+    weight: cpu_matmul.Weight  # [out, in] in the compute dtype (dequantized where no native kernel)
+    bias: torch.Tensor | None
+    # Per-output-row scale applied after the matmul, when ``weight`` holds per-row quantization
+    # codes rather than their dequantized values (see ``_per_row_codes``).
+    out_scale: torch.Tensor | None = None
+
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 where: str = "linear", kernels: bool = False, aot=None) -> None:
+        self.where = where
+        self.dtype = dtype
+        self.kernels = kernels          # run the format's Triton GEMM on packed weights (see make_linear)
+        self.aot = aot                  # the bundle's cubins for those GEMMs (None = Triton JIT)
+        self.bias = tensors["bias"].to(device=device, dtype=dtype) if "bias" in tensors else None
+        try:
+            formats.get_format(self.format).check(tensors, where)
+            self._load(tensors, dtype, device)
+        except formats.FormatError as exc:
+            raise LinearFormatError(str(exc)) from exc
+        # A float32 weight on CPU takes the storage of its fastest kernel (backend/ops/cpu_matmul.py:
+        # fp16-packed where exact, else column-major); packed 4-bit, native fp8 and GPU weights
+        # come back untouched.
+        self.weight = cpu_matmul.prepare(self.weight)
+
+    def _load(self, tensors, dtype, device) -> None:
+        raise NotImplementedError
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def _per_row_codes(self, codes: torch.Tensor, row_scale: torch.Tensor, dtype, device) -> bool:
+        """Keep per-row-scaled codes (fp8, int8) as the weight and scale output rows instead of
+        dequantizing: ``(diag(s) Q) x = diag(s) (Q x)``, equal up to rounding. Done where FBGEMM's
+        fp16 GEMM runs (CPU): the codes are exact in fp16, the dequantized values are not, so this
+        is what gives quantized bundles the fast CPU path. False (nothing set) elsewhere."""
+        if not cpu_matmul.packs_fp16(device, dtype):
+            return False
+        s = row_scale.to(device=device, dtype=dtype).reshape(-1)
+        if s.numel() not in (1, codes.shape[0]):
+            raise LinearFormatError(f"{self.where}.weight_scale: {s.numel()} values; expected 1 or one per "
+                                    f"output row ({codes.shape[0]})")
+        self.weight = codes.to(device=device, dtype=dtype)
+        self.out_scale = s.expand(codes.shape[0]).contiguous() if s.numel() == 1 else s
+        return True
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T + bias`` over the dequantized weight (or the codes, then row-scaled)."""
+        if self.out_scale is None:
+            return cpu_matmul.linear(x, self.weight, self.bias)
+        y = cpu_matmul.linear(x, self.weight) * self.out_scale
+        return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # Not `__call__ = forward`: that would bind the base forward and ignore subclass overrides.
+        return self.forward(x)
+
+
+class DenseLinear(QuantLinear):
+    """Unquantized: ``weight [out, in]`` in the model dtype."""
+    format = "none"
+
+    def _load(self, tensors, dtype, device) -> None:
+        self.weight = _need(tensors, "weight", self.format, self.where).to(device=device, dtype=dtype)
+
+
+class FP8Linear(QuantLinear):
+    """W8A8 fp8 e4m3: per-row weight scale, per-tensor static input scale."""
+    format = "fp8"
+
+    def _load(self, tensors, dtype, device) -> None:
+        w = _need(tensors, "weight", self.format, self.where).to(device)
+        ws = _need(tensors, "weight_scale", self.format, self.where).to(device).float().reshape(-1)
+        self.input_scale = _need(tensors, "input_scale", self.format, self.where).to(device).float().reshape(())
+        if w.dtype != FP8:
+            raise LinearFormatError(f"{self.where}.weight: fp8 format expects float8_e4m3fn, got {w.dtype}")
+        if ws.numel() == 1:
+            ws = ws.expand(w.shape[0])
+        self.native = has_fp8_matmul(device)
+        if self.native:
+            # _scaled_mm wants the weight column-major ([in, out] view of a row-major [out, in]).
+            self.weight_fp8 = w
+            self.weight_scale = ws.reshape(1, -1).contiguous()
+            self.weight = w  # shape only
+        elif not self._per_row_codes(w, ws, dtype, device):
+            self.weight = formats.dequantize_fp8(w, ws, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.native:
+            return self.matmul(fake_quant_fp8(x, self.input_scale))
+        xq = (x.float() / self.input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        scale_a = self.input_scale.expand(x.shape[0], 1).contiguous()  # row-wise pairs row-wise b
+        out = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=scale_a, scale_b=self.weight_scale,
+                               out_dtype=self.dtype)
+        return out + self.bias if self.bias is not None else out
+
+
+class NVFP4Linear(QuantLinear):
+    """NVFP4: e2m1 weights with fp8 per-16 block scales and a global scale, dequantized here.
+
+    Activations are fake-quantized to NVFP4 with the static ``input_scale`` (W4A4) to mirror
+    Blackwell's native path; with no ``input_scale`` this is weight-only (W4A16)."""
+    format = "nvfp4"
+
+    def _load(self, tensors, dtype, device) -> None:
+        w = _need(tensors, "weight", self.format, self.where)
+        bs = _need(tensors, "weight_scale", self.format, self.where)
+        gs = _need(tensors, "weight_scale_2", self.format, self.where)
+        if self.kernels:
+            self.packed = {"weight": w.to(device), "weight_scale": bs.to(device),
+                           "weight_scale_2": gs.to(device).float().reshape(())}
+            self.weight = self.packed["weight"]   # [out, in/2]: out_features only
+            self.gemm = _kernel(self.format, device, dtype)
+            self.input_scale = None               # W4A16: see the module docstring
+            return
+        self.weight = formats.dequantize_nvfp4(w, bs, gs, dtype=dtype).to(device)
+        self.input_scale = tensors.get("input_scale")
+        if self.input_scale is not None:
+            self.input_scale = self.input_scale.to(device).float().reshape(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels:
+            return _add_bias(self.gemm(x, **self.packed, aot=self.aot), self.bias)
+        if self.input_scale is not None:
+            x = formats.fake_quantize_nvfp4_activation(x, self.input_scale)
+        return self.matmul(x)
+
+
+class Int4AWQLinear(QuantLinear):
+    """INT4 AWQ (W4A16): packed nibbles minus 8, per-group scales, optional pre-quant smoothing."""
+    format = "int4_awq"
+
+    def _load(self, tensors, dtype, device) -> None:
+        w = _need(tensors, "weight", self.format, self.where)
+        s = _need(tensors, "weight_scale", self.format, self.where)
+        pqs = tensors.get("pre_quant_scale")
+        self.input_scale = None
+        if self.kernels:
+            self.packed = {"weight": w.to(device), "weight_scale": s.to(device=device, dtype=dtype)}
+            if pqs is not None:
+                self.packed["pre_quant_scale"] = pqs.to(device=device, dtype=dtype)
+            self.weight = self.packed["weight"]
+            self.gemm = _kernel(self.format, device, dtype)
+            return
+        self.weight = formats.dequantize_int4(w, s, dtype=dtype).to(device)
+        if pqs is not None:
+            # Folding the smoothing scale into the weight columns is exact: W (s * x) = (W diag s) x.
+            self.weight = (self.weight.float() * pqs.to(device).float().view(1, -1)).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels:
+            return _add_bias(self.gemm(x, **self.packed, aot=self.aot), self.bias)
+        return self.matmul(x)
+
+
+class W4A8AWQLinear(Int4AWQLinear):
+    """INT4 AWQ weights with fp8 activations (static per-tensor ``input_scale``)."""
+    format = "w4a8_awq"
+
+    def _load(self, tensors, dtype, device) -> None:
+        w = _need(tensors, "weight", self.format, self.where)
+        s = _need(tensors, "weight_scale", self.format, self.where)
+        # The activation is smoothed, then quantized: keep the smoothing separate from the weight.
+        pqs = tensors.get("pre_quant_scale")
+        self.pre_quant_scale = pqs.to(device=device, dtype=dtype) if pqs is not None else None
+        self.input_scale = _need(tensors, "input_scale", self.format, self.where).to(device).float().reshape(())
+        if self.kernels:
+            self.packed = {"weight": w.to(device), "weight_scale": s.to(device=device, dtype=dtype),
+                           "input_scale": self.input_scale, "pre_quant_scale": self.pre_quant_scale}
+            self.weight = self.packed["weight"]
+            self.gemm = _kernel(self.format, device, dtype)
+            return
+        self.weight = formats.dequantize_int4(w, s, dtype=dtype).to(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels:
+            return _add_bias(self.gemm(x, **self.packed, aot=self.aot), self.bias)
+        if self.pre_quant_scale is not None:
+            x = x * self.pre_quant_scale
+        return self.matmul(fake_quant_fp8(x, self.input_scale))
+
+
+class Int8SQLinear(QuantLinear):
+    """INT8 SmoothQuant W8A8: per-row int8 weights, per-tensor static int8 activations."""
+    format = "int8_sq"
+
+    def _load(self, tensors, dtype, device) -> None:
+        w = _need(tensors, "weight", self.format, self.where).to(device)
+        ws = _need(tensors, "weight_scale", self.format, self.where).to(device).float().reshape(-1)
+        if w.dtype != torch.int8:
+            raise LinearFormatError(f"{self.where}.weight: int8_sq format expects int8, got {w.dtype}")
+        if not self._per_row_codes(w, ws, dtype, device):
+            self.weight = formats.dequantize_int8(w, ws, dtype=dtype)
+        self.input_scale = _need(tensors, "input_scale", self.format, self.where).to(device).float().reshape(())
+        pqs = tensors.get("pre_quant_scale")
+        self.pre_quant_scale = pqs.to(device=device, dtype=dtype) if pqs is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre_quant_scale is not None:
+            x = x * self.pre_quant_scale
+        q = (x.float() / self.input_scale).round_().clamp_(-128, 127)
+        return self.matmul((q * self.input_scale).to(x.dtype))
+
+
+LINEAR_FORMATS: dict[str, type[QuantLinear]] = {
+    cls.format: cls
+    for cls in (DenseLinear, FP8Linear, NVFP4Linear, Int4AWQLinear, W4A8AWQLinear, Int8SQLinear)
+}
+
+
+def make_linear(fmt: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device | str, where: str = "linear", kernels: bool | None = None,
+                aot=None) -> QuantLinear:
+    """Build the linear for ``fmt``. A linear stored unquantized (an excluded module) is detected by
+    its floating-point weight with no scales, whatever the bundle's format.
+
+    ``kernels``: keep 4-bit weights packed and run the registry's Triton GEMM. None = on an NVIDIA GPU
+    only (on CPU the kernels would need the Triton interpreter; tests pass True under it).
+    ``aot``: the bundle's ``plugins.launcher.KernelSet``, whose W4A16 cubins the GEMM then launches."""
+    if fmt not in LINEAR_FORMATS:
+        raise LinearFormatError(f"engine.json: quantization.format: {fmt!r} has no runtime linear; "
+                                f"allowed: {', '.join(LINEAR_FORMATS)}")
+    weight = tensors.get("weight")
+    if weight is not None and weight.is_floating_point() and weight.dtype != FP8 and "weight_scale" not in tensors:
+        fmt = "none"
+    device = torch.device(device)
+    if kernels is None:
+        kernels = device.type == "cuda"
+    return LINEAR_FORMATS[fmt](tensors, dtype, device, where, kernels=kernels and fmt in PACKED_KERNEL_FORMATS,
+                               aot=aot)

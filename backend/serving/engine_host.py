@@ -1,0 +1,277 @@
+"""The engine model's logic: a Kiln executor behind Triton's decoupled Python backend.
+
+Rules (design.md, serving contract):
+* ``execute()`` only converts and enqueues; it never waits for tokens.
+* Responses are sent from the executor's callback thread through each request's response sender.
+* Every request gets exactly one FINAL response: the last data response carries the FINAL flag; a
+  bad request, an executor error or a cancellation gets an error response with the FINAL flag.
+* A poller thread checks ``request.is_cancelled()`` (client closed the stream or cancelled) and
+  cancels the request in the executor, which frees its KV blocks. A send that fails (client gone)
+  cancels too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from backend.serving.acceptance import acceptance_tensors, draft_counts
+from backend.serving.convert import EngineLimits, InvalidRequest
+from backend.serving.detok import CONTEXT_TOKENS, StreamDetokenizer
+from backend.serving.engine_request import ENGINE_INPUT_NAMES, EngineRequest, parse_engine_request
+from backend.serving.metrics import ServingMetrics
+from backend.serving.preprocess import read_engine_json
+from backend.serving.tokenizer import load_tokenizer
+
+__all__ = ["EngineHost", "chosen_logprobs"]
+
+POLL_S = 0.5           # cancellation check period: each check is an IPC round trip per request,
+                       # which at 64 streams on 2 cores costs more than a late cancel
+STATS_EVERY_S = 0.5    # gauge refresh period
+
+
+def chosen_logprobs(event: Any) -> list[float]:
+    """Log-probability of each generated token of an executor event, whatever shape it has."""
+    lps = getattr(event, "logprobs", None)
+    if not lps:
+        return []
+    out = []
+    for tok, lp in zip(event.token_ids, lps):
+        if isinstance(lp, (int, float)):
+            out.append(float(lp))
+        elif isinstance(lp, dict):
+            out.append(float(lp.get(tok, next(iter(lp.values())))))
+        elif isinstance(lp, (list, tuple)) and lp:
+            first = lp[0]
+            out.append(float(first[1] if isinstance(first, (list, tuple)) else first))
+        else:
+            out.append(float(getattr(lp, "logprob", np.nan)))
+    return out
+
+
+@dataclasses.dataclass
+class _Stream:
+    rid: str
+    triton_id: str          # the Triton request id (a stop request names it)
+    request: Any
+    sender: Any
+    req: EngineRequest
+    detok: StreamDetokenizer
+    arrival: float
+    first: float | None = None
+    last: float | None = None
+    n_tokens: int = 0
+    ids: list[int] = dataclasses.field(default_factory=list)       # non-streaming: all sent ids
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # not yet sent
+    trim: int = 0
+    cancel_asked: bool = False
+    done: bool = False
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+class EngineHost:
+    def __init__(self, pb: Any, engine_dir: str, *, device: str = "cpu", stream_interval: int = 1,
+                 model_name: str = "engine", instance: str = "0",
+                 executor_factory: Callable[..., Any] | None = None):
+        self.pb = pb
+        engine = read_engine_json(engine_dir)
+        self.limits = EngineLimits.from_engine_json(engine)
+        self.vocab_size = int(engine["model"]["vocab_size"])
+        self.tok = load_tokenizer(engine_dir)
+        self.interval = stream_interval
+        if device == "auto":  # the rendered default: the GPU when there is one
+            import torch
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if executor_factory is None:
+            from backend.engine.executor import Executor as executor_factory  # noqa: N813 (heavy: torch)
+        self.executor = executor_factory(engine_dir, device=device)
+        from backend.engine.sampling_params import SamplingParams
+        self._params = SamplingParams
+        self.metrics = ServingMetrics(pb, model_name, instance)
+        self._ids = itertools.count()
+        self._prefix = f"{model_name}-{instance}-{os.getpid()}-"
+        self._active: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="kiln-engine-poller", daemon=True)
+        self._poller.start()
+
+    # ---- execute: convert and enqueue only -----------------------------------------------------
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            try:
+                self._enqueue(request)
+            except Exception as e:  # noqa: BLE001 - a bug here must still end the request, not the model
+                self._send_error(request.get_response_sender(), f"engine: {type(e).__name__}: {e}")
+
+    def _tensors(self, request) -> dict[str, np.ndarray]:
+        out = {}
+        for name in ENGINE_INPUT_NAMES:
+            t = self.pb.get_input_tensor_by_name(request, name)
+            if t is not None:
+                out[name] = t.as_numpy()
+        return out
+
+    def _enqueue(self, request) -> None:
+        sender = request.get_response_sender()
+        stop = self.pb.get_input_tensor_by_name(request, "stop_request")
+        if stop is not None and bool(stop.as_numpy().reshape(-1)[0]):
+            self._stop_request(request.request_id(), sender)
+            return
+        try:
+            req = parse_engine_request(self._tensors(request), self.limits, self.vocab_size, self.tok)
+            params = self._params(**req.sampling)
+        except (InvalidRequest, ValueError, TypeError) as e:
+            self._send_error(sender, str(e))
+            return
+        rid = self._prefix + str(next(self._ids))
+        st = _Stream(rid, request.request_id(), request, sender, req, StreamDetokenizer(self.tok, req.prompt_ids, req.stop_strings,
+                                                                   self.interval), time.monotonic())
+        with self._lock:
+            self._active[rid] = st
+        try:
+            self.executor.submit(req.prompt_ids, params, request_id=rid,
+                                 on_event=lambda ev, st=st: self._on_event(st, ev))
+        except Exception as e:  # noqa: BLE001 - ValueError from SamplingParams.validate, or a stopped executor
+            with self._lock:
+                self._active.pop(rid, None)
+            with st.lock:
+                if not st.done:
+                    st.done = True
+                    self._send_error(sender, str(e) if isinstance(e, ValueError) else f"engine: {e}")
+
+    def _stop_request(self, triton_id: str, sender) -> None:
+        if not triton_id:
+            self._send_error(sender, "stop_request needs the request id of the request to stop")
+            return
+        with self._lock:
+            targets = [st for st in self._active.values() if st.triton_id == triton_id]
+        for st in targets:
+            with st.lock:
+                if st.done or st.cancel_asked:
+                    continue
+                st.cancel_asked = True
+            self.executor.cancel(st.rid)
+        sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    # ---- executor thread -----------------------------------------------------------------------
+    def _on_event(self, st: _Stream, ev: Any) -> None:
+        with st.lock:
+            if st.done:
+                return
+            now = time.monotonic()
+            if ev.token_ids:
+                st.first = st.first or now
+                st.last = now
+                st.n_tokens += len(ev.token_ids)
+                self.metrics.tokens(len(ev.token_ids))
+                if st.req.return_log_probs:
+                    st.logprobs.extend(chosen_logprobs(ev))
+            if getattr(ev, "error", None):
+                self._finish(st, error=f"engine error: {ev.error}")
+                return
+            if ev.finished and ev.finish_reason == "cancelled" and st.cancel_asked:
+                self._finish(st, error="request cancelled")
+                return
+            chunk = st.detok.push(list(ev.token_ids), bool(ev.finished))
+            if chunk is None:
+                return
+            # finish_reason is non-empty exactly on the final response (the bls model relies on it)
+            reason = ("stop" if chunk.stop else ev.finish_reason or "finished") if chunk.finished else ""
+            if chunk.stop and not ev.finished:
+                st.cancel_asked = True  # the text is complete; stop generating, free the blocks
+                self.executor.cancel(st.rid)
+            if st.req.streaming:
+                self._send(st, chunk.ids, chunk.context, chunk.trim, reason, chunk.finished)
+            else:
+                st.ids.extend(chunk.ids)
+                st.trim = chunk.trim
+                if chunk.finished:
+                    self._send(st, st.ids, st.req.prompt_ids[-CONTEXT_TOKENS:], st.trim, reason, True)
+            if chunk.finished:
+                self._finish(st)
+
+    def _send(self, st: _Stream, ids, context, trim, reason, final) -> None:
+        lp, st.logprobs = st.logprobs, []  # chunks take every pending token, so all of them
+        T = self.pb.Tensor
+        tensors = [
+            T("output_ids", np.asarray(ids, np.int32)),
+            T("context_ids", np.asarray(context, np.int32)),
+            T("text_trim", np.asarray([trim], np.int32)),
+            T("sequence_length", np.asarray([len(st.req.prompt_ids) + st.n_tokens], np.int32)),
+            T("output_log_probs", np.asarray(lp, np.float32)),
+            T("finish_reason", np.asarray([reason.encode()], dtype=object)),
+            T("echo_text", np.asarray([st.req.echo_text.encode("utf-8")], dtype=object)),
+        ]
+        if st.req.return_perf_metrics:  # cumulative on every response, as tensorrtllm_backend does
+            tensors += [T(k, v) for k, v in acceptance_tensors(*draft_counts(self.executor, st.rid)).items()]
+        resp = self.pb.InferenceResponse(output_tensors=tensors)
+        st.req.echo_text = ""  # only the first response carries it
+        try:
+            st.sender.send(resp, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        except Exception:  # noqa: BLE001 - the client went away: stop generating for it
+            if not final and not st.cancel_asked:
+                st.cancel_asked = True
+                self.executor.cancel(st.rid)
+
+    def _finish(self, st: _Stream, error: str | None = None) -> None:
+        """Called with st.lock held. Sends the error final if any; records metrics; forgets st."""
+        st.done = True
+        if error is not None:
+            self._send_error(st.sender, error)
+        with self._lock:
+            self._active.pop(st.rid, None)
+        ttft = st.first - st.arrival if st.first else None
+        tpot = (st.last - st.first) / (st.n_tokens - 1) if st.first and st.n_tokens > 1 else None
+        self.metrics.request_done(ttft, tpot)
+
+    def _send_error(self, sender, message: str) -> None:
+        resp = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
+        try:
+            sender.send(resp, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # noqa: BLE001 - nobody left to tell
+            pass
+
+    # ---- poller: cancellation and gauges -------------------------------------------------------
+    def _poll(self) -> None:
+        next_stats = 0.0
+        while not self._stop.wait(POLL_S):
+            with self._lock:
+                streams = list(self._active.values())
+            for st in streams:
+                # under the stream's lock: once its FINAL response is sent Triton releases the
+                # request, and asking a released request is_cancelled() crashes the server
+                with st.lock:
+                    if st.done or st.cancel_asked or not st.request.is_cancelled():
+                        continue
+                    st.cancel_asked = True
+                self.executor.cancel(st.rid)
+            if time.monotonic() >= next_stats:
+                next_stats = time.monotonic() + STATS_EVERY_S
+                self.refresh_metrics()
+
+    def refresh_metrics(self) -> None:
+        try:
+            self.metrics.update(self.executor.stats())
+        except Exception:  # noqa: BLE001 - metrics must never take the model down
+            pass
+
+    def num_active(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._poller.join(timeout=5)
+        self.executor.shutdown()  # pending requests get their final (cancelled) events first
+        with self._lock:
+            leftover = list(self._active.values())
+        for st in leftover:
+            with st.lock:
+                if not st.done:
+                    self._finish(st, error="the engine model is shutting down")

@@ -1,0 +1,66 @@
+"""Engine model inputs -> (prompt ids, SamplingParams kwargs, streaming, stop strings).
+
+The engine checks everything again even though preprocessing already did: clients may call the
+engine model directly with token ids (NVIDIA-style ``input_ids``/``request_output_len``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import numpy as np
+
+from backend.serving.convert import (EngineLimits, InvalidRequest, check_prompt, from_words_list,
+                                    read_inputs, sampling_kwargs)
+from backend.serving.detok import Decoder
+
+__all__ = ["ENGINE_INPUT_NAMES", "EngineRequest", "parse_engine_request"]
+
+ENGINE_INPUT_NAMES = (
+    "input_ids", "input_lengths", "request_output_len", "streaming", "temperature", "top_k", "top_p",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "seed", "end_id",
+    "return_log_probs", "stop_words", "stop_words_list", "bad_words_list", "echo_text",
+    "stop_request", "return_perf_metrics",
+)
+
+
+@dataclasses.dataclass
+class EngineRequest:
+    prompt_ids: list[int]
+    sampling: dict[str, Any]         # SamplingParams keyword arguments
+    streaming: bool
+    stop_strings: tuple[str, ...]    # matched on the detokenized text (catches any tokenization)
+    return_log_probs: bool
+    echo_text: str = ""              # passed through to postprocessing on the first response
+    return_perf_metrics: bool = False  # add the acceptance figures to every response
+
+
+def _optional_id(v: int | None) -> int | None:
+    return None if v is None or v < 0 else v  # -1 = "not given" (INT64 through the ensemble)
+
+
+def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits, vocab_size: int,
+                         tok: Decoder) -> EngineRequest:
+    t = dict(tensors)
+    # -1 sentinels are legal at this level; hide them from the table's range checks
+    for name in ("seed", "end_id"):
+        if name in t and t[name] is not None and np.asarray(t[name]).size == 1 and int(np.asarray(t[name]).reshape(-1)[0]) < 0:
+            t.pop(name)
+    v = read_inputs(t, ENGINE_INPUT_NAMES, required=("input_ids",))
+    prompt = v["input_ids"]
+    if v["input_lengths"] is not None:
+        if v["input_lengths"] > len(prompt):
+            raise InvalidRequest(f"input 'input_lengths': {v['input_lengths']} exceeds the {len(prompt)} "
+                                 "ids in input_ids")
+        prompt = prompt[: v["input_lengths"]]
+    check_prompt(prompt, limits, vocab_size)
+    v["max_tokens"] = v["request_output_len"]
+    v["seed"], v["end_id"] = _optional_id(v["seed"]), _optional_id(v["end_id"])
+    kw = sampling_kwargs(v, len(prompt), limits, max_tokens_name="request_output_len")
+    bad = from_words_list("bad_words_list", v["bad_words_list"])
+    if bad:
+        kw["bad_token_ids"] = tuple(tuple(w) for w in bad)
+    stops = [s for s in v["stop_words"] if s]
+    stops += [tok.decode(w) for w in from_words_list("stop_words_list", v["stop_words_list"])]
+    return EngineRequest(prompt, kw, bool(v["streaming"]), tuple(dict.fromkeys(s for s in stops if s)),
+                         bool(v["return_log_probs"]), v["echo_text"], bool(v["return_perf_metrics"]))

@@ -1,0 +1,1 @@
+"""Benchmarks and performance measurement: the one home for them (product code never imports it)."""

@@ -1,0 +1,59 @@
+"""CPU linear benchmark: Kiln's CPU linear path (``backend/ops/cpu_matmul.py``) against ``F.linear``
+over row-major weights, SmolLM2-135M shapes, 30 layers: ``python -m harness.bench.cpu_linear``.
+Writes docs/perf/cpu_linear.json."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from backend.ops.cpu_matmul import _DNN, _FP16, SMALL_ROWS, HalfWeight, linear
+
+
+def _measure(rows: tuple[int, ...] = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 512), reps: int = 5) -> list[dict]:
+    """Time SmolLM2-135M's linears over 30 layers of distinct weights (480 MB in fp32: streamed from
+    DRAM as in a real decode step; one layer repeated would sit in cache and flatter every kernel),
+    the three storages interleaved (this VM's noise moves whole runs), best of ``reps``. The weights
+    are fp16-exact, as a bf16 checkpoint's are."""
+    torch.manual_seed(0)
+    shapes = [(1728, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+    rowmajor = [(torch.randn(s) * 0.02).half().float() for _ in range(30) for s in shapes]
+    ways = {"mkl_row_major_ms": (F.linear, rowmajor)}
+    if _DNN is not None:
+        ways["onednn_column_major_ms"] = (linear, [w.t().contiguous().t() for w in rowmajor])
+    if _FP16 is not None:
+        ways["fbgemm_fp16_ms"] = (linear, [HalfWeight(w) for w in rowmajor])
+    out = []
+    for m in rows:
+        xs = [torch.randn(m, s[1]) for s in shapes]
+        best = dict.fromkeys(ways, float("inf"))
+        for _ in range(reps):
+            for key, (fn, ws) in ways.items():
+                t = time.perf_counter()
+                for i, w in enumerate(ws):
+                    fn(xs[i % 4], w)
+                best[key] = min(best[key], (time.perf_counter() - t) * 1e3)
+        out.append({"rows": m, **{k: round(v, 2) for k, v in best.items()}})
+        print(f"rows={m:4d}  " + "   ".join(f"{k[:-3]} {v:7.1f} ms" for k, v in best.items()), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    import argparse
+    import datetime as dt
+    import json
+    import pathlib
+
+    from harness.bench.perfinfo import cpu_machine, git_commit
+    ap = argparse.ArgumentParser(description="Benchmark Kiln's CPU linear path against F.linear over "
+                                             "row-major weights (SmolLM2-135M shapes, 30 layers).")
+    ap.add_argument("--out", default="docs/perf/cpu_linear.json", help="where to write the results")
+    args = ap.parse_args()
+    res = {"benchmark": "cpu_linear", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "command": "python -m harness.bench.cpu_linear --out " + args.out, "commit": git_commit(),
+           "machine": {**cpu_machine(), "threads": torch.get_num_threads(), "torch": torch.__version__},
+           "what": "SmolLM2-135M linears (qkv, o, gate_up, down), 30 layers of distinct fp16-exact weights, float32 compute, best of 5; onednn_column_major only runs up to SMALL_ROWS rows (MKL beyond)",
+           "small_rows_threshold": SMALL_ROWS, "results": _measure()}
+    pathlib.Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {args.out}")

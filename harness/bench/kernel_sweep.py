@@ -1,0 +1,101 @@
+"""Launch-configuration sweep for `make bench-kernels BENCH_ARGS=--sweep` (GPU only).
+
+For each tuned kernel (plugins.tuning), time every candidate configuration on the benchmark's shape
+and report them all with the fastest; plugins/tuning.py is then edited by hand from the result, so a
+change of tuning is a reviewed commit with its measurement. Candidates are compiled first in parallel
+worker processes (Triton's JIT compiles serially; a shared cache makes the timed runs cache hits).
+A candidate that fails (too much shared memory, a compile error) is recorded with its error.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+from plugins import tuning
+
+
+def _grid(**axes) -> list[dict]:
+    keys = list(axes)
+    return [dict(zip(keys, vals)) for vals in itertools.product(*(axes[k] for k in keys))]
+
+
+CANDIDATES = {
+    "paged_decode": _grid(tile=[64, 128], num_warps=[4, 8], num_stages=[2, 3], programs_per_sm=[2]),
+    "paged_prefill": _grid(rows=[64, 128], tile_n=[64, 128], num_warps=[4, 8], num_stages=[2, 3]),
+    "paged_decode_fp8": _grid(tile=[64, 128], num_warps=[4, 8], num_stages=[2, 3], programs_per_sm=[2]),
+    "w4a16_small": _grid(block_m=[16], block_n=[32, 64], block_k=[64, 128], num_warps=[4], num_stages=[3, 4],
+                         split_k=[1, 4]),
+    "w4a16_large": _grid(block_m=[64, 128], block_n=[64, 128], block_k=[64, 128], num_warps=[4, 8],
+                         num_stages=[3], split_k=[1]),
+}
+# runtime-only knobs swept at the winner of the compiled ones (no recompiles)
+EXTRA = {"paged_decode": _grid(programs_per_sm=[1, 4]), "paged_decode_fp8": _grid(programs_per_sm=[1, 4]),
+         "w4a16_small": _grid(split_k=[2, 8])}
+
+
+def _case(name: str, variant: str):
+    """A zero-argument function running kernel `name` on its benchmark shape (variant picks the KV dtype
+    or the 4-bit format)."""
+    from harness.bench import kernels as bench
+    if name.startswith("paged_decode"):
+        return bench.decode_case(kv=variant)
+    if name == "paged_prefill":
+        return bench.prefill_case()
+    m = 1 if name == "w4a16_small" else 256
+    return bench.w4a16_case(m, 4096, 4096, variant)
+
+
+VARIANTS = {"paged_decode": ("bf16",), "paged_decode_fp8": ("fp8",), "paged_prefill": ("bf16",), "w4a16_small": ("int4_awq", "nvfp4"),
+            "w4a16_large": ("int4_awq",)}
+
+
+def _warm(job: tuple[str, str, dict]) -> str | None:
+    name, variant, cfg = job
+    import torch
+    try:
+        with tuning.override(name, **cfg):
+            _case(name, variant)()
+        torch.cuda.synchronize()
+        return None
+    except Exception as exc:  # noqa: BLE001 - recorded per candidate
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def sweep(names: list[str] | None = None, workers: int | None = None) -> dict:
+    from harness.bench.kernels import _time_ms
+    names = names or list(CANDIDATES)
+    jobs = [(n, v, c) for n in names for v in VARIANTS[n] for c in CANDIDATES[n]]
+    workers = workers or min(12, os.cpu_count() or 1)
+    import multiprocessing as mp
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        errors = dict(zip(range(len(jobs)), pool.map(_warm, jobs)))
+    out = {}
+    for n in names:
+        for v in VARIANTS[n]:
+            rows = []
+            for i, (jn, jv, cfg) in enumerate(jobs):
+                if (jn, jv) != (n, v):
+                    continue
+                if errors[i]:
+                    rows.append({**cfg, "error": errors[i]})
+                    continue
+                with tuning.override(n, **cfg):
+                    rows.append({**cfg, "ms": _time_ms(_case(n, v), iters=20)})
+            ok = [r for r in rows if "ms" in r]
+            best = min(ok, key=lambda r: r["ms"]) if ok else None
+            if best is not None:
+                for extra in EXTRA.get(n, []):
+                    cfg = {**{k: best[k] for k in CANDIDATES[n][0]}, **extra}
+                    try:
+                        with tuning.override(n, **cfg):
+                            rows.append({**cfg, "ms": _time_ms(_case(n, v), iters=20)})
+                    except Exception as exc:  # noqa: BLE001
+                        rows.append({**cfg, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                ok = [r for r in rows if "ms" in r]
+                best = min(ok, key=lambda r: r["ms"])
+            out[f"{n}/{v}"] = {"best": best, "current": dict(tuning.get(n)), "candidates": rows}
+            if best:
+                print(f"  sweep {n}/{v}: best {best['ms']:.4f} ms with "
+                      f"{ {k: best[k] for k in CANDIDATES[n][0]} }", flush=True)
+    return out

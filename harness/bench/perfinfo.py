@@ -1,0 +1,39 @@
+"""Facts every benchmark records beside its numbers (docs/perf/ rule: machine, date, command,
+commit), in one place so the result files stay comparable. Standard library only."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (Linux), else whatever platform reports."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_machine() -> dict:
+    """The CPU side of a result's ``machine``: model, cores this process may use, Python."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+    return {"cpu": cpu_model(), "cores": cores, "python": platform.python_version()}
+
+
+def git_commit() -> str:
+    """Short HEAD of this checkout; KILN_COMMIT when the tree was copied without its .git (a lent GPU
+    machine receives the working tree only)."""
+    if os.environ.get("KILN_COMMIT"):
+        return os.environ["KILN_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"

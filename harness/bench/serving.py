@@ -1,0 +1,209 @@
+"""Serving benchmark over gRPC streaming against a real Triton server (``make bench``).
+
+    python -m harness.bench.serving --url 127.0.0.1:8001                    # a server already running
+    python -m harness.bench.serving --start --model-repository build/smollm2-135m-fp8/model_repository \
+        --models ensemble,bls --baseline hf
+
+Concurrency sweep (1, 4, 16, 64 streams, each keeping that many requests in flight) and an optional
+Poisson request-rate mode (``--request-rate``), on MT-bench first-turn questions (chat template
+applied). Reports TTFT, TPOT, inter-token latency and end-to-end latency (p50/p90/p99), request and
+output-token throughput and goodput under ``--ttft-limit``/``--tpot-limit``; writes JSON, CSV and a
+PNG plot. Every request generates exactly ``--max-tokens`` tokens (min_tokens = max_tokens) so runs
+and the HF baseline compare equal work. Output tokens are counted by re-tokenizing the streamed text
+with the bundle's tokenizer.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from harness.serving_client import StreamResult, grpc_stream
+from harness.bench.prompts import load_prompts
+from harness.bench.serving_stats import plot, summarize, write_csv
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m harness.bench.serving", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC host:port of a running server")
+    p.add_argument("--start", action="store_true", help="start a server for the run (free ports)")
+    p.add_argument("--model-repository", default=str(ROOT / "build/smollm2-135m-fp8/model_repository"))
+    p.add_argument("--models", default="ensemble", help="comma-separated: ensemble,bls")
+    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated stream counts ('' = none)")
+    p.add_argument("--request-rate", type=float, default=None, help="also run Poisson arrivals at this rate (req/s)")
+    p.add_argument("--num-prompts", type=int, default=0, help="requests per level (default max(16, concurrency))")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompts", default="mtbench", help="mtbench | a JSONL with text/prompt/turns")
+    p.add_argument("--ttft-limit", type=float, default=2.0, help="goodput TTFT limit, seconds")
+    p.add_argument("--tpot-limit", type=float, default=0.2, help="goodput TPOT limit, seconds")
+    p.add_argument("--baseline", choices=("hf",), default=None, help="also run HF transformers generate")
+    p.add_argument("--baseline-batch", type=int, default=16, help="HF generate batch size")
+    p.add_argument("--output", default=None, help="result stem (default build/bench/serving-<time>)")
+    p.add_argument("--note", default="", help="free text stored in the results (e.g. machine load)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.max_tokens < 1:
+        p.error(f"--max-tokens: {a.max_tokens}; allowed: >= 1")
+    try:
+        a.levels = [int(c) for c in a.concurrency.split(",") if c.strip()]
+    except ValueError:
+        p.error(f"--concurrency: {a.concurrency!r}; allowed: comma-separated integers, e.g. 1,4,16,64")
+    if any(c < 1 for c in a.levels):
+        p.error(f"--concurrency: {a.concurrency}; every level must be >= 1")
+    a.model_list = [m for m in a.models.split(",") if m]
+    if not a.levels and a.request_rate is None:
+        p.error("nothing to run: give --concurrency levels and/or --request-rate")
+    if a.request_rate is not None and a.request_rate <= 0:
+        p.error(f"--request-rate: {a.request_rate}; allowed: > 0")
+    return a
+
+
+async def _run_level(url: str, model: str, prompts: list[str], concurrency: int | None, rate: float | None,
+                     max_tokens: int, seed: int) -> tuple[list[StreamResult], float]:
+    import tritonclient.grpc.aio as aio
+    client = aio.InferenceServerClient(url)
+    kw = dict(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, apply_chat_template=True)
+    sem = asyncio.Semaphore(concurrency or len(prompts))
+    rng = random.Random(seed)
+
+    async def one(text: str, delay: float) -> StreamResult:
+        await asyncio.sleep(delay)
+        async with sem:
+            return await grpc_stream(client, model, text, **kw)
+    delays, t = [], 0.0
+    for _ in prompts:
+        delays.append(t if rate else 0.0)
+        t += rng.expovariate(rate) if rate else 0.0
+    t0 = time.perf_counter()
+    try:
+        results = await asyncio.gather(*(one(p, d) for p, d in zip(prompts, delays)))
+    finally:
+        await client.close()
+    return list(results), time.perf_counter() - t0
+
+
+def _machine() -> dict[str, Any]:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    import os
+    return {"cpu": cpu, "cores": os.cpu_count(), "load_avg_1m_at_start": os.getloadavg()[0],
+            "platform": platform.platform()}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run(a: argparse.Namespace, url: str, tokenizer) -> dict[str, Any]:
+    base = load_prompts(a.prompts)
+    rows = []
+    for model in a.model_list:
+        plan = [("concurrency", c, None) for c in a.levels]
+        if a.request_rate:
+            plan.append(("poisson", None, a.request_rate))
+        for mode, conc, rate in plan:
+            n = a.num_prompts or max(16, conc or 16)
+            prompts = [base[i % len(base)] for i in range(n)]
+            results, wall = asyncio.run(_run_level(url, model, prompts, conc, rate, a.max_tokens, a.seed))
+            tokens = [len(tokenizer.encode(r.text, chat=False)) if r.error is None else 0 for r in results]
+            row = {"model": model, "mode": mode, "concurrency": conc, "request_rate": rate}
+            row |= summarize(results, tokens, wall, a.ttft_limit, a.tpot_limit)
+            errors = [r.error for r in results if r.error]
+            if errors:
+                row["first_error"] = errors[0]
+            rows.append(row)
+            print(f"{model:9s} {mode:11s} c={conc or '-':>3} rate={rate or '-':>4}  "
+                  f"{row['output_token_throughput']:7.1f} tok/s  {row['request_throughput']:5.2f} req/s  "
+                  f"TTFT p50 {row['ttft_s']['p50'] or 0:6.3f}s p99 {row['ttft_s']['p99'] or 0:6.3f}s  "
+                  f"TPOT p50 {row['tpot_s']['p50'] or 0:6.3f}s  errors {row['errors']}", flush=True)
+    return {"rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    from backend.serving.tokenizer import load_tokenizer
+    repo = Path(a.model_repository)
+    engine_dir = repo.parent / "engine"
+    srv = None
+    if a.start:
+        from harness.serving_server import TritonServer
+        srv = TritonServer(repo, exit_timeout=3)
+        print(f"starting tritonserver on {repo} ...", flush=True)
+        srv.start()
+        url = srv.grpc_url
+    else:
+        url = a.url
+    if not (engine_dir / "engine.json").is_file():
+        print(f"error: {engine_dir}: engine bundle needed for token counting (--model-repository)", file=sys.stderr)
+        return 2
+    tok = load_tokenizer(engine_dir)
+    started = dt.datetime.now(dt.timezone.utc)
+    machine = _machine()
+    try:
+        out = run(a, url, tok)
+    finally:
+        if srv is not None:
+            srv.stop()
+    engine = json.loads((engine_dir / "engine.json").read_text())
+    report: dict[str, Any] = {
+        "what": "Kiln serving benchmark: real Triton server, gRPC streaming, MT-bench first turns",
+        "date": started.isoformat(timespec="seconds"), "commit": _commit(), "machine": machine,
+        "command": "python -m harness.bench.serving " + " ".join(sys.argv[1:] if argv is None else argv),
+        "note": a.note, "engine": {"quantization": engine.get("quantization", {}).get("format"),
+                                   "kv_cache": engine.get("quantization", {}).get("kv_cache"),
+                                   "dtype": engine.get("model", {}).get("dtype"), **engine.get("engine", {})},
+        "settings": {"max_tokens": a.max_tokens, "prompts": a.prompts, "temperature": 0.0,
+                     "chat_template": True, "ttft_limit_s": a.ttft_limit, "tpot_limit_s": a.tpot_limit},
+        **out,
+    }
+    stem = Path(a.output) if a.output else ROOT / "build" / "bench" / f"serving-{started:%Y%m%d-%H%M%S}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    _write(report, out["rows"], stem, machine, started)  # kept even if the baseline is interrupted
+    if a.baseline == "hf":
+        from harness.bench.hf_baseline import hf_throughput
+        prompts = load_prompts(a.prompts)
+        n = max(a.baseline_batch * 2, 16)
+        prompts = [prompts[i % len(prompts)] for i in range(n)]
+        print("running HF transformers generate baseline ...", flush=True)
+        hf = hf_throughput(prompts, a.max_tokens, a.baseline_batch, chat=True,
+                           checkpoint=repo.parent / "work" / "import")
+        report["baseline_hf"] = hf
+        ref = [r for r in out["rows"] if r["mode"] == "concurrency" and r["concurrency"] == a.baseline_batch]
+        if ref:
+            ratio = ref[0]["output_token_throughput"] / hf["output_token_throughput"]
+            report["ratio_vs_hf"] = {"kiln_model": ref[0]["model"], "concurrency": a.baseline_batch,
+                                     "kiln_tok_s": ref[0]["output_token_throughput"],
+                                     "hf_tok_s": hf["output_token_throughput"], "ratio": ratio}
+            print(f"Kiln ({ref[0]['model']}, {a.baseline_batch} streams) {ref[0]['output_token_throughput']:.1f} "
+                  f"tok/s vs HF generate (batch {a.baseline_batch}) {hf['output_token_throughput']:.1f} tok/s: "
+                  f"{ratio:.2f}x", flush=True)
+        _write(report, out["rows"], stem, machine, started)
+    return 0
+
+
+def _write(report: dict[str, Any], rows: list[dict[str, Any]], stem: Path, machine: dict[str, Any],
+           started: dt.datetime) -> None:
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    write_csv(rows, stem.with_suffix(".csv"))
+    plot(rows, stem.with_suffix(".png"),
+         f"Kiln serving, {machine['cpu']} ({machine['cores']} cores), {started:%Y-%m-%d}, commit {report['commit'][:8]}")
+    print(f"wrote {stem}.json, .csv, .png", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
