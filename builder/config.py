@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,19 @@ def _power_of_two(v: int) -> str | None:
 
 def _nonempty(v: str) -> str | None:
     return None if v.strip() else "must not be empty"
+
+
+_PATH_SEGMENT = re.compile(r"[A-Za-z0-9_.-]+")
+PATH_SEGMENT_ALLOWED = "one folder name of letters, digits, '_', '.', '-' (not '.' or '..')"
+
+
+def _path_segment(v: str) -> str | None:
+    """Values that become a file or folder name must stay one segment inside the output folder."""
+    if not v.strip():
+        return "must not be empty"
+    if not _PATH_SEGMENT.fullmatch(v) or v in (".", ".."):
+        return f"{v!r} is not a plain folder name (it becomes one under the output folder)"
+    return None
 
 
 def _sms(v: tuple[int, ...]) -> str | None:
@@ -129,7 +143,7 @@ class VerifyConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
-    model_name: str = opt("ensemble", check=_nonempty)
+    model_name: str = opt("ensemble", check=_path_segment, allowed=PATH_SEGMENT_ALLOWED)
     engine_instances: int = opt(1, min=1, max=64)
     preprocessing_instances: int = opt(1, min=1, max=64)
     postprocessing_instances: int = opt(1, min=1, max=64)

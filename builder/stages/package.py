@@ -27,6 +27,7 @@ MODELS: dict[str, str] = {
     "ensemble": "ensemble_name", "bls": "bls_name",
 }
 _PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_MODEL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 class RenderError(StageError):
@@ -60,6 +61,10 @@ def render_repository(values: Mapping[str, object], out_dir: Path, template_root
     if len(set(names)) != len(names):
         raise RenderError(f"model names must differ, got {names} (serving.model_name clashes with a "
                           "fixed model name)")
+    for name in names:  # the config refuses these already; a folder must never land outside out_dir
+        if not _MODEL_NAME.fullmatch(name) or name in (".", ".."):
+            raise RenderError(f"{out_dir}: model name {name!r} is not a plain folder name; "
+                              "allowed: letters, digits, '_', '.', '-' (not '.' or '..')")
     # render everything in memory first: a template error leaves nothing half-written
     used: set[str] = set()
     files: list[tuple[Path, str | None, Path]] = []   # (target, rendered text | None = copy, source)

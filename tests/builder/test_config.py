@@ -229,3 +229,28 @@ def test_build_summary_states_verify_figures():
     assert "draft: 1.20 tokens per target pass (dynamic, acceptance length 1.35 per verifying step)" in line
     assert "FAILED" in verify_line({"top1_agreement": 0.5, "mean_kl": 0.9, "passed": False})
     assert verify_line({}) == ""
+
+
+@pytest.mark.parametrize("name", ["../../escaped_model", "/tmp/abs_model", "a b/c", "a/b", "..", ".", "a\\b",
+                                  "caf\u00e9", "x\ny"])
+def test_model_name_must_be_one_plain_folder_name(tmp_path, name):
+    # serving.model_name becomes <output>/model_repository/<name>: a path must never escape the output folder
+    msg = error_of(BuildConfig.from_dict, {"serving": {"model_name": name}}, "x.yaml")
+    assert msg.startswith("x.yaml: serving.model_name: "), msg
+    assert "not a plain folder name" in msg and "allowed: one folder name of letters, digits" in msg
+    p = write(tmp_path, "serving: {}\n")
+    assert "serving.model_name" in error_of(BuildConfig.from_yaml, p, [f"serving.model_name={name!r}"])
+
+
+def test_model_name_plain_names_pass():
+    for name in ("ensemble", "llama-3.1_8b", "v2.0"):
+        assert BuildConfig.from_dict({"serving": {"model_name": name}}).serving.model_name == name
+
+
+def test_render_repository_refuses_escaping_model_names(tmp_path):
+    from builder.stages.package import RenderError, render_repository, template_values
+    serving = BuildConfig.from_dict({}).serving
+    values = {**template_values(serving, "../engine"), "ensemble_name": "../escaped"}
+    with pytest.raises(RenderError, match="not a plain folder name"):
+        render_repository(values, tmp_path / "repo")
+    assert list(tmp_path.iterdir()) == []
