@@ -10,6 +10,7 @@ Kept apart from ``builder/config.py`` so the section definitions there read like
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import difflib
 import types
@@ -79,6 +80,14 @@ class _Mismatch(Exception):
     pass
 
 
+class _NotFinite(Exception):
+    """A number field got NaN or infinity (YAML .nan/.inf, or 1e999): no fallback type may take it."""
+
+    def __init__(self, path: str, value: Any):
+        super().__init__(path)
+        self.path, self.value = path, value
+
+
 _EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -115,11 +124,19 @@ def _coerce(value: Any, tp: Any, file: str, path: str) -> Any:
         raise _Mismatch
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+            number = value
+        elif isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
             # YAML 1.1 (PyYAML) reads 1e-3 as a string: it wants a dot (1.0e-3); take what users write
-            return float(value)
-        raise _Mismatch
+            number = value
+        else:
+            raise _Mismatch
+        try:
+            number = float(number)
+        except OverflowError:  # an integer beyond float range
+            raise _NotFinite(path, value) from None
+        if not math.isfinite(number):  # NaN passes every min/max comparison: refuse it here, once
+            raise _NotFinite(path, value)
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -162,6 +179,9 @@ def build(cls: type, data: dict, file: str, prefix: str = "") -> Any:
         except _Mismatch:
             raise ConfigError(file, path, f"expected {_type_name(tp)}, got {_show(raw)}",
                               _describe_allowed(tp, meta)) from None
+        except _NotFinite as e:
+            raise ConfigError(file, e.path, f"{_show(e.value)} is not a finite number",
+                              _describe_allowed(tp, meta) + " (not NaN or infinity)") from None
         _check_value(value, tp, meta, file, path)
         kwargs[name] = value
     return cls(**kwargs)

@@ -254,3 +254,26 @@ def test_render_repository_refuses_escaping_model_names(tmp_path):
     with pytest.raises(RenderError, match="not a plain folder name"):
         render_repository(values, tmp_path / "repo")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("override, key", [
+    ("engine.kv_cache_free_mem_fraction=.nan", "engine.kv_cache_free_mem_fraction"),
+    ("verify.min_top1_agreement=.nan", "verify.min_top1_agreement"),   # float | None
+    ("verify.max_mean_kl=.inf", "verify.max_mean_kl"),
+    ("speculative.train.learning_rate=-.inf", "speculative.train.learning_rate"),
+    ("speculative.min_draft_prob=.NaN", "speculative.min_draft_prob"),
+    ("verify.max_mean_kl=1e999", "verify.max_mean_kl"),                # exponent string that overflows
+    ("verify.max_mean_kl=1" + "0" * 400, "verify.max_mean_kl"),        # integer beyond float range
+])
+def test_floats_refuse_nan_and_infinity(override, key):
+    # NaN passes every min/max comparison: it used to build and land in engine.json, or fail late
+    msg = error_of(BuildConfig.from_dict, {}, "x.yaml", [override])
+    assert msg.startswith(f"x.yaml: {key}: "), msg
+    assert "is not a finite number" in msg and "(not NaN or infinity)" in msg
+
+
+def test_floats_refuse_nan_in_yaml_files(tmp_path):
+    p = write(tmp_path, "engine:\n  kv_cache_free_mem_fraction: .nan\n")
+    msg = error_of(BuildConfig.from_yaml, p)
+    assert msg == (f"{p}: engine.kv_cache_free_mem_fraction: nan is not a finite number; "
+                   "allowed: a number in 0.01..1.0 (not NaN or infinity)")
