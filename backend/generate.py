@@ -15,8 +15,9 @@ import json
 import sys
 
 from backend.engine.executor import Executor
-from backend.model.runner import EngineError
 from backend.engine.sampling_params import SamplingParams
+from backend.logs import setup_cli
+from backend.model.runner import EngineError
 from backend.serving.tokenizer import load_tokenizer
 
 
@@ -39,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    setup_cli()
     try:
         tok = load_tokenizer(args.engine)
         prompts = [tok.encode(text, chat=args.chat) for text in args.prompt]

@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = list(args.overrides) + extra
     from backend.bundle import BundleError
+    from backend.logs import setup_cli
+
+    setup_cli()  # warnings of the libraries the build drives (e.g. kernels falling back) on stderr
 
     try:
         return COMMANDS[args.command](args)

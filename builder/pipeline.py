@@ -20,10 +20,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from backend.logs import get_logger
 from builder.config import BuildConfig
 from builder.stages import STAGES, StageSpec
 from builder.stages.base import StageContext, StageError, StageResult
 
+_LOG = get_logger("builder")
 STAGE_FILE = "stage.json"
 # Bump when the on-disk output of the pipeline changes meaning: every cached stage rebuilds.
 PIPELINE_VERSION = 1
@@ -41,7 +43,7 @@ class BuildResult:
 
 
 def run_pipeline(cfg: BuildConfig, output: str | Path | None = None, *, force: bool = False,
-                 until: str | None = None, log: Callable[[str], None] = print,
+                 until: str | None = None, log: Callable[[str], None] = _LOG.info,
                  progress_factory: Callable[..., Any] | None = None,
                  stage_done: Callable[[StageResult], None] | None = None) -> BuildResult:
     """Build ``cfg`` into its output folder; ``until`` stops after that stage (inclusive)."""

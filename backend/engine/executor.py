@@ -18,21 +18,22 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
+from backend.engine.inputs import InputPreparer, StepInputs
 from backend.engine.kv_cache import BlockManager
 from backend.engine.request import FINISH_REASONS, Request, RequestStatus
-from backend.model.runner import EngineError, ModelRunner, load_engine_spec
 from backend.engine.sampler import Sampler, SampleRow, make_generator
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler, SchedulerOutput
-from backend.engine.inputs import InputPreparer, StepInputs
+from backend.logs import for_request, get_logger
+from backend.model.runner import EngineError, ModelRunner, load_engine_spec
 
+_LOG = get_logger("engine.executor")
 # Latency samples kept for stats() (a ring: serving reads percentiles of recent traffic).
 _SAMPLES = 4096
 
@@ -294,7 +295,8 @@ class Executor:
         except Exception as exc:  # noqa: BLE001 - a failing step must not kill the loop
             self._step_errors += 1
             msg = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc()
+            _LOG.exception("step failed; ending its %d requests with an error (%s)", len(out.scheduled),
+                           ", ".join(s.request.request_id for s in out.scheduled))
             for s in out.scheduled:
                 self._abort(s.request.request_id, RequestStatus.FINISHED_ERROR, msg)
         return len(out.scheduled)
@@ -362,7 +364,7 @@ class Executor:
         try:
             handle._deliver(ev)
         except Exception:  # noqa: BLE001 - a consumer's callback bug must not stop the engine
-            traceback.print_exc()
+            for_request(_LOG, rid).exception("the response callback failed")
 
     def _record_latency(self, req: Request, now: float) -> None:
         if req.first_token_time is not None:

@@ -7,7 +7,6 @@ which token rows need logits, and gets logits (and captured hidden states) back.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,8 +15,11 @@ import torch
 
 from backend.ops.attention import get_backend, resolve_backend_name
 from backend.engine.kv_cache import kv_bytes_per_token, kv_capacity_blocks
+from backend.logs import get_logger
 from backend.model.config import ModelConfig
 from backend.model.llama import LlamaModel
+
+_LOG = get_logger("model.runner")
 
 # engine.kv_cache_dtype values -> torch dtype ("auto"/None = the model dtype).
 KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
@@ -111,7 +113,7 @@ class ModelRunner:
             try:
                 self.attention.load_aot(spec.path, spec.doc["kernels"], self.device)
             except Exception as exc:  # noqa: BLE001
-                warnings.warn(f"AOT kernels of {spec.path} not usable here ({exc}); using Triton JIT")
+                _LOG.warning("AOT kernels of %s not usable here (%s); using Triton JIT", spec.path, exc)
         window = cfg.sliding_window
         max_seq = int(spec.engine.get("max_seq_len", cfg.max_position_embeddings))
         if window and max_seq > window:

@@ -24,11 +24,12 @@ That is how the CPU tests check the padding and buffer logic, which is where thi
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 
+from backend.logs import get_logger
 from backend.ops.attention.metadata import AttentionMetadata
+
+_LOG = get_logger("ops.cuda_graphs")
 
 # Longest query per sequence that gets graphs (1 + max_draft_len of any sane speculation setting).
 MAX_QUERY = 16
@@ -180,8 +181,7 @@ class DecodeGraphs:
                 except Exception as exc:  # noqa: BLE001 - graphs are a speed-up: never the engine's failure
                     self.graphs.clear()
                     self.failed = f"{type(exc).__name__}: {exc}"
-                    warnings.warn(f"CUDA graph capture failed ({self.failed}); running steps eagerly",
-                                  RuntimeWarning)
+                    _LOG.warning("CUDA graph capture failed (%s); running steps eagerly", self.failed)
                     torch.cuda.synchronize(self.device)
                     buf.load(input_ids, meta)
                     logits, captured = self._forward(*key)

@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import torch
 
+from backend.logs import get_logger
 from backend.ops.cuda_graphs import buckets, capture_graphs
 from backend.speculative.draft_model import DraftKVPool, Eagle3Draft
+
+_LOG = get_logger("speculative.draft_graphs")
 
 
 class ChainDraftGraphs:
@@ -167,11 +170,9 @@ class ChainDraftGraphs:
                     self._mempool = torch.cuda.graph_pool_handle()
                 self.graphs[key] = capture_graphs([lambda: fn(b)], self.draft.device, self._mempool)[0]
             except Exception as exc:  # noqa: BLE001 - a speed-up, never the engine's failure
-                import warnings
                 self.graphs.clear()
                 self.failed = f"{type(exc).__name__}: {exc}"
-                warnings.warn(f"CUDA graph capture of the chain draft failed ({self.failed}); "
-                              f"drafting eagerly", RuntimeWarning)
+                _LOG.warning("CUDA graph capture of the chain draft failed (%s); drafting eagerly", self.failed)
                 torch.cuda.synchronize(self.draft.device)
                 return fn(b)
         g, out = self.graphs[key]

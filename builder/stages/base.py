@@ -57,6 +57,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from backend.logs import get_logger
 from builder.config import BuildConfig
 
 
@@ -83,7 +84,7 @@ class StageContext:
     out_dir: Path               # where this stage writes (a temporary folder)
     results: dict[str, StageResult]
     force: bool = False
-    log: Callable[[str], None] = print
+    log: Callable[[str], None] = get_logger("builder").info   # the CLI passes its console
     progress_factory: Callable[..., Any] | None = None
 
     def result(self, name: str) -> StageResult | None:

@@ -112,7 +112,7 @@ def test_callbacks_come_from_the_loop_thread_with_one_final_event(make_executor,
     assert sum(len(ev.token_ids) for ev in seen) == 5
 
 
-def test_step_error_fails_its_requests_and_the_loop_survives(make_executor, varied_prompts):
+def test_step_error_fails_its_requests_and_the_loop_survives(make_executor, varied_prompts, caplog):
     ex = make_executor()
     real = ex.runner.execute
     calls = {"n": 0}
@@ -124,8 +124,13 @@ def test_step_error_fails_its_requests_and_the_loop_survives(make_executor, vari
         return real(*args, **kw)
 
     ex.runner.execute = flaky
-    bad = ex.submit(varied_prompts[0], GREEDY).result()
+    with caplog.at_level("ERROR", logger="kiln"):
+        handle = ex.submit(varied_prompts[0], GREEDY, request_id="req-under-test")
+        bad = handle.result()
     assert bad.finish_reason == "error" and "injected device failure" in bad.error
+    # the failure is logged once, with the traceback and the request it ended
+    [rec] = [r for r in caplog.records if r.name == "kiln.engine.executor"]
+    assert "req-under-test" in rec.getMessage() and "injected device failure" in caplog.text
     good = ex.submit(varied_prompts[0], GREEDY).result()
     assert good.finish_reason == "length" and len(good.token_ids) == GREEDY.max_tokens
     s = ex.stats()

@@ -1,12 +1,14 @@
 """Triton model: the Kiln engine (decoupled). Logic: backend/serving/engine_host.py."""
 import triton_python_backend_utils as pb_utils
 
+from backend.logs import route_to_triton
 from backend.serving.engine_host import EngineHost
 from backend.serving.model_args import engine_dir, model_config, parameter
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        route_to_triton(pb_utils)  # kiln.* log lines go to the server's log
         cfg = model_config(args)
         self.host = EngineHost(pb_utils, engine_dir(args, cfg), device=parameter(cfg, "device", "cpu"),
                                stream_interval=int(parameter(cfg, "stream_interval", "1")),

@@ -1,13 +1,17 @@
 """Triton model: tokenization and request validation. Logic: backend/serving/preprocess.py."""
 import triton_python_backend_utils as pb_utils
 
+from backend.logs import get_logger, route_to_triton
 from backend.serving.convert import InvalidRequest
 from backend.serving.model_args import engine_dir, model_config
 from backend.serving.preprocess import TEXT_INPUT_NAMES, Preprocessor, preprocessing_outputs
 
+_LOG = get_logger("serving.preprocessing")
+
 
 class TritonPythonModel:
     def initialize(self, args):
+        route_to_triton(pb_utils)  # kiln.* log lines go to the server's log
         self.pre = Preprocessor(engine_dir(args, model_config(args)))
 
     def execute(self, requests):
@@ -19,6 +23,11 @@ class TritonPythonModel:
                 out = preprocessing_outputs(self.pre.prepare(tensors))
             except InvalidRequest as e:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e))))
+                continue
+            except Exception as e:  # noqa: BLE001 - one bad request must not fail its batchmates
+                _LOG.exception("request %s: preprocessing failed", request.request_id() or "-")
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[], error=pb_utils.TritonError(f"preprocessing: {type(e).__name__}: {e}")))
                 continue
             responses.append(pb_utils.InferenceResponse(
                 output_tensors=[pb_utils.Tensor(k, v) for k, v in out.items()]))
