@@ -32,7 +32,8 @@ __all__ = ["EngineHost", "chosen_logprobs"]
 
 POLL_S = 0.5           # cancellation check period: each check is an IPC round trip per request,
                        # which at 64 streams on 2 cores costs more than a late cancel
-STATS_EVERY_S = 0.5    # gauge refresh period
+STATS_EVERY_S = 0.5    # gauge refresh period while requests run (each one also refreshes them
+                       # just before its final response)
 
 
 def chosen_logprobs(event: Any) -> list[float]:
@@ -93,6 +94,7 @@ class EngineHost:
         from backend.engine.sampling_params import SamplingParams
         self._params = SamplingParams
         self.metrics = ServingMetrics(pb, model_name, instance)
+        self._metrics_lock = threading.Lock()
         self._ids = itertools.count()
         self._prefix = f"{model_name}-{instance}-{os.getpid()}-"
         self._active: dict[str, _Stream] = {}
@@ -186,6 +188,8 @@ class EngineHost:
             if chunk.stop and not ev.finished:
                 st.cancel_asked = True  # the text is complete; stop generating, free the blocks
                 self.executor.cancel(st.rid)
+            if chunk.finished:
+                self._retire(st)  # before the FINAL response: its sender sees metrics that count it
             if st.req.streaming:
                 self._send(st, chunk.ids, chunk.context, chunk.trim, reason, chunk.finished)
             else:
@@ -193,8 +197,6 @@ class EngineHost:
                 st.trim = chunk.trim
                 if chunk.finished:
                     self._send(st, st.ids, st.req.prompt_ids[-CONTEXT_TOKENS:], st.trim, reason, True)
-            if chunk.finished:
-                self._finish(st)
 
     def _send(self, st: _Stream, ids, context, trim, reason, final) -> None:
         lp, st.logprobs = st.logprobs, []  # chunks take every pending token, so all of them
@@ -219,16 +221,25 @@ class EngineHost:
                 st.cancel_asked = True
                 self.executor.cancel(st.rid)
 
-    def _finish(self, st: _Stream, error: str | None = None) -> None:
-        """Called with st.lock held. Sends the error final if any; records metrics; forgets st."""
+    def _finish(self, st: _Stream, error: str) -> None:
+        """Called with st.lock held. Ends st with an error as its FINAL response."""
+        self._retire(st)
+        self._send_error(st.sender, error)
+
+    def _retire(self, st: _Stream) -> None:
+        """Called with st.lock held, BEFORE st's final response is sent: forgets st and publishes
+        its metrics (latencies, and the executor totals its steps added to), so that a client
+        holding its final response reads metrics that include its request."""
         st.done = True
-        if error is not None:
-            self._send_error(st.sender, error)
         with self._lock:
             self._active.pop(st.rid, None)
         ttft = st.first - st.arrival if st.first else None
         tpot = (st.last - st.first) / (st.n_tokens - 1) if st.first and st.n_tokens > 1 else None
-        self.metrics.request_done(ttft, tpot)
+        try:
+            self.metrics.request_done(ttft, tpot)
+        except Exception:  # noqa: BLE001 - metrics must never cost a request its final response
+            pass
+        self.refresh_metrics()
 
     def _send_error(self, sender, message: str) -> None:
         resp = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
@@ -256,8 +267,11 @@ class EngineHost:
                 self.refresh_metrics()
 
     def refresh_metrics(self) -> None:
+        # Read and publish under one lock (the poller and the executor thread both call this): a
+        # snapshot taken earlier can then never overwrite a later one.
         try:
-            self.metrics.update(self.executor.stats())
+            with self._metrics_lock:
+                self.metrics.update(self.executor.stats())
         except Exception:  # noqa: BLE001 - metrics must never take the model down
             pass
 

@@ -1,10 +1,11 @@
 """Custom metrics on Triton's /metrics endpoint through the Python backend's ``MetricFamily``.
 
 Names are prefixed ``kiln_`` and labelled with the model name and instance, so several engine
-instances stay apart. Gauges are refreshed from ``Executor.stats()`` by the engine host's poller;
-token/request counters and the histograms are updated from the response path; the speculative
-decoding counters follow the executor's own running totals (refreshed with the gauges, so they
-lag by at most the poll period).
+instances stay apart. Gauges are refreshed from ``Executor.stats()`` by the engine host's poller
+and before every request's final response; token/request counters and the histograms are updated
+from the response path; the speculative decoding counters follow the executor's own running totals
+(refreshed with the gauges). So a client holding a request's final response reads metrics that
+include that request.
 """
 from __future__ import annotations
 
