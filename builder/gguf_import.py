@@ -10,6 +10,8 @@ result is the same checkpoint transformers produces (the import tests compare it
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,15 @@ IGNORED = {"rope_freqs"}  # llama3 rope table: HF recomputes it from the config
 class _Reader:
     def __init__(self, path: Path):
         self.fh = open(path, "rb")
+        self.size = os.fstat(self.fh.fileno()).st_size
+
+    def bound(self, n: int, what: str) -> int:
+        """Refuse a length larger than the bytes left: a corrupt 2^40 would raise MemoryError in read(),
+        2^63 OverflowError, instead of the one-line "unreadable GGUF" error."""
+        left = self.size - self.fh.tell()
+        if n > left:
+            raise ValueError(f"{what} {n} exceeds the {left} bytes left in the file")
+        return n
 
     def read(self, fmt: str):
         size = struct.calcsize(fmt)
@@ -44,7 +55,7 @@ class _Reader:
         return struct.unpack(fmt, raw)[0]
 
     def string(self) -> str:
-        n = self.read("<Q")
+        n = self.bound(self.read("<Q"), "string length")
         raw = self.fh.read(n)
         if len(raw) < n:
             raise ValueError("file ends inside the header")
@@ -56,10 +67,10 @@ class _Reader:
         if vtype == 8:
             return self.string()
         if vtype == 9:
-            item, count = self.read("<I"), self.read("<Q")
+            item, count = self.read("<I"), self.bound(self.read("<Q"), "array length")  # items take >= 1 byte
             if item in _NP:  # numeric arrays in one read
                 dt = np.dtype(_NP[item])
-                raw = self.fh.read(dt.itemsize * count)
+                raw = self.fh.read(self.bound(dt.itemsize * count, "array size"))
                 if len(raw) < dt.itemsize * count:
                     raise ValueError("file ends inside the header")
                 return np.frombuffer(raw, dtype=dt).tolist()
@@ -76,7 +87,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, list[int], 
         version = r.read("<I")
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} (supported: 2, 3)")
-        n_tensors, n_kv = r.read("<Q"), r.read("<Q")
+        n_tensors, n_kv = r.bound(r.read("<Q"), "tensor count"), r.bound(r.read("<Q"), "metadata count")
         meta = {}
         for _ in range(n_kv):
             key = r.string()
@@ -84,9 +95,14 @@ def read_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, list[int], 
         tensors = []
         for _ in range(n_tensors):
             name = r.string()
-            dims = [r.read("<Q") for _ in range(r.read("<I"))]
+            n_dims = r.read("<I")
+            if n_dims > 4:  # GGML_MAX_DIMS
+                raise ValueError(f"tensor {name[:60]!r} has {n_dims} dimensions (at most 4)")
+            dims = [r.read("<Q") for _ in range(n_dims)]
             tensors.append((name, dims[::-1], r.read("<I"), r.read("<Q")))  # GGUF lists dims innermost first
-        align = int(meta.get("general.alignment", 32))
+        align = meta.get("general.alignment", 32)
+        if not isinstance(align, int) or isinstance(align, bool) or not 0 < align <= 1 << 20:
+            raise ValueError(f"general.alignment {align!r} is not a positive integer up to 2^20")
         pos = r.fh.tell()
         return meta, tensors, pos + (-pos % align)
     finally:
@@ -116,12 +132,19 @@ def convert(path: Path, arch: str, out: Path, dtype: torch.dtype, progress=lambd
 
     try:
         meta, infos, data_start = read_header(path)
-    except (ValueError, struct.error, OSError) as e:
+    except (ValueError, struct.error, OSError, RecursionError) as e:  # RecursionError: nested arrays
         raise StageError(f"{path}: unreadable GGUF ({e}); the file may be truncated or corrupted") from None
     size = path.stat().st_size
     for name, shape, qtype, offset in infos:  # fail before importing transformers and dequantizing
-        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
-        end = data_start + offset + int(np.prod(shape)) // block * type_size
+        try:
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+        except (ValueError, KeyError):
+            raise StageError(f"{path}: tensor {name} has unknown GGML type {qtype}; the file may be "
+                             f"corrupted") from None
+        if not shape or shape[-1] % block:
+            raise StageError(f"{path}: tensor {name} has shape {shape}, whose rows are not whole "
+                             f"{block}-value blocks; the file may be corrupted")
+        end = data_start + offset + math.prod(shape) // block * type_size  # Python ints: no wraparound
         if end > size:
             raise StageError(f"{path}: tensor {name} ends at byte {end} but the file has {size}; "
                              f"the file is truncated")
@@ -154,7 +177,7 @@ def convert(path: Path, arch: str, out: Path, dtype: torch.dtype, progress=lambd
         if hf_name is None:
             continue
         block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         nbytes = n // block * type_size
         start = data_start + offset
         if start + nbytes > size:

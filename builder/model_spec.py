@@ -1,11 +1,10 @@
 """The engine.json ``model`` section, read from an HF ``config.json`` (+ generation_config.json)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from builder.sources import SUPPORTED_HF_ARCHITECTURES
+from builder.sources import SUPPORTED_HF_ARCHITECTURES, read_json_object
 from builder.stages.base import StageError
 
 ARCH_BY_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
@@ -22,9 +21,9 @@ def _eos_ids(*values: Any) -> list[int]:
 def model_spec(checkpoint: Path, dtype: str) -> dict[str, Any]:
     """Shapes and token ids the runtime needs; raises StageError naming a missing config field."""
     path = checkpoint / "config.json"
-    hf = json.loads(path.read_text())
+    hf = read_json_object(path)  # a JSON list here was an AttributeError traceback
     gen_path = checkpoint / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    gen = read_json_object(gen_path) if gen_path.is_file() else {}
 
     def need(key: str) -> Any:
         if hf.get(key) is None:

@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -68,11 +69,14 @@ def resolve(source: str, config_file: str) -> Source:
     if not config.is_file():
         raise StageError(f"{where}: {path} is not a checkpoint folder (no config.json); "
                          f"allowed: a Hugging Face folder with config.json and *.safetensors")
-    try:
-        hf = json.loads(config.read_text())
-    except ValueError as e:
-        raise StageError(f"{config}: invalid JSON ({e})") from None
+    hf = read_json_object(config)
+    for name in JSON_OBJECT_FILES:  # refuse a corrupt side file now, not as a traceback stages later
+        if name != "config.json" and (path / name).is_file():
+            read_json_object(path / name)
     archs = hf.get("architectures") or []
+    if not isinstance(archs, list):
+        raise StageError(f"{config}: architectures: expected a list of class names, got {type(archs).__name__}; "
+                         f"allowed: e.g. [\"LlamaForCausalLM\"]")
     arch = next((SUPPORTED_HF_ARCHITECTURES[a] for a in archs if a in SUPPORTED_HF_ARCHITECTURES), None)
     if arch is None:
         raise StageError(f"{config}: architectures: unsupported {archs or 'none given'}; allowed: "
@@ -85,6 +89,29 @@ def resolve(source: str, config_file: str) -> Source:
         check_safetensors(shard)
     kind = "modelopt" if (path / "hf_quant_config.json").is_file() else "hf"
     return Source(kind, path.resolve(), arch)
+
+
+# checkpoint files whose JSON must be an object (a mapping): every reader calls .get() on them
+JSON_OBJECT_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "hf_quant_config.json")
+
+
+def read_json_object(path: Path) -> dict:
+    """Parse a checkpoint JSON file that must hold an object; StageError (one line) otherwise."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise StageError(f"{path}: invalid JSON ({text}); allowed: a JSON object") from None
+    if not isinstance(data, dict):
+        raise StageError(f"{path}: expected a JSON object, got a JSON {_json_kind(data)}; "
+                         f"allowed: a JSON object {{...}}")
+    return data
+
+
+def _json_kind(value) -> str:
+    return {list: "list", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _read_magic(path: Path) -> bytes:
@@ -102,6 +129,8 @@ def _gguf_field(path: Path, wanted: str):
     the architecture is among the first keys, so a sequential scan stops almost at once.
     """
     with open(path, "rb") as fh:
+        file_size = os.fstat(fh.fileno()).st_size
+
         def read(fmt: str):
             size = struct.calcsize(fmt)
             raw = fh.read(size)
@@ -109,8 +138,15 @@ def _gguf_field(path: Path, wanted: str):
                 raise ValueError("file ends inside the metadata header")
             return struct.unpack(fmt, raw)[0]
 
+        def bound(n: int, what: str) -> int:
+            # a corrupt length must not allocate (2^40: MemoryError) or overflow (2^63) before the check
+            left = file_size - fh.tell()
+            if n > left:
+                raise ValueError(f"{what} {n} exceeds the {left} bytes left in the file")
+            return n
+
         def read_str() -> str:
-            n = read("<Q")
+            n = bound(read("<Q"), "string length")
             raw = fh.read(n)
             if len(raw) < n:
                 raise ValueError("file ends inside the metadata header")
@@ -122,13 +158,13 @@ def _gguf_field(path: Path, wanted: str):
             if vtype == 8:
                 return read_str()
             if vtype == 9:
-                item_type, count = read("<I"), read("<Q")
+                item_type, count = read("<I"), bound(read("<Q"), "array length")
                 return [read_value(item_type) for _ in range(count)] if count < 64 else _skip(item_type, count)
             raise ValueError(f"unknown GGUF value type {vtype}")
 
         def _skip(item_type: int, count: int) -> None:
             if item_type in _GGUF_SCALARS:
-                fh.seek(struct.calcsize(_GGUF_SCALARS[item_type]) * count, 1)
+                fh.seek(bound(struct.calcsize(_GGUF_SCALARS[item_type]) * count, "array size"), 1)
             else:
                 for _ in range(count):
                     read_value(item_type)
@@ -149,7 +185,7 @@ def _gguf_field(path: Path, wanted: str):
 def _gguf_architecture(path: Path) -> str:
     try:
         arch = _gguf_field(path, "general.architecture")
-    except (ValueError, struct.error, OSError) as e:
+    except (ValueError, struct.error, OSError, RecursionError) as e:  # RecursionError: nested arrays
         raise StageError(f"{path}: unreadable GGUF ({e}); the file may be truncated or corrupted") from None
     if arch is None:
         raise StageError(f"{path}: GGUF has no general.architecture field")
@@ -171,8 +207,13 @@ def check_safetensors(path: Path) -> None:
             if n > size - 8 or n > 100_000_000:
                 raise ValueError(f"header length {n} exceeds the file size {size}")
             header = json.loads(fh.read(n))
+        if not isinstance(header, dict):
+            raise ValueError(f"the header is a JSON {_json_kind(header)}, not an object of tensor entries")
+        for k, v in header.items():
+            if k != "__metadata__" and not (isinstance(v, dict) and isinstance(v.get("data_offsets"), list)):
+                raise ValueError(f"header entry {k!r} has no data_offsets list")
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (ValueError, KeyError, TypeError, IndexError) as e:
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
         raise StageError(f"{path}: corrupted safetensors file ({e}); allowed: re-download or re-export it") from None
     if 8 + n + end > size:
         raise StageError(f"{path}: truncated safetensors file: tensors need {8 + n + end} bytes, the file has "

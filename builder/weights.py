@@ -8,13 +8,13 @@ Tensors are yielded one at a time so the caller can stream them to disk.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterator
 
 import torch
 from safetensors import safe_open
 
+from builder.sources import read_json_object
 from builder.stages.base import StageError
 
 FUSED = {  # runtime name -> HF module names in fusion order
@@ -60,9 +60,9 @@ class Checkpoint:
         path = self.path / "hf_quant_config.json"
         if not path.is_file():
             return "none", None, None
-        q = json.loads(path.read_text()).get("quantization", {})
-        algo = q.get("quant_algo")
-        if algo not in MODELOPT_ALGOS:
+        q = read_json_object(path).get("quantization", {})
+        algo = q.get("quant_algo") if isinstance(q, dict) else q
+        if not isinstance(algo, (str, type(None))) or algo not in MODELOPT_ALGOS:  # a list is unhashable
             raise StageError(f"{path}: quant_algo: unsupported '{algo}'; allowed: "
                              f"{', '.join(a for a in MODELOPT_ALGOS if a)}")
         return MODELOPT_ALGOS[algo], q.get("kv_cache_quant_algo"), q.get("group_size")

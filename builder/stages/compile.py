@@ -17,6 +17,7 @@ import torch
 
 import builder
 from backend.bundle import sha256_file
+from builder.sources import read_json_object
 from builder.st_writer import SafetensorsWriter
 from builder.stages.base import StageContext, StageError
 from builder.weights import Checkpoint, runtime_tensors
@@ -137,7 +138,7 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
         raise StageError(f"{src}: tokenizer.json missing from the imported checkpoint; rebuild with --force")
     if not (dst / "special_tokens_map.json").is_file():
         # transformers 5 no longer writes this file; the contract promises it to runtime readers
-        tok_cfg = json.loads((dst / "tokenizer_config.json").read_text()) if (dst / "tokenizer_config.json").is_file() else {}
+        tok_cfg = read_json_object(dst / "tokenizer_config.json") if (dst / "tokenizer_config.json").is_file() else {}
         special = {k: tok_cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if tok_cfg.get(k)}
         (dst / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 

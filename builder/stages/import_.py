@@ -120,7 +120,7 @@ def _ensure_tokenizer(out: Path, src: sources.Source) -> None:
     # transformers 5 writes the chat template to chat_template.jinja; the contract keeps it in
     # tokenizer_config.json too, so a runtime with only `tokenizers` + json finds it in one place.
     cfg_path, jinja = out / "tokenizer_config.json", out / "chat_template.jinja"
-    tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    tok_cfg = sources.read_json_object(cfg_path) if cfg_path.is_file() else {}
     if "chat_template" not in tok_cfg and jinja.is_file():
         tok_cfg["chat_template"] = jinja.read_text()
         cfg_path.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
@@ -130,12 +130,12 @@ def _prequantized(out: Path) -> dict | None:
     path = out / "hf_quant_config.json"
     if not path.is_file():
         return None
-    try:
-        q = json.loads(path.read_text()).get("quantization", {})
-    except ValueError as e:
-        raise StageError(f"{path}: invalid JSON ({e})") from None
+    q = sources.read_json_object(path).get("quantization", {})
+    if not isinstance(q, dict):
+        raise StageError(f"{path}: quantization: expected a JSON object, got {type(q).__name__}; "
+                         f"allowed: {{\"quant_algo\": ...}}")
     algo = q.get("quant_algo")
-    if algo not in MODELOPT_ALGOS:
+    if not isinstance(algo, (str, type(None))) or algo not in MODELOPT_ALGOS:  # a list is unhashable
         raise StageError(f"{path}: quant_algo: unsupported '{algo}'; allowed: "
                          f"{', '.join(a for a in MODELOPT_ALGOS if a)}")
     return {"format": MODELOPT_ALGOS[algo], "quant_algo": algo, "kv_cache_quant_algo": q.get("kv_cache_quant_algo"),
