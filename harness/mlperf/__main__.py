@@ -33,7 +33,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="run a compliance test instead of a normal run")
     p.add_argument("--server-url", help="Triton gRPC host:port (default: the config's grpc_port; "
                                         "a server is started when none answers)")
-    p.add_argument("--dataset-path", type=Path, help="dataset file (Open-Orca / CNN-DailyMail reference formats)")
+    p.add_argument("--dataset-path", type=Path,
+                   help="dataset file (Open-Orca / CNN-DailyMail reference formats: JSON, JSONL, Parquet)")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="allow a .pkl dataset (the MLPerf Open-Orca reference file); unpickling runs any code "
+                        "the file holds, so only for a file you trust (or convert it to Parquet/JSON)")
     p.add_argument("--user-conf", type=Path, help="user.conf overriding configs/mlperf/user.conf")
     p.add_argument("--mlperf-conf", type=Path, help="mlperf.conf overriding configs/mlperf/mlperf.conf")
     p.add_argument("--num-clients", type=int, default=4, help="gRPC connections (default 4)")
@@ -67,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                                      mlperf_conf=args.mlperf_conf, num_clients=args.num_clients,
                                      save_reference=args.save_reference, log_root=args.log_root,
                                      max_output_tokens=args.max_output_tokens,
-                                     test_queries=args.test_queries, reference=args.reference))
+                                     test_queries=args.test_queries, reference=args.reference,
+                                     trust_pickle=args.trust_pickle))
                 s = res["summary"]
                 tps = s.get("Tokens per second", s.get("Completed tokens per second"))
                 perf = f"LoadGen result {s.get('Result is')}, tokens/s {tps}" if tps else "done"

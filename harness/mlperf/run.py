@@ -45,6 +45,7 @@ class RunRequest:
     max_output_tokens: int | None = None   # debugging/CI only: shorter outputs than the benchmark's
     test_queries: int | None = None    # --test-run size (default benchmarks.yaml test_run)
     reference: Path | None = None      # reference outputs file (default: see reference_path)
+    trust_pickle: bool = False         # allow a .pkl dataset (unpickling runs the file's code)
 
 
 def _engine_paths(config: Path, output: Path | None) -> tuple[Path, str, int]:
@@ -65,7 +66,7 @@ def reference_path(benchmark: settings.Benchmark, out_dir: Path) -> Path | None:
 
 
 def load_samples(benchmark: settings.Benchmark, out_dir: Path, dataset_path: Path | None,
-                 reference: Path | None = None) -> list[Sample]:
+                 reference: Path | None = None, trust_pickle: bool = False) -> list[Sample]:
     refs = None
     ref_file = Path(reference) if reference else reference_path(benchmark, out_dir)
     if ref_file is not None and ref_file.is_file():
@@ -77,7 +78,8 @@ def load_samples(benchmark: settings.Benchmark, out_dir: Path, dataset_path: Pat
                         data.get("max_output_tokens"), benchmark.max_output_tokens)
     return load_dataset(benchmark.dataset_kind, dataset_path or benchmark.dataset_path,
                         tokenizer_dir=out_dir / "engine" / "tokenizer",
-                        cache_dir=REPO_ROOT / "build" / "cache" / "mlperf", references=refs)
+                        cache_dir=REPO_ROOT / "build" / "cache" / "mlperf", references=refs,
+                        trust_pickle=trust_pickle)
 
 
 def server_reachable(url: str) -> bool:
@@ -171,8 +173,8 @@ def run(req: RunRequest) -> dict:
         raise settings.SettingsError(f"--compliance {req.compliance!r}; allowed: TEST06")
     if req.reference and not req.save_reference and not Path(req.reference).is_file():
         raise settings.SettingsError(f"--reference {req.reference}: file not found")
-    samples = load_samples(bench, out_dir, req.dataset_path,
-                           None if req.save_reference else req.reference)  # before touching the log folder
+    samples = load_samples(bench, out_dir, req.dataset_path, None if req.save_reference else req.reference,
+                           trust_pickle=req.trust_pickle)  # before touching the log folder
     if req.test_run:
         # AccuracyOnly runs every sample of the QSL: a test run keeps its QSL to the test size
         samples = samples[:int(table.test_run["performance_sample_count_override"])]

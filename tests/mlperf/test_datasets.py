@@ -61,14 +61,81 @@ def test_open_orca_errors_name_the_reference_file(tmp_path):
         load_open_orca(f)
 
 
-def test_pickle_needs_pandas_or_loads_records(tmp_path, monkeypatch):
+class _RunsCode:
+    """What a hostile .pkl holds: unpickling calls os.system (here: touch a marker file)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("loader", [load_open_orca, load_cnn_dailymail])
+def test_pickle_is_refused_without_trust_pickle(tmp_path, loader):
+    marker = tmp_path / "pwned"
+    f = tmp_path / "orca.pkl"
+    f.write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(DatasetError) as e:
+        loader(f)
+    msg = str(e.value)
+    assert msg.startswith(f"{f}: refusing to unpickle") and "\n" not in msg
+    assert "--trust-pickle" in msg and "to_parquet(" in msg and "orient='records'" in msg
+    assert not marker.exists()  # nothing was unpickled
+    with pytest.raises(DatasetError, match="refusing to unpickle"):
+        load_dataset("open_orca", f)  # the registry path refuses too
+
+
+def test_pickle_needs_pandas_or_loads_records_with_trust_pickle(tmp_path, monkeypatch):
     f = tmp_path / "orca.pkl"
     f.write_bytes(pickle.dumps(GOOD))
     monkeypatch.setitem(sys.modules, "pandas", None)  # as on machines without pandas
     with pytest.raises(DatasetError, match=r"needs pandas \(pip install pandas\)"):
-        load_open_orca(f)
+        load_open_orca(f, trust_pickle=True)
     monkeypatch.setitem(sys.modules, "pandas", type(sys)("pandas"))  # any importable pandas
-    assert len(load_open_orca(f)) == 2
+    assert len(load_open_orca(f, trust_pickle=True)) == 2
+    assert len(load_dataset("open_orca", f, trust_pickle=True)) == 2
+
+
+def test_parquet_records_load(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    f = tmp_path / "orca.parquet"
+    pq.write_table(pa.Table.from_pylist(GOOD), f)
+    samples = load_open_orca(f)
+    assert [s.input_ids for s in samples] == [(1, 5, 6, 7), (1, 9)] and samples[1].reference == "A."
+    bad = tmp_path / "cnn_eval.parquet"
+    bad.write_bytes(b"PAR1 not really parquet")
+    with pytest.raises(DatasetError, match=r"cnn_eval.parquet: cannot parse \(") as e:
+        load_cnn_dailymail(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_parquet_without_pyarrow_says_what_to_do(tmp_path, monkeypatch):
+    f = tmp_path / "orca.parquet"
+    f.write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(DatasetError, match=r"needs pyarrow \(pip install pyarrow"):
+        load_open_orca(f)
+
+
+def test_cli_passes_trust_pickle(monkeypatch):
+    from harness.mlperf import __main__ as cli
+
+    assert cli.parse_args([]).trust_pickle is False
+    assert cli.parse_args(["--trust-pickle"]).trust_pickle is True
+    seen = {}
+
+    def fake_run(req):
+        seen["trust_pickle"] = req.trust_pickle
+        raise DatasetError("stop here")
+
+    monkeypatch.setattr("harness.mlperf.run.run", fake_run)
+    assert cli.main(["--benchmarks=smollm2", "--trust-pickle"]) == 2
+    assert seen == {"trust_pickle": True}
+    assert cli.main(["--benchmarks=smollm2"]) == 2 and seen == {"trust_pickle": False}
 
 
 def test_unknown_kind():
