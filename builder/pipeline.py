@@ -124,21 +124,9 @@ def read_stage_file(dest: Path) -> dict | None:
         return None
 
 
-def _load_module(spec: StageSpec):
-    try:
-        return importlib.import_module(spec.module)
-    except ModuleNotFoundError as e:
-        if spec.optional and e.name == spec.module:
-            return None
-        raise
-
-
 def _run_stage(spec: StageSpec, cfg: BuildConfig, root: Path, results: dict[str, StageResult],
                force: bool, log: Callable[[str], None], progress_factory) -> StageResult:
-    module = _load_module(spec)
-    if module is None:
-        return StageResult(spec.name, "unavailable", None, "", {},
-                           reason=f"{spec.module} is not in this checkout; stage skipped")
+    module = importlib.import_module(spec.module)
     dest = root / spec.dest
     ctx = StageContext(cfg, spec.name, root, dest, results, force, log, progress_factory)
     reason = module.skip_reason(ctx) if hasattr(module, "skip_reason") else None

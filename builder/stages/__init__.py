@@ -1,8 +1,7 @@
 """The stage registry: the one table the pipeline walks, in order (interface: ``base.py``).
 
-Stages owned by other engineers (draft, verify, package) are imported lazily; while their module
-does not exist the pipeline logs "unavailable" and goes on, so the build works end to end today and
-picks them up as they land.
+Every stage is required; its module is imported when the pipeline reaches it (a stage that does not
+apply to a config says so through ``skip_reason``).
 """
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ class StageSpec:
     dest: str                       # output folder relative to the build root
     sections: tuple[str, ...]       # config sections whose hashes are part of the stage key
     depends: tuple[str, ...]        # earlier stages whose keys are part of the stage key
-    optional: bool = False          # a missing module is skipped (owned elsewhere, may not have landed)
     engine_json_key: str | None = None  # returned info is recorded under this key of engine.json
 
 
@@ -28,13 +26,13 @@ STAGES: tuple[StageSpec, ...] = (
     # writes them into engine.json), so trying another tree does not train the draft again.
     StageSpec("draft", "builder.stages.draft", "work/draft",
               ("model", "speculative.method", "speculative.draft", "speculative.aux_layers", "speculative.train"),
-              ("import", "quantize"), optional=True),
+              ("import", "quantize")),
     StageSpec("compile", "builder.stages.compile", "engine",
               ("model", "quantization", "speculative", "engine"), ("import", "quantize", "draft")),
     StageSpec("verify", "builder.stages.verify", "work/verify",
-              ("verify",), ("import", "compile"), optional=True, engine_json_key="verify"),
+              ("verify",), ("import", "compile"), engine_json_key="verify"),
     StageSpec("package", "builder.stages.package", "model_repository",
-              ("serving", "engine"), ("compile",), optional=True),
+              ("serving", "engine"), ("compile",)),
 )
 
 STAGE_NAMES = tuple(s.name for s in STAGES)

@@ -68,12 +68,12 @@ class StageError(RuntimeError):
 @dataclasses.dataclass
 class StageResult:
     name: str
-    status: str                 # built | cached | skipped | unavailable
-    path: Path | None           # the stage's output folder (None when skipped/unavailable)
-    key: str                    # stage key ("" when skipped/unavailable)
+    status: str                 # built | cached | skipped
+    path: Path | None           # the stage's output folder (None when skipped)
+    key: str                    # stage key ("" when skipped)
     info: dict[str, Any]
     seconds: float = 0.0
-    reason: str = ""            # why skipped / unavailable
+    reason: str = ""            # why skipped
 
 
 @dataclasses.dataclass

@@ -139,6 +139,16 @@ def test_unwritable_output_is_a_stage_error(tmp_path):
         run_pipeline(BuildConfig.from_dict({}), blocker / "x", log=lambda m: None)
 
 
+def test_a_missing_stage_module_is_an_import_error(tmp_path, monkeypatch):
+    """Every stage is required: a stage whose module is missing fails the build, never is skipped."""
+    import builder.pipeline
+    from builder.stages import StageSpec
+    missing = StageSpec("missing", "builder.stages.no_such_stage", "work/missing", (), ())
+    monkeypatch.setattr(builder.pipeline, "STAGES", (missing,))
+    with pytest.raises(ModuleNotFoundError, match="builder.stages.no_such_stage"):
+        run_pipeline(BuildConfig.from_dict({}), tmp_path, log=lambda m: None)
+
+
 def test_modelopt_checkpoint_source_skips_quantize(build_bundle, tmp_path):
     """A ModelOpt unified checkpoint as model.source: quantize is skipped, compile packs it exactly
     as a bundle built from the original model (the checkpoint is the fp8 build's own export)."""
