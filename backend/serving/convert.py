@@ -214,8 +214,11 @@ def to_words_list(words: list[list[int]]) -> np.ndarray:
     return out
 
 
-def from_words_list(name: str, arr: np.ndarray | None) -> list[list[int]]:
-    """The inverse of :func:`to_words_list`, with shape checks (``[1, 2, N]`` from batched clients too)."""
+def from_words_list(name: str, arr: np.ndarray | None, vocab_size: int | None = None) -> list[list[int]]:
+    """The inverse of :func:`to_words_list`, with shape checks (``[1, 2, N]`` from batched clients too).
+
+    Every id inside a word must be a token id: >= 0, and below ``vocab_size`` when given (ids past the
+    last offset are padding and are not read)."""
     if arr is None:
         return []
     a = np.asarray(arr)
@@ -231,4 +234,9 @@ def from_words_list(name: str, arr: np.ndarray | None) -> list[list[int]]:
         if end > start:
             words.append([int(t) for t in ids[start:end]])
         start = end
+    for word in words:
+        bad = [t for t in word if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            vocab = f"[0, {vocab_size})" if vocab_size is not None else "(ids are >= 0)"
+            raise InvalidRequest(f"input '{name}': token id {bad[0]} is outside the vocabulary {vocab}")
     return words

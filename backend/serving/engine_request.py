@@ -57,10 +57,10 @@ def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits
     v["max_tokens"] = v["request_output_len"]
     v["seed"], v["end_id"] = _optional_id(v["seed"]), _optional_id(v["end_id"])
     kw = sampling_kwargs(v, len(prompt), limits, max_tokens_name="request_output_len")
-    bad = from_words_list("bad_words_list", v["bad_words_list"])
+    bad = from_words_list("bad_words_list", v["bad_words_list"], vocab_size)
     if bad:
         kw["bad_token_ids"] = tuple(tuple(w) for w in bad)
     stops = [s for s in v["stop_words"] if s]
-    stops += [tok.decode(w) for w in from_words_list("stop_words_list", v["stop_words_list"])]
+    stops += [tok.decode(w) for w in from_words_list("stop_words_list", v["stop_words_list"], vocab_size)]
     return EngineRequest(prompt, kw, bool(v["streaming"]), tuple(dict.fromkeys(s for s in stops if s)),
                          bool(v["return_log_probs"]), v["echo_text"], bool(v["return_perf_metrics"]))

@@ -116,6 +116,13 @@ def test_engine_request_round_trip(pre, text_tokenizer):
     (engine_tensors([1, 2], request_output_len=i32(63)), "beyond the engine limit"),
     (engine_tensors([1, 2], input_lengths=i32(3)), "exceeds the 2 ids"),
     (engine_tensors([1, 2], bad_words_list=np.array([1, 2], dtype=np.int32)), "expected shape [2, N]"),
+    # out-of-vocabulary ids in the words lists were accepted silently (a stop word that could never match)
+    (engine_tensors([1, 2], stop_words_list=to_words_list([[5], [7, 49152]])),
+     "input 'stop_words_list': token id 49152 is outside the vocabulary [0, 49152)"),
+    (engine_tensors([1, 2], stop_words_list=np.array([[3, -7], [2, -1]], dtype=np.int32)),
+     "input 'stop_words_list': token id -7 is outside the vocabulary [0, 49152)"),
+    (engine_tensors([1, 2], bad_words_list=to_words_list([[2**31 - 1]])),
+     "input 'bad_words_list': token id 2147483647 is outside the vocabulary [0, 49152)"),
     ({"request_output_len": i32(4)}, "input 'input_ids' is required"),
 ])
 def test_invalid_engine_requests(text_tokenizer, tensors, message):
@@ -131,6 +138,14 @@ def test_words_list_round_trip():
     assert from_words_list("w", arr) == [[5], [7, 8, 9], [3, 3]]
     assert from_words_list("w", to_words_list([])) == []
     assert from_words_list("w", arr[None]) == [[5], [7, 8, 9], [3, 3]]  # [1, 2, N] from batched clients
+    assert from_words_list("w", arr, vocab_size=10) == [[5], [7, 8, 9], [3, 3]]  # -1 padding is not an id
+
+
+def test_words_list_ids_must_be_in_the_vocabulary():
+    with pytest.raises(InvalidRequest, match=r"input 'w': token id 9 is outside the vocabulary \[0, 9\)"):
+        from_words_list("w", to_words_list([[1], [2, 9]]), vocab_size=9)
+    with pytest.raises(InvalidRequest, match=r"input 'w': token id -3 is outside the vocabulary"):
+        from_words_list("w", np.array([[-3], [1]], dtype=np.int64))
 
 
 def test_postprocess_applies_context_trim_and_echo(text_tokenizer):
