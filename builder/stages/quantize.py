@@ -1,14 +1,13 @@
 """Quantize stage: the imported HF checkpoint -> a ModelOpt unified HF checkpoint (``quant/``).
 
 The recipe table, calibration and export live in ``quant.quantize.quantize_checkpoint(hf_dir,
-out_dir, qcfg) -> info`` (owned by the quant engineer); this stage only decides whether there is
-anything to do and hands over the config section.
+out_dir, qcfg) -> info``; this stage only decides whether there is anything to do and hands over
+the config section.
 """
 from __future__ import annotations
 
-import importlib
-
 from builder.stages.base import StageContext, StageError
+from quant.quantize import quantize_checkpoint
 
 
 def skip_reason(ctx: StageContext) -> str | None:
@@ -23,19 +22,11 @@ def skip_reason(ctx: StageContext) -> str | None:
 
 def run(ctx: StageContext) -> dict:
     q = ctx.config.quantization
-    try:
-        quantize = importlib.import_module("quant.quantize")
-    except ModuleNotFoundError as e:
-        if e.name not in ("quant.quantize", "quant"):
-            raise
-        raise StageError(f"{ctx.config.file}: quantization.format: '{q.format}' (kv_cache '{q.kv_cache}') "
-                         f"needs quant/quantize.py, which is not in this checkout; allowed: none "
-                         f"(quantization.format=none quantization.kv_cache=none)") from None
     hf_dir = ctx.results["import"].path
     ctx.log(f"[quantize] ModelOpt {q.format} weights, {q.kv_cache} KV cache: calibrating on "
             f"{q.calibration.num_samples} samples ({q.calibration.dataset})")
     try:
-        info = quantize.quantize_checkpoint(hf_dir, ctx.out_dir, q)
+        info = quantize_checkpoint(hf_dir, ctx.out_dir, q)
     except ValueError as e:  # quant/ raises ValueError subclasses with one line for user mistakes
         raise StageError(f"{ctx.config.file}: quantization: {e}") from None
     return dict(info or {})
