@@ -133,7 +133,7 @@ def _run_stage(spec: StageSpec, cfg: BuildConfig, root: Path, results: dict[str,
     if reason:
         return StageResult(spec.name, "skipped", None, "", {}, reason=reason)
     fingerprint = module.fingerprint(ctx) if hasattr(module, "fingerprint") else ""
-    # STAGE_VERSION: bumped by a stage's owner when its code changes what it writes
+    # STAGE_VERSION: bumped when a stage's code changes what it writes
     fingerprint += f"|v{getattr(module, 'STAGE_VERSION', 0)}"
     key = stage_key(spec, cfg, results, fingerprint)
     previous = None if force else read_stage_file(dest)

@@ -3,7 +3,7 @@
 Names: ``model.layers.{i}.self_attn.{q,k,v}_proj`` fuse into ``layers.{i}.qkv``, ``mlp.{gate,up}_proj``
 into ``layers.{i}.gate_up``, norms are renamed, ``attn.k_scale``/``attn.v_scale`` come from ModelOpt's
 KV-cache scales. Unquantized linears are concatenated here; quantized ones go through
-``quant.pack.pack_linear(fmt, parts)`` (owned by quant/), which knows each format's scale rules.
+``quant.pack.pack_linear(fmt, parts)``, which knows each format's scale rules.
 Tensors are yielded one at a time so the caller can stream them to disk.
 """
 from __future__ import annotations

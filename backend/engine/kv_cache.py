@@ -25,8 +25,6 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-# Capacity planning lives in its own module; re-exported here for callers of the first version.
-from backend.engine.kv_capacity import kv_bytes_per_token, kv_capacity_blocks, read_mem_available
 from backend.engine.request import Request
 
 _ROOT = b"kiln-kv-root"
@@ -365,5 +363,4 @@ class BlockManager:
         return len(self._holders)
 
 
-__all__ = ["BlockManager", "hash_block", "kv_bytes_per_token", "kv_capacity_blocks",
-           "read_mem_available"]
+__all__ = ["BlockManager", "hash_block"]

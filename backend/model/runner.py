@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from backend.ops.attention import get_backend, resolve_backend_name
-from backend.engine.kv_cache import kv_bytes_per_token, kv_capacity_blocks
+from backend.engine.kv_capacity import kv_bytes_per_token, kv_capacity_blocks
 from backend.logs import get_logger
 from backend.model.config import ModelConfig
 from backend.model.llama import LlamaModel

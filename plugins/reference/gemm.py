@@ -8,9 +8,8 @@ import torch
 
 from .kv_cache import quantize_fp8
 
-# The dequantizers are quant/formats.py's (owned by the quant area, the single definition of the
-# weight layouts that compile and runtime share): the GEMM kernels are tested against them.
-from quant.formats import E2M1_VALUES  # noqa: E402,F401  (re-exported for the tests)
+# The dequantizers are quant/formats.py's (the single definition of the weight layouts that
+# compile and runtime share): the GEMM kernels are tested against them.
 from quant.formats import dequantize_int4, dequantize_nvfp4  # noqa: E402
 
 

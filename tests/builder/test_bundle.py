@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def bf16_bundle(build_bundle) -> Path:
-    # verify (the accuracy gate) is the runtime-model area's test; skipping it saves ~2 min of CI
+    # verify (the accuracy gate) has its own tests (tests/runtime/test_verify_stage.py); skipping it
+    # saves ~2 min of CI
     return Path(build_bundle("smollm2-135m-bf16", ["verify.enabled=false"]))
 
 

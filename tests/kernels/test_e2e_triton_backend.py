@@ -20,7 +20,7 @@ def test_greedy_tokens_equal_torch_backend(device, build_bundle):
     from backend.model.runner import load_weights
     from backend.engine.sampling_params import SamplingParams
 
-    # the real pipeline-built bf16 bundle (shared with the other areas); weights upcast to fp32 so
+    # the real pipeline-built bf16 bundle (shared with the other tests); weights upcast to fp32 so
     # the interpreter's kernels and the reference compare in the same precision
     bundle = Path(build_bundle("smollm2-135m-bf16", ["verify.enabled=false"]))
     tok = Tokenizer.from_file(str(bundle / "tokenizer" / "tokenizer.json"))

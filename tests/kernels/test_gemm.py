@@ -5,8 +5,8 @@ import torch
 
 from plugins.gemm_fp8 import fp8_linear
 from plugins.gemm_w4a16 import w4a16_linear
-from plugins.reference.gemm import (E2M1_VALUES, dequant_nvfp4, fp8_linear_ref, int4_awq_linear_ref,
-                                    nvfp4_linear_ref)
+from plugins.reference.gemm import dequant_nvfp4, fp8_linear_ref, int4_awq_linear_ref, nvfp4_linear_ref
+from quant.formats import E2M1_VALUES
 from tests.kernels.kernel_utils import assert_close
 
 

@@ -11,13 +11,13 @@ import torch
 
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_hf_dir) -> Path:
-    """SmolLM2 as an HF checkpoint dir (the builder's import stage, shared with other areas)."""
+    """SmolLM2 as an HF checkpoint dir (the builder's import stage, shared with the other tests)."""
     return Path(smollm2_hf_dir)
 
 
 @pytest.fixture(scope="session")
 def smollm2_bundle(build_bundle) -> Path:
-    """The real bf16 SmolLM2 engine bundle from the build pipeline (shared with the other areas'
+    """The real bf16 SmolLM2 engine bundle from the build pipeline (shared with the other
     tests, built once per session)."""
     # verify off: the verify stage has its own tests; this shares the builder tests' bundle
     return Path(build_bundle("smollm2-135m-bf16", ["verify.enabled=false"]))

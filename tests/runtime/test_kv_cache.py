@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from backend.engine.kv_cache import BlockManager, kv_bytes_per_token, kv_capacity_blocks
+from backend.engine.kv_cache import BlockManager
+from backend.engine.kv_capacity import kv_bytes_per_token, kv_capacity_blocks
 from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
 

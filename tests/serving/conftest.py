@@ -38,30 +38,11 @@ SERVING_OVERRIDES = ["engine.max_kv_tokens=4096", "engine.max_seq_len=1024", "en
 
 
 @pytest.fixture(scope="session")
-def serving_build(request) -> Path:
-    """build/<...>/ with engine/ and model_repository/ produced by the real build pipeline.
-
-    Uses builder-core's ``build_bundle`` fixture when it exists (shared cache across test areas);
-    otherwise runs the pipeline itself into build/test-cache (stages are cached between runs).
-    """
-    try:
-        bundle = Path(request.getfixturevalue("build_bundle")(SERVING_CONFIG, SERVING_OVERRIDES))
-        root = bundle.parent
-    except pytest.FixtureLookupError:
-        from builder.config import BuildConfig
-        from builder.pipeline import run_pipeline
-        cfg = BuildConfig.from_yaml(ROOT / "configs" / f"{SERVING_CONFIG}.yaml", SERVING_OVERRIDES)
-        root = run_pipeline(cfg, ROOT / "build" / "test-cache" / "serving-bf16", log=lambda m: None).root
-    repo = root / "model_repository"
-    if not (repo / "engine" / "config.pbtxt").is_file():
-        # the bundle fixture may stop at compile: render the repository the way the package stage does
-        from builder.config import BuildConfig
-        from builder.stages.package import render_repository, template_values
-        import os
-        cfg = BuildConfig.from_yaml(ROOT / "configs" / f"{SERVING_CONFIG}.yaml", SERVING_OVERRIDES)
-        tmp = root / f"model_repository.tmp-{os.getpid()}"
-        render_repository(template_values(cfg.serving, "../engine"), tmp)
-        tmp.replace(repo)
+def serving_build(build_bundle) -> Path:
+    """build/test-cache/<...>/ with engine/ and model_repository/ from the real build pipeline
+    (``build_bundle`` in tests/conftest.py: stages are cached between runs)."""
+    root = Path(build_bundle(SERVING_CONFIG, SERVING_OVERRIDES)).parent
+    assert (root / "model_repository" / "engine" / "config.pbtxt").is_file(), "the package stage did not run"
     return root
 
 

@@ -40,7 +40,7 @@ class AttentionBackend(Protocol):
                 v_scale: "torch.Tensor | None") -> "torch.Tensor": ...
 
 
-# name -> "module:Class". The "triton" backend is written by the kernels area.
+# name -> "module:Class"
 ATTENTION_BACKENDS: dict[str, str] = {
     "torch": "backend.ops.attention.torch_backend:TorchAttentionBackend",
     "triton": "backend.ops.attention.triton_backend:TritonAttentionBackend",
