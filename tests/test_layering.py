@@ -1,4 +1,4 @@
-"""Imports run one way only: harness -> builder -> backend -> plugins -> quant (design.md, Layout).
+"""Imports run one way only: harness -> builder -> backend -> plugins -> quant (README.md, Layout).
 
 A module may import its own layer and the layers after it, never one before it; the Triton model
 files under model_repository/ may import backend only. Every import counts, wherever it is (module

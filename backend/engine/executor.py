@@ -60,7 +60,7 @@ class GenerationResult:
 
 
 class Speculator(Protocol):
-    """What the executor calls when speculative decoding is on (implemented in ``backend/spec``).
+    """What the executor calls when speculative decoding is on (implemented in ``backend/speculative``).
 
     * ``capture_hidden_layers``: target layers whose outputs ``propose`` needs.
     * ``prepare(out, inputs)``: before the forward; may set ``inputs.meta.tree_mask`` for token trees.

@@ -1,6 +1,6 @@
 """The engine model's logic: a Kiln executor behind Triton's decoupled Python backend.
 
-Rules (design.md, serving contract):
+Rules (the serving contract):
 * ``execute()`` only converts and enqueues; it never waits for tokens.
 * Responses are sent from the executor's callback thread through each request's response sender.
 * Every request gets exactly one FINAL response: the last data response carries the FINAL flag; a

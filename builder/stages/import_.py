@@ -2,7 +2,7 @@
 
 * GGUF (the wheel's SmolLM2 or a user file): dequantized to ``model.dtype`` by transformers + gguf,
   then written with our own safetensors writer, because ``save_pretrained`` refuses GGUF-loaded
-  models and their config has ``architectures = None`` (environment.md).
+  models and their config has ``architectures = None``.
 * HF folders (Llama/Mistral/Qwen2) and ModelOpt-quantized HF folders: files are hard-linked (copied
   across filesystems), after checking every safetensors header for truncation.
 The source's sha256 goes into the stage info and from there into engine.json.

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
                       args.max_tokens, args.dtype, args.reps)
 
     commit = git_commit()
-    dirty = subprocess.run(["git", "status", "--porcelain", "backend/spec"], capture_output=True,
+    dirty = subprocess.run(["git", "status", "--porcelain", "backend/speculative"], capture_output=True,
                            text=True, cwd=REPO).stdout.strip()
     draft_cfg = json.loads((engine / "draft" / "config.json").read_text())
     engine_doc = json.loads((engine / "engine.json").read_text())

@@ -1,7 +1,7 @@
 """The executor on an NVIDIA GPU with a Llama-3.1-8B-shaped FP8 engine of random weights:
 `python -m harness.bench.gpu [--isl 1000 --osl 1000 --num-requests 256] [--out F]`.
 
-Speed does not depend on weight values (targets.md: "random weights are fine for speed"), and no 8B
+Speed does not depend on weight values (random weights are fine for speed), and no 8B
 checkpoint can reach the GPU machine, so the weights are generated on the GPU in the bundle's runtime
 layout (FP8 per-row weights, static input scales, FP8 KV scales) and handed to the Executor with a
 manifest-only bundle. Measures, in one run:

@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "what": "engine step host overhead (scheduler + block manager + input preparation + "
                 "sampling bookkeeping + update) with a stub model returning fixed logits "
                 f"(vocab {STUB_VOCAB}, no compute)",
-        "goal": "<= 0.5 ms per step at 256 running sequences (docs: shared/notes/targets.md)",
+        "goal": "<= 0.5 ms per step at 256 running sequences",
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load_avg_1_5_15": load,
                     "python_1m_loop_ms": round(yardstick, 1),
                     "python": platform.python_version(), "torch": torch.__version__,

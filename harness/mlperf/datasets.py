@@ -156,7 +156,8 @@ def mtbench_questions(cache_dir: Path) -> list[str]:
 def load_mtbench(path: Path | None, *, tokenizer_dir: Path, cache_dir: Path,
                  references: dict[int, str] | None = None, **_) -> list[Sample]:
     """MT-bench first turns in the engine's chat template. `references` maps sample index to the
-    unquantized engine's output (see harness/mlperf/reference.py); None leaves them unset."""
+    unquantized engine's output (written by `--save-reference`, read
+    by harness/mlperf/run.py); None leaves them unset."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))

@@ -1,6 +1,6 @@
 """The executor's speculation seam with an oracle drafter: multi-token steps keep greedy output exact.
 
-The drafter is a test double for EAGLE (which lives in backend/spec): it proposes the known greedy
+The drafter is a test double for EAGLE (which lives in backend/speculative): it proposes the known greedy
 continuation, with a wrong token planted every other step so rejection and KV rollback happen too.
 """
 from __future__ import annotations
