@@ -1,38 +1,396 @@
-"""Open an engine bundle (docs/contracts.md section 3) and check it before anything runs.
+"""The engine bundle format (docs/contracts.md section 3): the one module that reads, checks and writes
+``engine.json``. Everything else goes through it.
 
-``load_bundle(path, verify_hashes=True) -> Bundle``. Refuses an unknown format or version, a missing
-file, or a file whose sha256 differs from engine.json, with a ``BundleError`` that says what to
-rebuild. Imports only the standard library, torch and safetensors: it runs inside Triton's Python
-backend.
+* ``read(path) -> Manifest``: parse ``<path>/engine.json`` and check its format, version and every
+  field's presence and type into frozen dataclasses (``Manifest`` and its sections).
+* ``verify(path, manifest, hashes=True)``: every file the manifest lists exists (and its sha256 matches).
+* ``load_bundle(path, verify_hashes=True) -> Bundle``: both, plus lazy access to the weights.
+* ``write(path, manifest)``: write ``engine.json`` atomically (indent 2, no NaN or infinity);
+  ``rewrite(path, key, value)`` replaces one section (the pipeline's ``verify`` record).
+* ``file_hashes(path)``: the ``files`` section of a bundle folder; ``as_dict(section)``: a section as JSON.
+
+Whatever it refuses is a ``BundleError``: one line naming the file and the field, and what to rebuild.
+Engine settings' defaults are stated here once (``EngineSettings``) and resolved against the model when
+a ``Manifest`` is made. Imports only the standard library (safetensors when a tensor is read): it runs
+inside Triton's Python backend.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from backend.model.config import ModelConfig, ModelConfigError
+
 FORMAT = "kiln-engine"
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 1                  # what write() produces
+SUPPORTED_VERSIONS = (1,)           # what read() accepts
+MANIFEST = "engine.json"
 WEIGHTS = "weights.safetensors"
+UNLISTED = (MANIFEST, "stage.json")  # the files a manifest's ``files`` never lists
+# The model section's keys in the order the builder writes them (ModelConfig's fields, reordered).
+MODEL_KEYS = ("architecture", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+              "head_dim", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
+              "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window", "bos_token_id",
+              "eos_token_ids", "pad_token_id", "dtype")
+OMIT = {"omit_default": True}       # field metadata: not written while it holds its default
+REQUIRED = {"required": True}       # field metadata: must be in engine.json although code has a default
 
 
 class BundleError(RuntimeError):
     """The bundle cannot be used as it is; the message says what to rebuild."""
 
 
-@dataclasses.dataclass
+class _FieldError(Exception):
+    """One field is missing or wrong: "<field>: <what>" (BundleError adds the file and the hint)."""
+
+
+@dataclass(frozen=True)
+class Quantization:
+    format: str
+    kv_cache: str = "none"
+    group_size: int | None = None
+    exclude: tuple[str, ...] = ()
+    unquantized_modules: tuple[str, ...] = ()
+    source: str | None = None
+
+
+def default_kv_cache_dtype(kv_cache: str, model_dtype: str) -> str:
+    """engine.kv_cache_dtype for quantization.kv_cache: fp8 -> fp8_e4m3, none -> the model dtype."""
+    return "fp8_e4m3" if kv_cache == "fp8" else model_dtype
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The ``engine`` section; these defaults are the runtime's, stated nowhere else."""
+    max_batch_size: int = 64
+    max_num_tokens: int = 2048
+    max_seq_len: int | None = None          # None: the model's max_position_embeddings
+    max_input_len: int | None = None        # None: max_seq_len - 1
+    kv_block_size: int = 16
+    kv_cache_dtype: str | None = None       # None: default_kv_cache_dtype(quantization.kv_cache, model.dtype)
+    kv_cache_free_mem_fraction: float = 0.9
+    max_kv_tokens: int | None = None        # None: as many as kv_cache_free_mem_fraction allows
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduler_policy: str = "max_utilization"
+    tp_size: int = 1
+    attention_backend: str = "auto"
+    cuda_graphs: str | bool = field(default="auto", metadata=OMIT)  # an override; the builder does not write it
+
+    def resolved(self, model: ModelConfig, quantization: Quantization) -> "EngineSettings":
+        """These settings with every model-dependent default (None) filled in."""
+        seq = self.max_seq_len if self.max_seq_len is not None else model.max_position_embeddings
+        return dataclasses.replace(
+            self, max_seq_len=seq, max_input_len=self.max_input_len if self.max_input_len is not None else seq - 1,
+            kv_cache_dtype=self.kv_cache_dtype or default_kv_cache_dtype(quantization.kv_cache, model.dtype))
+
+    def override(self, **changes: Any) -> "EngineSettings":
+        """These settings with run-time overrides (``Executor(..., max_kv_tokens=4096)``), type-checked."""
+        hints = typing.get_type_hints(EngineSettings)
+        for key, value in changes.items():
+            if key not in hints:
+                raise BundleError(f"engine override {key!r}: unknown key; allowed: {', '.join(sorted(hints))}")
+            try:
+                _parse(value, hints[key], f"engine override {key!r}")
+            except _FieldError as exc:
+                raise BundleError(str(exc)) from None
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Targets:
+    sms: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One AOT kernel; paths are relative to the bundle, ``sha256`` has cubin, ptx and meta."""
+    name: str
+    key: str
+    sm: int
+    cubin: str
+    ptx: str
+    meta: str
+    sha256: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """The EAGLE-3 draft's runtime settings (its own shape is in draft/config.json)."""
+    method: str
+    draft_dir: str = "draft"
+    max_draft_len: int = 4
+    tree: str = "chain"
+    tree_choices: list | None = None
+    top_k: int = 4
+    depth: int = 4
+    min_draft_prob: float = 0.0
+    aux_layers: tuple[int, ...] | None = field(default=None, metadata=OMIT)
+    draft_vocab_size: int | None = field(default=None, metadata=OMIT)
+    draft_source: str | None = field(default=None, metadata=OMIT)
+    train: dict | None = field(default=None, metadata=OMIT)
+
+
+@dataclass(frozen=True)
+class Verify:
+    """The verify stage's figures (null until it ran); ``speculative``: the draft's, when there is one."""
+    top1_agreement: float
+    mean_kl: float
+    num_prompts: int
+    num_positions: int
+    format: str
+    kv_cache_dtype: str
+    min_top1_agreement: float
+    max_mean_kl: float
+    passed: bool
+    speculative: dict | None = field(default=None, metadata=OMIT)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """The whole engine.json. Field order is the file's key order."""
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+    created: str | None = None
+    kiln_version: str | None = None
+    config_file: str | None = None
+    model: ModelConfig
+    quantization: Quantization
+    engine: EngineSettings = field(default_factory=EngineSettings, metadata=REQUIRED)
+    targets: Targets = field(default_factory=Targets)
+    kernels: tuple[Kernel, ...] = ()
+    speculative: Speculative | None = None
+    tools: dict[str, str | None] = field(default_factory=dict)
+    hashes: dict[str, str | None] = field(default_factory=dict)
+    verify: Verify | None = None
+    files: dict[str, str] = field(default_factory=dict, metadata=REQUIRED)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engine", self.engine.resolved(self.model, self.quantization))
+
+    @classmethod
+    def from_dict(cls, doc: Any, source: str = MANIFEST) -> "Manifest":
+        """Check a parsed engine.json (format, version, fields, types); ``source`` names it in errors."""
+        hint = rebuild_hint(doc if isinstance(doc, dict) else None)
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+            raise BundleError(f"{source}: format {got!r} is not {FORMAT!r}; {hint}")
+        version = doc.get("format_version")
+        if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
+            raise BundleError(f"{source}: format_version {version!r} is not supported by this runtime "
+                              f"(supported: {', '.join(map(str, SUPPORTED_VERSIONS))}); {hint}")
+        try:
+            return _from_dict(cls, doc, "")
+        except _FieldError as exc:
+            raise BundleError(f"{source}: {exc}; {hint}") from None
+
+    def replace(self, source: str = MANIFEST, **changes: Any) -> "Manifest":
+        """A copy with sections replaced; plain dicts/lists are checked and converted like engine.json."""
+        hints = typing.get_type_hints(Manifest)
+        try:
+            return dataclasses.replace(self, **{k: _parse(as_dict(v), hints[k], k) for k, v in changes.items()})
+        except _FieldError as exc:
+            raise BundleError(f"{source}: {exc}; {rebuild_hint(self)}") from None
+
+
+# ---- checking and converting ------------------------------------------------------------------
+
+_JSON_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+               type(None): "null", dict: "an object", list: "a list", tuple: "a list"}
+
+
+def _expected(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_expected(a) for a in typing.get_args(hint))
+    if dataclasses.is_dataclass(hint):
+        return "an object"
+    return _JSON_NAMES.get(origin or hint, str(hint))
+
+
+def _accepts(v: Any, hint: Any) -> bool:
+    """Shallow type check (elements of lists and objects are checked by _parse)."""
+    origin = typing.get_origin(hint) or hint
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(v, a) for a in typing.get_args(hint))
+    if dataclasses.is_dataclass(hint) or origin is dict:
+        return isinstance(v, dict)
+    if origin in (tuple, list):
+        return isinstance(v, (list, tuple))
+    if hint is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if hint is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, origin)
+
+
+def _parse(v: Any, hint: Any, where: str) -> Any:
+    """``v`` (JSON) checked against ``hint`` and converted: objects to dataclasses, lists to tuples."""
+    if not _accepts(v, hint):
+        raise _FieldError(f"{where}: expected {_expected(hint)}, got {json.dumps(v, default=repr)[:60]}")
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return _parse(v, next(a for a in args if _accepts(v, a)), where)
+    if dataclasses.is_dataclass(hint):
+        return _from_dict(hint, v, where)
+    if origin is tuple:
+        return tuple(_parse(x, args[0], f"{where}[{i}]") for i, x in enumerate(v))
+    if origin is dict:
+        return {k: _parse(x, args[1], f"{where}.{k}") for k, x in v.items()}
+    return v
+
+
+def _from_dict(cls: type, d: dict, where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    prefix = f"{where}." if where else ""
+    for key in d:
+        if key not in fields:
+            raise _FieldError(f"{prefix}{key}: unknown field (format_version {FORMAT_VERSION} has no such field)")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in d:
+            no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if no_default or f.metadata.get("required"):
+                raise _FieldError(f"{prefix}{name}: missing")
+            continue
+        kwargs[name] = _parse(d[name], hints[name], f"{prefix}{name}")
+    try:
+        return cls(**kwargs)
+    except ModelConfigError as exc:  # its own value checks: "engine.json: model.dtype: ..."
+        raise _FieldError(str(exc).removeprefix(f"{MANIFEST}: ")) from None
+
+
+def as_dict(obj: Any) -> Any:
+    """A section (or the whole Manifest) as the JSON engine.json holds, keys in the file's order."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = MODEL_KEYS if isinstance(obj, ModelConfig) else [f.name for f in dataclasses.fields(obj)]
+        omit = {f.name: f.default for f in dataclasses.fields(obj) if f.metadata.get("omit_default")}
+        return {n: as_dict(getattr(obj, n)) for n in names if not (n in omit and getattr(obj, n) == omit[n])}
+    if isinstance(obj, (list, tuple)):
+        return [as_dict(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: as_dict(x) for k, x in obj.items()}
+    return obj
+
+
+def _non_finite(obj: Any, where: str = "") -> str | None:
+    """The first field holding NaN or infinity (JSON has neither), or None."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where or "(top level)"
+    if isinstance(obj, dict):
+        items = ((f"{where}.{k}" if where else str(k), x) for k, x in obj.items())
+    else:
+        items = ((f"{where}[{i}]", x) for i, x in enumerate(obj if isinstance(obj, list) else ()))
+    return next((found for w, x in items if (found := _non_finite(x, w))), None)
+
+
+# ---- files ------------------------------------------------------------------------------------
+
+def rebuild_hint(manifest: Manifest | dict | None) -> str:
+    cfg = manifest.get("config_file") if isinstance(manifest, dict) else getattr(manifest, "config_file", None)
+    target = f"CONFIG={cfg}" if cfg and not str(cfg).startswith("<") else "CONFIG=<its config>"
+    return f"rebuild with: make build {target} BUILD_ARGS=--force"
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, streamed (bundles hold multi-GB weights)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_hashes(path: str | Path) -> dict[str, str]:
+    """The ``files`` section for the bundle folder ``path``: every file but engine.json and stage.json."""
+    root = Path(path)
+    return {str(p.relative_to(root)): sha256_file(p) for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name not in UNLISTED}
+
+
+def read(path: str | Path) -> Manifest:
+    """The checked manifest of the bundle folder ``path`` (its files are not looked at: see verify)."""
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        what = "does not exist" if not path.exists() else f"is not an engine bundle (no {MANIFEST})"
+        raise BundleError(f"{path}: {what}; {rebuild_hint(None)}")
+
+    def no_constant(name: str):
+        raise ValueError(f"{name} is not JSON")
+    try:
+        doc = json.loads(manifest_path.read_text(encoding="utf-8"), parse_constant=no_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BundleError(f"{manifest_path}: unreadable, not valid JSON ({e}); {rebuild_hint(None)}") from None
+    return Manifest.from_dict(doc, str(manifest_path))
+
+
+def verify(path: str | Path, manifest: Manifest, hashes: bool = True) -> None:
+    """Every file ``manifest`` lists is in the bundle folder ``path`` and, with ``hashes``, unchanged."""
+    path = Path(path)
+    if WEIGHTS not in manifest.files:
+        raise BundleError(f"{path / MANIFEST}: files: does not list {WEIGHTS}; {rebuild_hint(manifest)}")
+    for rel, digest in manifest.files.items():
+        f = path / rel
+        if not f.is_file():
+            raise BundleError(f"{f}: missing from the bundle; {rebuild_hint(manifest)}")
+        if hashes and sha256_file(f) != digest:
+            raise BundleError(f"{f}: changed since the build (sha256 differs from {MANIFEST} files[{rel!r}]); "
+                              f"{rebuild_hint(manifest)}")
+
+
+def write(path: str | Path, manifest: Manifest) -> Path:
+    """Write ``<path>/engine.json`` atomically (indent 2, trailing newline); NaN/infinity are refused."""
+    target = Path(path) / MANIFEST
+    doc = as_dict(manifest)
+    bad = _non_finite(doc)
+    if bad:
+        raise BundleError(f"{target}: {bad}: not a finite number (JSON has no NaN or infinity); "
+                          f"fix what produced it, then {rebuild_hint(manifest)}")
+    tmp = target.with_name(f"{MANIFEST}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    os.replace(tmp, target)
+    return target
+
+
+def rewrite(path: str | Path, key: str, value: Any) -> bool:
+    """Replace the top-level ``key`` of ``<path>/engine.json`` with ``value``, atomically. -> changed."""
+    manifest = read(path)
+    new = manifest.replace(str(Path(path) / MANIFEST), **{key: value})
+    if new == manifest:
+        return False
+    write(path, new)
+    return True
+
+
+# ---- an opened bundle -------------------------------------------------------------------------
+
+@dataclass
 class Bundle:
     path: Path
-    manifest: dict[str, Any]                 # the whole engine.json
-    model_config: dict[str, Any]
-    engine_config: dict[str, Any]
-    quantization: dict[str, Any]
-    speculative: dict[str, Any] | None
-    kernels: list[dict[str, Any]]
-    tokenizer_dir: Path
+    manifest: Manifest
     _handle: Any = dataclasses.field(default=None, repr=False)
+
+    model = property(lambda self: self.manifest.model)
+    engine = property(lambda self: self.manifest.engine)
+    quantization = property(lambda self: self.manifest.quantization)
+    speculative = property(lambda self: self.manifest.speculative)
+    kernels = property(lambda self: self.manifest.kernels)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path / "tokenizer"
 
     @property
     def weights_path(self) -> Path:
@@ -40,7 +398,7 @@ class Bundle:
 
     @property
     def draft_dir(self) -> Path | None:
-        d = self.path / "draft"
+        d = self.path / (self.speculative.draft_dir if self.speculative else "draft")
         return d if d.is_dir() else None
 
     def _open(self):
@@ -65,52 +423,9 @@ class Bundle:
                 yield name, self.tensor(name)
 
 
-def rebuild_hint(manifest: dict | None) -> str:
-    cfg = (manifest or {}).get("config_file")
-    target = f"CONFIG={cfg}" if cfg and not str(cfg).startswith("<") else "CONFIG=<its config>"
-    return f"rebuild with: make build {target} BUILD_ARGS=--force"
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, streamed (bundles hold multi-GB weights). The builder writes the
-    manifest's hashes with this same function, so writer and checker cannot disagree."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def load_bundle(path: str | Path, verify_hashes: bool = True) -> Bundle:
+    """read + verify: the bundle at ``path``, checked before anything runs."""
     path = Path(path)
-    manifest_path = path / "engine.json"
-    if not manifest_path.is_file():
-        what = "does not exist" if not path.exists() else "is not an engine bundle (no engine.json)"
-        raise BundleError(f"{path}: {what}; {rebuild_hint(None)}")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BundleError(f"{manifest_path}: unreadable ({e}); {rebuild_hint(None)}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise BundleError(f"{manifest_path}: format {got!r} is not {FORMAT!r}; {rebuild_hint(None)}")
-    version = manifest.get("format_version")
-    if version not in SUPPORTED_VERSIONS:
-        raise BundleError(f"{manifest_path}: format_version {version!r} is not supported by this runtime "
-                          f"(supported: {', '.join(map(str, SUPPORTED_VERSIONS))}); {rebuild_hint(manifest)}")
-    for key in ("model", "engine", "quantization", "files"):
-        if not isinstance(manifest.get(key), dict):
-            raise BundleError(f"{manifest_path}: section {key!r} is missing; {rebuild_hint(manifest)}")
-    files: dict[str, str] = manifest["files"]
-    if WEIGHTS not in files:
-        raise BundleError(f"{manifest_path}: files does not list {WEIGHTS}; {rebuild_hint(manifest)}")
-    for rel, digest in files.items():
-        f = path / rel
-        if not f.is_file():
-            raise BundleError(f"{f}: missing from the bundle; {rebuild_hint(manifest)}")
-        if verify_hashes and sha256_file(f) != digest:
-            raise BundleError(f"{f}: changed since the build (sha256 differs from engine.json); "
-                              f"{rebuild_hint(manifest)}")
-    return Bundle(path=path, manifest=manifest, model_config=manifest["model"], engine_config=manifest["engine"],
-                  quantization=manifest["quantization"], speculative=manifest.get("speculative"),
-                  kernels=list(manifest.get("kernels") or []), tokenizer_dir=path / "tokenizer")
+    manifest = read(path)
+    verify(path, manifest, hashes=verify_hashes)
+    return Bundle(path=path, manifest=manifest)

@@ -113,31 +113,30 @@ def cmd_validate(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from backend.bundle import load_bundle
+    from backend.bundle import as_dict, load_bundle
 
     b = load_bundle(args.bundle, verify_hashes=not args.no_verify)
     m = b.manifest
     if args.json:
-        print(json.dumps(m, indent=2))
+        print(json.dumps(as_dict(m), indent=2))
         return 0
-    mc, q, e = b.model_config, b.quantization, b.engine_config
-    print(f"bundle      {b.path}  ({m['format']} v{m['format_version']}, kiln {m.get('kiln_version')}, "
-          f"created {m.get('created')})")
-    print(f"config      {m.get('config_file')}  hash {m.get('hashes', {}).get('config', '')[:16]}")
-    print(f"model       {mc['architecture']}: {mc['num_layers']} layers, hidden {mc['hidden_size']}, "
-          f"ffn {mc['intermediate_size']}, heads {mc['num_heads']}/{mc['num_kv_heads']} x {mc['head_dim']}, "
-          f"vocab {mc['vocab_size']}, context {mc['max_position_embeddings']}, {mc['dtype']}")
-    print(f"source      sha256 {m.get('hashes', {}).get('source', '')[:16]}")
-    print(f"quant       weights {q['format']}, kv cache {q['kv_cache']}, group {q.get('group_size')}, "
-          f"unquantized {q.get('unquantized_modules')}")
-    print(f"engine      batch {e['max_batch_size']}, tokens/step {e['max_num_tokens']}, seq {e['max_seq_len']} "
-          f"(input {e['max_input_len']}), kv block {e['kv_block_size']} {e['kv_cache_dtype']}, tp {e['tp_size']}, "
-          f"prefix cache {e['enable_prefix_caching']}, chunked prefill {e['enable_chunked_prefill']}")
-    print(f"targets     sm {m.get('targets', {}).get('sms')}; {len(b.kernels)} AOT kernels")
-    print(f"speculative {m.get('speculative')}")
-    print(f"verify      {m.get('verify')}")
-    print(f"tools       {', '.join(f'{k} {v}' for k, v in (m.get('tools') or {}).items())}")
-    print(f"files       {len(m['files'])} ({'sha256 checked' if not args.no_verify else 'not checked'})")
+    mc, q, e = b.model, b.quantization, b.engine
+    print(f"bundle      {b.path}  ({m.format} v{m.format_version}, kiln {m.kiln_version}, created {m.created})")
+    print(f"config      {m.config_file}  hash {(m.hashes.get('config') or '')[:16]}")
+    print(f"model       {mc.architecture}: {mc.num_layers} layers, hidden {mc.hidden_size}, "
+          f"ffn {mc.intermediate_size}, heads {mc.num_heads}/{mc.num_kv_heads} x {mc.head_dim}, "
+          f"vocab {mc.vocab_size}, context {mc.max_position_embeddings}, {mc.dtype}")
+    print(f"source      sha256 {(m.hashes.get('source') or '')[:16]}")
+    print(f"quant       weights {q.format}, kv cache {q.kv_cache}, group {q.group_size}, "
+          f"unquantized {list(q.unquantized_modules)}")
+    print(f"engine      batch {e.max_batch_size}, tokens/step {e.max_num_tokens}, seq {e.max_seq_len} "
+          f"(input {e.max_input_len}), kv block {e.kv_block_size} {e.kv_cache_dtype}, tp {e.tp_size}, "
+          f"prefix cache {e.enable_prefix_caching}, chunked prefill {e.enable_chunked_prefill}")
+    print(f"targets     sm {list(m.targets.sms)}; {len(b.kernels)} AOT kernels")
+    print(f"speculative {as_dict(m.speculative)}")
+    print(f"verify      {as_dict(m.verify)}")
+    print(f"tools       {', '.join(f'{k} {v}' for k, v in m.tools.items())}")
+    print(f"files       {len(m.files)} ({'sha256 checked' if not args.no_verify else 'not checked'})")
     return 0
 
 

@@ -139,7 +139,8 @@ class Executor:
                  speculator: Speculator | None = None, start: bool = True,
                  weights: dict[str, torch.Tensor] | None = None, verify_hashes: bool = True,
                  speculative: bool = True, **engine_overrides: Any) -> None:
-        """``engine_overrides`` replace ``engine.json`` engine keys (e.g. ``max_kv_tokens=4096``).
+        """``bundle_path``: a bundle folder, or a ``backend.bundle.Bundle`` already read (and checked).
+        ``engine_overrides`` replace ``engine.json`` engine keys (e.g. ``max_kv_tokens=4096``).
         ``weights`` reuses tensors already loaded from this bundle (several executors, one copy).
         ``start=False`` runs no thread: the caller drives ``step()`` (``generate`` does it).
         ``verify_hashes`` checks every bundle file's sha256 against engine.json first.
@@ -148,25 +149,23 @@ class Executor:
             dtype = getattr(torch, dtype)
         self.spec = load_engine_spec(bundle_path, engine_overrides, verify_hashes=verify_hashes)
         self.runner = ModelRunner(self.spec, device=device, dtype=dtype, weights=weights)
-        eng, cfg = self.spec.engine, self.spec.model
-        self.max_seq_len = int(eng.get("max_seq_len", cfg.max_position_embeddings))
-        self.max_input_len = int(eng.get("max_input_len", self.max_seq_len - 1))
+        eng, cfg = self.spec.engine, self.spec.model   # typed, defaults resolved (backend/bundle.py)
+        self.max_seq_len = eng.max_seq_len
+        self.max_input_len = eng.max_input_len
         self.vocab_size = cfg.vocab_size
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
-                                          bool(eng.get("enable_prefix_caching", True)))
+                                          eng.enable_prefix_caching)
         try:
-            self.scheduler = Scheduler(self.block_manager, int(eng.get("max_batch_size", 64)),
-                                       int(eng.get("max_num_tokens", 2048)),
-                                       eng.get("scheduler_policy", "max_utilization"),
-                                       bool(eng.get("enable_chunked_prefill", True)),
+            self.scheduler = Scheduler(self.block_manager, eng.max_batch_size, eng.max_num_tokens,
+                                       eng.scheduler_policy, eng.enable_chunked_prefill,
                                        max_seq_len=self.max_seq_len, eos_token_ids=cfg.eos_token_ids)
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
         self.sampler = Sampler(cfg.eos_token_ids)
         self.speculator = speculator
         self.device = self.runner.device
-        if speculator is None and speculative and \
-                (self.spec.doc.get("speculative") or {}).get("method") == "eagle3":
+        draft = self.spec.manifest.speculative
+        if speculator is None and speculative and draft is not None and draft.method == "eagle3":
             from backend.speculative.speculator import attach  # lazy: draft-less bundles never import it
             attach(self)
         # Room in each block-table row for a full sequence plus draft tokens being verified.

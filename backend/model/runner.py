@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from backend.ops.attention import get_backend, resolve_backend_name
+from backend.bundle import Bundle, BundleError, EngineSettings, Manifest, as_dict, load_bundle
 from backend.engine.kv_capacity import kv_bytes_per_token, kv_capacity_blocks
 from backend.logs import get_logger
 from backend.model.config import ModelConfig
@@ -26,8 +27,6 @@ KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3
              "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Model architectures this runtime builds, by engine.json model.architecture.
 MODEL_CLASSES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel}
-# Engine keys a run may set although a bundle need not record them.
-RUNTIME_ONLY_KEYS = ("kv_cache_dtype", "max_kv_tokens", "attention_backend", "cuda_graphs")
 # On CPU the KV pool comes from RAM shared with everything else; a tenth is plenty for serving.
 CPU_RAM_FRACTION = 0.1
 
@@ -53,37 +52,40 @@ class EngineError(ValueError):
 
 @dataclass
 class EngineSpec:
-    """What the runtime reads from a bundle: ``engine.json`` sections plus the bundle path."""
+    """What the runtime reads from a bundle: its checked manifest (engine overrides applied) and path."""
     path: Path
-    doc: dict[str, Any]
-    model: ModelConfig
-    engine: dict[str, Any]
-    quant_format: str
+    manifest: Manifest
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.manifest.model
+
+    @property
+    def engine(self) -> EngineSettings:
+        return self.manifest.engine
+
+    @property
+    def quant_format(self) -> str:
+        return self.manifest.quantization.format
 
     @property
     def kv_cache_dtype(self) -> str:
-        return self.engine.get("kv_cache_dtype") or self.model.dtype
+        return self.engine.kv_cache_dtype
 
 
-def load_engine_spec(path: str | os.PathLike, overrides: dict[str, Any] | None = None,
+def load_engine_spec(path: str | os.PathLike | Bundle, overrides: dict[str, Any] | None = None,
                      verify_hashes: bool = False) -> EngineSpec:
-    """Read ``<path>/engine.json`` through ``backend.bundle.load_bundle`` (format version, files present,
-    optionally their sha256) and apply ``engine.*`` overrides by key."""
-    from backend.bundle import BundleError, load_bundle  # format version + file hash checks
-    path = Path(path)
+    """Read ``<path>/engine.json`` through ``backend.bundle`` (format version, fields, files present,
+    optionally their sha256) and apply ``engine.*`` overrides by key. A ``Bundle`` already read is
+    used as it is (its caller checked it)."""
     try:
-        doc = load_bundle(path, verify_hashes=verify_hashes).manifest
+        bundle = path if isinstance(path, Bundle) else load_bundle(path, verify_hashes=verify_hashes)
+        manifest = bundle.manifest
+        if overrides:
+            manifest = manifest.replace(engine=manifest.engine.override(**overrides))
     except BundleError as exc:
         raise EngineError(str(exc)) from exc
-    engine = dict(doc.get("engine") or {})
-    for key, value in (overrides or {}).items():
-        if key not in engine and key not in RUNTIME_ONLY_KEYS:
-            raise EngineError(f"engine override {key!r}: unknown key; allowed: "
-                              f"{', '.join(sorted(set(engine) | set(RUNTIME_ONLY_KEYS)))}")
-        engine[key] = value
-    quant = doc.get("quantization") or {}
-    return EngineSpec(path=path, doc=doc, model=ModelConfig.from_dict(doc["model"]), engine=engine,
-                      quant_format=quant.get("format", "none"))
+    return EngineSpec(path=bundle.path, manifest=manifest)
 
 
 def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
@@ -105,17 +107,17 @@ class ModelRunner:
             raise EngineError("device 'cuda' requested but no CUDA GPU is visible; allowed here: cpu")
         cfg = spec.model
         self.dtype = dtype or compute_dtype(cfg.torch_dtype, self.device)
-        backend_name = resolve_backend_name(spec.engine.get("attention_backend", "auto"), str(self.device))
+        backend_name = resolve_backend_name(spec.engine.attention_backend, str(self.device))
         self.attention = get_backend(backend_name, str(self.device))
-        if self.device.type == "cuda" and spec.doc.get("kernels") and hasattr(self.attention, "load_aot"):
+        if self.device.type == "cuda" and spec.manifest.kernels and hasattr(self.attention, "load_aot"):
             # The build compiled these cubins for the bundle's target SMs: launching them skips JIT at
             # start. Any problem with them must cost speed, never the engine, so fall back to JIT.
             try:
-                self.attention.load_aot(spec.path, spec.doc["kernels"], self.device)
+                self.attention.load_aot(spec.path, as_dict(spec.manifest.kernels), self.device)
             except Exception as exc:  # noqa: BLE001
                 _LOG.warning("AOT kernels of %s not usable here (%s); using Triton JIT", spec.path, exc)
         window = cfg.sliding_window
-        max_seq = int(spec.engine.get("max_seq_len", cfg.max_position_embeddings))
+        max_seq = spec.engine.max_seq_len
         if window and max_seq > window:
             # Below the window, sliding-window attention IS full attention; above it we would be wrong.
             raise EngineError(f"engine.max_seq_len: {max_seq} exceeds the model's sliding_window ({window}), "
@@ -141,7 +143,7 @@ class ModelRunner:
         if self.kv_dtype == torch.float8_e4m3fn and self.device.type == "cpu" and self.attention.name == "torch":
             self.kv_storage_dtype = self.dtype
             self.attention.fp8_as_float = True
-        self.block_size = int(spec.engine.get("kv_block_size", 16))
+        self.block_size = spec.engine.kv_block_size
         self.num_blocks = self._plan_kv_blocks()
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_storage_dtype, device=self.device),
@@ -152,7 +154,7 @@ class ModelRunner:
     def _decode_graphs(self, backend_name: str, max_seq: int):
         """engine.cuda_graphs: "auto" (default) = on for a CUDA device with the triton attention backend;
         true on CPU runs the same padded static-buffer path eagerly (tests); false = never."""
-        want = self.spec.engine.get("cuda_graphs", "auto")
+        want = self.spec.engine.cuda_graphs
         if want not in ("auto", True, False):
             raise EngineError(f"engine.cuda_graphs: {want!r}; allowed: auto, true, false")
         if want is False or (want == "auto" and self.device.type != "cuda"):
@@ -164,7 +166,7 @@ class ModelRunner:
             return None
         from backend.ops.cuda_graphs import DecodeGraphs
         max_blocks = -(-(max_seq + 64) // self.block_size)   # the executor's block-table width
-        return DecodeGraphs(self.model, self.kv_caches, int(self.spec.engine.get("max_batch_size", 64)),
+        return DecodeGraphs(self.model, self.kv_caches, self.spec.engine.max_batch_size,
                             max_blocks, max_seq, self.device, capture=self.device.type == "cuda")
 
     def _plan_kv_blocks(self) -> int:
@@ -174,15 +176,14 @@ class ModelRunner:
         free_dev = None
         if self.device.type == "cuda":
             free_dev, _ = torch.cuda.mem_get_info(self.device)
-        max_seq = int(eng.get("max_seq_len", cfg.max_position_embeddings))
         try:
             return kv_capacity_blocks(
-                self.block_size, per_tok, max_kv_tokens=eng.get("max_kv_tokens"),
+                self.block_size, per_tok, max_kv_tokens=eng.max_kv_tokens,
                 free_device_bytes=free_dev,
-                free_mem_fraction=float(eng.get("kv_cache_free_mem_fraction", 0.9)),
+                free_mem_fraction=float(eng.kv_cache_free_mem_fraction),
                 cpu_ram_fraction=CPU_RAM_FRACTION,
-                max_useful_tokens=int(eng.get("max_batch_size", 64)) * max_seq,
-                min_tokens=min(max_seq, self.block_size))
+                max_useful_tokens=eng.max_batch_size * eng.max_seq_len,
+                min_tokens=min(eng.max_seq_len, self.block_size))
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
 

@@ -104,11 +104,11 @@ class EagleSpeculator:
                      tree_choices=None, min_draft_prob: float | None = None) -> "EagleSpeculator":
         """Build from the bundle's ``speculative`` section and ``draft/``; keyword overrides win
         (the bundle's ``min_draft_prob`` applies to chains only: another tree shape drops it)."""
-        spec = executor.spec.doc.get("speculative") or {}
-        if spec.get("method") != "eagle3":
+        spec = executor.spec.manifest.speculative   # typed, defaults stated in backend/bundle.py
+        if spec is None or spec.method != "eagle3":
             raise ValueError(f"{executor.spec.path}/engine.json: speculative.method is "
-                             f"{spec.get('method')!r}; rebuild with speculative.method=eagle3")
-        draft_dir = Path(executor.spec.path) / spec.get("draft_dir", "draft")
+                             f"{spec and spec.method!r}; rebuild with speculative.method=eagle3")
+        draft_dir = Path(executor.spec.path) / spec.draft_dir
         cfg, tensors = read_bundle_draft(draft_dir)
         runner = executor.runner
         model = runner.model
@@ -117,15 +117,15 @@ class EagleSpeculator:
                              f"!= target {model.config.hidden_size}/{model.config.vocab_size}; rebuild the engine")
         draft = Eagle3Draft(cfg, tensors, model.embed_tokens, model.lm_head,
                             model.config.max_position_embeddings + 64, runner.device, runner.dtype)
-        tree = tree or spec.get("tree", "chain")
+        tree = tree or spec.tree
         if min_draft_prob is None:
-            min_draft_prob = spec.get("min_draft_prob", 0.0) if tree == "chain" else 0.0
+            min_draft_prob = spec.min_draft_prob if tree == "chain" else 0.0
         grower = TreeGrower.from_settings(
             draft, tree,
-            max_draft_len if max_draft_len is not None else spec.get("max_draft_len", 4),
-            top_k if top_k is not None else spec.get("top_k", 4),
-            depth if depth is not None else spec.get("depth", 4),
-            tree_choices if tree_choices is not None else spec.get("tree_choices"), min_draft_prob)
+            max_draft_len if max_draft_len is not None else spec.max_draft_len,
+            top_k if top_k is not None else spec.top_k,
+            depth if depth is not None else spec.depth,
+            tree_choices if tree_choices is not None else spec.tree_choices, min_draft_prob)
         return cls(draft, runner.kv_caches, grower, runner)
 
     # -- the executor seam ----------------------------------------------------------------------

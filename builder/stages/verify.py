@@ -130,17 +130,17 @@ def run(ctx: StageContext) -> dict:
               "num_positions": positions, "format": fmt, "kv_cache_dtype": spec.kv_cache_dtype,
               "min_top1_agreement": min_top1, "max_mean_kl": max_kl, "passed": passed}
     del runner, ref
-    accept = draft_acceptance(ctx, bundle_dir, texts)
+    accept = draft_acceptance(ctx, bundle_dir, texts, spec.manifest.speculative)
     if accept is not None:
         result["speculative"] = accept
     (ctx.out_dir / "verify.json").write_text(json.dumps(result, indent=1))
     return result
 
 
-def draft_acceptance(ctx: StageContext, bundle_dir: Path, texts: list[str]) -> dict | None:
-    """Acceptance figures of the bundle's EAGLE-3 draft on the held-out prompts (None without one)."""
-    spec = json.loads((bundle_dir / "engine.json").read_text()).get("speculative") or {}
-    if spec.get("method") != "eagle3":
+def draft_acceptance(ctx: StageContext, bundle_dir: Path, texts: list[str], spec) -> dict | None:
+    """Acceptance figures of the bundle's EAGLE-3 draft (``spec``: its manifest's ``speculative``
+    section, a backend.bundle.Speculative or None) on the held-out prompts (None without one)."""
+    if spec is None or spec.method != "eagle3":
         return None
     from backend.engine.executor import Executor
     from backend.speculative.measure import acceptance
@@ -154,7 +154,7 @@ def draft_acceptance(ctx: StageContext, bundle_dir: Path, texts: list[str]) -> d
                   max_batch_size=max(1, len(prompts)))
     with ctx.progress("verify: draft acceptance on held-out prompts", None):
         r = acceptance(ex, prompts, ACCEPT_TOKENS, batch=len(prompts))
-    r.update(tree=spec.get("tree"), max_draft_len=spec.get("max_draft_len"), dtype=str(ex.runner.dtype).removeprefix("torch."),
+    r.update(tree=spec.tree, max_draft_len=spec.max_draft_len, dtype=str(ex.runner.dtype).removeprefix("torch."),
              prompts=f"{HELDOUT.parent.parent.name}/{HELDOUT.parent.name}/{HELDOUT.name} (chat template)")
     ctx.log(f"verify: EAGLE-3 draft ({r['tree']}) {r['tokens_per_target_pass']:.2f} tokens per target pass "
             f"(acceptance length {r['mean_acceptance_length']:.2f} per verifying step, "

@@ -204,6 +204,7 @@ def project(costs: list[dict], acceptance: dict[int, float]) -> None:
 
 
 def _engine_executor(a):
+    from backend.bundle import as_dict
     from backend.engine.executor import Executor
     from backend.speculative.speculator import EagleSpeculator
     ex = Executor(a.engine, device=a.device, dtype=a.dtype, start=False, speculative=False, max_batch_size=8,
@@ -211,7 +212,7 @@ def _engine_executor(a):
     if not a.random_draft:
         draft = EagleSpeculator.for_executor(ex, tree="chain", max_draft_len=1, min_draft_prob=0.0).draft
         return ex, draft, "the bundle's trained draft"
-    m = ex.spec.doc["model"]
+    m = as_dict(ex.spec.model)
     cfg, t = random_draft(m, m["vocab_size"], device=a.device)
     return ex, attach_draft(ex, cfg, t), "random EAGLE-3 head of the target's shape"
 

@@ -87,7 +87,7 @@ def test_bf16_weights_equal_the_source_after_unfusing(bf16_bundle, smollm2_hf_di
 
 def test_load_bundle(bf16_bundle):
     b = load_bundle(bf16_bundle)
-    assert b.model_config["num_layers"] == 30 and b.quantization["format"] == "none"
+    assert b.model.num_layers == 30 and b.quantization.format == "none" and b.engine.max_batch_size == 32
     assert b.tensor("layers.0.qkv.weight").shape == (960, 576)
     assert (b.tokenizer_dir / "tokenizer.json").is_file() and b.draft_dir is None
     with pytest.raises(BundleError, match="no tensor 'nope'"):
@@ -119,7 +119,7 @@ def test_changed_file_is_refused_with_rebuild_hint(bf16_bundle, tmp_path):
 @pytest.mark.parametrize("edit, fragment", [
     ({"format_version": 2}, "format_version 2 is not supported"),
     ({"format": "trt-engine"}, "format 'trt-engine' is not 'kiln-engine'"),
-    ({"model": None}, "section 'model' is missing"),
+    ({"model": None}, "model: expected an object, got null"),
 ])
 def test_other_format_or_version_is_refused(bf16_bundle, tmp_path, edit, fragment):
     b = _copy(bf16_bundle, tmp_path / "engine")

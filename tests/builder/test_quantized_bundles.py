@@ -48,7 +48,7 @@ def test_dequantized_bundle_matches_source(build_bundle, smollm2_hf_dir, config,
     src = safe_open(str(smollm2_hf_dir / "model.safetensors"), "pt")
     names = bundle.tensor_names()
     worst = 0.0
-    n = bundle.model_config["num_layers"]
+    n = bundle.model.num_layers
     # first, middle and last layer: packing is per layer and identical code, dequantizing all 30 in
     # the CI budget costs a minute for no extra coverage; every layer's KV scales are checked below
     for i in (0, n // 2, n - 1):

@@ -41,7 +41,6 @@ def test_verify_stage_records_acceptance_in_engine_json(eagle_bundle):
 
 
 def test_no_acceptance_figures_without_a_draft(tmp_path):
-    (tmp_path / "engine.json").write_text(json.dumps({"speculative": None}))
     cfg = BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-bf16.yaml")
     ctx = StageContext(config=cfg, name="verify", root=tmp_path, out_dir=tmp_path, results={})
-    assert verify_stage.draft_acceptance(ctx, tmp_path, ["unused"]) is None
+    assert verify_stage.draft_acceptance(ctx, tmp_path, ["unused"], None) is None

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from backend.bundle import EngineSettings, Manifest, Quantization
 from backend.model.config import ModelConfig, ModelConfigError
 from backend.model.layers import RotaryEmbedding, rope_type
 from backend.model.runner import EngineError, EngineSpec, ModelRunner, compute_dtype
@@ -49,7 +50,8 @@ def test_rope_scaling_types():
 
 def test_runner_refuses_sliding_window_beyond_max_seq_len():
     cfg = ModelConfig.from_dict({**SMOL, "architecture": "mistral", "sliding_window": 1024})
-    spec = EngineSpec(Path("/nonexistent"), {}, cfg, {"max_seq_len": 2048}, "none")
+    spec = EngineSpec(Path("/nonexistent"), Manifest(model=cfg, quantization=Quantization("none"),
+                                                      engine=EngineSettings(max_seq_len=2048)))
     with pytest.raises(EngineError, match="engine.max_seq_len: 2048 exceeds the model's sliding_window"):
         ModelRunner(spec)
 
