@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from backend.bundle import BundleError, rewrite
 from backend.logs import get_logger
 from builder.config import BuildConfig
 from builder.stages import STAGES, StageSpec
@@ -181,17 +182,15 @@ def _publish(tmp: Path, dest: Path) -> None:
 
 
 def _record_in_engine_json(results: dict[str, StageResult], key: str, info: dict) -> None:
+    """Record a stage's info under ``key`` of the bundle's engine.json (checked and rewritten atomically
+    by backend.bundle, the format's owner)."""
     compiled = results.get("compile")
     if compiled is None or compiled.path is None:
         return
-    path = compiled.path / "engine.json"
-    engine = json.loads(path.read_text())
-    if engine.get(key) == info:
-        return
-    engine[key] = info
-    tmp = path.with_name(f"engine.json.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(engine, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        rewrite(compiled.path, key, info)
+    except BundleError as exc:
+        raise StageError(str(exc)) from None
 
 
 def _check_gates(results: dict[str, StageResult]) -> None:

@@ -1,14 +1,16 @@
 """Ahead-of-time compilation of every kernel an engine uses, for each target SM, with no GPU.
 
-`compile_for_bundle(engine_json, sms, out_dir)` writes `out_dir/sm<sm>/<variant>.{cubin,ptx,json}` and
-returns the entries for engine.json's "kernels" list. The variants come from each kernel module's
-`aot_variants(shapes)`, beside the wrapper that picks the same constexprs at launch, so what is
+`compile_for_bundle(shapes, sms, out_dir)` writes `out_dir/sm<sm>/<variant>.{cubin,ptx,json}` and
+returns the entries for engine.json's "kernels" list. `shapes` (common.EngineShapes) is built by the
+caller from the bundle's manifest (plugins do not read engine.json). The variants come from each kernel
+module's `aot_variants(shapes)`, beside the wrapper that picks the same constexprs at launch, so what is
 compiled is what the runtime asks for. The .json records what a launcher needs without Triton:
 entry name, parameters in order, num_warps, shared memory, scratch sizes, constexprs, versions, hashes.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,39 +25,44 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import gemm_fp8, gemm_w4a16, kv_write, paged_decode, paged_prefill, rmsnorm, rope
-from .common import AOT_META_VERSION, EngineShapes, Variant
+from .common import ACT_TYPES, AOT_META_VERSION, EngineShapes, Variant
 
 KERNEL_MODULES = (kv_write, paged_decode, paged_prefill, rmsnorm, rope, gemm_w4a16, gemm_fp8)
 DEFAULT_SMS = (90, 100)
 META_VERSION = AOT_META_VERSION
-_ACT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 class AotError(ValueError):
-    """engine.json lacks something the kernels need, or a target cannot be compiled."""
+    """The shapes lack something the kernels need, or a target cannot be compiled."""
 
 
-def engine_shapes(engine_json: dict) -> EngineShapes:
-    """The kernel-relevant shapes of an engine.json dict (docs/contracts.md section 3)."""
-    try:
-        m, q, e = engine_json["model"], engine_json["quantization"], engine_json["engine"]
-        act = _ACT.get(m["dtype"])
-        if act is None:
-            raise AotError(f"engine.json: model.dtype: {m['dtype']!r}; allowed: {', '.join(_ACT)}")
-        kv_dtype = e.get("kv_cache_dtype") or ("fp8_e4m3" if q.get("kv_cache") == "fp8" else m["dtype"])
-        return EngineShapes(
-            act=act, kv="fp8e4nv" if str(kv_dtype).startswith("fp8") else act,
-            num_heads=int(m["num_heads"]), num_kv_heads=int(m["num_kv_heads"]), head_dim=int(m["head_dim"]),
-            hidden_size=int(m["hidden_size"]), intermediate_size=int(m["intermediate_size"]),
-            block_size=int(e["kv_block_size"]), quant_format=str(q.get("format", "none")),
-            group_size=q.get("group_size"), speculative=bool(engine_json.get("speculative")))
-    except KeyError as exc:
-        raise AotError(f"engine.json: missing key {exc.args[0]!r} needed to compile kernels") from exc
+def check_shapes(shapes: EngineShapes) -> EngineShapes:
+    """Refuse shapes no kernel variant can be planned for, naming the field."""
+    acts = tuple(ACT_TYPES.values())
+    if shapes.act not in acts:
+        raise AotError(f"shapes.act: {shapes.act!r}; allowed: {', '.join(acts)}")
+    if shapes.kv not in (shapes.act, "fp8e4nv"):
+        raise AotError(f"shapes.kv: {shapes.kv!r}; allowed: {shapes.act}, fp8e4nv")
+    for name in ("num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size", "block_size"):
+        value = getattr(shapes, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise AotError(f"shapes.{name}: {value!r}; allowed: a positive integer")
+    return shapes
 
 
-def plan(engine_json: dict) -> list[Variant]:
+def shapes_from_dict(d: dict) -> EngineShapes:
+    """EngineShapes from the small JSON the subprocess/CLI path passes (its fields, by name)."""
+    names = set(EngineShapes.__dataclass_fields__)
+    if not isinstance(d, dict) or set(d) != names:
+        got = set(d) if isinstance(d, dict) else set()
+        raise AotError(f"shapes: fields {sorted(names - got)} missing, {sorted(got - names)} unknown; "
+                       f"expected exactly: {', '.join(sorted(names))}")
+    return check_shapes(EngineShapes(**d))
+
+
+def plan(shapes: EngineShapes) -> list[Variant]:
     """Every kernel variant the engine launches (deduplicated, stable order)."""
-    shapes = engine_shapes(engine_json)
+    check_shapes(shapes)
     seen: dict[str, Variant] = {}
     for mod in KERNEL_MODULES:
         for v in mod.aot_variants(shapes):
@@ -121,7 +128,7 @@ def compile_variant(v: Variant, sm: int) -> tuple[object, dict]:
     return k, meta
 
 
-def compile_for_bundle(engine_json: dict, sms: list[int] | None, out_dir: str | os.PathLike) -> list[dict]:
+def compile_for_bundle(shapes: EngineShapes, sms: list[int] | None, out_dir: str | os.PathLike) -> list[dict]:
     """Compile every kernel the engine uses for each SM in `sms` (default 90 and 100) into
     `out_dir/sm<sm>/`. -> engine.json "kernels" entries, paths relative to out_dir's parent (the bundle)."""
     sms = list(sms or DEFAULT_SMS)
@@ -129,9 +136,9 @@ def compile_for_bundle(engine_json: dict, sms: list[int] | None, out_dir: str | 
         if not isinstance(sm, int) or sm < 80:
             raise AotError(f"engine.target_sms: {sm!r} is not supported; allowed: integers >= 80 (e.g. 90, 100)")
     out_dir = Path(out_dir)
-    variants = plan(engine_json)  # validates engine.json before anything is written
+    variants = plan(shapes)  # validates the shapes before anything is written
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return _compile_in_subprocess(engine_json, sms, out_dir)
+        return _compile_in_subprocess(shapes, sms, out_dir)
     prefix = out_dir.name
     entries = []
     for sm in sms:
@@ -154,14 +161,14 @@ def compile_for_bundle(engine_json: dict, sms: list[int] | None, out_dir: str | 
     return entries
 
 
-def _compile_in_subprocess(engine_json: dict, sms: list[int], out_dir: Path) -> list[dict]:
+def _compile_in_subprocess(shapes: EngineShapes, sms: list[int], out_dir: Path) -> list[dict]:
     """Under TRITON_INTERPRET=1 (the CPU tests) @triton.jit yields interpreter objects that cannot be
     compiled, so compile in a child process that imports the kernels normally."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with tempfile.TemporaryDirectory() as tmp:
-        eng, res = Path(tmp) / "engine.json", Path(tmp) / "entries.json"
-        eng.write_text(json.dumps(engine_json))
-        cmd = [sys.executable, "-m", "plugins.aot", str(eng), str(out_dir), "--sms", *map(str, sms), "--entries", str(res)]
+        shp, res = Path(tmp) / "shapes.json", Path(tmp) / "entries.json"
+        shp.write_text(json.dumps(dataclasses.asdict(shapes)))
+        cmd = [sys.executable, "-m", "plugins.aot", str(shp), str(out_dir), "--sms", *map(str, sms), "--entries", str(res)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode:
             raise AotError(f"AOT compile subprocess failed: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}")
@@ -171,14 +178,14 @@ def _compile_in_subprocess(engine_json: dict, sms: list[int], out_dir: Path) -> 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m plugins.aot",
                                  description="Compile an engine's kernels ahead of time (no GPU needed).")
-    ap.add_argument("engine_json", help="path to engine.json (or any JSON with its model/quantization/engine)")
+    ap.add_argument("shapes", help="path to a JSON object with the fields of plugins.common.EngineShapes")
     ap.add_argument("out_dir", help="output folder (a bundle's kernels/)")
     ap.add_argument("--sms", type=int, nargs="+", default=list(DEFAULT_SMS))
     ap.add_argument("--entries", help="write the engine.json kernel entries here (default: stdout)")
     a = ap.parse_args(argv)
     try:
-        entries = compile_for_bundle(json.loads(Path(a.engine_json).read_text()), a.sms, a.out_dir)
-    except AotError as exc:
+        entries = compile_for_bundle(shapes_from_dict(json.loads(Path(a.shapes).read_text())), a.sms, a.out_dir)
+    except ValueError as exc:  # AotError, or a shapes file that is not JSON
         print(f"error: {exc}", file=sys.stderr)
         return 2
     text = json.dumps(entries, indent=1)

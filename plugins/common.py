@@ -92,9 +92,14 @@ def launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 4, n
     fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
 
 
+# A model dtype (engine.json model.dtype) as a Triton type name.
+ACT_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
 @dataclass(frozen=True)
 class EngineShapes:
-    """What decides which kernel variants an engine needs (read from engine.json by plugins.aot)."""
+    """What decides which kernel variants an engine needs. The caller builds it from the bundle's
+    manifest (builder/stages/compile.py: kernel_shapes); plugins never read engine.json."""
     act: str                   # activation dtype as a Triton type name: "bf16" | "fp16" | "fp32"
     kv: str                    # KV cache element type: act or "fp8e4nv"
     num_heads: int

@@ -2,7 +2,8 @@
 
 Writes ``weights.safetensors`` in the runtime layout (``builder/weights.py``), ``tokenizer/``,
 ``draft/`` (from the draft stage), ``kernels/`` (``plugins.aot.compile_for_bundle``) and finally
-``engine.json`` with the sha256 of every other file.
+``engine.json`` with the sha256 of every other file, written through ``backend.bundle`` (the format's
+owner: typed manifest, format version, ``write``).
 """
 from __future__ import annotations
 
@@ -15,18 +16,15 @@ from pathlib import Path
 import torch
 
 import builder
-from backend.bundle import sha256_file
+from backend import bundle
 from builder.sources import read_json_object
 from builder.st_writer import SafetensorsWriter
 from builder.stages.base import StageContext, StageError
 from builder.weights import Checkpoint, runtime_tensors
 
 STAGE_VERSION = 2
-FORMAT = "kiln-engine"
-FORMAT_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
-KV_DTYPES = {"fp8": "fp8_e4m3", "none": None}
 
 
 def fingerprint(ctx: StageContext) -> str:
@@ -64,9 +62,21 @@ def run(ctx: StageContext) -> dict:
 
     _copy_tokenizer(ctx.results["import"].path, out / "tokenizer")
     speculative = _copy_draft(ctx, out)
-    engine = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+    try:
+        manifest = _manifest(ctx, model, fmt, kv_algo, group_size, unquantized, speculative, out)
+    except bundle.BundleError as exc:
+        raise StageError(str(exc)) from None
+    bundle.write(out, manifest)
+    return {"format": fmt, "files": len(manifest.files), "kernels": len(manifest.kernels),
+            "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
+
+
+def _manifest(ctx: StageContext, model: dict, fmt: str, kv_algo, group_size, unquantized: list[str],
+              speculative: dict | None, out: Path) -> bundle.Manifest:
+    cfg = ctx.config
+    manifest = bundle.Manifest.from_dict({   # checked here, at the build, not first by the runtime
+        "format": bundle.FORMAT,
+        "format_version": bundle.FORMAT_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "kiln_version": getattr(builder, "__version__", "0.1.0"),
         "config_file": _display_path(cfg.file),
@@ -85,15 +95,13 @@ def run(ctx: StageContext) -> dict:
         "speculative": speculative,
         "tools": _tool_versions(),
         # the sections that shaped this bundle (compile is not rebuilt when only verify/serving change)
-        "hashes": {"config": _sections_hash(cfg, ctx.name), "source": imported["source_sha256"]},
+        "hashes": {"config": _sections_hash(cfg, ctx.name),
+                   "source": ctx.results["import"].info["source_sha256"]},
         "verify": None,
-    }
-    engine["kernels"] = _compile_kernels(ctx, engine, out)
-    engine["files"] = {str(p.relative_to(out)): sha256_file(p) for p in sorted(out.rglob("*"))
-                       if p.is_file() and p.name not in ("engine.json", "stage.json")}
-    (out / "engine.json").write_text(json.dumps(engine, indent=2) + "\n")
-    return {"format": fmt, "files": len(engine["files"]), "kernels": len(engine["kernels"]),
-            "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
+        "files": {},
+    }, f"{out / bundle.MANIFEST} (being built)")
+    manifest = manifest.replace(kernels=_compile_kernels(ctx, manifest, out))
+    return manifest.replace(files=bundle.file_hashes(out))
 
 
 def _display_path(file: str) -> str:
@@ -121,7 +129,7 @@ def _engine_section(cfg) -> dict:
         "max_batch_size": e.max_batch_size, "max_num_tokens": e.max_num_tokens,
         "max_seq_len": e.max_seq_len, "max_input_len": e.max_input_len,
         "kv_block_size": e.kv_block_size,
-        "kv_cache_dtype": KV_DTYPES[cfg.quantization.kv_cache] or cfg.model.dtype,
+        "kv_cache_dtype": bundle.default_kv_cache_dtype(cfg.quantization.kv_cache, cfg.model.dtype),
         "kv_cache_free_mem_fraction": e.kv_cache_free_mem_fraction, "max_kv_tokens": e.max_kv_tokens,
         "enable_prefix_caching": e.enable_prefix_caching, "enable_chunked_prefill": e.enable_chunked_prefill,
         "scheduler_policy": e.scheduler_policy, "tp_size": e.tp_size, "attention_backend": e.attention_backend,
@@ -157,15 +165,27 @@ def _copy_draft(ctx: StageContext, out: Path) -> dict | None:
             **runtime_settings(ctx.config)}
 
 
-def _compile_kernels(ctx: StageContext, engine: dict, out: Path) -> list:
+def _compile_kernels(ctx: StageContext, manifest: bundle.Manifest, out: Path) -> list:
     from plugins import aot  # noqa: PLC0415 - imports Triton's compiler
 
     kdir = out / "kernels"
     kdir.mkdir()
     sms = list(ctx.config.engine.target_sms)
     with ctx.progress(f"AOT-compiling kernels for sm {sms}"):
-        entries = aot.compile_for_bundle(engine, sms, kdir)
+        entries = aot.compile_for_bundle(kernel_shapes(manifest), sms, kdir)
     return list(entries or [])
+
+
+def kernel_shapes(manifest: bundle.Manifest):
+    """The shapes that decide which kernel variants the engine launches (plugins.common.EngineShapes)."""
+    from plugins.common import ACT_TYPES, EngineShapes
+    m, q, e = manifest.model, manifest.quantization, manifest.engine
+    act = ACT_TYPES[m.dtype]   # ModelConfig has checked the dtype
+    return EngineShapes(
+        act=act, kv="fp8e4nv" if e.kv_cache_dtype.startswith("fp8") else act,
+        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size, block_size=e.kv_block_size, quant_format=q.format,
+        group_size=q.group_size, speculative=manifest.speculative is not None)
 
 
 def _modelopt_version() -> str:

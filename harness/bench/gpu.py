@@ -14,7 +14,6 @@ manifest-only bundle. Measures, in one run:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -69,11 +68,13 @@ def weight_bytes_per_token(w: dict) -> int:
 def manifest_bundle(m: dict, engine: dict, root: Path) -> Path:
     """A bundle with engine.json only (weights are passed in memory; hashes are not checked)."""
     from safetensors.torch import save_file
+
+    from backend import bundle
     root.mkdir(parents=True, exist_ok=True)
-    save_file({}, str(root / "weights.safetensors"))
-    doc = {"format": "kiln-engine", "format_version": 1, "model": m, "engine": engine,
-           "quantization": {"format": "fp8", "kv_cache": "fp8"}, "files": {"weights.safetensors": ""}}
-    (root / "engine.json").write_text(json.dumps(doc, indent=1))
+    save_file({}, str(root / bundle.WEIGHTS))
+    bundle.write(root, bundle.Manifest.from_dict({
+        "format": bundle.FORMAT, "format_version": bundle.FORMAT_VERSION, "model": m, "engine": engine,
+        "quantization": {"format": "fp8", "kv_cache": "fp8"}, "files": {bundle.WEIGHTS: ""}}))
     return root
 
 

@@ -192,12 +192,13 @@ def bench_aot() -> dict:
     import torch
 
     from plugins.aot import compile_for_bundle
+    from plugins.common import EngineShapes
     major, minor = torch.cuda.get_device_capability()
     sm = major * 10 + minor
-    engine = {"model": {**LLAMA8B, "dtype": "bfloat16"}, "quantization": {"format": "fp8", "kv_cache": "none"},
-              "engine": {"kv_block_size": 16, "kv_cache_dtype": "bfloat16"}}
+    shapes = EngineShapes(act="bf16", kv="bf16", **LLAMA8B, block_size=16, quant_format="fp8", group_size=None,
+                          speculative=False)
     with tempfile.TemporaryDirectory() as tmp:
-        entries = compile_for_bundle(engine, [sm], Path(tmp) / "kernels")
+        entries = compile_for_bundle(shapes, [sm], Path(tmp) / "kernels")
         (Path(tmp) / "entries.json").write_text(json.dumps(entries))
         env = dict(os.environ, TRITON_CACHE_DIR=str(Path(tmp) / "empty-triton-cache"), TRITON_INTERPRET="0")
         proc = subprocess.run([sys.executable, "-c", _AOT_CHILD, tmp], env=env, capture_output=True, text=True,

@@ -1,6 +1,8 @@
 """Ahead-of-time compilation with no GPU: sm_90 and sm_100 cubins + PTX + metadata for every kernel a
 SmolLM2-shaped engine uses; metadata agrees with the kernel signatures and the launcher's packing;
-hashes match; the plan covers every variant the runtime launches; bad engine.json is refused."""
+hashes match; the plan covers every variant the runtime launches; bad shapes are refused. The caller
+(builder/stages/compile.py: kernel_shapes) builds the shapes from the bundle's manifest."""
+import dataclasses
 import hashlib
 import json
 import os
@@ -9,15 +11,12 @@ import pytest
 import torch
 
 from plugins import aot, kv_write, paged_prefill
+from plugins.common import EngineShapes
 from plugins.launcher import KernelSet, pack_params, ptx_types_of
 
-ENGINE = {  # SmolLM2-135M as the builder writes it (docs/contracts.md section 3), NVFP4 + fp8 KV + EAGLE
-    "model": {"architecture": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_layers": 30,
-              "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "dtype": "bfloat16"},
-    "quantization": {"format": "nvfp4", "kv_cache": "fp8", "group_size": None},
-    "engine": {"kv_block_size": 16, "kv_cache_dtype": "fp8_e4m3"},
-    "speculative": {"method": "eagle3"},
-}
+ENGINE = EngineShapes(  # SmolLM2-135M, NVFP4 + fp8 KV + EAGLE (bf16 activations)
+    act="bf16", kv="fp8e4nv", num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576, intermediate_size=1536,
+    block_size=16, quant_format="nvfp4", group_size=None, speculative=True)
 
 
 @pytest.fixture(scope="module")
@@ -121,22 +120,26 @@ def test_plan_covers_what_the_backend_launches(monkeypatch, device):
     assert rec.keys and rec.keys <= planned, rec.keys - planned
 
 
-def test_bad_engine_json_is_refused(tmp_path):
-    broken = json.loads(json.dumps(ENGINE))
-    del broken["model"]["head_dim"]
-    with pytest.raises(aot.AotError, match="missing key 'head_dim'"):
+def test_bad_shapes_are_refused(tmp_path):
+    broken = dataclasses.replace(ENGINE, head_dim=0)
+    with pytest.raises(aot.AotError, match="shapes.head_dim: 0; allowed: a positive integer"):
         aot.compile_for_bundle(broken, [90], tmp_path / "k")
+    with pytest.raises(aot.AotError, match="shapes.kv: 'fp16'"):
+        aot.compile_for_bundle(dataclasses.replace(ENGINE, kv="fp16"), [90], tmp_path / "k")
     with pytest.raises(aot.AotError, match="target_sms: 75"):
         aot.compile_for_bundle(ENGINE, [75], tmp_path / "k")
     assert not os.path.exists(tmp_path / "k")
 
 
-def test_cli_reports_bad_engine_json(tmp_path, capsys):
-    bad = json.loads(json.dumps(ENGINE))
-    bad["model"]["dtype"] = "float64"
-    (tmp_path / "engine.json").write_text(json.dumps(bad))
-    assert aot.main([str(tmp_path / "engine.json"), str(tmp_path / "k"), "--sms", "90"]) == 2
-    assert "model.dtype: 'float64'; allowed: bfloat16, float16, float32" in capsys.readouterr().err
+def test_cli_reports_bad_shapes(tmp_path, capsys):
+    bad = dict(dataclasses.asdict(ENGINE), act="fp64")
+    (tmp_path / "shapes.json").write_text(json.dumps(bad))
+    assert aot.main([str(tmp_path / "shapes.json"), str(tmp_path / "k"), "--sms", "90"]) == 2
+    assert "shapes.act: 'fp64'; allowed: bf16, fp16, fp32" in capsys.readouterr().err
+    del bad["head_dim"]
+    (tmp_path / "shapes.json").write_text(json.dumps(bad))
+    assert aot.main([str(tmp_path / "shapes.json"), str(tmp_path / "k"), "--sms", "90"]) == 2
+    assert "fields ['head_dim'] missing" in capsys.readouterr().err
     assert not (tmp_path / "k").exists()
 
 
