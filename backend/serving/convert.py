@@ -153,14 +153,14 @@ def read_inputs(tensors: Mapping[str, np.ndarray], names: tuple[str, ...] | list
 
 @dataclasses.dataclass(frozen=True)
 class EngineLimits:
-    """The limits a request is checked against, read from the bundle's engine.json ``engine``."""
+    """The limits a request is checked against: the bundle's ``engine`` section (backend.bundle)."""
     max_input_len: int
     max_seq_len: int
 
     @classmethod
-    def from_engine_json(cls, engine_json: Mapping[str, Any]) -> "EngineLimits":
-        e = engine_json["engine"]
-        return cls(max_input_len=int(e["max_input_len"]), max_seq_len=int(e["max_seq_len"]))
+    def from_engine(cls, engine: Any) -> "EngineLimits":
+        """From a ``backend.bundle.EngineSettings`` (typed, defaults resolved)."""
+        return cls(max_input_len=engine.max_input_len, max_seq_len=engine.max_seq_len)
 
 
 def check_prompt(prompt_ids: list[int], limits: EngineLimits, vocab_size: int | None = None) -> None:

@@ -20,12 +20,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from backend.bundle import load_bundle
 from backend.serving.acceptance import acceptance_tensors, draft_counts
 from backend.serving.convert import EngineLimits, InvalidRequest
 from backend.serving.detok import CONTEXT_TOKENS, StreamDetokenizer
 from backend.serving.engine_request import ENGINE_INPUT_NAMES, EngineRequest, parse_engine_request
 from backend.serving.metrics import ServingMetrics
-from backend.serving.preprocess import read_engine_json
 from backend.serving.tokenizer import load_tokenizer
 
 __all__ = ["EngineHost", "chosen_logprobs"]
@@ -80,9 +80,9 @@ class EngineHost:
                  model_name: str = "engine", instance: str = "0",
                  executor_factory: Callable[..., Any] | None = None):
         self.pb = pb
-        engine = read_engine_json(engine_dir)
-        self.limits = EngineLimits.from_engine_json(engine)
-        self.vocab_size = int(engine["model"]["vocab_size"])
+        bundle = load_bundle(engine_dir)  # engine.json read once: format, fields, files and their sha256
+        self.limits = EngineLimits.from_engine(bundle.engine)
+        self.vocab_size = bundle.model.vocab_size
         self.tok = load_tokenizer(engine_dir)
         self.interval = stream_interval
         if device == "auto":  # the rendered default: the GPU when there is one
@@ -90,7 +90,7 @@ class EngineHost:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if executor_factory is None:
             from backend.engine.executor import Executor as executor_factory  # noqa: N813 (heavy: torch)
-        self.executor = executor_factory(engine_dir, device=device)
+        self.executor = executor_factory(bundle, device=device)  # the checked bundle: not read again
         from backend.engine.sampling_params import SamplingParams
         self._params = SamplingParams
         self.metrics = ServingMetrics(pb, model_name, instance)

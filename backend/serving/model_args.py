@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from backend.bundle import MANIFEST
+
 __all__ = ["model_config", "parameter", "engine_dir"]
 
 
@@ -28,7 +30,7 @@ def engine_dir(args: dict[str, Any], cfg: dict[str, Any]) -> str:
     if not value.is_absolute():
         repo_root = Path(args["model_repository"]).resolve().parent
         value = (repo_root / value).resolve()
-    if not (value / "engine.json").is_file():
-        raise FileNotFoundError(f"model '{cfg.get('name')}': engine bundle {value} has no engine.json; "
+    if not (value / MANIFEST).is_file():
+        raise FileNotFoundError(f"model '{cfg.get('name')}': engine bundle {value} has no {MANIFEST}; "
                                 "rebuild with: make build")
     return str(value)

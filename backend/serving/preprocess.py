@@ -7,17 +7,17 @@ the engine step of the ensemble always receives every input with a value.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
+from backend import bundle
 from backend.serving.convert import (EngineLimits, InvalidRequest, check_prompt, read_inputs,
                                     sampling_kwargs, to_words_list)
 from backend.serving.tokenizer import TextTokenizer, load_tokenizer
 
-__all__ = ["TEXT_INPUT_NAMES", "PreparedRequest", "Preprocessor", "read_engine_json", "preprocessing_outputs"]
+__all__ = ["TEXT_INPUT_NAMES", "PreparedRequest", "Preprocessor", "preprocessing_outputs"]
 
 TEXT_INPUT_NAMES = (
     "text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "repetition_penalty",
@@ -25,13 +25,6 @@ TEXT_INPUT_NAMES = (
     "bad_words", "return_log_probs", "exclude_input_in_output", "apply_chat_template",
     "return_perf_metrics",
 )
-
-
-def read_engine_json(engine_dir: str | Path) -> dict:
-    path = Path(engine_dir) / "engine.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: engine bundle not found; build it with: make build")
-    return json.loads(path.read_text(encoding="utf-8"))
 
 
 @dataclasses.dataclass
@@ -91,8 +84,8 @@ def preprocessing_outputs(prep: PreparedRequest) -> dict[str, np.ndarray]:
 
 class Preprocessor:
     def __init__(self, engine_dir: str | Path, tokenizer: TextTokenizer | None = None):
-        engine = read_engine_json(engine_dir)
-        self.limits = EngineLimits.from_engine_json(engine)
+        # The checked manifest (format, fields); the engine model checks the files' hashes.
+        self.limits = EngineLimits.from_engine(bundle.read(engine_dir).engine)
         self.tokenizer = tokenizer or load_tokenizer(engine_dir)
 
     def prepare(self, tensors: Mapping[str, np.ndarray]) -> PreparedRequest:

@@ -11,12 +11,14 @@ import types
 import numpy as np
 import pytest
 
+from backend import bundle
 from backend.serving.acceptance import ACCEPTANCE_OUTPUTS, acceptance_tensors, draft_counts, read_acceptance
 from backend.serving.convert import EngineLimits, InvalidRequest
 from backend.serving.engine_request import parse_engine_request
 from backend.serving.metrics import ServingMetrics, stats_counters, stats_gauges
 from backend.serving.postprocess import postprocess_tensors
 from backend.serving.preprocess import Preprocessor, preprocessing_outputs
+from tests.serving.test_convert import MANIFEST
 
 LIMITS = EngineLimits(max_input_len=32, max_seq_len=64)
 
@@ -71,8 +73,7 @@ def test_engine_request_flag_default_value_and_dtype(text_tokenizer):
 
 
 def test_preprocessing_always_asks_the_engine_but_bls_passes_the_clients_choice(tokenizer_dir, tmp_path):
-    (tmp_path / "engine.json").write_text(json.dumps({"engine": {"max_input_len": 64, "max_seq_len": 128},
-                                                      "model": {"vocab_size": 49152}}))
+    bundle.write(tmp_path, MANIFEST)
     (tmp_path / "tokenizer").symlink_to(tokenizer_dir)
     prep = Preprocessor(tmp_path).prepare({"text_input": np.array([b"Hi"], dtype=object)})
     assert prep.engine_tensors()["return_perf_metrics"].tolist() == [False]   # bls: not asked

@@ -1,25 +1,30 @@
 """Pure conversion: Triton tensors -> validated requests, with one-line errors (no server needed)."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
+from backend import bundle
 from backend.engine.sampling_params import SamplingParams
+from backend.model.config import ModelConfig
 from backend.serving.convert import EngineLimits, InvalidRequest, from_words_list, to_words_list
 from backend.serving.engine_request import parse_engine_request
 from backend.serving.postprocess import postprocess_tensors
 from backend.serving.preprocess import Preprocessor, preprocessing_outputs
 
 LIMITS = EngineLimits(max_input_len=32, max_seq_len=64)
+# a SmolLM2-shaped manifest: the preprocessor reads the engine limits from it (through backend.bundle)
+MANIFEST = bundle.Manifest(
+    model=ModelConfig(architecture="llama", hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                      num_kv_heads=3, head_dim=64, vocab_size=49152, rms_norm_eps=1e-5, rope_theta=100000.0,
+                      max_position_embeddings=8192),
+    quantization=bundle.Quantization("none"), engine=bundle.EngineSettings(max_input_len=64, max_seq_len=128))
 
 
 @pytest.fixture(scope="module")
 def pre(tokenizer_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("engine")
-    (d / "engine.json").write_text(json.dumps({"engine": {"max_input_len": 64, "max_seq_len": 128},
-                                               "model": {"vocab_size": 49152}}))
+    bundle.write(d, MANIFEST)
     (d / "tokenizer").symlink_to(tokenizer_dir)
     return Preprocessor(d)
 
