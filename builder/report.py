@@ -2,7 +2,6 @@
 contents with sizes and formats, per-stage timing)."""
 from __future__ import annotations
 
-import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from backend.bundle import MANIFEST, as_dict, read as read_manifest
 from builder.stages.base import StageResult
 
 
@@ -74,24 +74,24 @@ def verify_line(v: dict) -> str:
 def print_summary(console: Console, root: Path, results: dict[str, StageResult], total_seconds: float) -> None:
     bundle = results.get("compile")
     if bundle is not None and bundle.path is not None:
-        engine = json.loads((bundle.path / "engine.json").read_text())
-        q, m = engine["quantization"], engine["model"]
+        engine = read_manifest(bundle.path)
+        q, m = engine.quantization, engine.model
         console.print(f"\nEngine bundle: {bundle.path}")
-        console.print(f"  model {m['architecture']} {m['num_layers']} layers, hidden {m['hidden_size']}, "
-                      f"{m['num_heads']}/{m['num_kv_heads']} heads; weights {q['format']}, KV cache "
-                      f"{engine['engine']['kv_cache_dtype']}; targets sm {engine['targets']['sms']}; "
-                      f"{len(engine['kernels'])} AOT kernels")
-        line = verify_line(engine.get("verify") or {})
+        console.print(f"  model {m.architecture} {m.num_layers} layers, hidden {m.hidden_size}, "
+                      f"{m.num_heads}/{m.num_kv_heads} heads; weights {q.format}, KV cache "
+                      f"{engine.engine.kv_cache_dtype}; targets sm {list(engine.targets.sms)}; "
+                      f"{len(engine.kernels)} AOT kernels")
+        line = verify_line(as_dict(engine.verify) or {})
         if line:
             console.print(f"  {line}")
         files = Table("file", "size", "contents", box=None, pad_edge=False)
         groups: dict[str, list[Path]] = {}  # kernels/<sm>/ hold dozens of files: one line per folder
-        for rel in ["engine.json"] + sorted(engine["files"]):
+        for rel in [MANIFEST] + sorted(engine.files):
             p = bundle.path / rel
             if rel.startswith("kernels/"):
                 groups.setdefault(str(Path(rel).parent) + "/", []).append(p)
                 continue
-            what = {"engine.json": f"manifest, format_version {engine['format_version']}",
+            what = {MANIFEST: f"manifest, format_version {engine.format_version}",
                     "weights.safetensors": _tensor_formats(p) if rel == "weights.safetensors" else ""}.get(rel, "")
             files.add_row(rel, human_bytes(p.stat().st_size), what)
         for folder, paths in sorted(groups.items()):

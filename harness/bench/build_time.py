@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from backend import bundle
 from builder.stages import STAGES
 from harness.bench.perfinfo import cpu_model
 
@@ -49,14 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     load_after = os.getloadavg()
     error = proc.stderr.strip().splitlines()[-1] if proc.returncode != 0 and proc.stderr.strip() else None
-    if proc.returncode != 0 and not (out / "engine" / "engine.json").is_file():
+    if proc.returncode != 0 and not (out / "engine" / bundle.MANIFEST).is_file():
         sys.stderr.write(proc.stderr[-2000:])
         return proc.returncode
     stages = {}
     for spec in STAGES:
         f = out / spec.dest / "stage.json"
         stages[spec.name] = json.loads(f.read_text())["seconds"] if f.is_file() else None
-    engine = json.loads((out / "engine" / "engine.json").read_text())
+    engine = bundle.read(out / "engine")
     result = {
         "what": f"full build of {args.config}, every stage rebuilt (--force)",
         "command": " ".join(["python"] + cmd[1:]),
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                     "load_average_before": [round(x, 2) for x in load_before],
                     "load_average_after": [round(x, 2) for x in load_after]},
-        "tools": engine.get("tools"),
+        "tools": engine.tools,
         "wall_seconds": round(wall, 2),
         "exit_code": proc.returncode,
         "error": error,  # e.g. the verify gate failing after every stage ran

@@ -23,6 +23,7 @@ import sys
 import zipfile
 from pathlib import Path
 from harness.bench.perfinfo import cpu_machine, git_commit
+from backend import bundle
 from backend.serving.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     dirty = subprocess.run(["git", "status", "--porcelain", "backend/speculative"], capture_output=True,
                            text=True, cwd=REPO).stdout.strip()
     draft_cfg = json.loads((engine / "draft" / "config.json").read_text())
-    engine_doc = json.loads((engine / "engine.json").read_text())
+    manifest = bundle.read(engine)
     doc = {
         "benchmark": "eagle3", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m harness.bench.eagle " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -109,12 +110,12 @@ def main(argv=None) -> int:
                             "AVX2 CPU bf16 math is ~10x slower than fp32, so wall clock is measured in fp32"},
         "workload": {"dataset": "MT-bench question.jsonl (first turns, the tokenizer's chat template)", "num_prompts": len(prompts),
                      "max_tokens": args.max_tokens, "sampling": "greedy", "dtype": args.dtype,
-                     "target": engine_doc["model"].get("architecture"),
+                     "target": manifest.model.architecture,
                      "draft": {"draft_vocab_size": draft_cfg["draft_vocab_size"],
                                "aux_layers": draft_cfg["aux_layers"],
-                               "training": engine_doc.get("speculative"),
+                               "training": bundle.as_dict(manifest.speculative),
                                "build_stage_seconds": _stage_seconds(engine.parent / "work"),
-                               "verify_heldout": (engine_doc.get("verify") or {}).get("speculative")}},
+                               "verify_heldout": manifest.verify and manifest.verify.speculative}},
         "modes": {k: MODES[k] for k in modes[1:]},
         "results": results,
     }

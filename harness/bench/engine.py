@@ -149,8 +149,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from backend.serving.tokenizer import load_tokenizer
     engine = Path(args.engine)
-    if not (engine / "engine.json").is_file():
-        print(f"error: {engine}: no engine.json; build one with: make build CONFIG=...", file=sys.stderr)
+    from backend import bundle
+    try:
+        manifest = bundle.read(engine)
+    except bundle.BundleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     hf_dir = Path(args.hf_model) if args.hf_model else engine.parent / "work" / "import"
     if not args.skip_hf and not (hf_dir / "config.json").is_file():
@@ -163,10 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
     if args.dtype == "auto":
-        from backend.model.config import ModelConfig
         from backend.model.runner import compute_dtype
-        model_cfg = ModelConfig.from_dict(json.loads((engine / "engine.json").read_text())["model"])
-        args.dtype = str(compute_dtype(model_cfg.torch_dtype, torch.device("cpu"))).removeprefix("torch.")
+        args.dtype = str(compute_dtype(manifest.model.torch_dtype, torch.device("cpu"))).removeprefix("torch.")
     ours = run_executor(str(engine), prompts, args.output_len, args.dtype, args.max_batch)
     ours["peak_rss_mib"] = round(_rss_mib(), 1)
     print(f"executor: {ours['output_tok_per_s']} tok/s ({ours['seconds']} s), peak RSS {ours['peak_rss_mib']} MiB",

@@ -136,6 +136,7 @@ def run(a: argparse.Namespace, url: str, tokenizer) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    from backend import bundle
     from backend.serving.tokenizer import load_tokenizer
     repo = Path(a.model_repository)
     engine_dir = repo.parent / "engine"
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         url = srv.grpc_url
     else:
         url = a.url
-    if not (engine_dir / "engine.json").is_file():
+    if not (engine_dir / bundle.MANIFEST).is_file():
         print(f"error: {engine_dir}: engine bundle needed for token counting (--model-repository)", file=sys.stderr)
         return 2
     tok = load_tokenizer(engine_dir)
@@ -159,14 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if srv is not None:
             srv.stop()
-    engine = json.loads((engine_dir / "engine.json").read_text())
+    engine = bundle.read(engine_dir)
     report: dict[str, Any] = {
         "what": "Kiln serving benchmark: real Triton server, gRPC streaming, MT-bench first turns",
         "date": started.isoformat(timespec="seconds"), "commit": _commit(), "machine": machine,
         "command": "python -m harness.bench.serving " + " ".join(sys.argv[1:] if argv is None else argv),
-        "note": a.note, "engine": {"quantization": engine.get("quantization", {}).get("format"),
-                                   "kv_cache": engine.get("quantization", {}).get("kv_cache"),
-                                   "dtype": engine.get("model", {}).get("dtype"), **engine.get("engine", {})},
+        "note": a.note, "engine": {"quantization": engine.quantization.format,
+                                   "kv_cache": engine.quantization.kv_cache,
+                                   "dtype": engine.model.dtype, **bundle.as_dict(engine.engine)},
         "settings": {"max_tokens": a.max_tokens, "prompts": a.prompts, "temperature": 0.0,
                      "chat_template": True, "ttft_limit_s": a.ttft_limit, "tpot_limit_s": a.tpot_limit},
         **out,

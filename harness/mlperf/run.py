@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from backend import bundle
 from harness.mlperf import accuracy, compliance, settings
 from harness.mlperf.datasets import REPO_ROOT, Sample, load_dataset
 
@@ -178,12 +179,12 @@ def run(req: RunRequest) -> dict:
     if req.test_run:
         # AccuracyOnly runs every sample of the QSL: a test run keeps its QSL to the test size
         samples = samples[:int(table.test_run["performance_sample_count_override"])]
-    engine_json = out_dir / "engine" / "engine.json"
     eos = bench.eos_token_ids
     if eos is None:
-        if not engine_json.is_file():
-            raise RuntimeError(f"{engine_json}: engine bundle not found (build it: make build CONFIG={config})")
-        eos = tuple(json.loads(engine_json.read_text())["model"]["eos_token_ids"])
+        if not (out_dir / "engine" / bundle.MANIFEST).is_file():
+            raise RuntimeError(f"{out_dir / 'engine' / bundle.MANIFEST}: engine bundle not found "
+                               f"(build it: make build CONFIG={config})")
+        eos = bundle.read(out_dir / "engine").model.eos_token_ids
     log_dir = Path(req.log_root or out_dir / "mlperf") / req.scenario / mode_dir
     if log_dir.exists():
         shutil.rmtree(log_dir)  # stale logs from an earlier run must not be mistaken for this one's

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from backend import bundle
 from harness.mlperf import settings
 from harness.submission import system
 from harness.submission.layout import ACC_FILES, LAYOUTS, PERF_FILES, Layout
@@ -63,11 +64,8 @@ def truncate_accuracy_log(src: Path, dst: Path, accuracy_txt: Path | None) -> No
         dst.write_bytes(data)
 
 
-def _measurements(engine_json: Path, bench: settings.Benchmark) -> dict:
-    quant = {}
-    if engine_json.is_file():
-        quant = json.loads(engine_json.read_text()).get("quantization", {})
-    fmt = quant.get("format", "unknown")
+def _measurements(engine_dir: Path, bench: settings.Benchmark) -> dict:
+    fmt = bundle.read(engine_dir).quantization.format if (engine_dir / bundle.MANIFEST).is_file() else "unknown"
     return {
         "input_data_types": "int32",
         "retraining": "No",
@@ -135,7 +133,7 @@ def package(build_root: Path, out: Path, org: str, system_name: str | None, roun
         bench = table.get(bench_name)
         perf, acc, t06 = modes.get("PerformanceOnly"), modes.get("AccuracyOnly"), modes.get("TEST06")
         any_run = perf or acc or t06
-        engine_json = Path(any_run["engine_dir"]) / "engine.json"
+        engine_dir = Path(any_run["engine_dir"])
         for sub_name in bench.submission.values():
             p = dict(kw, benchmark=sub_name, scenario=scenario)
             if perf:
@@ -157,7 +155,7 @@ def package(build_root: Path, out: Path, org: str, system_name: str | None, roun
             (sdir / "README.md").write_text(_readme(perf, acc, t06))
             mfile = tmp / layout.fmt(layout.measurements_file, **p)
             mfile.parent.mkdir(parents=True, exist_ok=True)
-            mfile.write_text(json.dumps(_measurements(engine_json, bench), indent=4) + "\n")
+            mfile.write_text(json.dumps(_measurements(engine_dir, bench), indent=4) + "\n")
             if "mlperf.conf" in layout.extra_scenario_files:
                 # the official mlperf.conf, as embedded in the LoadGen that produced the logs
                 (sdir / "mlperf.conf").write_text(settings.loadgen_mlperf_conf_text())
