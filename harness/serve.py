@@ -17,6 +17,8 @@ from pathlib import Path
 
 from harness.serving_server import ServerError, TritonServer
 
+EXIT_MODEL_FAILED = 3  # the server or one of its model stubs died while serving
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m harness.serve", description=__doc__,
@@ -82,12 +84,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 130 if stop.is_set() else 1
     try:
+        srv.watch()
         print(examples(srv), flush=True)
         while not stop.wait(0.5):
-            if not srv.running():
-                print(f"error: tritonserver exited with code {srv.proc.returncode}; log {srv.log_file}:\n"
-                      f"{srv.log_tail()}", file=sys.stderr)
-                return 1
+            failure = srv.failure()
+            if failure is not None:
+                # A dead engine stub leaves Triton answering "ready" while its requests hang: stop
+                # the whole server instead, so clients see their streams end and a supervisor
+                # (systemd, Kubernetes) sees the exit and restarts it.
+                print(f"error: {failure}; stopping the server (exit code {EXIT_MODEL_FAILED}); "
+                      f"log {srv.log_file}:\n{srv.log_tail()}", file=sys.stderr)
+                return EXIT_MODEL_FAILED
     finally:
         print("stopping ...", flush=True)
         code = srv.stop()

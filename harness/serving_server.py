@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-__all__ = ["TritonServer", "TritonBinary", "find_tritonserver", "free_port", "ServerError"]
+__all__ = ["TritonServer", "TritonBinary", "find_tritonserver", "free_port", "ServerError", "stub_processes"]
 
 ROOT = Path(__file__).resolve().parents[1]
 STUB_PY = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -89,6 +89,26 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stub_processes(server_pid: int) -> dict[int, str]:
+    """pid -> model name of a tritonserver's Python backend stubs (one per model instance), from /proc."""
+    out: dict[int, str] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != server_pid:
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if argv and argv[0].endswith(b"triton_python_backend_stub"):
+            # the stub's first argument is <repository>/<model>/<version>/model.py
+            model = next((Path(a.decode(errors="replace")).parent.parent.name
+                          for a in argv[1:] if a.endswith(b"model.py")), "?")
+            out[int(pid)] = model
+    return out
 
 
 class TritonServer:
@@ -235,3 +255,27 @@ class TritonServer:
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    # ---- supervision ---------------------------------------------------------------------------
+    def stub_pids(self) -> dict[int, str]:
+        return {} if self.proc is None else stub_processes(self.proc.pid)
+
+    def watch(self) -> None:
+        """Remember the stubs running now (call once the server is ready); ``failure()`` then
+        reports any of them that is gone."""
+        self._watched = self.stub_pids()
+
+    def failure(self) -> str | None:
+        """Why this server can no longer serve, or None: it exited, or a watched model stub died
+        (Triton keeps answering ready, but every request to that model then fails or hangs)."""
+        if self.proc is None:
+            return "the server is not running"
+        if self.proc.poll() is not None:
+            return f"tritonserver exited with code {self.proc.returncode}"
+        watched = getattr(self, "_watched", {})
+        if watched:
+            alive = self.stub_pids()
+            dead = sorted(f"{model} (pid {pid})" for pid, model in watched.items() if pid not in alive)
+            if dead:
+                return f"the Python backend stub of model {', '.join(dead)} died"
+        return None

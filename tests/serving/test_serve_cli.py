@@ -11,7 +11,7 @@ import time
 import pytest
 
 from harness.serving_client import http_generate
-from harness.serving_server import free_port
+from harness.serving_server import free_port, stub_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -74,3 +74,79 @@ def test_serve_starts_answers_and_stops_cleanly(serving_build, sig):
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _start_serve(serving_build):
+    ports = [free_port() for _ in range(3)]
+    proc = subprocess.Popen([sys.executable, "-m", "harness.serve", "--model-repository",
+                             str(serving_build / "model_repository"), "--http-port", str(ports[0]),
+                             "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, pid = [], None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"pid\s+(\d+)", line)
+        pid = int(m.group(1)) if m and pid is None else pid
+        if "Ctrl-C stops the server" in line:
+            break
+    assert pid is not None, "".join(lines)
+    return proc, pid, ports
+
+
+def test_a_dead_engine_stub_ends_streams_and_stops_the_server(serving_build):
+    """kill -9 of the engine's stub: Triton alone keeps answering ready while the streams hang
+    forever. harness.serve notices, stops the server with exit code 3 (documented), so every
+    in-flight stream ends with an error and readiness stops answering."""
+    import asyncio
+    import threading
+    import urllib.request
+
+    import tritonclient.grpc.aio as grpcclient
+
+    from harness.serving_client import grpc_stream
+    proc, pid, ports = _start_serve(serving_build)
+    seen: set[int] = set()
+    results = []
+
+    async def streams():
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}")
+        # 900 forced tokens (the serving build's max_seq_len is 1024): minutes on this CPU
+        results.extend(await asyncio.gather(*[
+            grpc_stream(client, "ensemble", f"Count to a thousand, {i}:", on_piece=lambda _s, i=i: seen.add(i),
+                        max_tokens=900, min_tokens=900, temperature=0.0) for i in range(3)],
+            return_exceptions=True))  # the RPC itself fails (UNAVAILABLE) when the server goes
+        await client.close()
+
+    runner = threading.Thread(target=lambda: asyncio.run(streams()), daemon=True)
+    try:
+        runner.start()
+        deadline = time.monotonic() + 120
+        while len(seen) < 3 and runner.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(seen) == 3, f"streams did not start: {results}"
+        engine = [p for p, model in stub_processes(pid).items() if model == "engine"]
+        assert len(engine) == 1
+        os.kill(engine[0], signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 3, rest
+        assert "stub of model engine" in rest and "died" in rest
+        runner.join(60)
+        assert not runner.is_alive(), "a stream still hangs after the server stopped"
+        # each stream ended with an error: a final error response or the RPC's own failure
+        assert len(results) == 3
+        assert all(isinstance(r, Exception) or r.error for r in results), results
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
