@@ -196,6 +196,9 @@ class Manifest:
         """A copy with sections replaced; plain dicts/lists are checked and converted like engine.json."""
         hints = typing.get_type_hints(Manifest)
         try:
+            unknown = sorted(set(changes) - set(hints))
+            if unknown:
+                raise _FieldError(f"{unknown[0]}: unknown field (format_version {FORMAT_VERSION} has no such field)")
             return dataclasses.replace(self, **{k: _parse(as_dict(v), hints[k], k) for k, v in changes.items()})
         except _FieldError as exc:
             raise BundleError(f"{source}: {exc}; {rebuild_hint(self)}") from None
@@ -219,8 +222,6 @@ def _expected(hint: Any) -> str:
 def _accepts(v: Any, hint: Any) -> bool:
     """Shallow type check (elements of lists and objects are checked by _parse)."""
     origin = typing.get_origin(hint) or hint
-    if hint is Any:
-        return True
     if origin in (typing.Union, types.UnionType):
         return any(_accepts(v, a) for a in typing.get_args(hint))
     if dataclasses.is_dataclass(hint) or origin is dict:
