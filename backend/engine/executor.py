@@ -185,6 +185,8 @@ class Executor:
         self._tpot: deque[float] = deque(maxlen=_SAMPLES)
         self._step_errors = 0
         self._started = time.monotonic()
+        self._step_started: float | None = None  # set while a step runs: health() spots a stuck one
+        self._dead: str | None = None            # why the loop thread ended, if it failed
         self._thread: threading.Thread | None = None
         if start:
             self.start()
@@ -214,6 +216,8 @@ class Executor:
         req = Request(rid, prompt, params)
         handle = RequestHandle(rid, prompt, on_event)
         with self._lock:
+            if self._dead is not None:
+                raise EngineError(f"the engine loop has failed ({self._dead}); restart the server")
             if self._stop:
                 raise RuntimeError("executor is shut down")
             self.scheduler.add(req)          # raises ValueError before anything is queued
@@ -273,14 +277,37 @@ class Executor:
         self.shutdown()
 
     # -- loop ---------------------------------------------------------------------------------
+    def health(self, stuck_after_s: float = 0.0) -> str | None:
+        """None while the engine can serve; else why not: the loop thread failed, or (with
+        ``stuck_after_s`` > 0) one step has run longer than that (a hung device or kernel)."""
+        if self._dead is not None:
+            return f"the engine loop failed: {self._dead}"
+        started = self._step_started
+        if stuck_after_s > 0 and started is not None and time.monotonic() - started > stuck_after_s:
+            return f"one engine step has run for more than {stuck_after_s:g} s"
+        return None
+
     def _loop(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stop and not self._cancels and not self.scheduler.has_unfinished():
+                        self._wake.wait()
+                    if self._stop:
+                        return
+                self.step()
+        except BaseException as exc:  # noqa: BLE001 - a bug outside a step (scheduler, bookkeeping)
+            self._dead = f"{type(exc).__name__}: {exc}"
+            _LOG.critical("the engine loop failed; ending every request with an error", exc_info=True)
             with self._lock:
-                while not self._stop and not self._cancels and not self.scheduler.has_unfinished():
-                    self._wake.wait()
-                if self._stop:
-                    return
-            self.step()
+                pending = list(self.scheduler.requests)
+            for rid in pending:  # every request still gets exactly one final event
+                try:
+                    self._abort(rid, RequestStatus.FINISHED_ERROR, f"engine failure: {self._dead}")
+                except Exception:  # noqa: BLE001 - the state may be what broke: still tell the client
+                    handle = self._handles.pop(rid, None)
+                    if handle is not None:
+                        handle._deliver(TokenEvent(rid, [], None, True, "error", f"engine failure: {self._dead}"))
 
     def step(self) -> int:
         """Run one iteration. Returns the number of sequences scheduled (0 = nothing to do)."""
@@ -289,6 +316,7 @@ class Executor:
             out = self.scheduler.schedule()
         if out.is_empty:
             return 0
+        self._step_started = time.monotonic()
         try:
             self._run(out)
         except Exception as exc:  # noqa: BLE001 - a failing step must not kill the loop
@@ -298,6 +326,7 @@ class Executor:
                            ", ".join(s.request.request_id for s in out.scheduled))
             for s in out.scheduled:
                 self._abort(s.request.request_id, RequestStatus.FINISHED_ERROR, msg)
+        self._step_started = None
         return len(out.scheduled)
 
     def _run(self, out: SchedulerOutput) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from backend.bundle import load_bundle
+from backend.logs import for_request, get_logger
 from backend.serving.acceptance import acceptance_tensors, draft_counts
 from backend.serving.convert import EngineLimits, InvalidRequest
 from backend.serving.detok import CONTEXT_TOKENS, StreamDetokenizer
@@ -29,6 +30,8 @@ from backend.serving.metrics import ServingMetrics
 from backend.serving.tokenizer import load_tokenizer
 
 __all__ = ["EngineHost", "chosen_logprobs"]
+
+_LOG = get_logger("serving.engine")
 
 POLL_S = 0.5           # cancellation check period: each check is an IPC round trip per request,
                        # which at 64 streams on 2 cores costs more than a late cancel
@@ -109,6 +112,7 @@ class EngineHost:
             try:
                 self._enqueue(request)
             except Exception as e:  # noqa: BLE001 - a bug here must still end the request, not the model
+                for_request(_LOG, request.request_id() or "-").exception("could not enqueue the request")
                 self._send_error(request.get_response_sender(), f"engine: {type(e).__name__}: {e}")
 
     def _tensors(self, request) -> dict[str, np.ndarray]:
@@ -175,6 +179,7 @@ class EngineHost:
                 if st.req.return_log_probs:
                     st.logprobs.extend(chosen_logprobs(ev))
             if getattr(ev, "error", None):
+                for_request(_LOG, st.rid).error("engine error: %s", ev.error)
                 self._finish(st, error=f"engine error: {ev.error}")
                 return
             if ev.finished and ev.finish_reason == "cancelled" and st.cancel_asked:
@@ -216,7 +221,8 @@ class EngineHost:
         st.req.echo_text = ""  # only the first response carries it
         try:
             st.sender.send(resp, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-        except Exception:  # noqa: BLE001 - the client went away: stop generating for it
+        except Exception as e:  # noqa: BLE001 - the client went away: stop generating for it
+            for_request(_LOG, st.rid).info("response not delivered (%s); cancelling", e)
             if not final and not st.cancel_asked:
                 st.cancel_asked = True
                 self.executor.cancel(st.rid)
@@ -273,7 +279,7 @@ class EngineHost:
             with self._metrics_lock:
                 self.metrics.update(self.executor.stats())
         except Exception:  # noqa: BLE001 - metrics must never take the model down
-            pass
+            _LOG.exception("metrics update failed")
 
     def num_active(self) -> int:
         with self._lock:

@@ -137,6 +137,50 @@ def test_step_error_fails_its_requests_and_the_loop_survives(make_executor, vari
     assert s["step_errors"] == 1 and s["kv_blocks_used"] == 0
 
 
+def test_loop_failure_ends_every_request_and_refuses_new_ones(make_executor, varied_prompts):
+    """A bug outside a step (here: the scheduler) ends the loop thread: every request still gets
+    one final error event, health() says why, and submit() refuses instead of queueing forever."""
+    from backend.model.runner import EngineError
+    ex = make_executor()
+    real = ex.scheduler.schedule
+    calls = {"n": 0}
+
+    def broken_schedule(*args, **kw):  # schedule() runs outside the step's own error handling
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyError("injected scheduler bug")
+        return real(*args, **kw)
+
+    ex.scheduler.schedule = broken_schedule
+    handles = [ex.submit(p, GREEDY) for p in varied_prompts[:3]]
+    results = [h.result() for h in handles]  # would hang forever without the final events
+    assert all(r.finish_reason == "error" and "injected scheduler bug" in r.error for r in results)
+    assert "injected scheduler bug" in ex.health()
+    with pytest.raises(EngineError, match="engine loop has failed"):
+        ex.submit(varied_prompts[0], GREEDY)
+
+
+def test_health_reports_a_stuck_step(make_executor, varied_prompts):
+    ex = make_executor()
+    real = ex.runner.execute
+    release, entered = threading.Event(), threading.Event()
+
+    def hung(*args, **kw):
+        entered.set()
+        release.wait(30)
+        return real(*args, **kw)
+
+    ex.runner.execute = hung
+    handle = ex.submit(varied_prompts[0], GREEDY)
+    assert entered.wait(30)
+    assert ex.health(stuck_after_s=60) is None
+    threading.Event().wait(0.3)
+    assert "more than 0.2 s" in ex.health(stuck_after_s=0.2)
+    release.set()
+    assert handle.result().finish_reason == "length"
+    assert ex.health(stuck_after_s=0.2) is None
+
+
 def test_seeded_sampling_same_alone_or_batched(make_executor, varied_prompts):
     ex = make_executor()
     params = SamplingParams(max_tokens=8, temperature=0.9, top_k=50, top_p=0.95, seed=1234)
