@@ -39,7 +39,7 @@ Rules the pipeline (``builder/pipeline.py``) enforces so that stages stay simple
 * Long work reports progress with ``with ctx.progress("what", total) as advance: advance(1)`` and
   notes with ``ctx.log("...")``.
 
-Stage-specific contracts (the other engineers' stages):
+Stage-specific contracts:
 
 * draft: write the bundle's ``draft/`` content (``weights.safetensors``, ``config.json``) at the top
   of ``ctx.out_dir``; compile copies every file except ``stage.json`` into ``engine/draft/`` and puts
