@@ -148,6 +148,9 @@ class ServingConfig:
     preprocessing_instances: int = opt(1, min=1, max=64)
     postprocessing_instances: int = opt(1, min=1, max=64)
     stream_interval: int = opt(1, min=1)
+    # a step running longer than this is a hung device: its requests end with an error and the
+    # engine's stub exits (harness.serve then stops the server); 0 turns the watchdog off
+    step_timeout_s: float = opt(300.0, min=0.0)
     http_port: int = opt(8000, min=1, max=65535)
     grpc_port: int = opt(8001, min=1, max=65535)
     metrics_port: int = opt(8002, min=1, max=65535)

@@ -29,7 +29,7 @@ from backend.serving.engine_request import ENGINE_INPUT_NAMES, EngineRequest, pa
 from backend.serving.metrics import ServingMetrics
 from backend.serving.tokenizer import load_tokenizer
 
-__all__ = ["EngineHost", "chosen_logprobs"]
+__all__ = ["EngineHost", "chosen_logprobs", "exit_stub"]
 
 _LOG = get_logger("serving.engine")
 
@@ -78,11 +78,26 @@ class _Stream:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
+def exit_stub(reason: str) -> None:
+    """``on_fatal`` inside Triton: end this Python backend stub at once (after the final errors went
+    out). Triton then reports the model's stub unhealthy, and harness.serve stops the server with
+    exit code 3 so that a supervisor restarts it; threads stuck in a device call cannot be joined."""
+    _LOG.critical("exiting the engine's stub process: %s", reason)
+    os._exit(70)
+
+
 class EngineHost:
     def __init__(self, pb: Any, engine_dir: str, *, device: str = "cpu", stream_interval: int = 1,
                  model_name: str = "engine", instance: str = "0",
-                 executor_factory: Callable[..., Any] | None = None):
+                 executor_factory: Callable[..., Any] | None = None, step_timeout_s: float = 0.0,
+                 on_fatal: Callable[[str], None] | None = None):
+        """``step_timeout_s`` > 0: a step running longer counts as a hung engine. When the engine
+        fails (its loop thread died, or a step hung) every in-flight request gets a final error,
+        new ones are refused, and ``on_fatal(reason)`` runs (the Triton model exits its stub)."""
         self.pb = pb
+        self.step_timeout_s = step_timeout_s
+        self.on_fatal = on_fatal
+        self.failed: str | None = None
         bundle = load_bundle(engine_dir)  # engine.json read once: format, fields, files and their sha256
         self.limits = EngineLimits.from_engine(bundle.engine)
         self.vocab_size = bundle.model.vocab_size
@@ -128,6 +143,9 @@ class EngineHost:
         stop = self.pb.get_input_tensor_by_name(request, "stop_request")
         if stop is not None and bool(stop.as_numpy().reshape(-1)[0]):
             self._stop_request(request.request_id(), sender)
+            return
+        if self.failed is not None:
+            self._send_error(sender, f"engine unavailable: {self.failed}")
             return
         try:
             req = parse_engine_request(self._tensors(request), self.limits, self.vocab_size, self.tok)
@@ -271,6 +289,24 @@ class EngineHost:
             if time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + STATS_EVERY_S
                 self.refresh_metrics()
+            reason = self.executor.health(self.step_timeout_s)
+            if reason is not None:
+                self._fail(reason)
+                return
+
+    def _fail(self, reason: str) -> None:
+        """The engine cannot serve any more: end everything in flight with an error, then hand
+        over to ``on_fatal`` (a hung device step cannot be interrupted from Python)."""
+        self.failed = reason
+        _LOG.critical("engine failed: %s; ending %d in-flight requests", reason, self.num_active())
+        with self._lock:
+            streams = list(self._active.values())
+        for st in streams:
+            with st.lock:
+                if not st.done:
+                    self._finish(st, error=f"engine failure: {reason}")
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     def refresh_metrics(self) -> None:
         # Read and publish under one lock (the poller and the executor thread both call this): a

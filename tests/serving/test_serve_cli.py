@@ -76,10 +76,10 @@ def test_serve_starts_answers_and_stops_cleanly(serving_build, sig):
                 pass
 
 
-def _start_serve(serving_build):
+def _start_serve(serving_build, repo=None):
     ports = [free_port() for _ in range(3)]
     proc = subprocess.Popen([sys.executable, "-m", "harness.serve", "--model-repository",
-                             str(serving_build / "model_repository"), "--http-port", str(ports[0]),
+                             str(repo or serving_build / "model_repository"), "--http-port", str(ports[0]),
                              "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, pid = [], None
@@ -150,3 +150,36 @@ def test_a_dead_engine_stub_ends_streams_and_stops_the_server(serving_build):
         except ProcessLookupError:
             pass
 
+
+
+def test_a_hung_step_ends_requests_with_an_error_and_stops_the_server(serving_build, tmp_path):
+    """The step watchdog: a step running past serving.step_timeout_s (here 20 ms, so that every
+    decode step of this CPU counts as hung) ends the in-flight request with a final error response
+    from the engine model itself, then its stub exits and harness.serve stops with exit code 3."""
+    import shutil
+
+    from harness.serving_client import grpc_generate
+    repo = tmp_path / "model_repository"
+    shutil.copytree(serving_build / "model_repository", repo)
+    (tmp_path / "engine").symlink_to(serving_build / "engine")  # models name it as ../engine
+    pbtxt = repo / "engine" / "config.pbtxt"
+    text = pbtxt.read_text()
+    assert 'key: "step_timeout_s" value: { string_value: "300' in text  # the default is rendered
+    pbtxt.write_text(text.replace('key: "step_timeout_s" value: { string_value: "300.0" }',
+                                  'key: "step_timeout_s" value: { string_value: "0.02" }'))
+    proc, pid, ports = _start_serve(serving_build, repo)
+    try:
+        res = grpc_generate(f"127.0.0.1:{ports[1]}", "ensemble",
+                            "Count to a thousand:", max_tokens=900, min_tokens=900, temperature=0.0)
+        assert res.error and "engine failure" in res.error and "more than 0.02 s" in res.error, res.error
+        rest, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 3, rest
+        assert "stub of model engine" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

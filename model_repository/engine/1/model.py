@@ -2,7 +2,7 @@
 import triton_python_backend_utils as pb_utils
 
 from backend.logs import route_to_triton
-from backend.serving.engine_host import EngineHost
+from backend.serving.engine_host import EngineHost, exit_stub
 from backend.serving.model_args import engine_dir, model_config, parameter
 
 
@@ -12,7 +12,9 @@ class TritonPythonModel:
         cfg = model_config(args)
         self.host = EngineHost(pb_utils, engine_dir(args, cfg), device=parameter(cfg, "device", "cpu"),
                                stream_interval=int(parameter(cfg, "stream_interval", "1")),
-                               model_name=args["model_name"], instance=args["model_instance_name"])
+                               model_name=args["model_name"], instance=args["model_instance_name"],
+                               step_timeout_s=float(parameter(cfg, "step_timeout_s", "300")),
+                               on_fatal=exit_stub)
 
     def execute(self, requests):
         self.host.execute(requests)  # only enqueues; responses come from the executor thread
