@@ -3,6 +3,7 @@ refusals that name the file and the field and say what to rebuild; and no other 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from backend import bundle
 from backend.bundle import BundleError, EngineSettings
+from backend.model.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 HINT = "rebuild with: make build CONFIG=configs/tiny.yaml BUILD_ARGS=--force"
@@ -79,6 +81,7 @@ def test_round_trip_write_read_is_equal_and_byte_identical(tiny):
     assert bundle.read(out) == m
     assert (out / "engine.json").read_text() == text   # key order, indent 2, trailing newline: as the builder wrote
     assert bundle.load_bundle(tiny).manifest == m
+    assert sorted(bundle.MODEL_KEYS) == sorted(f.name for f in dataclasses.fields(ModelConfig))  # none dropped
 
 
 def test_the_default_build_reads_back_byte_identical():
