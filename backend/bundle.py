@@ -83,7 +83,8 @@ class EngineSettings:
     scheduler_policy: str = "max_utilization"
     tp_size: int = 1
     attention_backend: str = "auto"
-    cuda_graphs: str | bool = field(default="auto", metadata=OMIT)  # an override; the builder does not write it
+    # engine.cuda_graphs of the config; not written while "auto", so older bundles read the same
+    cuda_graphs: str | bool = field(default="auto", metadata=OMIT)
 
     def resolved(self, model: ModelConfig, quantization: Quantization) -> "EngineSettings":
         """These settings with every model-dependent default (None) filled in."""

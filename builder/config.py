@@ -131,6 +131,8 @@ class EngineConfig:
     tp_size: int = opt(1, choices=(1, 2, 4, 8))
     target_sms: tuple[int, ...] = opt((90, 100), check=_sms, allowed=" | ".join(map(str, KNOWN_SMS)))
     attention_backend: str = opt("auto", choices=("auto", "torch", "triton"))
+    # CUDA graphs for decode and EAGLE verify steps: auto = on a GPU with the triton backend
+    cuda_graphs: str | bool = opt("auto", choices=("auto", True, False), allowed="auto | true | false")
 
 
 @dataclasses.dataclass(frozen=True)

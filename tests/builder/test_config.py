@@ -277,3 +277,16 @@ def test_floats_refuse_nan_in_yaml_files(tmp_path):
     msg = error_of(BuildConfig.from_yaml, p)
     assert msg == (f"{p}: engine.kv_cache_free_mem_fraction: nan is not a finite number; "
                    "allowed: a number in 0.01..1.0 (not NaN or infinity)")
+
+
+@pytest.mark.parametrize("value, parsed", [("auto", "auto"), ("true", True), ("false", False)])
+def test_cuda_graphs_is_a_config_key_written_into_the_bundle(value, parsed):
+    from builder.stages.compile import _engine_section
+    cfg = BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-fp8.yaml", [f"engine.cuda_graphs={value}"])
+    assert cfg.engine.cuda_graphs == parsed
+    assert _engine_section(cfg)["cuda_graphs"] == parsed
+
+
+def test_cuda_graphs_refuses_other_values():
+    with pytest.raises(ConfigError, match=r"engine\.cuda_graphs.*allowed: auto \| true \| false"):
+        BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-fp8.yaml", ["engine.cuda_graphs=maybe"])

@@ -63,3 +63,13 @@ def test_cuda_graphs_need_the_triton_backend(bundle):
                  attention_backend="torch")
     with pytest.raises(EngineError, match="cuda_graphs: 'yes'; allowed: auto, true, false"):
         Executor(path, device="cpu", weights=w, verify_hashes=False, start=False, cuda_graphs="yes")
+
+
+def test_the_bundles_cuda_graphs_setting_is_honoured(tmp_path):
+    """engine.cuda_graphs comes from the bundle (the build writes the config key), no override needed:
+    true with the torch backend is refused, so the runner must have read it."""
+    path = bench_gpu.manifest_bundle(TINY, {**ENGINE, "cuda_graphs": True, "attention_backend": "torch"},
+                                     tmp_path / "engine")
+    w = bench_gpu.synthetic_fp8_weights(TINY, device="cpu", seed=3, std=0.2)
+    with pytest.raises(EngineError, match="cuda_graphs: true needs engine.attention_backend triton"):
+        Executor(path, device="cpu", weights=w, verify_hashes=False, start=False)
