@@ -161,10 +161,25 @@ class FP8Linear(QuantLinear):
         if not self.native:
             return self.matmul(fake_quant_fp8(x, self.input_scale))
         xq = (x.float() / self.input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        scale_a = self.input_scale.expand(x.shape[0], 1).contiguous()  # row-wise pairs row-wise b
-        out = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=scale_a, scale_b=self.weight_scale,
-                               out_dtype=self.dtype)
+        return self.forward_fp8(xq)
+
+    def forward_fp8(self, xq: torch.Tensor) -> torch.Tensor:
+        """``xq [T, in]``: the input already quantized with ``input_scale`` (float8_e4m3fn, by a fused
+        norm or activation kernel) -> ``[T, out]`` in the model dtype; same numbers as ``forward``."""
+        if not self.native:
+            return self.matmul((xq.float() * self.input_scale).to(self.dtype))
+        out = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=self._scale_rows(xq.shape[0]),
+                               scale_b=self.weight_scale, out_dtype=self.dtype)
         return out + self.bias if self.bias is not None else out
+
+    def _scale_rows(self, rows: int) -> torch.Tensor:
+        """The per-tensor input scale as the ``[rows, 1]`` row-wise scale ``_scaled_mm`` pairs with the
+        row-wise weight scale: a slice of one column kept for the largest row count so far (no
+        kernel per call; grown in eager warm-up, before any CUDA graph capture)."""
+        col = getattr(self, "_scale_col", None)
+        if col is None or col.shape[0] < rows:
+            col = self._scale_col = self.input_scale.reshape(1, 1).repeat(max(rows, 64), 1)
+        return col[:rows]
 
 
 class NVFP4Linear(QuantLinear):
