@@ -24,10 +24,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import gemm_fp8, gemm_w4a16, kv_write, paged_decode, paged_prefill, rmsnorm, rope
+from . import (act_quant, gemm_fp8, gemm_w4a16, kv_write, norm_quant, paged_decode, paged_prefill, rmsnorm, rope,
+               rope_kv)
 from .common import ACT_TYPES, AOT_META_VERSION, EngineShapes, Variant
 
-KERNEL_MODULES = (kv_write, paged_decode, paged_prefill, rmsnorm, rope, gemm_w4a16, gemm_fp8)
+KERNEL_MODULES = (kv_write, paged_decode, paged_prefill, rmsnorm, rope, gemm_w4a16, gemm_fp8, norm_quant,
+                  act_quant, rope_kv)
 DEFAULT_SMS = (90, 100)
 META_VERSION = AOT_META_VERSION
 
@@ -88,7 +90,7 @@ def ptx_params(ptx: str, entry: str) -> list[str]:
 
 
 # scalar parameters passed by pointer: may be views into larger tensors, so never assumed aligned
-SCALAR_POINTERS = {"k_scale_ptr", "v_scale_ptr", "ws2_ptr", "xs_ptr"}
+SCALAR_POINTERS = {"k_scale_ptr", "v_scale_ptr", "ws2_ptr", "xs_ptr", "scale_ptr", "out_scale_ptr"}
 ALIGNED_TYPES = {"*fp16", "*bf16", "*fp32", "*fp8e4nv", "*u8"}
 
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .common import Variant, check, launch, next_pow2, scale_tensor
+from .common import Variant, check, launch, next_pow2, round_to_e4m3, scale_tensor
 
 MAX_SPLITS = 32   # the reduction kernel's fixed width; also bounds the partial buffers
 TILE_N = 64       # default tokens per inner iteration (the launch uses plugins.tuning "paged_decode")
@@ -28,12 +28,12 @@ def _cfg(fp8: bool) -> dict:
 @triton.jit
 def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
                         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                        k_scale_ptr, v_scale_ptr, sm_scale,
+                        k_scale_ptr, v_scale_ptr, out_scale_ptr, sm_scale,
                         stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
                         tokens_per_split, num_splits,
                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                        KV_FP8: tl.constexpr, SPLIT: tl.constexpr):
+                        KV_FP8: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -88,13 +88,16 @@ def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
         tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=gmask)
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # an empty sequence yields zeros
+        if OUT_FP8:   # the O projection's input: rounded to q's dtype first, as the unfused model does
+            out = round_to_e4m3(tl.math.div_rn(out.to(q.dtype).to(tl.float32), tl.load(out_scale_ptr)))
         tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
 @triton.jit
-def paged_decode_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ob, stride_oh, num_splits,
-                               NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def paged_decode_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, act_ptr, out_scale_ptr, stride_ob, stride_oh,
+                               num_splits, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                               SPLITS_PAD: tl.constexpr, OUT_FP8: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -110,6 +113,8 @@ def paged_decode_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ob, st
     num = tl.sum(acc * w[:, None], 0)
     den = tl.sum(l * w, 0)
     out = num / tl.where(den > 0, den, 1.0)
+    if OUT_FP8:   # act_ptr (q) only gives the activation dtype the unfused model rounds to first
+        out = round_to_e4m3(tl.math.div_rn(out.to(act_ptr.dtype.element_ty).to(tl.float32), tl.load(out_scale_ptr)))
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -139,10 +144,13 @@ def _target_programs(device: torch.device, fp8: bool = False) -> int:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, k_scale=None, v_scale=None,
-                 max_seq_len: int | None = None, num_splits: int | None = None, aot=None) -> torch.Tensor:
+                 max_seq_len: int | None = None, num_splits: int | None = None, aot=None,
+                 out_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (last dim contiguous); caches: contiguous [num_blocks, block_size, Hkv, D]
     (q's dtype or float8_e4m3fn with per-layer scales); block_tables: [B, max_blocks] int32;
-    seq_lens: [B] int32 (tokens in cache including the query's own). -> [B, Hq, D] in q.dtype.
+    seq_lens: [B] int32 (tokens in cache including the query's own). -> [B, Hq, D] in q.dtype, or with
+    ``out_scale`` (fp32, one element: the O projection's static input scale) its float8_e4m3fn codes of
+    out / out_scale (the output's quantization folded into the kernel: no launch of its own).
     max_seq_len: host-side upper bound of seq_lens (avoids a device sync); num_splits forces the split."""
     B, Hq, D = q.shape
     _, bs, Hkv, Dc = k_cache.shape
@@ -152,7 +160,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     check(bs == next_pow2(bs), f"paged_decode: block_size {bs} must be a power of two")
     check(k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1,
           "paged_decode: caches must be contiguous and q's head_dim contiguous")
-    out = torch.empty_like(q)
+    out_fp8 = out_scale is not None
+    out = torch.empty(q.shape, dtype=torch.float8_e4m3fn if out_fp8 else q.dtype, device=q.device)
     if B == 0:
         return out
     if max_seq_len is None:
@@ -172,44 +181,50 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_ml = torch.empty(B, Hq, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused by the SPLIT=False variant
+    ks = scale_tensor(k_scale, q.device)
+    os_ = out_scale.reshape(1) if out_fp8 else ks
     args = (out, part_acc, part_ml, q, k_cache, v_cache, block_tables, seq_lens,
-            scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device), float(scale),
+            ks, scale_tensor(v_scale, q.device), os_, float(scale),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), per, num_splits)
-    launch(paged_decode_kernel, (B, Hkv, num_splits), args, _constexprs(Hkv, group, D, bs, fp8, split, tile),
+    launch(paged_decode_kernel, (B, Hkv, num_splits), args, _constexprs(Hkv, group, D, bs, fp8, split, tile, out_fp8),
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aot=aot)
     if split:
         launch(paged_decode_reduce_kernel, (B, Hq),
-               (out, part_acc, part_ml, out.stride(0), out.stride(1), num_splits),
-               _reduce_constexprs(Hq, D), aot=aot)
+               (out, part_acc, part_ml, q, os_, out.stride(0), out.stride(1), num_splits),
+               _reduce_constexprs(Hq, D, out_fp8), aot=aot)
     return out
 
 
-def _constexprs(hkv, group, head_dim, block_size, fp8, split, tile) -> dict:
+def _constexprs(hkv, group, head_dim, block_size, fp8, split, tile, out_fp8=False) -> dict:
     return dict(NUM_KV_HEADS=hkv, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
-                BLOCK_SIZE=block_size, TILE=tile, KV_FP8=fp8, SPLIT=split)
+                BLOCK_SIZE=block_size, TILE=tile, KV_FP8=fp8, SPLIT=split, OUT_FP8=out_fp8)
 
 
-def _reduce_constexprs(heads, head_dim) -> dict:
-    return dict(NUM_HEADS=heads, HEAD_DIM=head_dim, SPLITS_PAD=MAX_SPLITS)
+def _reduce_constexprs(heads, head_dim, out_fp8=False) -> dict:
+    return dict(NUM_HEADS=heads, HEAD_DIM=head_dim, SPLITS_PAD=MAX_SPLITS, OUT_FP8=out_fp8)
 
 
 def aot_variants(e) -> list[Variant]:
-    """The variants an engine with shapes `e` (common.EngineShapes) launches: with and without split."""
+    """The variants an engine with shapes `e` (common.EngineShapes) launches: with and without split, and
+    for FP8 engines also writing the O projection's fp8 input."""
     group = e.num_heads // e.num_kv_heads
-    types = dict(out_ptr=f"*{e.act}", part_acc_ptr="*fp32", part_ml_ptr="*fp32", q_ptr=f"*{e.act}",
-                 k_cache_ptr=f"*{e.kv}", v_cache_ptr=f"*{e.kv}", block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                 k_scale_ptr="*fp32", v_scale_ptr="*fp32", sm_scale="fp32", stride_qb="i32", stride_qh="i32",
-                 stride_ob="i32", stride_oh="i32", stride_bt="i32", tokens_per_split="i32", num_splits="i32")
     out = []
     cfg = _cfg(e.kv == "fp8e4nv")
-    for split in (False, True):
-        t = dict(types)
-        if not split:   # the unused partial buffers are the output tensor itself
-            t.update(part_acc_ptr=f"*{e.act}", part_ml_ptr=f"*{e.act}")
-        out.append(Variant(paged_decode_kernel, t, _constexprs(e.num_kv_heads, group, e.head_dim, e.block_size,
-                                                                e.kv == "fp8e4nv", split, cfg["tile"]),
-                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-    rtypes = dict(out_ptr=f"*{e.act}", part_acc_ptr="*fp32", part_ml_ptr="*fp32", stride_ob="i32",
-                  stride_oh="i32", num_splits="i32")
-    out.append(Variant(paged_decode_reduce_kernel, rtypes, _reduce_constexprs(e.num_heads, e.head_dim)))
+    for out_fp8 in ((False, True) if e.quant_format == "fp8" else (False,)):
+        o = "*fp8e4nv" if out_fp8 else f"*{e.act}"
+        types = dict(out_ptr=o, part_acc_ptr="*fp32", part_ml_ptr="*fp32", q_ptr=f"*{e.act}",
+                     k_cache_ptr=f"*{e.kv}", v_cache_ptr=f"*{e.kv}", block_tables_ptr="*i32", seq_lens_ptr="*i32",
+                     k_scale_ptr="*fp32", v_scale_ptr="*fp32", out_scale_ptr="*fp32", sm_scale="fp32",
+                     stride_qb="i32", stride_qh="i32", stride_ob="i32", stride_oh="i32", stride_bt="i32",
+                     tokens_per_split="i32", num_splits="i32")
+        for split in (False, True):
+            t = dict(types)
+            if not split:   # the unused partial buffers are the output tensor itself
+                t.update(part_acc_ptr=o, part_ml_ptr=o)
+            out.append(Variant(paged_decode_kernel, t, _constexprs(e.num_kv_heads, group, e.head_dim, e.block_size,
+                                                                    e.kv == "fp8e4nv", split, cfg["tile"], out_fp8),
+                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+        rtypes = dict(out_ptr=o, part_acc_ptr="*fp32", part_ml_ptr="*fp32", act_ptr=f"*{e.act}",
+                      out_scale_ptr="*fp32", stride_ob="i32", stride_oh="i32", num_splits="i32")
+        out.append(Variant(paged_decode_reduce_kernel, rtypes, _reduce_constexprs(e.num_heads, e.head_dim, out_fp8)))
     return out

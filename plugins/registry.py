@@ -10,6 +10,11 @@ Ops and their call signatures (shapes on the functions themselves):
                 k_scale, v_scale, tree_mask=None) -> out
   rms_norm(x, weight, eps, residual=None) -> out | (out, residual)
   rope(q, k, positions, cos_sin) -> (q, k)
+  add_rms_norm_quant(x, weight, eps, residual=None, input_scale=None) -> (y | fp8 codes, new residual)
+  silu_mul_quant(gate_up, input_scale=None) -> silu(gate) * up | its fp8 codes
+  quantize_fp8(x, input_scale) -> fp8 codes
+  rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+                k_scale, v_scale) -> q (rotated in place in qkv; k, v written to the caches)
   linear(x, **tensors of the format: weight, weight_scale, weight_scale_2, input_scale, pre_quant_scale) -> y
 """
 from __future__ import annotations
@@ -47,6 +52,14 @@ REGISTRY: dict[tuple[str, str, str | None], Impl] = {
     ("rms_norm", "torch", None): Impl(f"{_REF}.norm:rms_norm_ref"),
     ("rope", "triton", None): Impl("plugins.rope:apply_rope"),
     ("rope", "torch", None): Impl(f"{_REF}.rope:apply_rope_ref"),
+    ("add_rms_norm_quant", "triton", None): Impl("plugins.norm_quant:add_rms_norm_quant"),
+    ("add_rms_norm_quant", "torch", None): Impl(f"{_REF}.fused:add_rms_norm_quant_ref"),
+    ("silu_mul_quant", "triton", None): Impl("plugins.act_quant:silu_mul_quant"),
+    ("silu_mul_quant", "torch", None): Impl(f"{_REF}.fused:silu_mul_quant_ref"),
+    ("quantize_fp8", "triton", None): Impl("plugins.act_quant:quantize_fp8"),
+    ("quantize_fp8", "torch", None): Impl(f"{_REF}.kv_cache:quantize_fp8"),
+    ("rope_write_kv", "triton", None): Impl("plugins.rope_kv:rope_write_kv"),
+    ("rope_write_kv", "torch", None): Impl(f"{_REF}.fused:rope_write_kv_ref"),
     ("linear", "triton", "nvfp4"): Impl("plugins.linear_impls:nvfp4_triton"),
     ("linear", "torch", "nvfp4"): Impl("plugins.linear_impls:nvfp4_torch"),
     ("linear", "triton", "int4_awq"): Impl("plugins.linear_impls:int4_awq_triton"),

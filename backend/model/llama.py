@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from backend.ops import cpu_matmul
 from backend.ops.attention import AttentionBackend
-from backend.ops.linear import QuantLinear, make_linear
+from backend.ops.linear import FP8Linear, QuantLinear, make_linear
 from backend.model.config import ModelConfig
 from backend.model.layers import RotaryEmbedding, apply_rope, rms_norm, silu_and_mul
 
@@ -88,6 +88,17 @@ class LlamaModel:
         self._check_shapes()
         self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                     config.rope_scaling, dev)
+        # With the Triton attention backend (a GPU, or the interpreter in tests) a decoder layer runs
+        # fused kernels: norm, QKV GEMM, rope+KV write, attention, O GEMM, norm, gate/up GEMM, act, down
+        # GEMM (see _forward_fused). The torch backend keeps the plain ops below, numbers unchanged.
+        self.fused = getattr(attention, "name", None) == "triton"
+        if self.fused:
+            from plugins import registry
+            self._kernels = {op: registry.get(op, dev, dt, kind="triton")
+                             for op in ("add_rms_norm_quant", "silu_mul_quant", "rope_write_kv")}
+            half = config.head_dim // 2
+            # [max_pos, 2, D/2] fp32: the same angles as the torch path's tables (before their dtype cast)
+            self.cos_sin = torch.stack([self.rope.cos[:, :half], self.rope.sin[:, :half]], dim=1).contiguous()
 
     def _check_shapes(self) -> None:
         c = self.config
@@ -110,6 +121,8 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 capture_hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        if self.fused:
+            return self._forward_fused(input_ids, meta, kv_caches, capture_hidden_layers)
         c = self.config
         t = input_ids.shape[0]
         cos, sin = self.rope.tables(meta.positions, self.dtype)
@@ -134,7 +147,48 @@ class LlamaModel:
                 captured[i] = hidden
         return rms_norm(hidden, self.norm, c.rms_norm_eps), captured
 
+    def _forward_fused(self, input_ids, meta, kv_caches, capture_hidden_layers):
+        """The same layer on fused kernels. The residual stream is added lazily: each block's output
+        (``delta``) goes into the next norm kernel, which writes the sum (the new residual) and the
+        normed row, quantized to fp8 when the linear it feeds is an FP8 one (``_fp8_in``)."""
+        c, k, aot = self.config, self._kernels, getattr(self.attention, "aot", None)
+        t, eps = input_ids.shape[0], c.rms_norm_eps
+        norm, act = k["add_rms_norm_quant"], k["silu_mul_quant"]
+        captured: dict[int, torch.Tensor] = {}
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        delta = None
+        for i, layer in enumerate(self.layers):
+            # Attention block.
+            x, hidden = (norm(hidden, layer.input_norm, eps, None, _fp8_in(layer.qkv), aot=aot) if delta is None
+                         else norm(delta, layer.input_norm, eps, hidden, _fp8_in(layer.qkv), aot=aot))
+            qkv = _apply(layer.qkv, x)
+            k_cache, v_cache = kv_caches[i]
+            q = k["rope_write_kv"](qkv, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping,
+                                   c.num_heads, c.num_kv_heads, layer.k_scale, layer.v_scale, aot=aot)
+            # an FP8 O projection's input comes quantized out of the attention kernel
+            attn = self.attention.forward(q, k_cache, v_cache, meta, self.scale, layer.k_scale, layer.v_scale,
+                                          out_scale=_fp8_in(layer.o))
+            delta = _apply(layer.o, attn.reshape(t, c.q_size))
+            # MLP block.
+            x, hidden = norm(delta, layer.post_attn_norm, eps, hidden, _fp8_in(layer.gate_up), aot=aot)
+            delta = _apply(layer.down, act(_apply(layer.gate_up, x), _fp8_in(layer.down), aot=aot))
+            if i in capture_hidden_layers:
+                captured[i] = hidden + delta
+        if delta is None:
+            return rms_norm(hidden, self.norm, eps), captured
+        return norm(delta, self.norm, eps, hidden, None, aot=aot)[0], captured
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` (already normed) -> fp32 logits ``[N, vocab]``."""
         return cpu_matmul.linear(hidden, self.lm_head).float()
+
+
+def _fp8_in(linear: QuantLinear) -> torch.Tensor | None:
+    """The static input scale of an FP8 linear (its input then arrives quantized), else None."""
+    return linear.input_scale if isinstance(linear, FP8Linear) else None
+
+
+def _apply(linear: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """An FP8 linear takes the fp8 codes a fused kernel wrote; every other linear its usual input."""
+    return linear.forward_fp8(x) if x.dtype == torch.float8_e4m3fn else linear(x)

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from plugins.act_quant import quantize_fp8 as _quantize_fp8
 from plugins.kv_write import write_kv as _write_kv
 from plugins.paged_decode import paged_decode
 from plugins.paged_prefill import paged_prefill
@@ -49,9 +50,15 @@ class TritonAttentionBackend:
         _check_device(k)
         _write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, aot=self.aot)
 
-    def forward(self, q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None) -> torch.Tensor:
-        """``q [T, Hq, D]`` -> ``[T, Hq, D]``: causal attention over each sequence's cache."""
+    def forward(self, q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None, out_scale=None) -> torch.Tensor:
+        """``q [T, Hq, D]`` -> ``[T, Hq, D]``: causal attention over each sequence's cache. With
+        ``out_scale`` (the O projection's static fp8 input scale) -> its float8_e4m3fn codes instead:
+        folded into the decode kernel for decode-only steps, a quantization kernel after the others."""
         _check_device(q)
+        if out_scale is not None and not (meta.num_prefills == 0 and meta.tree_mask is None
+                                          and meta.num_decode_tokens == meta.num_seqs):
+            out = self.forward(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+            return _quantize_fp8(out.reshape(out.shape[0], -1), out_scale, aot=self.aot).view(out.shape)
         num_p, num_seqs = meta.num_prefills, int(meta.seq_lens.shape[0])
         p_tok = meta.num_prefill_tokens
         num_d = num_seqs - num_p
@@ -64,6 +71,9 @@ class TritonAttentionBackend:
             return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                  meta.context_lens, scale, k_scale, v_scale, tree_mask=meta.tree_mask,
                                  max_query_len=meta.max_query_len, aot=self.aot)
+        if not num_p:   # decodes only: the kernel's output is the result (no copy into a second buffer)
+            return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, k_scale, v_scale,
+                                max_seq_len=meta.max_seq_len, aot=self.aot, out_scale=out_scale)
         out = torch.empty_like(q)
         if num_p:
             out[:p_tok] = paged_prefill(q[:p_tok], k_cache, v_cache, meta.block_tables[:num_p],

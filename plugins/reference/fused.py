@@ -1,0 +1,48 @@
+"""References of the fused decode-layer kernels: each is the unfused sequence of ops it replaces, so a
+fused kernel is right when it gives these numbers (same roundings: the residual sum and the normed /
+activated value are rounded to the activation dtype before the fp8 quantization, as the unfused model does).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import quantize_fp8, write_kv_ref
+from .norm import rms_norm_ref
+from .rope import apply_rope_ref
+
+
+def add_rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                           input_scale: torch.Tensor | None = None):
+    """x: [T, H]; weight: [H]; residual: optional [T, H]; input_scale: optional fp32 [] (the next GEMM's).
+    -> (y, new_residual): y = rms_norm(x + residual) in x.dtype, or float8_e4m3fn codes of y / input_scale
+    with a scale; new_residual = x + residual (x itself without a residual)."""
+    if residual is None:
+        y, res = rms_norm_ref(x, weight, eps), x
+    else:
+        y, res = rms_norm_ref(x, weight, eps, residual)
+    return (y if input_scale is None else quantize_fp8(y, input_scale)), res
+
+
+def silu_mul_quant_ref(gate_up: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up: [T, 2I] (gate | up) -> silu(gate) * up [T, I] in gate_up.dtype, or its float8_e4m3fn codes
+    of value / input_scale."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    y = F.silu(gate.float()).to(gate_up.dtype) * up
+    return y if input_scale is None else quantize_fp8(y, input_scale)
+
+
+def rope_write_kv_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv: [T, (Hq + 2 Hkv) D] (q | k | v); rotates q in place and writes rotated k and v into the paged
+    caches at slot_mapping (-1 skips; fp8 caches store x / scale) -> q as a [T, Hq, D] view of qkv.
+    k in qkv is left as it was (attention reads keys from the cache)."""
+    T = qkv.shape[0]
+    D = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    q, k, v = qkv.split((num_heads * D, num_kv_heads * D, num_kv_heads * D), dim=-1)
+    q, k, v = q.view(T, num_heads, D), k.view(T, num_kv_heads, D), v.view(T, num_kv_heads, D)
+    q_rot, k_rot = apply_rope_ref(q, k, positions, cos_sin)
+    write_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    q.copy_(q_rot)
+    return q
