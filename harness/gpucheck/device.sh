@@ -6,6 +6,9 @@
 # Each part has its own time limit so one hang cannot eat the others' time; PARTS picks which run
 # (default all: check kernels bench spec; the defaults' limits add up to more than one 600-s call,
 # so a session short of time names the parts it needs, e.g. PARTS="spec" harness/gpucheck/device.sh OUT).
+# Part perf (not in the default; PARTS="check perf" fits one 9-minute call): fused-kernel tests on the GPU,
+# fused vs unfused decode step at batch 1 and 64 on the 8B-shaped FP8 engine with the copy-bandwidth
+# floor of the same run, a per-kernel profile of one step, and the launch count on the real GPU.
 set -u
 PARTS=" ${PARTS:-check kernels bench spec} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
@@ -36,4 +39,15 @@ if want spec; then
   # speedup it implies with the SmolLM2 draft's MT-bench acceptance (harness/bench/eagle_cost.py).
   timeout "${T_SPEC:-180}" $PY -m harness.bench.eagle_cost --llama8b --breakdown --out "$OUT/eagle3-cost.json" > "$OUT/spec-cost.log" 2>&1
   echo "spec-cost rc=$?"
+fi
+if want perf; then
+  # harness/bench/decode_perf.py: tests/kernels/test_fused_layer.py on the GPU, copy bandwidth -> floor,
+  # one decode step fused vs unfused (eager and CUDA graph), torch.profiler kernel table of each.
+  timeout "${T_PERF:-300}" $PY -m harness.bench.decode_perf --batches 1 64 --out "$OUT/decode-perf.json" \
+    > "$OUT/decode-perf.log" 2>&1
+  echo "decode-perf rc=$?"
+  # the launch counter on the real GPU (nothing emulated): must agree with docs/perf/launches.json
+  timeout "${T_LAUNCHES:-60}" $PY -m harness.bench.launches --device cuda --out "$OUT/launches-gpu.json" \
+    > "$OUT/launches-gpu.log" 2>&1
+  echo "launches rc=$?"
 fi
