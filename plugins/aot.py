@@ -24,12 +24,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import (act_quant, gemm_fp8, gemm_w4a16, kv_write, norm_quant, paged_decode, paged_prefill, rmsnorm, rope,
-               rope_kv)
+from . import (act_quant, gemm_fp8, gemm_fp8_small, gemm_w4a16, kv_write, norm_quant, paged_decode, paged_prefill,
+               rmsnorm, rope, rope_kv)
 from .common import ACT_TYPES, AOT_META_VERSION, EngineShapes, Variant
 
-KERNEL_MODULES = (kv_write, paged_decode, paged_prefill, rmsnorm, rope, gemm_w4a16, gemm_fp8, norm_quant,
-                  act_quant, rope_kv)
+KERNEL_MODULES = (kv_write, paged_decode, paged_prefill, rmsnorm, rope, gemm_w4a16, gemm_fp8, gemm_fp8_small,
+                  norm_quant, act_quant, rope_kv)
 DEFAULT_SMS = (90, 100)
 META_VERSION = AOT_META_VERSION
 
@@ -105,7 +105,9 @@ def compile_variant(v: Variant, sm: int) -> tuple[object, dict]:
     """-> (compiled kernel, metadata dict)."""
     sig = v.signature()
     aligned = aligned_params(sig)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in aligned}
+    bad = [n for n in v.divisible if sig.get(n) not in ("i32", "i64")]
+    assert not bad, f"{v.key}: divisible names non-integer arguments {bad}"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in aligned or n in v.divisible}
     src = ASTSource(v.fn, sig, v.constexprs, attrs)
     try:
         k = triton.compile(src, target=GPUTarget("cuda", sm, 32),
@@ -124,7 +126,7 @@ def compile_variant(v: Variant, sm: int) -> tuple[object, dict]:
         "profile_scratch_align": getattr(md, "profile_scratch_align", 1),
         "signature": [[n, t] for n, t in sig.items()], "params": params,
         "constexprs": {n: (int(c) if isinstance(c, bool) else c) for n, c in v.constexprs.items()},
-        "aligned_pointers": 16, "aligned": aligned, "ptx_param_types": ptx_types, "extra_params": len(ptx_types) - len(params),
+        "aligned_pointers": 16, "aligned": aligned, "divisible": list(v.divisible), "ptx_param_types": ptx_types, "extra_params": len(ptx_types) - len(params),
         "triton_version": triton.__version__, "target": f"cuda:{sm}",
     }
     return k, meta

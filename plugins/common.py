@@ -70,6 +70,10 @@ class Variant:
     constexprs: dict
     num_warps: int = 4
     num_stages: int = 3
+    # integer arguments compiled as multiples of 16 (what Triton's JIT infers from the values it sees):
+    # without it the compiler cannot prove row starts 16-byte aligned and loads one byte at a time, and
+    # loads that feed tl.dot are not pipelined. plugins.launcher refuses (-> JIT) a call that breaks it.
+    divisible: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:

@@ -5,8 +5,9 @@ sha256), and `KernelSet.launch(key, grid, args)` runs one: grid from the caller'
 (plugins.common.launch), block = num_warps * 32 threads, the recorded shared memory, and Triton's
 trailing scratch pointers (null when their sizes are 0). Serving then does not depend on the Triton
 version installed on the GPU machine. Whenever the cubins cannot be used (no driver, another SM, a
-driver too old for the cubin and its PTX, an unaligned pointer), `launch` returns False and the caller
-uses Triton JIT; a warning says why, once per reason.
+driver too old for the cubin and its PTX, an unaligned pointer, an integer compiled as a multiple of 16
+that is not one), `launch` returns False and the caller uses Triton JIT; a warning says why, once per
+reason.
 
 Every driver call is guarded: importing this module works on a machine without CUDA.
 """
@@ -59,7 +60,10 @@ def pack_params(meta: dict, args: tuple, scratch_ptrs: tuple[int, int] = (0, 0))
         raise ValueError(f"{meta['key']}: {len(args)} arguments, kernel takes {len(sig)}")
     out = []
     aligned = set(meta.get("aligned", ()))
+    divisible = set(meta.get("divisible", ()))
     for name, t, a in zip(meta["params"], sig, args):
+        if name in divisible and int(a) % 16:
+            raise ValueError(f"{meta['key']}: {name}={int(a)} is not a multiple of 16 (compiled as one)")
         if t.startswith("*"):
             if isinstance(a, torch.Tensor) and _TRITON_NAME.get(a.dtype) != t[1:]:
                 raise ValueError(f"{meta['key']}: {name} is {a.dtype}, the cubin was compiled for {t}")

@@ -15,6 +15,7 @@ Ops and their call signatures (shapes on the functions themselves):
   quantize_fp8(x, input_scale) -> fp8 codes
   rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
                 k_scale, v_scale) -> q (rotated in place in qkv; k, v written to the caches)
+  fp8_gemm_small_m(xq, weight, weight_scale, input_scale, out_dtype, locks=None) -> y  (M <= 16, fp8 codes in)
   linear(x, **tensors of the format: weight, weight_scale, weight_scale_2, input_scale, pre_quant_scale) -> y
 """
 from __future__ import annotations
@@ -60,6 +61,8 @@ REGISTRY: dict[tuple[str, str, str | None], Impl] = {
     ("quantize_fp8", "torch", None): Impl(f"{_REF}.kv_cache:quantize_fp8"),
     ("rope_write_kv", "triton", None): Impl("plugins.rope_kv:rope_write_kv"),
     ("rope_write_kv", "torch", None): Impl(f"{_REF}.fused:rope_write_kv_ref"),
+    ("fp8_gemm_small_m", "triton", None): Impl("plugins.gemm_fp8_small:fp8_gemm_small_m"),
+    ("fp8_gemm_small_m", "torch", None): Impl(f"{_REF}.gemm:fp8_gemm_codes_ref"),
     ("linear", "triton", "nvfp4"): Impl("plugins.linear_impls:nvfp4_triton"),
     ("linear", "torch", "nvfp4"): Impl("plugins.linear_impls:nvfp4_torch"),
     ("linear", "triton", "int4_awq"): Impl("plugins.linear_impls:int4_awq_triton"),

@@ -26,6 +26,14 @@ GPU: dict[str, dict[str, int]] = {
     # M > 16: 64-wide tiles. 128x128 tiles won for int4 at M=256 (0.255 vs 0.293 ms) but doubled NVFP4's
     # time and need 240 KB of shared memory with fp32 activations (over the H200's 227 KB)
     "w4a16_large": {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "split_k": 1},
+    # FP8 GEMM for M <= 16 (plugins/gemm_fp8_small.py), tensor cores with M padded to 16; split-K in the
+    # launch fills programs_per_sm x SMs programs, at most max_splits K slices. NOT yet measured on a GPU:
+    # starting points for `make bench-kernels BENCH_ARGS=--sweep` (sweep entry fp8_small_m)
+    "fp8_small_m": {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2,
+                    "max_splits": 8},
+    # the same at M == 1 on CUDA cores (a row of products and a sum) when enabled: the sweep compares both
+    "fp8_gemv": {"enabled": 0, "block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4,
+                 "max_splits": 8},
 }
 
 

@@ -50,6 +50,13 @@ def has_fp8_matmul(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def small_m_kernel(device: torch.device) -> bool:
+    """FP8 GEMMs of at most ``plugins.gemm_fp8_small.MAX_M`` rows (decode steps) run that Triton kernel
+    on NVIDIA GPUs: ``torch._scaled_mm``'s tiles are sized for large M, and at small M a GEMM only
+    streams its weight. Everywhere else (CPU) nothing changes."""
+    return device.type == "cuda"
+
+
 def _kernel(fmt: str, device: torch.device, dtype: torch.dtype):
     """The registry's Triton GEMM for a packed format (imported only when kernels are used)."""
     from plugins import registry
@@ -137,7 +144,9 @@ class DenseLinear(QuantLinear):
 
 
 class FP8Linear(QuantLinear):
-    """W8A8 fp8 e4m3: per-row weight scale, per-tensor static input scale."""
+    """W8A8 fp8 e4m3: per-row weight scale, per-tensor static input scale. Natively (sm_89+):
+    ``torch._scaled_mm``, or for at most 16 rows on NVIDIA GPUs the small-M Triton GEMM
+    (``plugins/gemm_fp8_small.py``, one launch with its split-K; see ``small_m_kernel``)."""
     format = "fp8"
 
     def _load(self, tensors, dtype, device) -> None:
@@ -154,6 +163,13 @@ class FP8Linear(QuantLinear):
             self.weight_fp8 = w
             self.weight_scale = ws.reshape(1, -1).contiguous()
             self.weight = w  # shape only
+            self.small_m = None
+            if small_m_kernel(device):
+                from plugins import gemm_fp8_small, registry
+                self.small_m = registry.get("fp8_gemm_small_m", device, dtype, kind="triton")
+                self.small_m_rows = gemm_fp8_small.MAX_M
+                # the kernel's split-K arrival counters: zero between launches (it resets them)
+                self._locks = torch.zeros(gemm_fp8_small.lock_count(w.shape[0]), dtype=torch.int32, device=device)
         elif not self._per_row_codes(w, ws, dtype, device):
             self.weight = formats.dequantize_fp8(w, ws, dtype=dtype)
 
@@ -168,6 +184,10 @@ class FP8Linear(QuantLinear):
         norm or activation kernel) -> ``[T, out]`` in the model dtype; same numbers as ``forward``."""
         if not self.native:
             return self.matmul((xq.float() * self.input_scale).to(self.dtype))
+        if self.small_m is not None and xq.shape[0] <= self.small_m_rows:
+            out = self.small_m(xq, self.weight_fp8, self.weight_scale, self.input_scale, self.dtype,
+                               locks=self._locks, aot=self.aot)
+            return out + self.bias if self.bias is not None else out
         out = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=self._scale_rows(xq.shape[0]),
                                scale_b=self.weight_scale, out_dtype=self.dtype)
         return out + self.bias if self.bias is not None else out

@@ -28,10 +28,16 @@ CANDIDATES = {
                          split_k=[1, 4]),
     "w4a16_large": _grid(block_m=[64, 128], block_n=[64, 128], block_k=[64, 128], num_warps=[4, 8],
                          num_stages=[3], split_k=[1]),
+    "fp8_small_m": _grid(block_n=[32, 64, 128], block_k=[128, 256], num_warps=[4], num_stages=[3, 4, 6],
+                         programs_per_sm=[2], max_splits=[8]),
+    "fp8_gemv": _grid(enabled=[1], block_n=[8, 16, 32], block_k=[256, 512, 1024], num_warps=[4], num_stages=[1, 3],
+                      programs_per_sm=[4], max_splits=[8]),
 }
 # runtime-only knobs swept at the winner of the compiled ones (no recompiles)
 EXTRA = {"paged_decode": _grid(programs_per_sm=[1, 4]), "paged_decode_fp8": _grid(programs_per_sm=[1, 4]),
-         "w4a16_small": _grid(split_k=[2, 8])}
+         "w4a16_small": _grid(split_k=[2, 8]),
+         "fp8_small_m": _grid(programs_per_sm=[1, 4], max_splits=[4, 16]),
+         "fp8_gemv": _grid(programs_per_sm=[2, 8])}
 
 
 def _case(name: str, variant: str):
@@ -42,12 +48,19 @@ def _case(name: str, variant: str):
         return bench.decode_case(kv=variant)
     if name == "paged_prefill":
         return bench.prefill_case()
+    if name.startswith("fp8_"):
+        # variant "m<M>-<N>x<K>": the small-M FP8 GEMM over weight copies (streamed from HBM), replayed as
+        # a CUDA graph (eager, the host's launch cost would be what is timed)
+        m, nk = variant[1:].split("-")
+        n, k = map(int, nk.split("x"))
+        return bench.graphed(bench.fp8_small_m_case(int(m), n, k)[0])[0]
     m = 1 if name == "w4a16_small" else 256
     return bench.w4a16_case(m, 4096, 4096, variant)
 
 
 VARIANTS = {"paged_decode": ("bf16",), "paged_decode_fp8": ("fp8",), "paged_prefill": ("bf16",), "w4a16_small": ("int4_awq", "nvfp4"),
-            "w4a16_large": ("int4_awq",)}
+            "w4a16_large": ("int4_awq",), "fp8_small_m": ("m1-4096x4096", "m16-4096x4096", "m4-14336x4096"),
+            "fp8_gemv": ("m1-4096x4096", "m1-14336x4096")}
 
 
 def _warm(job: tuple[str, str, dict]) -> str | None:

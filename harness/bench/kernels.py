@@ -5,6 +5,9 @@
    batch 64, context 2048, Llama-3.1-8B heads), bf16 and fp8 KV;
 3. prefill attention TFLOP/s vs PyTorch SDPA (causal, GQA);
 4. W4A16 GEMM (NVFP4, INT4-AWQ) vs a bf16 torch.matmul of the same shape;
+   the small-M FP8 GEMM (plugins/gemm_fp8_small.py) vs torch._scaled_mm at M = 1, 4, 16 on 4096x4096,
+   14336x4096 and 4096x14336 (N x K), each timed as a CUDA graph of calls over rotating weight copies
+   that overflow L2, as a fraction of copy bandwidth (goal >= 75%);
 5. AOT: a bundle's cubins compiled for this GPU's SM load through cuda-python and run with no JIT
    compilation at all (checked in a child process with an empty Triton cache);
 then prints a table and writes docs/perf/kernels-<gpu>.json (machine, date, command, commit).
@@ -158,6 +161,75 @@ def bench_w4a16(m: int, n: int, k: int, fmt: str) -> dict:
             "weight_gbs": weight_bytes / ms / 1e6}
 
 
+def graphed(calls: list, min_calls: int = 48):
+    """``calls`` (zero-argument functions) captured as one CUDA graph, the list repeated to at least
+    ``min_calls`` so a replay's own launch is a small part of it: -> (replay, calls per replay). Times
+    of small kernels then leave the host's launch costs out, as a graphed decode step does."""
+    import torch
+    for fn in calls:           # compile outside the capture
+        fn()
+    torch.cuda.synchronize()
+    rounds = -(-min_calls // len(calls))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(rounds):
+            for fn in calls:
+                fn()
+    return g.replay, rounds * len(calls)
+
+
+def _graph_ms(calls: list, reps: int = 20) -> float:
+    """Median ms per call of ``calls`` replayed as a CUDA graph (``graphed``)."""
+    replay, n = graphed(calls)
+    return _time_ms(replay, iters=reps, warmup=3) / n
+
+
+def fp8_small_m_case(m: int, n: int, k: int, path: str = "kernel", l2_bytes: int = 1 << 28):
+    """FP8 W8A8 at M rows: -> list of zero-argument calls over weight copies that together exceed
+    ``l2_bytes`` (so the weight streams from HBM as in a decode step), and the tensors of copy 0.
+    path: "kernel" (plugins/gemm_fp8_small.py) or "scaled_mm" (torch._scaled_mm, rowwise scales)."""
+    import torch
+
+    from plugins.gemm_fp8_small import fp8_gemm_small_m, lock_count
+    fp8 = torch.float8_e4m3fn
+    copies = max(2, -(-l2_bytes // (n * k)))
+    xq = (torch.randn(m, k, device="cuda") * 30).clamp(-448, 448).to(fp8)
+    ws = [(torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(fp8) for _ in range(copies)]
+    wsc = torch.rand(n, device="cuda") * 0.01 + 1e-3
+    xs = torch.tensor(0.02, device="cuda")
+    locks = torch.zeros(lock_count(n), dtype=torch.int32, device="cuda")
+    if path == "kernel":
+        calls = [lambda w=w: fp8_gemm_small_m(xq, w, wsc, xs, torch.bfloat16, locks=locks) for w in ws]
+    else:
+        sa, sb = xs.reshape(1, 1).repeat(m, 1), wsc.view(1, n)
+        calls = [lambda w=w: torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+                 for w in ws]
+    return calls, (xq, ws[0], wsc, xs)
+
+
+def bench_fp8_small_m(m: int, n: int, k: int, copy_gbs: float) -> dict:
+    """A/B: the small-M kernel vs torch._scaled_mm on the same shape; bytes = weight + scales + x + out."""
+    import torch
+
+    from plugins.reference.gemm import fp8_gemm_codes_ref
+    res = {"m": m, "n": n, "k": k}
+    nbytes = n * k + 4 * n + m * k + 2 * m * n
+    for path in ("kernel", "scaled_mm"):
+        calls, (xq, w, wsc, xs) = fp8_small_m_case(m, n, k, path)
+        ms = _graph_ms(calls)
+        ref = fp8_gemm_codes_ref(xq, w, wsc, xs, torch.float32)
+        err = ((calls[0]().float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+        res[path] = {"ms": ms, "gbs": nbytes / ms / 1e6, "fraction_of_copy_bw": nbytes / ms / 1e6 / copy_gbs,
+                     "max_rel_err_vs_ref": err}
+        del calls
+    res["speedup_vs_scaled_mm"] = res["scaled_mm"]["ms"] / res["kernel"]["ms"]
+    return res
+
+
+FP8_SMALL_M_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]    # (N, K): o/qkv-like, up/gate, down
+FP8_SMALL_M_GOAL = 0.75
+
+
 _AOT_CHILD = r"""
 import json, os, sys, torch
 from plugins.launcher import KernelSet
@@ -262,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     res["prefill"] = bench_prefill()
     res["w4a16"] = [bench_w4a16(m, 4096, 4096, fmt) for fmt in ("nvfp4", "int4_awq") for m in (1, 16, 128)]
     res["w4a16"] += [bench_w4a16(1, 2 * LLAMA8B["intermediate_size"], LLAMA8B["hidden_size"], "int4_awq")]
+    res["fp8_small_m"] = [bench_fp8_small_m(m, n, k, res["copy_gbs"]) for n, k in FP8_SMALL_M_SHAPES
+                          for m in (1, 4, 16)]
+    res["goal_fp8_small_m_75pct"] = all(r["kernel"]["fraction_of_copy_bw"] >= FP8_SMALL_M_GOAL
+                                        for r in res["fp8_small_m"] if (r["n"], r["k"]) in FP8_SMALL_M_SHAPES[:2])
     res["aot"] = bench_aot()
     res["tuning"] = {k: dict(v) for k, v in tuning.GPU.items()}
     if a.sweep:
@@ -281,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in res["w4a16"]:
         print(f"  w4a16 {r['fmt']:>8} m={r['m']:<4} n={r['n']:<6} {r['ms']:.3f} ms  bf16 {r['bf16_ms']:.3f} ms  "
               f"x{r['speedup_vs_bf16']:.2f}  {r['weight_gbs']:.0f} GB/s of weights")
+    for r in res["fp8_small_m"]:
+        kr, sr = r["kernel"], r["scaled_mm"]
+        print(f"  fp8 m={r['m']:<3} {r['n']}x{r['k']:<6} kernel {kr['ms']:.4f} ms {100 * kr['fraction_of_copy_bw']:.0f}% "
+              f"of copy | _scaled_mm {sr['ms']:.4f} ms {100 * sr['fraction_of_copy_bw']:.0f}%  x{r['speedup_vs_scaled_mm']:.2f}")
     print(f"  AOT cubins, no JIT         {'ok' if res['aot'].get('ok') else 'FAILED'} (sm_{res['aot']['sm']})")
     out = Path(a.out) if a.out else REPO / "docs" / "perf" / f"kernels-{gpu.lower().replace(' ', '-')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

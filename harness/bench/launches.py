@@ -3,7 +3,8 @@
 
 Runs on any machine. On CPU the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set
 here before triton is imported) and the engine is told it is on a Hopper GPU where that changes which
-kernels run (``gpu_emulation``): FP8 linears take the ``torch._scaled_mm`` path (it exists on CPU),
+kernels run (``gpu_emulation``): FP8 linears take their GPU paths (the small-M Triton GEMM up to 16
+rows, ``torch._scaled_mm`` above; both run on CPU),
 the split-K decode kernel plans its splits for 132 SMs, the compute dtype is bf16. With
 ``--device cuda`` the same count runs on a real GPU, with nothing emulated.
 
@@ -118,14 +119,15 @@ def gpu_emulation(enabled: bool):
         return
     from backend.ops import linear
     from plugins import paged_decode, tuning
-    saved = linear.has_fp8_matmul, paged_decode._target_programs
+    saved = linear.has_fp8_matmul, linear.small_m_kernel, paged_decode._target_programs
     linear.has_fp8_matmul = lambda device: True
+    linear.small_m_kernel = lambda device: True
     paged_decode._target_programs = lambda device, fp8=False: (
         H100_SMS * tuning.get("paged_decode_fp8" if fp8 else "paged_decode")["programs_per_sm"])
     try:
         yield
     finally:
-        linear.has_fp8_matmul, paged_decode._target_programs = saved
+        linear.has_fp8_matmul, linear.small_m_kernel, paged_decode._target_programs = saved
 
 
 def count_decode_step(num_layers: int, device: str = "cpu", context: int = 300, root: Path | None = None) -> Counter:
@@ -205,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
            "command": " ".join(["python -m harness.bench.launches"] + (sys.argv[1:] if argv is None else argv)),
            "commit": git_commit(), "machine": platform.processor() or platform.machine(),
            "torch": torch.__version__, "triton": triton.__version__, "device": a.device,
-           "emulated": ({"fp8_linear": "torch._scaled_mm", "decode_splits_for_sms": H100_SMS,
+           "emulated": ({"fp8_linear": "M <= 16: Triton fp8_gemm_small_m_kernel; larger: torch._scaled_mm",
+                         "decode_splits_for_sms": H100_SMS,
                          "compute_dtype": "bfloat16"} if a.device == "cpu" else None),
            "model": "Llama-shaped FP8 (per-row weights, static input scales) + FP8 KV, tiny sizes",
            "rule": __doc__.split("What counts as a launch (the rule, one place):")[1].split("\n\n")[0].strip(),

@@ -40,3 +40,12 @@ def fp8_linear_ref(x, weight, weight_scale, input_scale):
     xq = quantize_fp8(x, input_scale).float() * input_scale.float()
     w = weight.float() * weight_scale.float()[:, None]
     return (xq @ w.t()).to(x.dtype)
+
+
+def fp8_gemm_codes_ref(xq, weight, weight_scale, input_scale, out_dtype, **_):
+    """FP8 W8A8 on activations already quantized: xq [M, K] e4m3 codes (float8_e4m3fn, or a float dtype
+    holding e4m3 values), weight [N, K] likewise, weight_scale fp32 [N] (or one value), input_scale fp32 []
+    -> [M, N] in out_dtype, computed in fp32 (every product of two e4m3 values is exact there)."""
+    ws = weight_scale.float().reshape(-1)
+    y = (xq.float() @ weight.float().t()) * (input_scale.float().reshape(()) * ws)
+    return y.to(out_dtype)
