@@ -197,11 +197,12 @@ class ModelRunner:
         """Run one step. ``logits_indices [N]`` picks the token rows whose next-token logits are
         needed (the last token of each sequence that samples this step); returns fp32 ``[N, V]``."""
         if self.graphs is not None and self.graphs.usable(input_ids, meta, capture_hidden_layers):
-            # index_select copies: the graph's output buffers are overwritten by the next replay (the
-            # captured layers are views: the speculator copies the rows it needs before that)
-            logits, captured = self.graphs.run(input_ids, meta, capture_hidden_layers)
-            return logits.index_select(0, logits_indices), captured
-        hidden, captured = self.model.forward(input_ids, meta, self.kv_caches, capture_hidden_layers)
+            # the graph's output buffers are overwritten by the next replay: the logits below are
+            # computed from them now (the captured layers are views: the speculator copies the rows it
+            # needs before that)
+            hidden, captured = self.graphs.run(input_ids, meta, capture_hidden_layers)
+        else:
+            hidden, captured = self.model.forward(input_ids, meta, self.kv_caches, capture_hidden_layers)
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         return logits, captured
 

@@ -13,10 +13,18 @@ into static buffers of ``b*q`` rows and replayed; its rows ``[:T]`` are the step
 ``T`` write no KV (slot -1); sequences past ``t`` have no query rows and length 0.
 
 * ``q == 1``: the split-K decode kernel, bounded by the engine's max_seq_len (its split count is fixed
-  at capture and fits every later step); captured for every bucket at the first such step.
+  at capture and fits every later step). A step whose bucket has no graph yet captures it and every
+  smaller bucket still missing, so graphs exist up to the largest batch that has run, not up to
+  max_batch_size (which may be set far above what the KV cache lets run: concurrency is then bounded by
+  KV capacity alone, and capturing buckets no step reaches would cost start-up time and memory).
 * ``q > 1``: the varlen prefill kernel, launched for ``q`` query rows per sequence (a sequence with
   fewer rows, a shorter chain, fits too); chains run its causal variant, trees its tree-mask variant
   with the mask in a static buffer. Captured lazily, one key at a time, as steps of that shape appear.
+
+A graph returns the final hidden rows, not logits: the runner computes logits of the rows that sample
+after the replay, as the eager path does. Per-bucket logits (``[b, vocab]`` fp32, 0.5 MB a row for a
+128k vocabulary) kept alive by every graph would take gigabytes at large batches, out of the few percent
+of device memory the KV pool leaves; three launches after a replay cost the GPU nothing (queued).
 
 Only steps without prefill rows, with the triton attention backend, take this path; everything else
 runs eagerly. ``capture=False`` replays nothing: the same padded static-buffer forward runs eagerly.
@@ -120,7 +128,7 @@ class DecodeGraphs:
         self.capture = capture
         self.device = device
         self._buffers: dict[int, _Buffers] = {}
-        # (q, b, layers, tree) -> (graph, logits [b*q, V], {layer: hidden [b*q, H]})
+        # (q, b, layers, tree) -> (graph, final hidden [b*q, H], {layer: hidden [b*q, H]})
         self.graphs: dict[tuple, tuple[object, torch.Tensor, dict[int, torch.Tensor]]] = {}
         self._pool = None
         self.steps = 0       # steps that took this path (replayed, or run eagerly when not capturing)
@@ -138,9 +146,8 @@ class DecodeGraphs:
 
     def _forward(self, q: int, b: int, layers: tuple[int, ...], tree: bool):
         buf = self._buffers[q]
-        hidden, captured = self.model.forward(buf.input_ids[:b * q], buf.meta(b, self.max_seq_len, tree),
-                                              self.kv_caches, layers)
-        return self.model.compute_logits(hidden), captured
+        return self.model.forward(buf.input_ids[:b * q], buf.meta(b, self.max_seq_len, tree), self.kv_caches,
+                                  layers)
 
     def _capture(self, keys: list[tuple]) -> None:
         """Largest first, into one memory pool: a smaller graph reuses a larger one's activations
@@ -151,14 +158,23 @@ class DecodeGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         keys = sorted(keys, key=lambda k: -k[0] * k[1])
         made = capture_graphs([lambda key=key: self._forward(*key) for key in keys], self.device, self._pool)
-        for key, (g, (logits, captured)) in zip(keys, made):
-            self.graphs[key] = (g, logits, captured)
+        for key, (g, (hidden, captured)) in zip(keys, made):
+            self.graphs[key] = (g, hidden, captured)
+
+    def decode_keys_to_capture(self, b: int, layers: tuple[int, ...]) -> list[tuple]:
+        """Plain-decode keys missing for a step of bucket ``b``: ``b`` and every smaller bucket."""
+        return [k for k in ((1, s, layers, False) for s in self.sizes if s <= b) if k not in self.graphs]
+
+    @property
+    def captured_batch(self) -> int:
+        """The largest plain-decode bucket captured so far (0: none)."""
+        return max((k[1] for k in self.graphs if k[0] == 1), default=0)
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata,
             capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Logits ``[T, V]`` of the step's rows and the requested layers' outputs ``[T, H]`` (``usable``
-        was true). Both are views of static buffers: valid until the next replay."""
+        """The final (normed) hidden rows ``[T, H]`` of the step and the requested layers' outputs
+        ``[T, H]`` (``usable`` was true). Both are views of static buffers: valid until the next replay."""
         t, q, rows = meta.num_seqs, meta.max_query_len, int(input_ids.shape[0])
         b = next(s for s in self.sizes if s >= t)
         layers = tuple(capture_layers)
@@ -170,22 +186,22 @@ class DecodeGraphs:
         self.verify_steps += q > 1
         key = (q, b, layers, buf.has_tree)
         if not self.capture:
-            logits, captured = self._forward(*key)
+            hidden, captured = self._forward(*key)
         else:
             if key not in self.graphs:
-                # plain decoding captures every bucket at once (its buckets all appear as requests
-                # come and go); verify shapes one by one, as they appear
-                keys = [(1, s, layers, False) for s in self.sizes] if q == 1 else [key]
+                # plain decoding captures this bucket and every smaller one still missing (batches
+                # shrink as requests finish: those buckets will be wanted); verify shapes one by one
+                keys = self.decode_keys_to_capture(b, layers) if q == 1 else [key]
                 try:
-                    self._capture([k for k in keys if k not in self.graphs])
+                    self._capture(keys)
                 except Exception as exc:  # noqa: BLE001 - graphs are a speed-up: never the engine's failure
                     self.graphs.clear()
                     self.failed = f"{type(exc).__name__}: {exc}"
                     _LOG.warning("CUDA graph capture failed (%s); running steps eagerly", self.failed)
                     torch.cuda.synchronize(self.device)
                     buf.load(input_ids, meta)
-                    logits, captured = self._forward(*key)
-                    return logits[:rows], {i: h[:rows] for i, h in captured.items()}
-            g, logits, captured = self.graphs[key]
+                    hidden, captured = self._forward(*key)
+                    return hidden[:rows], {i: h[:rows] for i, h in captured.items()}
+            g, hidden, captured = self.graphs[key]
             g.replay()
-        return logits[:rows], {i: h[:rows] for i, h in captured.items()}
+        return hidden[:rows], {i: h[:rows] for i, h in captured.items()}

@@ -56,6 +56,21 @@ def test_buckets_cover_every_batch_size():
     assert buckets(12)[-1] == 12 and all(s <= 12 for s in buckets(12))
 
 
+def test_buckets_are_captured_up_to_the_largest_batch_that_ran():
+    """max_batch_size may be far above what the KV cache lets run: a step captures its own bucket and
+    the smaller ones still missing, never the buckets above it."""
+    from backend.ops.cuda_graphs import DecodeGraphs
+    g = DecodeGraphs(None, [], 4096, 8, 128, torch.device("cpu"), capture=False)
+    first = g.decode_keys_to_capture(4, ())   # a step of 3 sequences: bucket 4
+    assert [k[1] for k in first] == [1, 2, 4]
+    g.graphs.update({k: None for k in first})
+    assert g.captured_batch == 4
+    assert [k[1] for k in g.decode_keys_to_capture(24, ())] == [8, 16, 24]
+    assert [k[1] for k in g.decode_keys_to_capture(2, ())] == []
+    assert [k[1] for k in g.decode_keys_to_capture(2, (5,))] == [1, 2]     # other captured layers: other graphs
+    assert g.sizes[-1] == 4096 and len(g.decode_keys_to_capture(544, ())) == len(buckets(544)) - 3
+
+
 def test_cuda_graphs_need_the_triton_backend(bundle):
     path, w = bundle
     with pytest.raises(EngineError, match="cuda_graphs: true needs engine.attention_backend triton"):
