@@ -66,6 +66,7 @@ class Scheduler:
         self._next_seq = 0
         # Counters.
         self.num_steps = 0
+        self.peak_scheduled = 0     # most sequences in one step so far (what bounded concurrency shows here)
         self.num_preemptions = 0
         self.num_prefill_tokens_computed = 0
         self.num_decode_tokens_computed = 0
@@ -238,6 +239,7 @@ class Scheduler:
         self._finished_ids = []
         if out.scheduled:
             self.num_steps += 1
+            self.peak_scheduled = max(self.peak_scheduled, len(out.scheduled))
         assert out.num_tokens <= self.max_num_tokens and len(out.scheduled) <= self.max_batch_size
         return out
 
@@ -398,7 +400,7 @@ class Scheduler:
 
     def stats(self) -> dict:
         out = {"running": len(self.running), "waiting": len(self.waiting),
-               "steps": self.num_steps, "preemptions": self.num_preemptions,
+               "steps": self.num_steps, "peak_scheduled": self.peak_scheduled, "preemptions": self.num_preemptions,
                "prefill_tokens_computed": self.num_prefill_tokens_computed,
                "decode_tokens_computed": self.num_decode_tokens_computed,
                "generated_tokens": self.num_generated_tokens,

@@ -3,51 +3,90 @@
 # its python3 holds torch and triton). Prepare on the CPU machine first and bring build/gpu-check along:
 #   make gpu-check-prepare            (CPU machine: tiny bundles built by the real builder, ~1 min)
 #   harness/gpucheck/device.sh OUT    (GPU machine: writes OUT/*.json and OUT/*.log)
-# Each part has its own time limit so one hang cannot eat the others' time; PARTS picks which run
-# (default all: check kernels bench spec; the defaults' limits add up to more than one 600-s call,
-# so a session short of time names the parts it needs, e.g. PARTS="spec" harness/gpucheck/device.sh OUT).
-# Part perf (not in the default; PARTS="check perf" fits one 9-minute call): fused-kernel tests on the GPU,
-# fused vs unfused decode step at batch 1 and 64 on the 8B-shaped FP8 engine with the copy-bandwidth
-# floor of the same run, a per-kernel profile of one step, and the launch count on the real GPU.
+#
+# Time: the parts share one budget, T_TOTAL seconds (default 530: one 600-s call of the lent machine
+# with room for start-up and the transfers). Each part runs under its own limit T_<PART>, cut to what
+# is left of T_TOTAL, and is skipped (said so in the output) when less than MIN_PART_S (20) is left,
+# so one slow or hung part cannot take the others' time and the whole call ends within T_TOTAL.
+# PARTS picks which run, in this order (default all five):
+#   check   170 s -> 100  harness.gpucheck run: tiny bundles of every format (AOT cubins, no JIT, vs CPU)
+#   kernels 210 s -> 120  harness.bench.kernels: kernel tests on the GPU, decode/prefill/W4A16 bandwidth,
+#                         small-M FP8 GEMM vs torch._scaled_mm (M = 1, 4, 16), AOT without JIT
+#   bench   200 s -> 140  harness.bench.gpu: 8B-shaped FP8 engine, single stream (graphs) and the 1000/1000
+#                         throughput run (KV pool 0.95 of free memory, concurrency bounded by KV) cut
+#                         to the part's limit (--budget-s): partial, and the result says so
+#   spec    180 s ->  70  harness.bench.eagle_cost: EAGLE-3 pass cost at k = 0, 4 (SPEC_ARGS)
+#   perf    360 s -> 100  harness.bench.decode_perf (fused vs unfused decode step, 1 and 64) + the launch
+#                         count on the real GPU (30 s of it); the fused-kernel tests are skipped when
+#                         part kernels ran (they are among its tests)
+# (old limit -> the default now: together 530 s). Which to run together:
+#   * one 9-minute call, everything at once: the defaults (PARTS unset);
+#   * a complete 3000-request throughput run: PARTS=bench T_BENCH=560 T_TOTAL=570 (the run stops at the
+#     limit if it has not finished: TIME_LIMIT=S states a shorter one);
+#   * kernel work (tuning, the FP8 GEMM sweep): PARTS="kernels perf" T_KERNELS=300, or
+#     PARTS=kernels KERNEL_ARGS=--sweep T_KERNELS=560;
+#   * EAGLE-3 cost in full: PARTS=spec T_SPEC=300 SPEC_ARGS="--draft-lens 0,1,2,3,4,6 --reps 3 --breakdown".
 set -u
-PARTS=" ${PARTS:-check kernels bench spec} "
+PARTS=" ${PARTS:-check kernels bench spec perf} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 OUT=${1:-build/gpu-results}
 PY=${PYTHON:-python3}
+T_TOTAL=${T_TOTAL:-530}
+START=$SECONDS
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# cap LIMIT: the part's limit cut to what is left of T_TOTAL
+cap() { local left=$(( T_TOTAL - (SECONDS - START) )); (( $1 < left )) && echo "$1" || echo "$left"; }
+# part NAME LIMIT LOG CMD...: run CMD under LIMIT seconds, output to OUT/LOG
+part() {
+  local name=$1 limit=$2 log=$3 t0=$SECONDS
+  shift 3
+  if (( limit < ${MIN_PART_S:-20} )); then
+    echo "$name skipped: ${limit}s left for it (MIN_PART_S ${MIN_PART_S:-20}; T_TOTAL=${T_TOTAL}s, $(( SECONDS - START ))s used)"
+    return 0
+  fi
+  timeout "$limit" "$@" > "$OUT/$log" 2>&1
+  echo "$name rc=$? limit=${limit}s took=$(( SECONDS - t0 ))s"
+}
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   $PY -c "import sys, torch, triton, numpy, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, 'transformers', transformers.__version__)"
   $PY -m pip list 2>/dev/null | grep -i -E "^(cuda|pytest|nvidia-ml)"
 } > "$OUT/env.txt" 2>&1
 if want check; then
-  timeout "${T_CHECK:-170}" $PY -m harness.gpucheck run --out "$OUT/gpu-check.json" > "$OUT/gpu-check.log" 2>&1
-  echo "gpu-check rc=$?"
+  L=$(cap "${T_CHECK:-100}")
+  part gpu-check "$L" gpu-check.log $PY -m harness.gpucheck run --out "$OUT/gpu-check.json"
 fi
 if want kernels; then
-  timeout "${T_KERNELS:-210}" $PY -m harness.bench.kernels --out "$OUT/kernels.json" ${KERNEL_ARGS:-} > "$OUT/bench-kernels.log" 2>&1
-  echo "bench-kernels rc=$?"
+  L=$(cap "${T_KERNELS:-120}")
+  part bench-kernels "$L" bench-kernels.log $PY -m harness.bench.kernels --out "$OUT/kernels.json" ${KERNEL_ARGS:-}
 fi
 if want bench; then
-  timeout "${T_BENCH:-200}" $PY -m harness.bench.gpu --max-seconds "${MAX_SECONDS:-110}" --out "$OUT/gpu-bench.json" \
-    > "$OUT/bench-gpu.log" 2>&1
-  echo "bench-gpu rc=$?"
+  # --budget-s: the throughput run ends in time for the result to be written inside the part's limit
+  L=$(cap "${T_BENCH:-140}")
+  TL=${TIME_LIMIT:-${MAX_SECONDS:-}}
+  part bench-gpu "$L" bench-gpu.log $PY -m harness.bench.gpu --budget-s "$(( L - 5 ))" ${TL:+--time-limit "$TL"} \
+    --skip-eager --out "$OUT/gpu-bench.json" ${BENCH_ARGS:-}
 fi
 if want spec; then
   # EAGLE-3 per-pass cost for a Llama-3.1-8B-shaped FP8 target (random weights) and the batch-1
   # speedup it implies with the SmolLM2 draft's MT-bench acceptance (harness/bench/eagle_cost.py).
-  timeout "${T_SPEC:-180}" $PY -m harness.bench.eagle_cost --llama8b --breakdown --out "$OUT/eagle3-cost.json" > "$OUT/spec-cost.log" 2>&1
-  echo "spec-cost rc=$?"
+  L=$(cap "${T_SPEC:-70}")
+  part spec-cost "$L" spec-cost.log $PY -m harness.bench.eagle_cost --llama8b ${SPEC_ARGS:---draft-lens 0,4 --reps 3 --breakdown} \
+    --out "$OUT/eagle3-cost.json"
 fi
 if want perf; then
-  # harness/bench/decode_perf.py: tests/kernels/test_fused_layer.py on the GPU, copy bandwidth -> floor,
-  # one decode step fused vs unfused (eager and CUDA graph), torch.profiler kernel table of each.
-  timeout "${T_PERF:-300}" $PY -m harness.bench.decode_perf --batches 1 64 --out "$OUT/decode-perf.json" \
-    > "$OUT/decode-perf.log" 2>&1
-  echo "decode-perf rc=$?"
-  # the launch counter on the real GPU (nothing emulated): must agree with docs/perf/launches.json
-  timeout "${T_LAUNCHES:-60}" $PY -m harness.bench.launches --device cuda --out "$OUT/launches-gpu.json" \
-    > "$OUT/launches-gpu.log" 2>&1
-  echo "launches rc=$?"
+  # harness/bench/decode_perf.py: tests/kernels/test_fused_layer.py on the GPU (unless part kernels ran
+  # them), copy bandwidth -> floor, one decode step fused vs unfused (eager and CUDA graph), torch.profiler
+  # kernel table of each; then the launch counter on the real GPU (nothing emulated): must agree with
+  # docs/perf/launches.json
+  T_LAUNCHES=${T_LAUNCHES:-30}
+  L=$(cap "$(( ${T_PERF:-100} - T_LAUNCHES ))")
+  SKIP=""
+  want kernels && SKIP="--skip-tests"
+  part decode-perf "$L" decode-perf.log $PY -m harness.bench.decode_perf --batches 1 64 ${PERF_ARGS:-$SKIP} \
+    --out "$OUT/decode-perf.json"
+  L=$(cap "$T_LAUNCHES")
+  part launches "$L" launches-gpu.log $PY -m harness.bench.launches --device cuda --out "$OUT/launches-gpu.json"
 fi
+echo "device.sh: $(( SECONDS - START ))s of T_TOTAL=${T_TOTAL}s"

@@ -1,14 +1,14 @@
 """harness.bench.gpu's pieces on CPU with a tiny shape (the benchmark itself needs a GPU): synthetic FP8
 weights in the bundle layout load into a real Executor through a manifest-only bundle and generate, and
-the single-stream and throughput measurements count what was generated."""
+the single-stream and throughput measurements count what was generated; the whole command in its dry
+run: concurrency bounded by the KV pool alone, a time limit stated in the result."""
 from __future__ import annotations
 
 import pytest
 
 from harness.bench import gpu as bench_gpu
 
-TINY = dict(bench_gpu.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-            num_kv_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512)
+TINY = bench_gpu.TINY
 
 
 @pytest.fixture()
@@ -28,11 +28,38 @@ def executor(tmp_path):
 def test_single_stream_and_throughput_count_tokens(executor):
     ss = bench_gpu.single_stream(executor, TINY["vocab_size"], prompt_len=20, out_len=12)
     assert ss["output_len"] == 12 and ss["decode_ms_per_token"] > 0
-    tp = bench_gpu.throughput(executor, TINY["vocab_size"], n=6, isl=30, osl=5, max_seconds=120)
+    tp = bench_gpu.throughput(executor, TINY["vocab_size"], n=6, isl=30, osl=5, time_limit=120)
     assert tp["complete"] and tp["completed_requests"] == 6
     assert tp["output_tokens"] == 6 * 5
 
 
 def test_throughput_stops_at_the_deadline_and_says_so(executor):
-    tp = bench_gpu.throughput(executor, TINY["vocab_size"], n=8, isl=60, osl=60, max_seconds=0.0)
+    tp = bench_gpu.throughput(executor, TINY["vocab_size"], n=8, isl=60, osl=60, time_limit=0.0)
     assert not tp["complete"] and tp["completed_requests"] < 8
+    assert tp["time_limit_s"] == 0.0 and tp["output_tok_s"] >= 0
+
+
+def test_dry_run_is_bounded_by_kv_capacity_alone(tmp_path):
+    """max_batch_size 4096, a pool holding 3 requests' whole lives: at most 3 run at once, none is
+    preempted (guaranteed_no_evict), all 8 finish, and the result says what bounded it."""
+    import json
+    out = tmp_path / "dry.json"
+    assert bench_gpu.main(["--dry-run", "--skip-eager", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    tp = res["throughput"]
+    assert res["engine"]["max_batch_size"] == 4096 and res["engine"]["scheduler_policy"] == "guaranteed_no_evict"
+    assert res["kv"]["requests_at_once"] == 3 == tp["kv_requests_at_once"]
+    assert tp["complete"] and tp["completed_requests"] == tp["num_requests"] == 8
+    assert tp["output_tokens"] == 8 * tp["osl"] and tp["preemptions"] == 0
+    assert 1 <= tp["peak_running"] <= 3
+    assert tp["time_limit_s"] is None and tp["time_limit_from"] is None
+    assert res["single_stream_cuda_graphs"]["output_len"] == 8
+
+
+def test_dry_run_budget_cuts_the_time_limit_and_says_so(tmp_path):
+    import json
+    out = tmp_path / "dry.json"
+    assert bench_gpu.main(["--dry-run", "--skip-eager", "--time-limit", "100", "--budget-s", "1",
+                           "--out", str(out)]) == 0
+    tp = json.loads(out.read_text())["throughput"]
+    assert tp["time_limit_from"] == "--budget-s" and tp["time_limit_s"] == 0.0 and not tp["complete"]
