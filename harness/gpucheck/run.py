@@ -55,6 +55,7 @@ def _greedy(bundle: Path, prompts, max_tokens: int, dtype, backend: str):
     info["cuda_graphs"] = (graphs.failed or f"{len(graphs.graphs)} captured") if graphs is not None else "off"
     lin = ex.runner.model.layers[0].qkv
     info["linear"] = type(lin).__name__ + (" scaled_mm" if getattr(lin, "native", False) else "") + \
+        (" + small-M kernel (M <= 16)" if getattr(lin, "small_m", None) is not None else "") + \
         (" packed-kernel" if getattr(lin, "kernels", False) else "")
     del ex
     if cuda:
