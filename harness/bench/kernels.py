@@ -9,7 +9,8 @@
    14336x4096 and 4096x14336 (N x K), each timed as a CUDA graph of calls over rotating weight copies
    that overflow L2, as a fraction of copy bandwidth (goal >= 75%);
 5. AOT: a bundle's cubins compiled for this GPU's SM load through cuda-python and run with no JIT
-   compilation at all (checked in a child process with an empty Triton cache);
+   compilation at all (checked in a child process with an empty Triton cache): decode, prefill and the
+   small-M FP8 GEMM with its in-launch split-K (its counters must be back at 0);
 then prints a table and writes docs/perf/kernels-<gpu>.json (machine, date, command, commit).
 On a machine without a GPU it exits with status 2 and says so.
 """
@@ -252,11 +253,23 @@ qsl = torch.tensor([0, 30, 40, 40, 40], dtype=torch.int32, device="cuda")
 ctx = torch.tensor([5, 50, 0, 0], dtype=torch.int32, device="cuda")
 outp = paged_prefill(qp, k, v, tables, qsl, ctx, 0.088, aot=ks)
 errp = (outp.float() - paged_prefill_ref(qp, k, v, tables, qsl, ctx, 0.088).float()).abs().max().item()
+from plugins.gemm_fp8_small import fp8_gemm_small_m, lock_count
+from plugins.reference.gemm import fp8_gemm_codes_ref
+w8 = (torch.randn(4096, 4096, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+wsc, xs = torch.rand(4096, device="cuda") * 0.01 + 1e-3, torch.tensor(0.02, device="cuda")
+locks = torch.zeros(lock_count(4096), dtype=torch.int32, device="cuda")
+errf = 0.0
+for m in (1, 16):   # split-K inside the launch (64 N tiles on 132 SMs): the cubin's atomics and reduction
+    x8 = (torch.randn(m, 4096, device="cuda") * 30).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ref = fp8_gemm_codes_ref(x8, w8, wsc, xs, torch.float32)
+    got = fp8_gemm_small_m(x8, w8, wsc, xs, torch.bfloat16, locks=locks, aot=ks).float()
+    errf = max(errf, ((got - ref).abs().max() / ref.abs().max()).item())
 torch.cuda.synchronize()
 cache = os.environ["TRITON_CACHE_DIR"]
 # a JIT compile leaves a .cubin in the cache (Triton's own driver helpers are .so files: not counted)
 jit_files = sum(n.endswith(".cubin") for _, _, f in os.walk(cache) for n in f) if os.path.isdir(cache) else 0
-print(json.dumps({"launched": ks.launched, "decode_err": err, "prefill_err": errp, "jit_cache_files": jit_files}))
+print(json.dumps({"launched": ks.launched, "decode_err": err, "prefill_err": errp, "fp8_small_m_rel_err": errf,
+                  "locks_left": int(locks.abs().sum()), "jit_cache_files": jit_files}))
 """
 
 
@@ -278,8 +291,10 @@ def bench_aot() -> dict:
     if proc.returncode:
         return {"sm": sm, "ok": False, "error": proc.stderr.strip()[-2000:]}
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    res["ok"] = (res["jit_cache_files"] == 0 and len(res["launched"]) >= 3
-                 and res["decode_err"] < 0.05 and res["prefill_err"] < 0.05)
+    res["ok"] = (res["jit_cache_files"] == 0 and len(res["launched"]) >= 4
+                 and any(k.startswith("fp8_gemm_small_m_kernel") for k in res["launched"])
+                 and res["decode_err"] < 0.05 and res["prefill_err"] < 0.05
+                 and res["fp8_small_m_rel_err"] < 0.02 and res["locks_left"] == 0)
     res["sm"] = sm
     return res
 
