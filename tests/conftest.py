@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -20,6 +21,16 @@ REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("KILN_TEST_CACHE", REPO / "build" / "test-cache"))
 # The import stage depends only on the model section: every SmolLM2 config shares this one.
 IMPORT_CONFIG = REPO / "configs" / "smollm2-135m-bf16.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _free_models_after_slow_tests(request):
+    """After a test that loads models: collect garbage, so engines it made (an executor and its
+    speculator refer to each other: a cycle, with hundreds of MB of KV pool and buffers) are freed
+    before the next test instead of whenever Python's cycle collector next runs a full pass."""
+    yield
+    if request.node.get_closest_marker("slow") is not None:
+        gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -37,9 +37,12 @@ def weights_fp32(smollm2_bundle):
 ENGINE_DEFAULTS = {"max_kv_tokens": 8192, "max_batch_size": 64}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def make_executor(smollm2_bundle, weights_fp32):
-    """``make_executor(**engine_overrides)`` -> a started fp32 Executor on the shared weights."""
+    """``make_executor(**engine_overrides)`` -> a started fp32 Executor on the shared weights.
+
+    Per test: each executor holds a KV pool of hundreds of MB (8192 tokens of fp32 KV), so they are
+    shut down and dropped when their test ends (session-wide, the suite outgrew a 24 GB machine)."""
     from backend.engine.executor import Executor
     made = []
 
@@ -52,6 +55,7 @@ def make_executor(smollm2_bundle, weights_fp32):
     yield make
     for ex in made:
         ex.shutdown()
+    made.clear()
 
 
 @pytest.fixture(scope="session")
