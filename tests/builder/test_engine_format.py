@@ -84,10 +84,9 @@ def test_round_trip_write_read_is_equal_and_byte_identical(tiny):
     assert sorted(bundle.MODEL_KEYS) == sorted(f.name for f in dataclasses.fields(ModelConfig))  # none dropped
 
 
-def test_the_default_build_reads_back_byte_identical():
-    engine = REPO / "build" / "smollm2-135m-fp8" / "engine"
-    if not (engine / "engine.json").is_file():
-        pytest.skip("no default bundle here (make build)")
+@pytest.mark.slow
+def test_the_default_build_reads_back_byte_identical(build_bundle):
+    engine = build_bundle("smollm2-135m-fp8")   # the default config, built by the real pipeline
     assert json.dumps(bundle.as_dict(bundle.read(engine)), indent=2) + "\n" == (engine / "engine.json").read_text()
 
 

@@ -174,7 +174,9 @@ def test_a_hung_step_ends_requests_with_an_error_and_stops_the_server(serving_bu
         assert res.error and "engine failure" in res.error and "more than 0.02 s" in res.error, res.error
         rest, _ = proc.communicate(timeout=120)
         assert proc.returncode == 3, rest
-        assert "stub of model engine" in rest
+        # the stub's exit is seen as its death, or (when Triton 24.10 aborts as the stub goes away
+        # mid-IPC) as the server's own exit: either way the server is stopped with code 3
+        assert "stub of model engine" in rest or "tritonserver exited with code" in rest, rest
     finally:
         if proc.poll() is None:
             proc.kill()
