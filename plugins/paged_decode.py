@@ -3,7 +3,13 @@
 Each program takes one (sequence, KV head, split) and all the query heads that share that KV head
 (GQA), so K/V are read once per group; the group is padded to 16 rows for tl.dot. Long contexts are
 split along the sequence into `num_splits` programs whose partial results (unnormalized output,
-running max, running sum) are merged by a second, small reduction kernel.
+running max, running sum) are merged by a second, small reduction kernel, which walks the splits
+REDUCE_CHUNK at a time (so up to MAX_SPLITS splits: batch 1 at long context can fill every SM).
+
+FP8 KV: the codes are converted to q's dtype in registers (e4m3 is exact in bf16/fp16; no fp32 copy of
+the tile unless q itself is fp32), and each scale is applied once: K's folded into the softmax scale
+(one multiply per score), V's to the accumulator after the loop (one multiply per output element of
+the program, not per cached element).
 Reference: plugins/reference/attention.py (paged_decode_ref).
 """
 from __future__ import annotations
@@ -15,7 +21,8 @@ import triton.language as tl
 from . import tuning
 from .common import Variant, check, launch, next_pow2, round_to_e4m3, scale_tensor
 
-MAX_SPLITS = 32   # the reduction kernel's fixed width; also bounds the partial buffers
+MAX_SPLITS = 128   # bounds the partial buffers (fp32 [B, Hq, splits, D + 2]) and the split choice
+REDUCE_CHUNK = 32  # splits the reduction kernel holds at once; it loops over more
 TILE_N = 64       # default tokens per inner iteration (the launch uses plugins.tuning "paged_decode")
 
 
@@ -61,7 +68,7 @@ def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
         off = slot[:, None] * row + kvh * HEAD_DIM + d[None, :]
         k = tl.load(k_cache_ptr + off, mask=tmask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + off, mask=tmask[:, None], other=0.0)
-        if KV_FP8:
+        if KV_FP8:   # e4m3 -> q's dtype in registers (exact); the scales come once, outside this loop
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         # fp32 engines (used to check against references) keep IEEE fp32 dots instead of tf32
@@ -79,7 +86,7 @@ def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    acc = acc * tl.load(v_scale_ptr)
+    acc = acc * tl.load(v_scale_ptr)   # V's scale: once per output element (sum_t p_t * vs * v_t = vs * sum_t p_t * v_t)
 
     if SPLIT:
         base = (b * (NUM_KV_HEADS * GROUP) + qh) * num_splits + sp
@@ -98,20 +105,32 @@ def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
 def paged_decode_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, act_ptr, out_scale_ptr, stride_ob, stride_oh,
                                num_splits, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                SPLITS_PAD: tl.constexpr, OUT_FP8: tl.constexpr):
+    """Merge the splits of one (sequence, head), SPLITS_PAD (= REDUCE_CHUNK) at a time: a first pass over
+    the running maxima (2 floats per split) finds the global max, a second weights and sums the partial
+    outputs. One chunk (num_splits <= SPLITS_PAD) is the single-pass merge of before."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
-    smask = s < num_splits
-    base = (b * NUM_HEADS + h) * num_splits + s
-    m = tl.load(part_ml_ptr + base * 2, mask=smask, other=float("-inf"))
-    l = tl.load(part_ml_ptr + base * 2 + 1, mask=smask, other=0.0)
-    m_max = tl.max(m, 0)
+    row = (b * NUM_HEADS + h) * num_splits
+    m_max = tl.max(tl.full([SPLITS_PAD], float("-inf"), tl.float32), 0)
+    for s0 in range(0, num_splits, SPLITS_PAD):
+        s = s0 + tl.arange(0, SPLITS_PAD)
+        m = tl.load(part_ml_ptr + (row + s) * 2, mask=s < num_splits, other=float("-inf"))
+        m_max = tl.maximum(m_max, tl.max(m, 0))
     # splits past the end of the sequence carry m = -inf; an empty sequence has no finite m at all
-    w = tl.where(m > float("-inf"), tl.exp(m - tl.where(m_max > float("-inf"), m_max, 0.0)), 0.0)
-    acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
-    num = tl.sum(acc * w[:, None], 0)
-    den = tl.sum(l * w, 0)
+    m_ref = tl.where(m_max > float("-inf"), m_max, 0.0)
+    num = tl.zeros([HEAD_DIM], tl.float32)
+    den = tl.sum(tl.zeros([SPLITS_PAD], tl.float32), 0)
+    for s0 in range(0, num_splits, SPLITS_PAD):
+        s = s0 + tl.arange(0, SPLITS_PAD)
+        smask = s < num_splits
+        base = row + s
+        m = tl.load(part_ml_ptr + base * 2, mask=smask, other=float("-inf"))
+        l = tl.load(part_ml_ptr + base * 2 + 1, mask=smask, other=0.0)
+        w = tl.where(m > float("-inf"), tl.exp(m - m_ref), 0.0)
+        acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
+        num += tl.sum(acc * w[:, None], 0)
+        den += tl.sum(l * w, 0)
     out = num / tl.where(den > 0, den, 1.0)
     if OUT_FP8:   # act_ptr (q) only gives the activation dtype the unfused model rounds to first
         out = round_to_e4m3(tl.math.div_rn(out.to(act_ptr.dtype.element_ty).to(tl.float32), tl.load(out_scale_ptr)))
@@ -119,9 +138,20 @@ def paged_decode_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, act_ptr, out_
 
 
 def choose_splits(batch: int, num_kv_heads: int, max_seq_len: int, target_programs: int,
-                  tile: int = TILE_N) -> tuple[int, int]:
-    """-> (num_splits, tokens_per_split): enough programs to fill the GPU, each at least one tile."""
-    want = max(1, -(-target_programs // max(1, batch * num_kv_heads)))
+                  tile: int = TILE_N, split_target: int | None = None) -> tuple[int, int]:
+    """-> (num_splits, tokens_per_split), each split at least one tile, at most MAX_SPLITS.
+
+    `target_programs` (programs_per_sm x SMs) is what the batch alone must reach to go unsplit; below
+    it the sequence is split to reach `split_target` programs (default: target_programs; the wrapper
+    passes split_programs_per_sm x SMs). Batch 1 at ctx 8192 on Llama-3-8B heads (Hkv = 8, tile 128,
+    132 SMs, 4 per SM): 64 splits of one tile = 512 programs, where the old cap of 32 splits left 256,
+    two 4-warp programs per SM: too few loads in flight to cover HBM latency. Batch 64 (512 (b, head)
+    programs >= 264) stays unsplit, as measured best. Expected, not measured: the bench-kernels decode
+    rows at b1 ctx8192 and the sweep's split_programs_per_sm candidates decide."""
+    groups = max(1, batch * num_kv_heads)
+    if split_target is None:
+        split_target = target_programs
+    want = 1 if groups >= target_programs else max(1, -(-split_target // groups))
     splits = max(1, min(want, MAX_SPLITS, -(-max_seq_len // tile)))
     return split_sequence(max_seq_len, splits, tile)
 
@@ -136,10 +166,17 @@ def split_sequence(max_seq_len: int, splits: int, tile: int = TILE_N) -> tuple[i
 
 
 def _target_programs(device: torch.device, fp8: bool = False) -> int:
+    """Programs the batch alone must reach to run unsplit (programs_per_sm x SMs)."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return _cfg(fp8)["programs_per_sm"] * sms
     return 1  # interpreter: every program costs Python time, fewer is faster
+
+
+def _split_target(target_programs: int, cfg: dict) -> int:
+    """Programs a split launch aims at: split_programs_per_sm per SM (scaled from the fill target, so a
+    test or bench that replaces _target_programs moves both)."""
+    return max(target_programs, target_programs * cfg["split_programs_per_sm"] // cfg["programs_per_sm"])
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -170,7 +207,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     cfg = _cfg(fp8)
     tile = cfg["tile"]
     if num_splits is None:
-        num_splits, per = choose_splits(B, Hkv, max_seq_len, _target_programs(q.device, fp8), tile)
+        target = _target_programs(q.device, fp8)
+        num_splits, per = choose_splits(B, Hkv, max_seq_len, target, tile, _split_target(target, cfg))
     else:
         check(1 <= num_splits <= MAX_SPLITS, f"paged_decode: num_splits {num_splits} not in [1, {MAX_SPLITS}]")
         num_splits, per = split_sequence(max_seq_len, num_splits, tile)
@@ -201,12 +239,21 @@ def _constexprs(hkv, group, head_dim, block_size, fp8, split, tile, out_fp8=Fals
 
 
 def _reduce_constexprs(heads, head_dim, out_fp8=False) -> dict:
-    return dict(NUM_HEADS=heads, HEAD_DIM=head_dim, SPLITS_PAD=MAX_SPLITS, OUT_FP8=out_fp8)
+    return dict(NUM_HEADS=heads, HEAD_DIM=head_dim, SPLITS_PAD=REDUCE_CHUNK, OUT_FP8=out_fp8)
+
+
+# integer arguments compiled as multiples of 16 (plugins/aot.py): q's and the output's strides are
+# multiples of head_dim (a power of two >= 16, checked by the wrapper) for q a view of the fused qkv or
+# a tensor of its own, and tokens_per_split is whole tiles. The launcher sends a call that breaks it to
+# JIT. Not stride_bt: the block-table width is whatever the runtime allocated.
+DIVISIBLE = ("stride_qb", "stride_qh", "stride_ob", "stride_oh", "tokens_per_split")
+REDUCE_DIVISIBLE = ("stride_ob", "stride_oh")
 
 
 def aot_variants(e) -> list[Variant]:
     """The variants an engine with shapes `e` (common.EngineShapes) launches: with and without split, and
-    for FP8 engines also writing the O projection's fp8 input."""
+    for FP8 engines also writing the O projection's fp8 input. The split count is a runtime argument
+    (one split variant and one reduction serve every count up to MAX_SPLITS)."""
     group = e.num_heads // e.num_kv_heads
     out = []
     cfg = _cfg(e.kv == "fp8e4nv")
@@ -223,8 +270,9 @@ def aot_variants(e) -> list[Variant]:
                 t.update(part_acc_ptr=o, part_ml_ptr=o)
             out.append(Variant(paged_decode_kernel, t, _constexprs(e.num_kv_heads, group, e.head_dim, e.block_size,
                                                                     e.kv == "fp8e4nv", split, cfg["tile"], out_fp8),
-                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible=DIVISIBLE))
         rtypes = dict(out_ptr=o, part_acc_ptr="*fp32", part_ml_ptr="*fp32", act_ptr=f"*{e.act}",
                       out_scale_ptr="*fp32", stride_ob="i32", stride_oh="i32", num_splits="i32")
-        out.append(Variant(paged_decode_reduce_kernel, rtypes, _reduce_constexprs(e.num_heads, e.head_dim, out_fp8)))
+        out.append(Variant(paged_decode_reduce_kernel, rtypes, _reduce_constexprs(e.num_heads, e.head_dim, out_fp8),
+                           divisible=REDUCE_DIVISIBLE))
     return out

@@ -15,9 +15,14 @@ from contextlib import contextmanager
 GPU: dict[str, dict[str, int]] = {
     # one program per (sequence, KV head, split); splits fill programs_per_sm x SMs programs.
     # H200 sweep (2026-11-26, b64 ctx2048, Llama-3.1-8B heads): 0.176 ms vs 0.186 ms with 4 per SM
-    "paged_decode": {"tile": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2},
+    # split_programs_per_sm: when the batch leaves SMs idle (batch x KV heads < programs_per_sm x SMs: small
+    # batch, long context) the sequence is split to reach this many programs per SM, up to
+    # paged_decode.MAX_SPLITS. NOT yet measured (4 is a starting point for the sweep's candidates 2/4/8 at
+    # b1 ctx8192); batch 64 at ctx 2048 is unsplit either way.
+    "paged_decode": {"tile": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "split_programs_per_sm": 4},
     # fp8 KV: a wider tile amortizes the fp8 -> bf16 conversions (0.191 ms vs 0.198 ms at tile 64)
-    "paged_decode_fp8": {"tile": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2},
+    "paged_decode_fp8": {"tile": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2,
+                         "split_programs_per_sm": 4},
     # rows = query tokens x padded GQA group per program; tile_n = keys per inner step (0.702 vs 0.738 ms)
     "paged_prefill": {"rows": 128, "tile_n": 64, "num_warps": 4, "num_stages": 3},
     # W4A16 GEMM for decode-sized M (<= 16) and for larger M; split_k > 1 sums fp32 partials.

@@ -1,9 +1,11 @@
 """Paged decode attention (flash-decoding with split-K) vs reference: GQA 1/4/8, head dims 64/128,
-block sizes 16/32/64, lengths crossing block boundaries, empty and single-token sequences, fp8 KV."""
+block sizes 16/32/64, lengths crossing block boundaries, empty and single-token sequences, fp8 KV;
+more splits than the reduction holds at once (its chunked merge), up to MAX_SPLITS."""
 import pytest
 import torch
 
-from plugins.paged_decode import MAX_SPLITS, choose_splits, paged_decode
+from plugins import paged_decode as pd, tuning
+from plugins.paged_decode import MAX_SPLITS, REDUCE_CHUNK, choose_splits, paged_decode
 from plugins.reference.attention import paged_decode_ref
 from tests.kernels.kernel_utils import assert_close, make_paged, poison, to_fp8_cache
 
@@ -68,4 +70,62 @@ def test_decode_rejects_bad_shapes(device):
     with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
         paged_decode(q, k, v, tables, torch.tensor([4], dtype=torch.int32, device=device), 1.0)
     with pytest.raises(ValueError, match="num_splits"):
-        paged_decode(q[:, :6], k, v, tables, torch.tensor([4], dtype=torch.int32, device=device), 1.0, num_splits=99)
+        paged_decode(q[:, :6], k, v, tables, torch.tensor([4], dtype=torch.int32, device=device), 1.0,
+                     num_splits=MAX_SPLITS + 1)
+
+
+@pytest.mark.parametrize("kv,splits,lens", [
+    ("fp16", REDUCE_CHUNK + 1, [(REDUCE_CHUNK + 1) * 16 - 3]),  # one chunk and a split more
+    ("fp8", 2 * REDUCE_CHUNK + 6, [70 * 16, 333, 0]),   # three chunks; a short and an empty sequence
+    ("fp8", MAX_SPLITS, [MAX_SPLITS * 16 - 5]),         # the cap
+])
+def test_many_splits_merge_in_chunks(device, fresh_seed, kv, splits, lens):
+    """Long-context splits (batch 1 fills the GPU): more splits than the reduction's chunk, merged in
+    several passes; 16-token tiles keep the interpreter's sequence short."""
+    hkv, group, d, bs = 1, 4, 64, 16
+    k, v, tables = make_paged(lens, bs, hkv, d, torch.float32, device)
+    ks = vs = None   # per-layer scales: fp8 caches only (the reference ignores them otherwise)
+    if kv == "fp8":
+        ks, vs = torch.tensor(0.011), torch.tensor(0.017)
+        k, v = to_fp8_cache(k, 0.011), to_fp8_cache(v, 0.017)
+    else:
+        k, v = k.half(), v.half()
+    q = torch.randn(len(lens), hkv * group, d, device=device).half()
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    with tuning.override("paged_decode_fp8" if kv == "fp8" else "paged_decode", tile=16):
+        assert pd.split_sequence(max(lens), splits, 16)[0] == splits
+        out = paged_decode(q, k, v, tables, seq_lens, 0.125, ks, vs, num_splits=splits)
+    ref = paged_decode_ref(q, k, v, tables, seq_lens, 0.125, ks, vs)
+    assert_close(out, ref, torch.float16, f"decode {kv} splits={splits}", fresh_seed)
+    assert out[torch.tensor(lens) == 0].abs().sum() == 0
+
+
+def test_many_splits_with_fp8_output(device, fresh_seed):
+    """The chunked reduction also writes the O projection's fp8 input (out_scale)."""
+    lens, hkv, group, d, bs = [45 * 16], 2, 2, 64, 16
+    k, v, tables = make_paged(lens, bs, hkv, d, torch.float16, device)
+    q = torch.randn(1, hkv * group, d, device=device).half()
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    osc = torch.tensor([0.01], device=device)
+    with tuning.override("paged_decode", tile=16):
+        out = paged_decode(q, k, v, tables, seq_lens, 0.125, num_splits=45, out_scale=osc)
+    ref = paged_decode_ref(q, k, v, tables, seq_lens, 0.125)
+    assert out.dtype == torch.float8_e4m3fn
+    # one e4m3 step (6.25% relative) plus the fp16 computation's own tolerance
+    assert_close(out.float() * 0.01, ref.float(), torch.float16, "decode fp8 out", fresh_seed,
+                 tol=0.07)
+
+
+def test_batch_one_long_context_fills_the_gpu():
+    """b1, Hkv 8, ctx 8192, tile 128 on 132 SMs: the split target (split_programs_per_sm) asks for more
+    than the old cap of 32 splits; one tile per split is the most there can be. Batch 64 at ctx 2048
+    (512 programs >= 2 per SM) stays unsplit, as tuned."""
+    fill, split = 2 * 132, 4 * 132
+    splits, per = choose_splits(1, 8, 8192, fill, 128, split)
+    assert splits == 64 and per == 128 and splits > 32
+    assert choose_splits(64, 8, 2048, fill, 128, split) == (1, 2048)
+    # 32k context: capped at MAX_SPLITS, whole tiles, the sequence covered
+    splits, per = choose_splits(1, 8, 32768, fill, 128, 16 * 132)
+    assert splits == MAX_SPLITS and per % 128 == 0 and splits * per >= 32768
+    cfg = tuning.get("paged_decode_fp8")
+    assert pd._split_target(fill, cfg) == fill * cfg["split_programs_per_sm"] // cfg["programs_per_sm"]
