@@ -24,12 +24,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import (act_quant, gemm_fp8, gemm_fp8_small, gemm_w4a16, kv_write, norm_quant, paged_decode, paged_prefill,
-               rmsnorm, rope, rope_kv)
+from . import (act_quant, gemm_fp8, gemm_fp8_small, gemm_w4a16, gemm_w4a16_small, kv_write, norm_quant,
+               paged_decode, paged_prefill, rmsnorm, rope, rope_kv)
 from .common import ACT_TYPES, AOT_META_VERSION, EngineShapes, Variant
 
-KERNEL_MODULES = (kv_write, paged_decode, paged_prefill, rmsnorm, rope, gemm_w4a16, gemm_fp8, gemm_fp8_small,
-                  norm_quant, act_quant, rope_kv)
+KERNEL_MODULES = (kv_write, paged_decode, paged_prefill, rmsnorm, rope, gemm_w4a16, gemm_w4a16_small, gemm_fp8,
+                  gemm_fp8_small, norm_quant, act_quant, rope_kv)
 DEFAULT_SMS = (90, 100)
 META_VERSION = AOT_META_VERSION
 

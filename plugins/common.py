@@ -115,3 +115,19 @@ class EngineShapes:
     quant_format: str
     group_size: int | None
     speculative: bool
+
+
+def linear_in_features(e: EngineShapes) -> set[int]:
+    """Every K (in_features) a linear of an engine with shapes `e` can have: QKV and gate/up (hidden), O
+    (heads x head_dim), down (intermediate), and an EAGLE head's fused inputs (2 or 3 x hidden)."""
+    ks = {e.hidden_size, e.intermediate_size, e.num_heads * e.head_dim}
+    if e.speculative:
+        ks |= {2 * e.hidden_size, 3 * e.hidden_size}
+    return ks
+
+
+def divisible_args(values: dict[str, set[int]]) -> tuple[str, ...]:
+    """The integer arguments every value of which is a multiple of 16: what a Variant may declare
+    `divisible` (compiled as multiples of 16) because the engine's shapes guarantee it. The launcher
+    still checks each call and sends one that breaks it to JIT."""
+    return tuple(n for n, vals in values.items() if vals and all(int(v) % 16 == 0 for v in vals))

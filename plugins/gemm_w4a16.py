@@ -90,22 +90,23 @@ def w4a16_gemm_kernel(out_ptr, x_ptr, w_ptr, ws_ptr, ws2_ptr, M, N, K, k_per_spl
                  mask=mmask[:, None] & nmask[None, :])
 
 
-SMALL_M = 16   # M at or below this is decode-sized: the "w4a16_small" launch configuration
+SMALL_M = 16   # M at or below this runs plugins/gemm_w4a16_small.py (decode-sized: the weight streams)
 
 
 def gemm_config(M: int) -> dict:
-    """Tiles, warps, stages and split-K for M rows (plugins.tuning); decode-sized M uses the smallest
-    tl.dot tile in M."""
-    return tuning.get("w4a16_small" if M <= SMALL_M else "w4a16_large")
+    """Tiles, warps, stages and split-K of this kernel (plugins.tuning "w4a16_large"): it runs M > SMALL_M
+    (w4a16_linear sends smaller M to the small-M kernel), or any M when called directly."""
+    return tuning.get("w4a16_large")
 
 
 def w4a16_linear(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,
                  weight_scale_2: torch.Tensor | None = None, pre_quant_scale: torch.Tensor | None = None,
-                 aot=None, split_k: int | None = None) -> torch.Tensor:
+                 aot=None, split_k: int | None = None, locks: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K] fp16/bf16/fp32 (rows contiguous); weight: uint8 [N, K/2]; weight_scale: [N, K/group]
     (int4_awq, model dtype) or float8_e4m3fn [N, K/16] (nvfp4); weight_scale_2: fp32 [] (nvfp4);
-    pre_quant_scale: [K] (int4_awq, optional); split_k: K slices summed in fp32 (default: tuning).
-    -> [M, N] in x.dtype."""
+    pre_quant_scale: [K] (int4_awq, optional); split_k: K slices summed in fp32 (default: tuning);
+    locks: int32 zeros for the small-M kernel's split-K counters (gemm_w4a16_small.lock_count(N); None:
+    allocated per call). -> [M, N] in x.dtype. M <= SMALL_M runs gemm_w4a16_small (one launch)."""
     check(fmt in FORMATS, f"w4a16_linear: format {fmt!r}; allowed: {', '.join(FORMATS)}")
     check(x.dim() == 2, f"w4a16_linear: x must be [M, K], got {tuple(x.shape)}")
     M, K = x.shape
@@ -130,6 +131,10 @@ def w4a16_linear(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: 
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
+    if M <= SMALL_M:
+        from .gemm_w4a16_small import w4a16_small_m
+        return w4a16_small_m(x, fmt, weight, weight_scale, weight_scale_2, locks=locks, aot=aot, split_k=split_k,
+                             out=out)
     cfg = gemm_config(M)
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     splits = max(1, min(split_k or cfg["split_k"], triton.cdiv(K, bk)))
@@ -152,10 +157,29 @@ def _constexprs(fmt_id: int, group: int, cfg: dict, split: bool) -> dict:
                 SPLIT=split, ROW_SCALE=row_scale)
 
 
+def divisible(e) -> tuple[str, ...]:
+    """Integer arguments the engine's shapes make multiples of 16 (compiled so: 16-byte weight loads):
+    K and x's row stride (x is made contiguous), the packed row K/2, the scale row K/group; k_per_split is
+    whole K tiles. The launcher sends a call that breaks one to JIT."""
+    from .common import divisible_args, linear_in_features
+    ks = linear_in_features(e)
+    group = 16 if e.quant_format == "nvfp4" else int(e.group_size or 0)
+    vals = {"K": ks, "k_per_split": {16}, "stride_xm": ks, "stride_wn": {k // 2 for k in ks}}
+    if group and all(k % group == 0 for k in ks):
+        vals["stride_sn"] = {k // group for k in ks}
+    return divisible_args(vals)
+
+
+def w4a16_format(e) -> str | None:
+    """The W4A16 kernel format an engine's quantization runs (W4A8 runs the same GEMM), or None."""
+    fmt = "int4_awq" if e.quant_format == "w4a8_awq" else e.quant_format
+    return fmt if fmt in FORMATS else None
+
+
 def aot_variants(e) -> list[Variant]:
-    """One variant per M tile for the engine's 4-bit format (M, N, K are runtime arguments)."""
-    fmt = "int4_awq" if e.quant_format == "w4a8_awq" else e.quant_format   # W4A8 runs the same GEMM
-    if fmt not in FORMATS:
+    """M > SMALL_M (M, N, K are runtime arguments): unsplit and, when tuned so, split-K."""
+    fmt = w4a16_format(e)
+    if fmt is None:
         return []
     nvfp4 = fmt == "nvfp4"
     types = dict(out_ptr=f"*{e.act}", x_ptr=f"*{e.act}", w_ptr="*u8", ws_ptr="*fp8e4nv" if nvfp4 else f"*{e.act}",
@@ -163,10 +187,9 @@ def aot_variants(e) -> list[Variant]:
                  stride_xm="i32", stride_om="i32", stride_wn="i32", stride_sn="i32")
     group = 16 if nvfp4 else int(e.group_size)
     out = []
-    for m in (1, SMALL_M + 1):
-        cfg = gemm_config(m)
-        for split in sorted({False, cfg["split_k"] > 1}):
-            t = dict(types, out_ptr="*fp32") if split else types
-            out.append(Variant(w4a16_gemm_kernel, t, _constexprs(FORMATS[fmt], group, cfg, split),
-                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    cfg = gemm_config(SMALL_M + 1)
+    for split in sorted({False, cfg["split_k"] > 1}):
+        t = dict(types, out_ptr="*fp32") if split else types
+        out.append(Variant(w4a16_gemm_kernel, t, _constexprs(FORMATS[fmt], group, cfg, split),
+                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible=divisible(e)))
     return out

@@ -25,10 +25,17 @@ GPU: dict[str, dict[str, int]] = {
                          "split_programs_per_sm": 4},
     # rows = query tokens x padded GQA group per program; tile_n = keys per inner step (0.702 vs 0.738 ms)
     "paged_prefill": {"rows": 128, "tile_n": 64, "num_warps": 4, "num_stages": 3},
-    # W4A16 GEMM for decode-sized M (<= 16) and for larger M; split_k > 1 sums fp32 partials.
-    # M=1, 4096x4096: 0.084 ms int4 / 0.121 ms nvfp4 vs 0.142 / 0.209 ms unsplit with 64-wide K tiles
-    "w4a16_small": {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "split_k": 4},
-    # M > 16: 64-wide tiles. 128x128 tiles won for int4 at M=256 (0.255 vs 0.293 ms) but doubled NVFP4's
+    # W4A16 GEMM for decode-sized M (<= 16): plugins/gemm_w4a16_small.py, the weight as the MMA's wide
+    # operand (M padded to 16), split-K in the launch filling programs_per_sm x SMs programs, at most
+    # max_splits K slices. NOT yet measured on a GPU: starting points for the sweep (w4a16_small_m). The
+    # kernel it replaces for M <= 16 (gemm_w4a16.py, block_m 16, block_n 64, block_k 128, split_k 4) ran
+    # M=1 4096x4096 in 0.084 ms int4 / 0.121 ms nvfp4 on the H200: the numbers to beat
+    "w4a16_small_m": {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2,
+                      "max_splits": 8},
+    # the same at M == 1 on CUDA cores with per-group sums (one scale multiply per group) when enabled
+    "w4a16_gemv": {"enabled": 0, "block_n": 16, "block_k": 256, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4,
+                   "max_splits": 8},
+    # W4A16 GEMM for M > 16 (plugins/gemm_w4a16.py); split_k > 1 sums fp32 partials. 64-wide tiles. 128x128 tiles won for int4 at M=256 (0.255 vs 0.293 ms) but doubled NVFP4's
     # time and need 240 KB of shared memory with fp32 activations (over the H200's 227 KB)
     "w4a16_large": {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "split_k": 1},
     # FP8 GEMM for M <= 16 (plugins/gemm_fp8_small.py), tensor cores with M padded to 16; split-K in the

@@ -63,6 +63,14 @@ def _kernel(fmt: str, device: torch.device, dtype: torch.dtype):
     return registry.get("linear", device, dtype, fmt, kind="triton")
 
 
+def _w4a16_locks(n: int, device: torch.device) -> torch.Tensor:
+    """The split-K counters of the small-M W4A16 GEMM (plugins/gemm_w4a16_small.py) for a weight of n
+    rows: int32 zeros the kernel leaves at zero, kept by the linear (no zeroing launch per call, and
+    allocated before any CUDA graph capture)."""
+    from plugins.gemm_w4a16_small import lock_count
+    return torch.zeros(lock_count(n), dtype=torch.int32, device=device)
+
+
 def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias
 
@@ -218,6 +226,7 @@ class NVFP4Linear(QuantLinear):
                            "weight_scale_2": gs.to(device).float().reshape(())}
             self.weight = self.packed["weight"]   # [out, in/2]: out_features only
             self.gemm = _kernel(self.format, device, dtype)
+            self._locks = _w4a16_locks(w.shape[0], device)
             self.input_scale = None               # W4A16: see the module docstring
             return
         self.weight = formats.dequantize_nvfp4(w, bs, gs, dtype=dtype).to(device)
@@ -227,7 +236,7 @@ class NVFP4Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels:
-            return _add_bias(self.gemm(x, **self.packed, aot=self.aot), self.bias)
+            return _add_bias(self.gemm(x, **self.packed, aot=self.aot, locks=self._locks), self.bias)
         if self.input_scale is not None:
             x = formats.fake_quantize_nvfp4_activation(x, self.input_scale)
         return self.matmul(x)
@@ -248,6 +257,7 @@ class Int4AWQLinear(QuantLinear):
                 self.packed["pre_quant_scale"] = pqs.to(device=device, dtype=dtype)
             self.weight = self.packed["weight"]
             self.gemm = _kernel(self.format, device, dtype)
+            self._locks = _w4a16_locks(w.shape[0], device)
             return
         self.weight = formats.dequantize_int4(w, s, dtype=dtype).to(device)
         if pqs is not None:
@@ -256,7 +266,7 @@ class Int4AWQLinear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels:
-            return _add_bias(self.gemm(x, **self.packed, aot=self.aot), self.bias)
+            return _add_bias(self.gemm(x, **self.packed, aot=self.aot, locks=self._locks), self.bias)
         return self.matmul(x)
 
 
@@ -276,12 +286,13 @@ class W4A8AWQLinear(Int4AWQLinear):
                            "input_scale": self.input_scale, "pre_quant_scale": self.pre_quant_scale}
             self.weight = self.packed["weight"]
             self.gemm = _kernel(self.format, device, dtype)
+            self._locks = _w4a16_locks(w.shape[0], device)
             return
         self.weight = formats.dequantize_int4(w, s, dtype=dtype).to(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels:
-            return _add_bias(self.gemm(x, **self.packed, aot=self.aot), self.bias)
+            return _add_bias(self.gemm(x, **self.packed, aot=self.aot, locks=self._locks), self.bias)
         if self.pre_quant_scale is not None:
             x = x * self.pre_quant_scale
         return self.matmul(fake_quant_fp8(x, self.input_scale))
