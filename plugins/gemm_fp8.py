@@ -81,4 +81,14 @@ def aot_variants(e) -> list[Variant]:
         return []
     types = dict(out_ptr=f"*{e.act}", x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", ws_ptr="*fp32", xs_ptr="*fp32",
                  M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32")
-    return [Variant(fp8_gemm_kernel, types, dict(BLOCK_M=_block_m(m), BLOCK_N=64, BLOCK_K=64)) for m in (1, 64)]
+    return [Variant(fp8_gemm_kernel, types, dict(BLOCK_M=_block_m(m), BLOCK_N=64, BLOCK_K=64), divisible=divisible(e))
+            for m in (1, 64)]
+
+
+def divisible(e) -> tuple[str, ...]:
+    """K and the row strides (xq and the weight are contiguous: both K) compiled as multiples of 16 when
+    every linear's K of the engine is one (16-byte fp8 loads, pipelined K tiles); the launcher sends a
+    call that breaks it to JIT."""
+    from .common import divisible_args, linear_in_features
+    ks = linear_in_features(e)
+    return divisible_args({"K": ks, "stride_xm": ks, "stride_wn": ks})

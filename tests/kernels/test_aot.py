@@ -89,9 +89,11 @@ class _Recorder:
     """Stands in for a KernelSet: records each variant the runtime asks for, then lets it JIT."""
     def __init__(self):
         self.keys = set()
+        self.calls = []
 
     def launch(self, key, grid, args):
         self.keys.add(key)
+        self.calls.append((key, args))
         return False
 
 
@@ -118,6 +120,15 @@ def test_plan_covers_what_the_backend_launches(monkeypatch, device):
             be.forward(q, kc, vc, meta, 0.125, s, s)
     planned = {v.key for v in aot.plan(ENGINE)}
     assert rec.keys and rec.keys <= planned, rec.keys - planned
+    # what the variants are compiled to assume (multiples of 16) holds for the backend's real calls, so
+    # its cubins launch rather than falling back to JIT
+    variants = {v.key: v for v in aot.plan(ENGINE)}
+    for key, args in rec.calls:
+        v = variants[key]
+        params = [n for n in v.fn.arg_names if n not in v.constexprs]
+        bad = {n: int(a) for n, a in zip(params, args) if n in v.divisible and int(a) % 16}
+        assert not bad, f"{key}: {bad} break the compiled divisibility"
+    assert any(variants[k].divisible for k in rec.keys)
 
 
 def test_bad_shapes_are_refused(tmp_path):

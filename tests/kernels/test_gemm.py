@@ -88,3 +88,32 @@ def test_fp8_linear_rejects_bad_weight(device):
         fp8_linear(x, torch.zeros(8, 64, device=device), torch.ones(8, device=device), torch.tensor(1.0))
     with pytest.raises(ValueError, match="do not share K"):
         fp8_linear(x, torch.zeros(8, 32, device=device).to(torch.float8_e4m3fn), torch.ones(8), torch.tensor(1.0))
+
+
+def test_fp8_and_w4a16_variants_declare_what_the_shapes_guarantee():
+    """AOT variants compile integer arguments as multiples of 16 only where every linear of the engine
+    makes them so (plugins.common.divisible_args); a call that breaks it is refused by the launcher."""
+    import dataclasses
+
+    from plugins import aot, gemm_fp8, gemm_w4a16
+    from plugins.common import EngineShapes
+    from plugins.launcher import pack_params
+    llama = EngineShapes(act="bf16", kv="fp8e4nv", num_heads=32, num_kv_heads=8, head_dim=128, hidden_size=4096,
+                         intermediate_size=14336, block_size=16, quant_format="fp8", group_size=None, speculative=True)
+    odd = dataclasses.replace(llama, intermediate_size=14344)    # a K that is not a multiple of 16
+    assert set(gemm_fp8.divisible(llama)) == {"K", "stride_xm", "stride_wn"} and gemm_fp8.divisible(odd) == ()
+    for v in aot.plan(llama):
+        if v.fn is gemm_fp8.fp8_gemm_kernel:
+            assert set(v.divisible) == {"K", "stride_xm", "stride_wn"}
+    awq = dataclasses.replace(llama, quant_format="int4_awq", group_size=128)
+    assert set(gemm_w4a16.divisible(awq)) == {"K", "k_per_split", "stride_xm", "stride_wn", "stride_sn"}
+    v = next(v for v in aot.plan(llama) if v.fn is gemm_fp8.fp8_gemm_kernel)
+    sig = v.signature()
+    meta = {"key": v.key, "signature": [[n, t] for n, t in sig.items()],
+            "params": [n for n, t in sig.items() if t != "constexpr"], "aligned": [], "aligned_pointers": 16,
+            "divisible": list(v.divisible), "extra_params": 0}
+    args = dict(M=1, N=64, K=4096, stride_xm=4096, stride_wn=4096, stride_om=64)
+    call = lambda **kw: tuple({**args, **kw}.get(n, 0) for n in meta["params"])  # noqa: E731
+    pack_params(meta, call())
+    with pytest.raises(ValueError, match="stride_wn=4100 is not a multiple of 16"):
+        pack_params(meta, call(stride_wn=4100))
