@@ -24,8 +24,10 @@ CANDIDATES = {
     "paged_decode": _grid(tile=[64, 128], num_warps=[4, 8], num_stages=[2, 3], programs_per_sm=[2]),
     "paged_prefill": _grid(rows=[64, 128], tile_n=[64, 128], num_warps=[4, 8], num_stages=[2, 3]),
     "paged_decode_fp8": _grid(tile=[64, 128], num_warps=[4, 8], num_stages=[2, 3], programs_per_sm=[2]),
-    "w4a16_small": _grid(block_m=[16], block_n=[32, 64], block_k=[64, 128], num_warps=[4], num_stages=[3, 4],
-                         split_k=[1, 4]),
+    "w4a16_small_m": _grid(block_n=[32, 64, 128], block_k=[128, 256], num_warps=[4], num_stages=[3, 4],
+                           programs_per_sm=[2], max_splits=[8]),
+    "w4a16_gemv": _grid(enabled=[1], block_n=[8, 16, 32], block_k=[256, 512], num_warps=[4], num_stages=[1, 3],
+                        programs_per_sm=[4], max_splits=[8]),
     "w4a16_large": _grid(block_m=[64, 128], block_n=[64, 128], block_k=[64, 128], num_warps=[4, 8],
                          num_stages=[3], split_k=[1]),
     "fp8_small_m": _grid(block_n=[32, 64, 128], block_k=[128, 256], num_warps=[4], num_stages=[3, 4, 6],
@@ -34,8 +36,11 @@ CANDIDATES = {
                       programs_per_sm=[4], max_splits=[8]),
 }
 # runtime-only knobs swept at the winner of the compiled ones (no recompiles)
-EXTRA = {"paged_decode": _grid(programs_per_sm=[1, 4]), "paged_decode_fp8": _grid(programs_per_sm=[1, 4]),
-         "w4a16_small": _grid(split_k=[2, 8]),
+EXTRA = {"paged_decode": _grid(programs_per_sm=[1, 4]),
+         # split_programs_per_sm only matters where the batch leaves SMs idle (the b1 ctx8192 variant)
+         "paged_decode_fp8": _grid(programs_per_sm=[1, 4]) + _grid(split_programs_per_sm=[2, 8]),
+         "w4a16_small_m": _grid(programs_per_sm=[1, 4], max_splits=[4, 16]),
+         "w4a16_gemv": _grid(programs_per_sm=[2, 8]),
          "fp8_small_m": _grid(programs_per_sm=[1, 4], max_splits=[4, 16]),
          "fp8_gemv": _grid(programs_per_sm=[2, 8])}
 
@@ -45,6 +50,9 @@ def _case(name: str, variant: str):
     or the 4-bit format)."""
     from harness.bench import kernels as bench
     if name.startswith("paged_decode"):
+        if "-b" in variant:   # "<kv>-b<batch>-ctx<ctx>": graphed over cache copies (the host out of the time)
+            kv, b, c = variant.split("-")
+            return bench.graphed(bench.decode_calls(int(b[1:]), int(c[3:]), kv)[0])[0]
         return bench.decode_case(kv=variant)
     if name == "paged_prefill":
         return bench.prefill_case()
@@ -54,11 +62,15 @@ def _case(name: str, variant: str):
         m, nk = variant[1:].split("-")
         n, k = map(int, nk.split("x"))
         return bench.graphed(bench.fp8_small_m_case(int(m), n, k)[0])[0]
-    m = 1 if name == "w4a16_small" else 256
-    return bench.w4a16_case(m, 4096, 4096, variant)
+    if name in ("w4a16_small_m", "w4a16_gemv"):
+        # variant "<fmt>-m<M>": the small-M W4A16 GEMM on 4096x4096 over weight copies, graphed
+        fmt, m = variant.split("-")
+        return bench.graphed(bench.w4a16_small_m_calls(int(m[1:]), 4096, 4096, fmt)[0])[0]
+    return bench.w4a16_case(256, 4096, 4096, variant)
 
 
-VARIANTS = {"paged_decode": ("bf16",), "paged_decode_fp8": ("fp8",), "paged_prefill": ("bf16",), "w4a16_small": ("int4_awq", "nvfp4"),
+VARIANTS = {"paged_decode": ("bf16",), "paged_decode_fp8": ("fp8", "fp8-b1-ctx8192"), "paged_prefill": ("bf16",),
+            "w4a16_small_m": ("int4_awq-m1", "nvfp4-m1", "nvfp4-m16"), "w4a16_gemv": ("int4_awq-m1", "nvfp4-m1"),
             "w4a16_large": ("int4_awq",), "fp8_small_m": ("m1-4096x4096", "m16-4096x4096", "m4-14336x4096"),
             "fp8_gemv": ("m1-4096x4096", "m1-14336x4096")}
 

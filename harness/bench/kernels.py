@@ -8,11 +8,17 @@
    the small-M FP8 GEMM (plugins/gemm_fp8_small.py) vs torch._scaled_mm at M = 1, 4, 16 on 4096x4096,
    14336x4096 and 4096x14336 (N x K), each timed as a CUDA graph of calls over rotating weight copies
    that overflow L2, as a fraction of copy bandwidth (goal >= 75%);
+   the small-M W4A16 GEMM (plugins/gemm_w4a16_small.py, NVFP4 and INT4-AWQ) vs a bf16 torch.matmul at
+   M = 1, 4, 16 on 4096x4096 and 14336x4096, graphed over weight copies that overflow L2, as a fraction
+   of copy bandwidth (the 4-bit weight's bytes) and as a speedup over bf16;
+   FP8-KV decode at b1 ctx 8192 and b64 ctx 2048, graphed over cache copies that overflow L2 (an eager
+   b1 call times mostly the host), with the split count the wrapper chose;
 5. AOT: a bundle's cubins compiled for this GPU's SM load through cuda-python and run with no JIT
    compilation at all (checked in a child process with an empty Triton cache): decode, prefill and the
    small-M FP8 GEMM with its in-launch split-K (its counters must be back at 0);
 then prints a table and writes docs/perf/kernels-<gpu>.json (machine, date, command, commit).
-On a machine without a GPU it exits with status 2 and says so.
+On a machine without a GPU it exits with status 2 and says so; ``--dry-run`` instead runs the graphed
+cases' calls once each at toy sizes on CPU (Triton interpreter) against their references, no timing.
 """
 from __future__ import annotations
 
@@ -227,6 +233,139 @@ def bench_fp8_small_m(m: int, n: int, k: int, copy_gbs: float) -> dict:
     return res
 
 
+def decode_calls(batch: int, ctx: int, kv: str = "fp8", device: str = "cuda", l2_bytes: int = 1 << 28,
+                 heads: dict | None = None, block: int = 16):
+    """Paged decode at (batch, ctx) over KV-cache copies that together exceed ``l2_bytes`` (b1 ctx 8192
+    fp8 on Llama-3-8B heads is 16.8 MB: one copy would stay in an H100's 50 MB L2 across a graph's
+    replays) -> (calls, (q, k, v, tables, lens, scale, num_splits) of copy 0)."""
+    import torch
+
+    from plugins import paged_decode as pd
+    h = heads or LLAMA8B
+    hq, hkv, d = h["num_heads"], h["num_kv_heads"], h["head_dim"]
+    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
+    per_copy = 2 * batch * ctx * hkv * d * (1 if kv == "fp8" else 2)
+    copies = max(1, -(-l2_bytes // per_copy))
+    nblk = batch * (-(-ctx // block))
+    q = torch.randn(batch, hq, d, device=device, dtype=_act(device))
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    scale = torch.tensor(1.0, device=device)
+    caches = []
+    for _ in range(copies):
+        tables = torch.randperm(nblk, device=device).to(torch.int32).view(batch, -1)
+        k = torch.randn(nblk, block, hkv, d, device=device).to(kv_dtype)
+        v = torch.randn(nblk, block, hkv, d, device=device).to(kv_dtype)
+        caches.append((k, v, tables))
+    calls = [lambda c=c: pd.paged_decode(q, c[0], c[1], c[2], lens, d ** -0.5, scale, scale, max_seq_len=ctx)
+             for c in caches]
+    fp8 = kv == "fp8"
+    target = pd._target_programs(q.device, fp8)
+    splits = pd.choose_splits(batch, hkv, ctx, target, pd._cfg(fp8)["tile"], pd._split_target(target, pd._cfg(fp8)))[0]
+    k, v, tables = caches[0]
+    return calls, (q, k, v, tables, lens, scale, splits)
+
+
+def bench_decode_graphed(batch: int, ctx: int, kv: str, copy_gbs: float) -> dict:
+    """One decode's own time (a CUDA graph of calls, no host launch cost), bytes = K + V + q + out + table."""
+    from plugins.reference.attention import paged_decode_ref
+    calls, (q, k, v, tables, lens, scale, splits) = decode_calls(batch, ctx, kv)
+    ms = _graph_ms(calls)
+    n = min(2, batch)
+    ref = paged_decode_ref(q[:n], k, v, tables[:n], lens[:n], q.shape[-1] ** -0.5, scale, scale)
+    err = (calls[0]()[:n].float() - ref.float()).abs().max().item()
+    nbytes = 2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size() + tables.numel() * 4
+    return {"batch": batch, "ctx": ctx, "kv": kv, "splits": splits, "graph_ms": ms, "gbs": nbytes / ms / 1e6,
+            "fraction_of_copy_bw": nbytes / ms / 1e6 / copy_gbs, "max_err_vs_ref": err}
+
+
+def w4a16_weights(n: int, k: int, fmt: str, device: str = "cuda"):
+    """Random packed 4-bit weights of one format: (weight, weight_scale, weight_scale_2 or None)."""
+    import torch
+    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device)
+    if fmt == "nvfp4":
+        return w, (torch.rand(n, k // 16, device=device) * 2 + 0.1).to(torch.float8_e4m3fn), \
+            torch.tensor(0.01, device=device)
+    return w, (torch.rand(n, k // 128, device=device) * 0.01 + 1e-3).to(_act(device)), None
+
+
+def _act(device: str):
+    """The activation dtype: bf16 on GPUs, fp16 in the interpreter (its bf16 dots are wrong)."""
+    import torch
+    return torch.bfloat16 if device == "cuda" else torch.float16
+
+
+def w4a16_small_m_calls(m: int, n: int, k: int, fmt: str, path: str = "kernel", device: str = "cuda",
+                        l2_bytes: int = 1 << 28):
+    """W4A16 at M rows: -> (calls over weight copies that together exceed ``l2_bytes``, (x, weight,
+    weight_scale, weight_scale_2, locks) of copy 0). path "kernel": plugins/gemm_w4a16_small.py through
+    w4a16_linear, as a linear calls it (its own split-K counters); "bf16": torch.matmul on a dense weight."""
+    import torch
+
+    from plugins.gemm_w4a16 import w4a16_linear
+    from plugins.gemm_w4a16_small import lock_count
+    act = _act(device)
+    x = torch.randn(m, k, device=device, dtype=act)
+    locks = torch.zeros(lock_count(n), dtype=torch.int32, device=device)
+    if path == "bf16":
+        copies = max(2, -(-l2_bytes // (2 * n * k)))
+        dense = [torch.randn(n, k, device=device, dtype=act) for _ in range(copies)]
+        return [lambda w=w: x @ w.t() for w in dense], (x, dense[0], None, None, locks)
+    copies = max(2, -(-l2_bytes // (n * k // 2)))
+    ws = [w4a16_weights(n, k, fmt, device) for _ in range(copies)]
+    calls = [lambda c=c: w4a16_linear(x, fmt, c[0], c[1], c[2], locks=locks) for c in ws]
+    return calls, (x, *ws[0], locks)
+
+
+def bench_w4a16_small_m(m: int, n: int, k: int, fmt: str, copy_gbs: float) -> dict:
+    """A/B, both graphed over L2-overflowing weight copies: the small-M W4A16 GEMM vs a bf16 matmul of the
+    same shape; bytes = the 4-bit weight + its scales + x + out (the kernel's traffic)."""
+    from plugins.reference.gemm import int4_awq_linear_ref, nvfp4_linear_ref
+    res = {"fmt": fmt, "m": m, "n": n, "k": k}
+    scale_bytes = n * k // 16 if fmt == "nvfp4" else n * k // 128 * 2
+    nbytes = n * k // 2 + scale_bytes + 2 * m * k + 2 * m * n
+    for path in ("kernel", "bf16"):
+        calls, (x, w, ws, ws2, locks) = w4a16_small_m_calls(m, n, k, fmt, path)
+        ms = _graph_ms(calls)
+        res[path] = {"ms": ms}
+        if path == "kernel":
+            ref = nvfp4_linear_ref(x, w, ws, ws2) if fmt == "nvfp4" else int4_awq_linear_ref(x, w, ws)
+            err = ((calls[0]().float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
+            res[path].update(gbs=nbytes / ms / 1e6, fraction_of_copy_bw=nbytes / ms / 1e6 / copy_gbs,
+                             max_rel_err_vs_ref=err, locks_left=int(locks.abs().sum()))
+        del calls
+    res["speedup_vs_bf16"] = res["bf16"]["ms"] / res["kernel"]["ms"]
+    return res
+
+
+W4A16_SMALL_M_SHAPES = [(4096, 4096), (14336, 4096)]   # (N, K): o/qkv-like, up/gate
+DECODE_GRAPHED = [(1, 8192, "fp8"), (64, 2048, "fp8")]  # the issue's two FP8-KV decode goals
+
+
+def dry_run() -> int:
+    """The graphed cases' calls once each at toy sizes on CPU (Triton interpreter), against their
+    references: the bench's own code paths are checked where no GPU is. No timing."""
+    from plugins.reference.attention import paged_decode_ref
+    from plugins.reference.gemm import int4_awq_linear_ref, nvfp4_linear_ref
+    toy = dict(num_heads=4, num_kv_heads=2, head_dim=64)
+    worst = 0.0
+    for batch, ctx, kv in ((1, 300, "fp8"), (3, 64, "fp8")):
+        calls, (q, k, v, tables, lens, scale, splits) = decode_calls(batch, ctx, kv, "cpu", l2_bytes=1, heads=toy)
+        out = calls[0]()
+        ref = paged_decode_ref(q, k, v, tables, lens, 0.125, scale, scale)
+        err = (out.float() - ref.float()).abs().max().item()
+        print(f"  dry-run decode b{batch} ctx{ctx} {kv} splits={splits}: max err {err:.2e}")
+        worst = max(worst, err / 2e-2)
+    for fmt in ("nvfp4", "int4_awq"):
+        for m in (1, 4, 16):
+            calls, (x, w, ws, ws2, locks) = w4a16_small_m_calls(m, 96, 512, fmt, "kernel", "cpu", l2_bytes=1)
+            ref = nvfp4_linear_ref(x, w, ws, ws2) if fmt == "nvfp4" else int4_awq_linear_ref(x, w, ws)
+            err = ((calls[0]().float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            print(f"  dry-run w4a16 {fmt} m={m}: max rel err {err:.2e}, counters left {int(locks.abs().sum())}")
+            worst = max(worst, err / 5e-3, 1e9 * int(locks.abs().sum()))
+    print("dry-run: ok" if worst <= 1 else "dry-run: FAILED (an error above its bound)")
+    return 0 if worst <= 1 else 1
+
+
 FP8_SMALL_M_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]    # (N, K): o/qkv-like, up/gate, down
 FP8_SMALL_M_GOAL = 0.75
 
@@ -330,7 +469,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true",
                     help="also time every candidate launch configuration of plugins.tuning (minutes)")
     ap.add_argument("--out", help="result JSON (default docs/perf/kernels-<gpu>.json)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="on CPU: run the graphed decode / small-M W4A16 cases once at toy sizes (interpreter)")
     a = ap.parse_args(argv)
+    if a.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is first imported
+        return dry_run()
     import torch
     if not torch.cuda.is_available():
         print("bench-kernels: no NVIDIA GPU visible (torch.cuda.is_available() is false); this benchmark "
@@ -341,18 +485,31 @@ def main(argv: list[str] | None = None) -> int:
     res = {"gpu": gpu, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": "make bench-kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
            "commit": git_commit(), "host": platform.node(), "torch": torch.__version__, "triton": triton.__version__}
+    out = Path(a.out) if a.out else REPO / "docs" / "perf" / f"kernels-{gpu.lower().replace(' ', '-')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res["complete"] = False
+
+    def save():   # after each part: a run cut short by its time limit keeps what it measured
+        out.write_text(json.dumps(res, indent=1) + "\n")
     res["tests"] = {"passed": None, "summary": "skipped"} if a.skip_tests else run_kernel_tests()
     res["copy_gbs"] = copy_bandwidth_gbs()
+    save()
     res["decode"] = [bench_decode(kv=kv) for kv in ("bf16", "fp8")] + [bench_decode(batch=1, ctx=8192)]
     for r in res["decode"]:
         r["fraction_of_copy_bw"] = r["gbs"] / res["copy_gbs"]
     res["prefill"] = bench_prefill()
     res["w4a16"] = [bench_w4a16(m, 4096, 4096, fmt) for fmt in ("nvfp4", "int4_awq") for m in (1, 16, 128)]
     res["w4a16"] += [bench_w4a16(1, 2 * LLAMA8B["intermediate_size"], LLAMA8B["hidden_size"], "int4_awq")]
+    res["w4a16_small_m"] = [bench_w4a16_small_m(m, n, k, fmt, res["copy_gbs"]) for fmt in ("nvfp4", "int4_awq")
+                            for n, k in W4A16_SMALL_M_SHAPES for m in (1, 4, 16)]
+    res["decode_graphed"] = [bench_decode_graphed(b, c, kv, res["copy_gbs"]) for b, c, kv in DECODE_GRAPHED]
+    res["goal_decode_fp8_b64_70pct"] = res["decode_graphed"][1]["fraction_of_copy_bw"] >= 0.70
+    save()
     res["fp8_small_m"] = [bench_fp8_small_m(m, n, k, res["copy_gbs"]) for n, k in FP8_SMALL_M_SHAPES
                           for m in (1, 4, 16)]
     res["goal_fp8_small_m_75pct"] = all(r["kernel"]["fraction_of_copy_bw"] >= FP8_SMALL_M_GOAL
                                         for r in res["fp8_small_m"] if (r["n"], r["k"]) in FP8_SMALL_M_SHAPES[:2])
+    save()
     res["aot"] = bench_aot()
     res["tuning"] = {k: dict(v) for k, v in tuning.GPU.items()}
     if a.sweep:
@@ -372,14 +529,20 @@ def main(argv: list[str] | None = None) -> int:
     for r in res["w4a16"]:
         print(f"  w4a16 {r['fmt']:>8} m={r['m']:<4} n={r['n']:<6} {r['ms']:.3f} ms  bf16 {r['bf16_ms']:.3f} ms  "
               f"x{r['speedup_vs_bf16']:.2f}  {r['weight_gbs']:.0f} GB/s of weights")
+    for r in res["decode_graphed"]:
+        print(f"  decode graphed b{r['batch']} ctx{r['ctx']} {r['kv']} ({r['splits']} splits)  {r['graph_ms']:.4f} ms  "
+              f"{r['gbs']:.0f} GB/s  {100 * r['fraction_of_copy_bw']:.0f}% of copy")
+    for r in res["w4a16_small_m"]:
+        kr = r["kernel"]
+        print(f"  w4a16 small-M {r['fmt']:>8} m={r['m']:<3} {r['n']}x{r['k']:<6} {kr['ms']:.4f} ms "
+              f"{100 * kr['fraction_of_copy_bw']:.0f}% of copy | bf16 {r['bf16']['ms']:.4f} ms  x{r['speedup_vs_bf16']:.2f}")
     for r in res["fp8_small_m"]:
         kr, sr = r["kernel"], r["scaled_mm"]
         print(f"  fp8 m={r['m']:<3} {r['n']}x{r['k']:<6} kernel {kr['ms']:.4f} ms {100 * kr['fraction_of_copy_bw']:.0f}% "
               f"of copy | _scaled_mm {sr['ms']:.4f} ms {100 * sr['fraction_of_copy_bw']:.0f}%  x{r['speedup_vs_scaled_mm']:.2f}")
     print(f"  AOT cubins, no JIT         {'ok' if res['aot'].get('ok') else 'FAILED'} (sm_{res['aot']['sm']})")
-    out = Path(a.out) if a.out else REPO / "docs" / "perf" / f"kernels-{gpu.lower().replace(' ', '-')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1) + "\n")
+    res["complete"] = True
+    save()
     print(f"  written: {out}")
     ok = res["aot"].get("ok") and res["tests"]["passed"] is not False
     return 0 if ok else 1

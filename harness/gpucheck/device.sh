@@ -11,7 +11,9 @@
 # PARTS picks which run, in this order (default all five):
 #   check   170 s -> 100  harness.gpucheck run: tiny bundles of every format (AOT cubins, no JIT, vs CPU)
 #   kernels 210 s -> 120  harness.bench.kernels: kernel tests on the GPU, decode/prefill/W4A16 bandwidth,
-#                         small-M FP8 GEMM vs torch._scaled_mm (M = 1, 4, 16), AOT without JIT
+#                         small-M FP8 GEMM vs torch._scaled_mm and small-M W4A16 vs bf16 (M = 1, 4, 16),
+#                         graphed FP8-KV decode at b1 ctx8192 / b64 ctx2048, AOT without JIT (the JSON is
+#                         written after each section, "complete": false until the end)
 #   bench   200 s -> 140  harness.bench.gpu: 8B-shaped FP8 engine, single stream (graphs) and the 1000/1000
 #                         throughput run (KV pool 0.95 of free memory, concurrency bounded by KV) cut
 #                         to the part's limit (--budget-s): partial, and the result says so

@@ -9,3 +9,23 @@ from harness.bench import kernels as bench
 def test_bench_refuses_without_gpu(capsys):
     assert bench.main([]) == 2
     assert "no NVIDIA GPU visible" in capsys.readouterr().err
+
+
+def test_dry_run_runs_the_graphed_cases_on_cpu(capsys):
+    """--dry-run: the FP8-KV decode and small-M W4A16 cases the GPU bench graphs, once each at toy sizes
+    in the interpreter, against their references (split-K counters back at 0)."""
+    assert bench.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "dry-run: ok" in out and out.count("dry-run w4a16") == 6 and out.count("dry-run decode") == 2
+
+
+def test_sweep_cases_name_tuned_kernels():
+    """Every sweep entry is a plugins.tuning key, and its runtime-only extras are keys of that entry."""
+    from harness.bench import kernel_sweep
+    from plugins import tuning
+    assert set(kernel_sweep.CANDIDATES) == set(kernel_sweep.VARIANTS) <= set(tuning.GPU)
+    for name, extras in kernel_sweep.EXTRA.items():
+        for extra in extras:
+            assert set(extra) <= set(tuning.get(name)), (name, extra)
+    for name, cands in kernel_sweep.CANDIDATES.items():
+        assert set(cands[0]) <= set(tuning.get(name)), name
