@@ -10,6 +10,13 @@ frequency penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p 
 Log-probabilities are those of the model (log-softmax of the raw logits), reported for the chosen
 token and the top ``logprobs`` alternatives.
 
+Host syncs: ``sample`` returns the step's results on the device (``DeviceSample``) without waiting
+for them; small per-row parameter tensors go up from pinned memory without blocking. The host
+learns the results through ONE copy (``DeviceSample.packed``: tokens, and logprobs when asked for,
+in one tensor): blocking in ``__call__``, asynchronous in the executor's overlapped loop
+(``backend/engine/overlap.py``). Only penalties (rare; those steps are synchronous anyway, see
+``needs_history``) still build their tensors with blocking copies.
+
 Reproducibility: a request with a ``seed`` owns a ``torch.Generator`` seeded once; each step it
 draws exactly one row of exponential noise (the Gumbel/exponential-race form of categorical
 sampling: ``argmax(p / E)``, ``E ~ Exp(1)``), so its tokens do not depend on what else is batched.
@@ -34,6 +41,42 @@ class SampleRow:
 
 
 @dataclass
+class DeviceSample:
+    """One step's draws, still on the device. ``packed()`` is what goes to the host in one copy;
+    ``unpack(host)`` turns that copy into a ``SampleOutput``."""
+    tokens: torch.Tensor                     # [B] int64
+    logprob_counts: list[int]                # per row: how many top alternatives it asked for
+    chosen: torch.Tensor | None = None       # [B] fp32 logprob of the chosen token
+    top_vals: torch.Tensor | None = None     # [B, n] fp32
+    top_idx: torch.Tensor | None = None      # [B, n] int64
+
+    def packed(self) -> torch.Tensor:
+        """Tokens alone (int64), or tokens + logprobs as float64: token ids and fp32 values are
+        exact in float64, so one tensor (one transfer) carries everything the host needs."""
+        if self.chosen is None:
+            return self.tokens
+        return torch.cat([self.tokens.double(), self.chosen.double(), self.top_vals.double().flatten(),
+                          self.top_idx.double().flatten()])
+
+    def unpack(self, host: torch.Tensor) -> "SampleOutput":
+        b = len(self.logprob_counts)
+        if self.chosen is None:
+            return SampleOutput(host.tolist(), [None] * b)
+        vals = host.tolist()
+        n = self.top_vals.shape[1]
+        tokens = [int(t) for t in vals[:b]]
+        chosen = vals[b:2 * b]
+        top_vals = vals[2 * b:2 * b + b * n]
+        top_idx = vals[2 * b + b * n:]
+        result = []
+        for i, k in enumerate(self.logprob_counts):
+            o = i * n
+            result.append((chosen[i], [(int(t), v) for t, v in zip(top_idx[o:o + k], top_vals[o:o + k])])
+                          if k > 0 else None)
+        return SampleOutput(tokens, result)
+
+
+@dataclass
 class SampleOutput:
     token_ids: list[int]
     # Per row: None, or (chosen token's logprob, [(token, logprob), ...] top-n alternatives).
@@ -53,6 +96,13 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
+        """Sample and wait for the result (one blocking copy)."""
+        ds = self.sample(logits, rows)
+        return ds.unpack(ds.packed().cpu())
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> DeviceSample:
+        """Sample without waiting for the device (see the module's note on host syncs)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per sample row"
         raw = logits
         logits = logits.float().clone() if self._needs_edit(rows) else logits.float()
@@ -64,12 +114,12 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, rows, greedy)
-        token_list = tokens.tolist()
-        out = SampleOutput(token_ids=token_list)
-        if any(r.params.logprobs > 0 for r in rows):
-            out.logprobs = self._logprobs(raw, rows, tokens)
-        else:
-            out.logprobs = [None] * len(rows)
+        counts = [r.params.logprobs for r in rows]
+        out = DeviceSample(tokens, counts)
+        if any(k > 0 for k in counts):
+            lp = raw.float().log_softmax(dim=-1)
+            out.chosen = lp.gather(1, tokens.view(-1, 1)).squeeze(1)
+            out.top_vals, out.top_idx = lp.topk(max(counts), dim=-1)
         return out
 
     # -- masks and penalties -----------------------------------------------------------------
@@ -101,8 +151,7 @@ class Sampler:
                     row_idx.append(i)
                     col_idx.append(tok)
         if row_idx:
-            logits[torch.tensor(row_idx, device=logits.device),
-                   torch.tensor(col_idx, device=logits.device)] = float("-inf")
+            logits[_to_device(row_idx, logits.device), _to_device(col_idx, logits.device)] = float("-inf")
 
     def _apply_penalties(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
         idx = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
@@ -135,23 +184,24 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: Sequence[SampleRow], greedy: list[bool]) -> torch.Tensor:
         dev = logits.device
         b, vocab = logits.shape
-        greedy_t = torch.tensor(greedy, device=dev)
-        temp = torch.tensor([r.params.temperature if not g else 1.0 for r, g in zip(rows, greedy)],
-                            device=dev).view(-1, 1)
+        greedy_t = _to_device(greedy, dev)
+        temp = _to_device([r.params.temperature if not g else 1.0 for r, g in zip(rows, greedy)],
+                          dev).view(-1, 1)
         argmax = logits.argmax(dim=-1)
         scaled = logits / temp
 
         top_k = [r.params.top_k for r in rows]
         if any(0 < k < vocab for k in top_k):
-            k_t = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
-            kmax = int(k_t.max())
+            ks = [k if 0 < k < vocab else vocab for k in top_k]
+            k_t = _to_device(ks, dev)
+            kmax = max(ks)               # from the host list: int(k_t.max()) would wait for the device
             top_vals = scaled.topk(kmax, dim=-1).values
             kth = top_vals.gather(1, (k_t - 1).view(-1, 1))  # value of each row's k-th best token
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
 
         top_p = [r.params.top_p for r in rows]
         if any(p < 1.0 for p in top_p):
-            p_t = torch.tensor(top_p, device=dev).view(-1, 1)
+            p_t = _to_device(top_p, dev).view(-1, 1)
             sorted_vals, sorted_idx = scaled.sort(dim=-1, descending=True)
             probs_sorted = sorted_vals.softmax(dim=-1)
             # Keep the smallest prefix whose mass reaches p: drop a token if the mass BEFORE it does.
@@ -163,32 +213,39 @@ class Sampler:
         probs = scaled.softmax(dim=-1)
         min_p = [r.params.min_p for r in rows]
         if any(p > 0.0 for p in min_p):
-            mp_t = torch.tensor(min_p, device=dev).view(-1, 1)
+            mp_t = _to_device(min_p, dev).view(-1, 1)
             probs = probs.masked_fill(probs < mp_t * probs.max(dim=-1, keepdim=True).values, 0.0)
 
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab, device=dev).exponential_()
+            fresh = torch.empty(len(unseeded), vocab, device=dev).exponential_()
+            if len(unseeded) == b:
+                noise = fresh
+            else:
+                noise[_to_device(unseeded, dev)] = fresh
         for i, r in enumerate(rows):
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy_t, argmax, sampled)
 
-    # -- log-probabilities -------------------------------------------------------------------
-    @staticmethod
-    def _logprobs(raw: torch.Tensor, rows: Sequence[SampleRow], tokens: torch.Tensor):
-        lp = raw.float().log_softmax(dim=-1)
-        chosen = lp.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
-        n = max(r.params.logprobs for r in rows)
-        top_vals, top_idx = lp.topk(n, dim=-1)
-        top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
-        result = []
-        for i, r in enumerate(rows):
-            k = r.params.logprobs
-            result.append((chosen[i], list(zip(top_idx[i][:k], top_vals[i][:k]))) if k > 0 else None)
-        return result
+
+
+def _to_device(values: list, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor. On CUDA it goes up from pinned memory without blocking:
+    ``torch.tensor(values, device="cuda")`` waits for every queued kernel first (a pageable copy),
+    which would stall the overlapped loop once per step."""
+    t = torch.tensor(values)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def needs_history(p: SamplingParams) -> bool:
+    """Rows that read the values of earlier output tokens (bad words, penalties): the overlapped loop
+    resolves the previous step's tokens before sampling them (the host does not know them yet)."""
+    return bool(p.bad_token_ids) or _has_penalty(p)
 
 
 def _has_penalty(p: SamplingParams) -> bool:
