@@ -1,0 +1,75 @@
+"""Tokens that reach the host one step late (pure Python, no torch): the scheduler's side of the
+overlapped loop (``backend/engine/overlap.py``).
+
+While the device runs step n the host already schedules step n+1, so step n's tokens are not known
+when the scheduler must account for them. ``Scheduler.update`` is called with ``PLACEHOLDER`` for
+each of them: every count (computed tokens, KV slots, ``max_tokens`` and ``max_seq_len`` limits)
+comes out exactly as with the real token, so step n+1's decode rows are scheduled as usual and
+take their input token from step n's samples on the device. What needs the token's value waits for
+``fill``, one step later: the stop check (a request that stopped at step n has one wasted row in
+step n+1, whose sample is discarded), the output lists and the events.
+
+Why this keeps the KV cache right: a block's hash covers only ``all_token_ids`` up to
+``num_computed_tokens``; the one placeholder a running request can hold sits at index
+``num_computed_tokens`` (the token sampled last), and the loop fills step n's placeholders before it
+calls ``update`` for step n+1, the only call that moves ``num_computed_tokens`` past them. A request
+preempted while its placeholder is unfilled is not re-admitted in that step (the scheduler admits
+nothing in a step that preempted), and its placeholder is filled before the next ``schedule()``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from backend.engine.request import Request, RequestStatus
+
+# Never a token id (SamplingParams and the executor refuse negative ids), so never a stop token.
+PLACEHOLDER = -1
+
+
+@dataclass(slots=True)
+class LateRow:
+    request: Request
+    index: int      # row of the step's sampled tokens (the step's sampling order)
+    pos: int        # index of its placeholder in request.output_token_ids
+
+
+def late_rows(sampling: Sequence[Request], before: Sequence[int]) -> list[LateRow]:
+    """After ``update(out, [PLACEHOLDER] * n)``: the rows that got a placeholder (``before[i]`` =
+    output length before the update; rows of requests aborted meanwhile got none)."""
+    return [LateRow(req, i, before[i]) for i, req in enumerate(sampling)
+            if len(req.output_token_ids) > before[i]]
+
+
+def fill(scheduler, rows: Sequence[LateRow], tokens: Sequence[int], now: float) -> list[LateRow]:
+    """Put the real tokens in place of the placeholders and apply what needed their values (stop
+    tokens). Returns the rows whose request takes an event (not cancelled or failed meanwhile); a
+    row's request ``is_finished`` when that token was its last."""
+    emit = []
+    running = RequestStatus.RUNNING
+    for r in rows:
+        req = r.request
+        tok = tokens[r.index]
+        assert req.output_token_ids[r.pos] == PLACEHOLDER, (req, r.pos)
+        req.output_token_ids[r.pos] = tok
+        req.all_token_ids[len(req.prompt_token_ids) + r.pos] = tok
+        status = req.status
+        if status is RequestStatus.FINISHED_ABORTED or status is RequestStatus.FINISHED_ERROR:
+            continue
+        if r.pos == 0:
+            req.first_token_time = now   # update() stamped the placeholder; the token arrives now
+        req.last_token_time = now
+        if tok in req.stop_ids and r.pos + 1 > req.params.min_tokens:
+            assert len(req.output_token_ids) == r.pos + 1, "a placeholder after an unfilled one"
+            req.stop_token = tok
+            if status is RequestStatus.FINISHED_LENGTH:
+                # The last token allowed was also a stop token: the synchronous update checks
+                # stops first and says "stop".
+                req.status = RequestStatus.FINISHED_STOPPED
+            elif status is running or status is RequestStatus.PREEMPTED:
+                scheduler.abort(req.request_id, RequestStatus.FINISHED_STOPPED)
+        emit.append(r)
+    return emit
+
+
+__all__ = ["LateRow", "PLACEHOLDER", "fill", "late_rows"]
