@@ -85,6 +85,8 @@ class EngineSettings:
     attention_backend: str = "auto"
     # engine.cuda_graphs of the config; not written while "auto", so older bundles read the same
     cuda_graphs: str | bool = field(default="auto", metadata=OMIT)
+    # engine.overlap_scheduling of the config (auto = on for CUDA without speculation); omitted while auto
+    overlap_scheduling: str | bool = field(default="auto", metadata=OMIT)
 
     def resolved(self, model: ModelConfig, quantization: Quantization) -> "EngineSettings":
         """These settings with every model-dependent default (None) filled in."""

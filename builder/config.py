@@ -133,6 +133,9 @@ class EngineConfig:
     attention_backend: str = opt("auto", choices=("auto", "torch", "triton"))
     # CUDA graphs for decode and EAGLE verify steps: auto = on a GPU with the triton backend
     cuda_graphs: str | bool = opt("auto", choices=("auto", True, False), allowed="auto | true | false")
+    # the host schedules step n+1 while the device runs step n: auto = on a GPU unless speculative
+    # decoding is on (its drafts need each step's tokens on the host); true on CPU = same loop, no gain
+    overlap_scheduling: str | bool = opt("auto", choices=("auto", True, False), allowed="auto | true | false")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +168,9 @@ class OutputConfig:
 
 # Sections that do not change what the engine computes; left out of the config hash.
 _UNHASHED_SECTIONS = ("output",)
+# Keys added after bundles were built, left out of the hashes while they hold their default: every
+# existing build (and test cache) keeps its hash, a non-default value still rebuilds what it changes.
+_HASH_NEUTRAL_DEFAULTS = {("engine", "overlap_scheduling"): "auto"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +238,9 @@ class BuildConfig:
         if mpe is not None and e.max_seq_len > mpe:
             raise ConfigError(f, "engine.max_seq_len", f"{e.max_seq_len} exceeds the model's context "
                               f"(model.max_position_embeddings={mpe})", f"2..{mpe}")
+        if e.overlap_scheduling is True and s.method != "none":
+            raise ConfigError(f, "engine.overlap_scheduling", f"true cannot run with speculative.method={s.method} "
+                              "(the next drafts need each step's tokens on the host)", "auto | false")
         if s.tree == "static" and s.tree_choices is None:
             raise ConfigError(f, "speculative.tree_choices", "required when speculative.tree=static",
                               "list of paths, e.g. [[0],[1],[0,0]]")
@@ -256,7 +265,7 @@ class BuildConfig:
     def section_hash(self, section: str) -> str:
         """sha256 of one section's normalized JSON: stable across runs, key order and YAML layout.
         ``section`` may be a dotted path to one key of a section (``speculative.train``)."""
-        d: Any = self.to_dict()
+        d: Any = self._hashable()
         for part in section.split("."):
             if not isinstance(d, dict) or part not in d:
                 raise KeyError(f"unknown config section {section!r}; sections: {', '.join(self.to_dict())}")
@@ -265,8 +274,15 @@ class BuildConfig:
 
     def config_hash(self) -> str:
         """sha256 of every section that changes the engine (output location excluded)."""
-        d = {k: v for k, v in self.to_dict().items() if k not in _UNHASHED_SECTIONS}
+        d = {k: v for k, v in self._hashable().items() if k not in _UNHASHED_SECTIONS}
         return _sha256_json(d)
+
+    def _hashable(self) -> dict[str, Any]:
+        d = self.to_dict()
+        for (section, key), default in _HASH_NEUTRAL_DEFAULTS.items():
+            if d[section][key] == default:
+                del d[section][key]
+        return d
 
     @property
     def stem(self) -> str:

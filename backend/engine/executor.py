@@ -9,6 +9,10 @@ Threading contract (the Triton Python backend relies on it):
 * ``cancel`` is asynchronous: the loop aborts the request before its next step and frees its blocks;
 * an exception inside a step fails the requests of that step with an error event; the loop goes on.
 
+Overlap scheduling (``engine.overlap_scheduling``: auto = on for CUDA without speculation): the host
+schedules and prepares step n+1 while the device runs step n, and learns step n's tokens one step
+late through one asynchronous copy (``backend/engine/overlap.py``); same tokens, same events.
+
 Speculative decoding seam: an optional ``speculator`` (see ``Speculator``) proposes draft tokens
 after each step (``propose``) and turns the target model's logits for ``1 + k`` rows per sequence
 into accepted tokens (``verify``). Without one, one token is sampled per sequence.
@@ -19,11 +23,11 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from backend.engine.events import GenerationResult, RequestHandle, TokenEvent
 from backend.engine.inputs import InputPreparer, StepInputs
 from backend.engine.kv_cache import BlockManager
 from backend.engine.request import FINISH_REASONS, Request, RequestStatus
@@ -36,27 +40,6 @@ from backend.model.runner import EngineError, ModelRunner, load_engine_spec
 _LOG = get_logger("engine.executor")
 # Latency samples kept for stats() (a ring: serving reads percentiles of recent traffic).
 _SAMPLES = 4096
-
-
-@dataclass
-class TokenEvent:
-    request_id: str
-    token_ids: list[int]
-    logprobs: list | None = None
-    finished: bool = False
-    finish_reason: str | None = None     # "length" | "stop" | "cancelled" | "error"
-    error: str | None = None
-
-
-@dataclass
-class GenerationResult:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list | None = None
-    error: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Speculator(Protocol):
@@ -82,56 +65,6 @@ class Speculator(Protocol):
                sampler: Sampler) -> list[list[int]]: ...
     def propose(self, out: SchedulerOutput, inputs: StepInputs, captured: dict[int, torch.Tensor],
                 finished: list[Request]) -> None: ...
-
-
-class RequestHandle:
-    """Iterate for ``TokenEvent``s (blocking), or pass ``on_event`` to ``submit`` instead."""
-
-    def __init__(self, request_id: str, prompt_token_ids: list[int],
-                 on_event: Callable[[TokenEvent], None] | None) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self._on_event = on_event
-        self._events: deque[TokenEvent] = deque()
-        self._cond = threading.Condition()
-        self.finished = False
-
-    def _deliver(self, ev: TokenEvent) -> None:
-        if self._on_event is not None:
-            self._on_event(ev)
-        with self._cond:
-            if self._on_event is None:
-                self._events.append(ev)
-            self.finished = self.finished or ev.finished
-            self._cond.notify_all()
-
-    def __iter__(self) -> Iterator[TokenEvent]:
-        assert self._on_event is None, "this handle delivers its events to the on_event callback"
-        while True:
-            with self._cond:
-                while not self._events:
-                    self._cond.wait()
-                ev = self._events.popleft()
-            yield ev
-            if ev.finished:
-                return
-
-    def result(self) -> GenerationResult:
-        """Block until finished and collect every event into one result."""
-        tokens: list[int] = []
-        logprobs: list = []
-        last = None
-        for ev in self:
-            tokens.extend(ev.token_ids)
-            if ev.logprobs:
-                logprobs.extend(ev.logprobs)
-            last = ev
-        return GenerationResult(self.request_id, self.prompt_token_ids, tokens, last.finish_reason,
-                                logprobs or None, last.error)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self.finished, timeout)
 
 
 class Executor:
@@ -173,6 +106,10 @@ class Executor:
         # Given the block manager, the preparer refreshes only block-table rows that changed.
         self.inputs = InputPreparer(self.runner.block_size, max_blocks, self.device,
                                     block_manager=self.block_manager)
+        self.overlap = None
+        if self._overlap_wanted(eng.overlap_scheduling):
+            from backend.engine.overlap import OverlapLoop
+            self.overlap = OverlapLoop(self)
 
         self._lock = threading.Lock()            # guards the scheduler between threads
         self._wake = threading.Condition(self._lock)
@@ -190,6 +127,20 @@ class Executor:
         self._thread: threading.Thread | None = None
         if start:
             self.start()
+
+    def _overlap_wanted(self, want) -> bool:
+        """engine.overlap_scheduling: "auto" = on for a CUDA device unless speculation is on; true
+        runs the overlapped loop on any device (on CPU only its structure: ops are synchronous)."""
+        if want not in ("auto", True, False):
+            raise EngineError(f"engine.overlap_scheduling: {want!r}; allowed: auto, true, false")
+        if self.speculator is not None:
+            # Drafts for step n+1 come from step n's accepted tokens on the host: nothing to overlap.
+            if want is True:
+                raise EngineError("engine.overlap_scheduling: true cannot run with speculative decoding "
+                                  "(the next drafts need this step's tokens on the host); allowed: auto, "
+                                  "false, or Executor(speculative=False)")
+            return False
+        return want is True or (want == "auto" and self.device.type == "cuda")
 
     # -- public API ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -265,6 +216,8 @@ class Executor:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        elif self.overlap is not None:
+            self.overlap.drain()         # manual stepping left a step in flight: its tokens are owed
         with self._lock:
             pending = list(self.scheduler.requests)
         for rid in pending:
@@ -291,26 +244,35 @@ class Executor:
         try:
             while True:
                 with self._lock:
-                    while not self._stop and not self._cancels and not self.scheduler.has_unfinished():
+                    while (not self._stop and not self._cancels and not self.scheduler.has_unfinished()
+                           and (self.overlap is None or self.overlap.pending is None)):
                         self._wake.wait()
-                    if self._stop:
-                        return
+                    stop = self._stop
+                if stop:
+                    if self.overlap is not None:
+                        self.overlap.drain()
+                    return
                 self.step()
         except BaseException as exc:  # noqa: BLE001 - a bug outside a step (scheduler, bookkeeping)
             self._dead = f"{type(exc).__name__}: {exc}"
             _LOG.critical("the engine loop failed; ending every request with an error", exc_info=True)
             with self._lock:
                 pending = list(self.scheduler.requests)
-            for rid in pending:  # every request still gets exactly one final event
+            # Every request still gets exactly one final event; with overlap, requests that finished in
+            # the scheduler may still be owed their last token (a handle but no scheduler entry).
+            for rid in dict.fromkeys(pending + list(self._handles)):
                 try:
                     self._abort(rid, RequestStatus.FINISHED_ERROR, f"engine failure: {self._dead}")
                 except Exception:  # noqa: BLE001 - the state may be what broke: still tell the client
-                    handle = self._handles.pop(rid, None)
-                    if handle is not None:
-                        handle._deliver(TokenEvent(rid, [], None, True, "error", f"engine failure: {self._dead}"))
+                    pass
+                handle = self._handles.pop(rid, None)
+                if handle is not None:
+                    handle._deliver(TokenEvent(rid, [], None, True, "error", f"engine failure: {self._dead}"))
 
     def step(self) -> int:
         """Run one iteration. Returns the number of sequences scheduled (0 = nothing to do)."""
+        if self.overlap is not None:
+            return self.overlap.step()
         self._process_cancels()
         with self._lock:
             out = self.scheduler.schedule()
@@ -324,8 +286,7 @@ class Executor:
             msg = f"{type(exc).__name__}: {exc}"
             _LOG.exception("step failed; ending its %d requests with an error (%s)", len(out.scheduled),
                            ", ".join(s.request.request_id for s in out.scheduled))
-            for s in out.scheduled:
-                self._abort(s.request.request_id, RequestStatus.FINISHED_ERROR, msg)
+            self._fail_requests([s.request for s in out.scheduled], msg)
         self._step_started = None
         return len(out.scheduled)
 
@@ -363,11 +324,23 @@ class Executor:
             done = req.status.is_finished
             if done:
                 self._record_latency(req, now)
-            self._emit(req.request_id, TokenEvent(req.request_id, new, lp, done,
-                                                  FINISH_REASONS.get(req.status) if done else None),
-                       final=done)
+            self._emit_tokens(req, new, lp, done)
 
     # -- helpers ------------------------------------------------------------------------------
+    def _emit_tokens(self, req: Request, tokens: list[int], lp: list | None, done: bool) -> None:
+        rid = req.request_id
+        self._emit(rid, TokenEvent(rid, tokens, lp, done, FINISH_REASONS.get(req.status) if done else None),
+                   final=done)
+
+    def _fail_requests(self, reqs: Sequence[Request], msg: str) -> None:
+        """End these requests with an error event (a failed step). A request the scheduler already
+        finished whose last token was never delivered (overlapped loop) still gets its final event."""
+        for req in reqs:
+            rid = req.request_id
+            self._abort(rid, RequestStatus.FINISHED_ERROR, msg)
+            if rid in self._handles:
+                self._emit(rid, TokenEvent(rid, [], None, True, "error", msg), final=True)
+
     def _process_cancels(self) -> None:
         while True:
             with self._lock:

@@ -8,6 +8,11 @@ rows to compute logits for. This is the hot path of host overhead, so:
   step's table is one fancy-indexing gather;
 - every integer array of one dtype goes to the device in ONE copy (int64: ids, positions, slots,
   logits rows; int32: block tables, lengths, offsets), then views are sliced out of it.
+
+Overlapped loop (``backend/engine/overlap.py``): a decode row whose input is the previous step's
+token, not known on the host yet (``late_tokens.PLACEHOLDER`` in ``all_token_ids``), gets it on the
+device: ``prepare(output, late)`` returns where those rows are (``late_dst``) and which of the
+previous step's samples each one takes (``late_src``), shipped in the same int64 copy.
 """
 from __future__ import annotations
 
@@ -30,6 +35,9 @@ class StepInputs:
     sample_seqs: list[ScheduledSeq]  # sequences that sample, in logits order
     # Logits rows per sampling sequence (1 + its draft tokens); None when every count is 1.
     logits_counts: list[int] | None = None
+    # Overlapped loop: input_ids[late_dst] must be set to previous_samples[late_src] on the device.
+    late_dst: torch.Tensor | None = None
+    late_src: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -132,7 +140,9 @@ class InputPreparer:
             rows_append(row)
         return rows
 
-    def prepare(self, output: SchedulerOutput) -> StepInputs:
+    def prepare(self, output: SchedulerOutput, late: dict[str, int] | None = None) -> StepInputs:
+        """``late``: request id -> row of the previous step's samples, for requests whose last token
+        is still a placeholder (overlapped loop); None when every input token is known."""
         for rid in output.finished_request_ids:
             self.release(rid)
         seqs = output.scheduled
@@ -221,10 +231,23 @@ class InputPreparer:
             logits_idx = (qsl[1:] - 1)[keep]
 
         ids_np = np.frombuffer(array("q", ids), dtype=np.int64)
-        i64 = self._to_device([ids_np, positions, slots, logits_idx], np.int64, torch.int64)
+        groups = [ids_np, positions, slots, logits_idx]
+        if late is not None:
+            dst = np.flatnonzero(ids_np < 0)
+            if dst.size:
+                seq_of = np.searchsorted(qsl, dst, side="right") - 1
+                try:
+                    src = [late[seqs[i].request.request_id] for i in seq_of.tolist()]
+                except KeyError as exc:
+                    raise AssertionError(f"input token of {exc} unknown and not sampled last step") from None
+                groups += [dst, np.array(src, dtype=np.int64)]
+        i64 = self._to_device(groups, np.int64, torch.int64)
+        late_dst = late_src = None
+        if len(i64) > 4:
+            late_dst, late_src = i64[4:]
         i32 = self._to_device([block_tables.reshape(-1), seq_lens, qsl, starts_np], np.int32,
                               torch.int32)
-        t_ids, t_pos, t_slots, t_logits = i64
+        t_ids, t_pos, t_slots, t_logits = i64[:4]
         t_bt, t_seq_lens, t_qsl, t_ctx = i32
         num_prefill_tokens = int(qsl[num_prefills])
         meta = AttentionMetadata(
@@ -234,7 +257,7 @@ class InputPreparer:
             num_decode_tokens=num_tokens - num_prefill_tokens,
             max_query_len=1 if uniform else int(counts_np.max()), max_seq_len=max_seq_len)
         self._flip ^= 1
-        return StepInputs(t_ids, meta, t_logits, sample_seqs, logits_counts)
+        return StepInputs(t_ids, meta, t_logits, sample_seqs, logits_counts, late_dst, late_src)
 
     def _to_device(self, arrays: list[np.ndarray], np_dtype, torch_dtype) -> list[torch.Tensor]:
         """GPU: concatenate ``arrays`` into one pinned buffer, copy it in one transfer, return

@@ -290,3 +290,30 @@ def test_cuda_graphs_is_a_config_key_written_into_the_bundle(value, parsed):
 def test_cuda_graphs_refuses_other_values():
     with pytest.raises(ConfigError, match=r"engine\.cuda_graphs.*allowed: auto \| true \| false"):
         BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-fp8.yaml", ["engine.cuda_graphs=maybe"])
+
+
+@pytest.mark.parametrize("value, parsed", [("auto", "auto"), ("true", True), ("false", False)])
+def test_overlap_scheduling_is_a_config_key_written_into_the_bundle(value, parsed):
+    from builder.stages.compile import _engine_section
+    cfg = BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-fp8.yaml", [f"engine.overlap_scheduling={value}"])
+    assert cfg.engine.overlap_scheduling == parsed
+    assert _engine_section(cfg)["overlap_scheduling"] == parsed
+
+
+def test_overlap_scheduling_default_keeps_existing_build_hashes():
+    """Left out of the hashes while auto (bundles built before the key keep theirs); any other value
+    rebuilds the engine."""
+    base = BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-fp8.yaml")
+    d = base.to_dict()
+    del d["engine"]["overlap_scheduling"]
+    from builder.config import _sha256_json
+    assert base.section_hash("engine") == _sha256_json(d["engine"])
+    on = BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-fp8.yaml", ["engine.overlap_scheduling=false"])
+    assert on.config_hash() != base.config_hash() and on.section_hash("engine") != base.section_hash("engine")
+
+
+def test_overlap_scheduling_refuses_other_values_and_speculation():
+    with pytest.raises(ConfigError, match=r"engine\.overlap_scheduling.*allowed: auto \| true \| false"):
+        BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-fp8.yaml", ["engine.overlap_scheduling=maybe"])
+    with pytest.raises(ConfigError, match=r"engine\.overlap_scheduling: true cannot run with speculative"):
+        BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-bf16-eagle3.yaml", ["engine.overlap_scheduling=true"])
