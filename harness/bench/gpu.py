@@ -106,6 +106,22 @@ def single_stream(ex, vocab: int, prompt_len: int = 128, out_len: int = 256) -> 
             "decode_ms_per_token": decode_ms, "tok_s": 1e3 / decode_ms}
 
 
+def overlap_ab(ex, vocab: int, *stream_args) -> dict:
+    """The single stream with the overlapped loop (engine.overlap_scheduling) and without, on the same
+    engine in the same run: batch 1 is where the host's share of a step shows most."""
+    from backend.engine.overlap import OverlapLoop
+    default = ex.overlap
+    res = {}
+    try:
+        for name, loop in (("on", default or OverlapLoop(ex)), ("off", None)):
+            ex.overlap = loop    # between generations the loop thread has no step in flight
+            res[name] = single_stream(ex, vocab, *stream_args)
+    finally:
+        ex.overlap = default
+    res["off_over_on"] = res["off"]["decode_ms_per_token"] / res["on"]["decode_ms_per_token"]
+    return res
+
+
 def throughput(ex, vocab: int, n: int, isl: int, osl: int, time_limit: float | None = None,
                poll_s: float = 0.05) -> dict:
     """``n`` requests of ``isl`` random prompt tokens and exactly ``osl`` output tokens, submitted at
@@ -195,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-tokens", type=int, default=8192, help="token budget of one step")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-eager", action="store_true", help="single stream with CUDA graphs only")
+    ap.add_argument("--skip-overlap-ab", action="store_true",
+                    help="no single-stream A/B of engine.overlap_scheduling on vs off")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny model on CPU, a few short requests, the KV pool holding 3 at once (tests)")
     ap.add_argument("--out", help="result JSON (default docs/perf/gpu-bench-<gpu>.json; dry run: none)")
@@ -253,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"single stream ({mode}): {ss['decode_ms_per_token']:.2f} ms/token ({ss['tok_s']:.0f} tok/s)"
                       + (f", floor {floor:.2f} ms -> {ss['vs_floor']:.2f}x floor" if floor else ""), flush=True)
             ex.runner.graphs = graphs
+            if not a.skip_overlap_ab:
+                ab = res["single_stream_overlap_ab"] = overlap_ab(ex, m["vocab_size"], *((16, 8) if a.dry_run else ()))
+                print(f"single stream, overlap scheduling on: {ab['on']['decode_ms_per_token']:.2f} ms/token, off: "
+                      f"{ab['off']['decode_ms_per_token']:.2f} ms/token ({ab['off_over_on']:.2f}x)", flush=True)
             if not a.skip_throughput:
                 limit, source = a.time_limit, "--time-limit" if a.time_limit is not None else None
                 if a.budget_s is not None:

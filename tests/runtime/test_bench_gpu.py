@@ -54,6 +54,8 @@ def test_dry_run_is_bounded_by_kv_capacity_alone(tmp_path):
     assert 1 <= tp["peak_running"] <= 3
     assert tp["time_limit_s"] is None and tp["time_limit_from"] is None
     assert res["single_stream_cuda_graphs"]["output_len"] == 8
+    ab = res["single_stream_overlap_ab"]   # engine.overlap_scheduling on vs off, same engine, same run
+    assert ab["on"]["output_len"] == ab["off"]["output_len"] == 8 and ab["off_over_on"] > 0
 
 
 def test_dry_run_budget_cuts_the_time_limit_and_says_so(tmp_path):

@@ -43,6 +43,16 @@ def test_overlap_is_a_runtime_choice(make_executor):
         _executor(make_executor, overlap_scheduling="yes")
 
 
+class _Drafter:                       # any speculator: its drafts need each step's tokens on the host
+    capture_hidden_layers = ()
+
+
+def test_speculation_keeps_the_synchronous_loop(make_executor):
+    assert _executor(make_executor, speculator=_Drafter()).overlap is None
+    with pytest.raises(EngineError, match="overlap_scheduling: true cannot run with speculative decoding"):
+        _executor(make_executor, speculator=_Drafter(), overlap_scheduling=True)
+
+
 def test_same_tokens_logprobs_and_stops_as_the_synchronous_loop(make_executor, varied_prompts):
     sync = _executor(make_executor, max_num_tokens=64)
     over = _executor(make_executor, max_num_tokens=64, overlap_scheduling=True)
