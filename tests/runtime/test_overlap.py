@@ -202,3 +202,27 @@ def test_shutdown_delivers_the_step_in_flight(make_executor, varied_prompts):
     ex.shutdown()
     r = h.result()
     assert r.finish_reason == "length" and len(r.token_ids) == 1
+
+
+def test_one_device_to_host_wait_per_step(make_executor, varied_prompts, monkeypatch):
+    """The loop's only wait for the device is HostCopy.wait, once per launched step (on CUDA: the
+    event of that step's one packed copy). A second host sync per step would have to be added
+    outside it, in plain sight; the sampler and input preparation send everything without blocking."""
+    from backend.engine.overlap import HostCopy
+    ex = _executor(make_executor, overlap_scheduling=True)
+    counts = {"wait": 0, "execute": 0}
+    real_wait, real_execute = HostCopy.wait, ex.runner.execute
+
+    def wait(handle):
+        counts["wait"] += 1
+        return real_wait(handle)
+
+    def execute(*args, **kw):
+        counts["execute"] += 1
+        return real_execute(*args, **kw)
+
+    monkeypatch.setattr(HostCopy, "wait", staticmethod(wait))
+    ex.runner.execute = execute
+    ex.generate([varied_prompts[i] for i in (0, 3, 5)],
+                SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2))
+    assert counts["execute"] >= 6 and counts["wait"] == counts["execute"]
