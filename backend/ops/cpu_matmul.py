@@ -10,15 +10,24 @@ which alone cancels what speculation saves. Two better paths, by what the weight
   weights lie in fp16's range) is packed by FBGEMM as fp16 and multiplied by its fp16 GEMM, which
   widens the weights in registers and keeps activations and accumulation in fp32. Half the bytes
   read, and a kernel made for small batches: the cost barely grows up to three rows.
-* otherwise (values that need fp32: dequantized FP8/INT4, fp32 checkpoints) the weight is stored
-  column-major (``[in, out]`` contiguous, viewed as ``[out, in]``), where oneDNN's matmul is faster
-  than MKL up to a few dozen rows; MKL keeps larger row counts (prefill).
+* otherwise (values that need fp32: dequantized NVFP4/INT4, fp32 checkpoints) the weight is stored
+  column-major (``[in, out]`` contiguous, viewed as ``[out, in]``) and multiplied by oneDNN's
+  matmul at every row count (faster than MKL at every count measured, and batch-invariant).
 
 Measured on SmolLM2-135M's 30 layers of linears (docs/perf/cpu_linear.json, ``python -m
-harness.bench.cpu_linear``), ms, MKL row-major / column-major (oneDNN to 32 rows) / FBGEMM fp16:
-1 row 42 / 23 / 10, 2 rows 71 / 31 / 11, 3 rows 91 / 32 / 11, 5 rows 51 / 40 / 14, 512 rows
-1133 / 1172 / 985. Results are ``F.linear``'s up to fp32 summation order
-(tests/runtime/test_model_hf_parity.py bounds the error against float64).
+harness.bench.cpu_linear``, 2-core AMD EPYC VM, 2 threads, 2026-11-26), ms, MKL row-major /
+oneDNN column-major / FBGEMM fp16: 1 row 48 / 43 / 12, 2 rows 80 / 36 / 12, 3 rows 108 / 39 / 12,
+5 rows 56 / 36 / 14, 32 rows 113 / 63 / 45, 512 rows 796 / 619 / 633. Results are ``F.linear``'s up
+to fp32 summation order (tests/runtime/test_model_hf_parity.py bounds the error against float64).
+
+Batch invariance (docs/contracts.md): a row's result must not depend on the other rows of the
+matmul (the step's other sequences). Both kernels used here give that, bit for bit, at every row
+count (tests/runtime/test_cpu_matmul.py, test_batch_invariance.py): FBGEMM's fp16 GEMM, and oneDNN's
+matmul over a column-major weight given at least two rows (``linear`` runs a single row as two).
+MKL does not: its blocking, and so the order in which a row is summed, follows the row count. So
+the column-major path no longer hands 33 rows and more to MKL, as it did where MKL measured faster
+on an AVX2 machine: a decode step of more than 32 sequences gave each of them other logits than a
+smaller one. On the development VM oneDNN is faster than MKL at every row count measured (above).
 
 Only float32 compute: it is what CPUs without native bf16 compute in (``runner.compute_dtype``) and
 the only dtype measured here. Elsewhere (GPU, bf16) ``prepare`` returns the weight unchanged and
@@ -28,10 +37,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-# Rows up to which oneDNN is used on a column-major weight: ahead of MKL up to 32 rows, behind from 64.
-SMALL_ROWS = 32
-
 
 def _onednn_linear():
     """PyTorch's oneDNN linear, or None in a build without it."""
@@ -112,7 +117,11 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     if isinstance(w, HalfWeight):
         y = _FP16[1](x.float().contiguous(), w.packed)
         return y if bias is None else y + bias
-    if (_DNN is not None and x.device.type == "cpu" and x.dtype == torch.float32
-            and is_column_major(w) and x.numel() <= SMALL_ROWS * x.shape[-1]):
+    if _DNN is not None and x.device.type == "cpu" and x.dtype == torch.float32 and is_column_major(w):
+        # Every row count (see batch invariance above), but never one row: oneDNN multiplies a single
+        # row with another kernel, which sums in another order (measured at 1536 input features and
+        # more); two rows cost the same as one (the weight is read once) and agree with any count.
+        if x.numel() == x.shape[-1]:
+            return _DNN(x.reshape(1, -1).repeat(2, 1), w, bias, "none", [], "")[:1].view(*x.shape[:-1], -1)
         return _DNN(x, w, bias, "none", [], "")
     return F.linear(x, w, bias)

@@ -67,16 +67,38 @@ def test_linear_accepts_leading_batch_dims_and_strided_rows():
 
 
 @needs_onednn
-def test_onednn_chosen_by_row_count(monkeypatch):
+def test_onednn_takes_every_row_count_of_a_column_major_weight(monkeypatch):
+    """One kernel whatever the row count: MKL, which used to take 33 rows and more, sums a row in an
+    order that follows the row count (batch invariance, docs/contracts.md)."""
     calls = []
     real = cpu_matmul._DNN
     monkeypatch.setattr(cpu_matmul, "_DNN", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     w = cpu_matmul.prepare(fp16_exact(16, 8) + 1e-6)
-    for rows in (1, 4, cpu_matmul.SMALL_ROWS, cpu_matmul.SMALL_ROWS + 1, 256):
+    for rows in (1, 4, 32, 33, 256):
         cpu_matmul.linear(torch.randn(rows, 8), w)
     cpu_matmul.linear(torch.randn(2, 8), torch.randn(16, 8))        # a row-major weight: plain F.linear
     cpu_matmul.linear(torch.randn(2, 8).double(), w.double())       # not float32: plain F.linear
-    assert calls == [1, 4, cpu_matmul.SMALL_ROWS]
+    assert calls == [2, 4, 32, 33, 256]   # one row runs as two: oneDNN's one-row kernel sums differently
+
+
+@pytest.mark.parametrize("exact", [
+    pytest.param(True, marks=needs_fbgemm), pytest.param(False, marks=needs_onednn)])
+def test_a_rows_result_does_not_depend_on_the_other_rows(exact):
+    """Batch invariance of both CPU kernels, bit for bit: one row alone, or among 2..2048 others,
+    gives the same output row (MKL's F.linear does not; nor oneDNN's own one-row kernel)."""
+    g = torch.Generator().manual_seed(1)
+    w = fp16_exact(576, 1536)   # 1536 inputs: where oneDNN's one-row kernel sums in another order
+    if not exact:
+        w = w + 1e-6
+    p = cpu_matmul.prepare(w)
+    assert isinstance(p, cpu_matmul.HalfWeight) == exact
+    x = torch.randn(2048, 1536, generator=g)
+    row = torch.randn(1, 1536, generator=g)
+    alone = cpu_matmul.linear(row, p)
+    for rows in (2, 3, 7, 16, 31, 32, 33, 64, 100, 512, 2048):
+        batch = x[:rows].clone()
+        batch[rows // 2] = row[0]
+        assert torch.equal(cpu_matmul.linear(batch, p)[rows // 2], alone[0]), rows
 
 
 @needs_fbgemm

@@ -1,16 +1,40 @@
 """PyTorch reference attention over the paged KV cache (CPU and GPU).
 
-Layout and semantics: see ``backend.ops.attention.AttentionBackend``. This backend favours clarity and
-CPU throughput: prefill sequences (long queries) are attended one at a time with no padding, and all
-decode-like sequences (short queries, including speculative candidates) are gathered into ONE padded
-batch so a decode step costs one SDPA call per layer instead of one per sequence.
+Layout and semantics: see ``backend.ops.attention.AttentionBackend``.
+
+Batch invariance (docs/contracts.md): a query row's output depends only on its sequence's tokens up
+to its own position, never on the other sequences of the step, on how its prompt was split into
+prefill chunks, or on whether it is a prefill or a decode row. PyTorch's CPU SDPA kernel does not
+give that by itself: with one query row per sequence its numbers change with the batch it is called
+on (which thread, with which scratch buffer, gets a head; measured with 2 threads), and they change
+with the key length it is given (its MKL GEMMs block by the matrix sizes). The padded decode batch
+this backend used to run made every sequence's logits depend on its batchmates.
+
+Hence every SDPA call here has a shape that follows from each row's position alone. Queries are
+attended in tiles of ``QUERY_TILE`` positions aligned to multiples of it (a decode row is its tile's
+only real row; the other rows are zeros); a tile ending at position ``e`` attends keys
+``[0, e rounded up to KEY_BUCKET)``, those past each row's position masked. Tiles with the same key
+length share one call (a step's decode rows, a prefill's tiles): at two query rows or more the kernel
+gives each (tile, head) the same numbers whatever the batch around it (measured and tested,
+tests/runtime/test_batch_invariance.py). The rows of a tile do not interact (each is its own softmax
+over the keys its mask shows), so a tile's other rows, real or not, do not change a row; nor do the
+masked keys, whatever stale (finite: fp8 saturates) values the cache holds there: weight exactly 0.
+The plan (which tiles, masks, blocks) is the same for every layer of a step and made once.
+Cost: a decode row computes ``QUERY_TILE`` query rows and up to ``KEY_BUCKET`` masked keys; in
+exchange no sequence is padded to the step's longest.
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
+# Query positions per tile and key-length granularity (see the module docstring): a smaller tile
+# makes decode cheaper and long prefills dearer; a coarser bucket means fewer calls, more masked keys.
+QUERY_TILE = 8
+KEY_BUCKET = 128
 _FP8_MAX = torch.finfo(FP8_KV_DTYPE).max
 
 
@@ -56,6 +80,7 @@ class TorchAttentionBackend:
     # writing (the same fp32 product and rounding as dequantizing at read time, so the same numbers
     # reach attention), and reading needs no conversion.
     fp8_as_float = False
+    _plan = None   # (the step's metadata, its tile groups): see forward
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         """Scatter ``k, v [T, Hkv, D]`` into the caches at ``slot_mapping [T]`` (-1 = skip)."""
@@ -77,88 +102,113 @@ class TorchAttentionBackend:
         v_flat.index_copy_(0, slot_mapping, v_new)
 
     def forward(self, q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None) -> torch.Tensor:
-        """Causal attention of ``q [T, Hq, D]`` over each sequence's cached keys (see module doc)."""
+        """Causal attention of ``q [T, Hq, D]`` over each sequence's cached keys, in query tiles
+        (see the module docstring: what a row's numbers depend on, and why)."""
+        if self._plan is None or self._plan[0] is not meta:
+            # Every layer of a step attends the same tiles: planned once per step (the metadata is a
+            # new object every step; holding it keeps its identity from being reused).
+            self._plan = (meta, self._make_plan(meta, k_cache.shape[1], q.device))
         out = torch.empty_like(q)
-        # Host copies of the small per-sequence arrays: slicing needs Python ints.
-        qsl = meta.query_start_loc.tolist()
-        ctx = meta.context_lens.tolist()
-        num_seqs = len(qsl) - 1
-        num_prefills = meta.num_prefills
-        for b in range(num_prefills):
-            s, e = qsl[b], qsl[b + 1]
-            if e > s:
-                out[s:e] = self._attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale,
-                                        seqs=slice(b, b + 1), qsl=qsl, ctx=ctx)
-        if num_seqs > num_prefills:
-            s, e = qsl[num_prefills], qsl[num_seqs]
-            out[s:e] = self._attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale,
-                                    seqs=slice(num_prefills, num_seqs), qsl=qsl, ctx=ctx)
+        bs, hkv, d = k_cache.shape[1:]
+        hq = q.shape[1]
+        for grp in self._plan[1]:
+            g = len(grp.kls)
+            qt = q.new_zeros(g * QUERY_TILE, hq, d)
+            qt.index_copy_(0, grp.dst, q.index_select(0, grp.src))
+            qt = qt.view(g, QUERY_TILE, hq, d).transpose(1, 2)
+            mask = grp.mask if grp.mask.dtype == q.dtype else grp.mask.to(q.dtype)
+            ks, vs = (dequantize_kv(_gather(cache, grp.blocks), sc, q.dtype).view(-1, bs, hkv, d)
+                      for cache, sc in ((k_cache, k_scale), (v_cache, v_scale)))
+            o = q.new_empty(g, QUERY_TILE, hq, d)
+            for j0, j1, kl, b0, nb in grp.runs:
+                n = 1 if grp.shared_keys else j1 - j0
+                k, v = (x[b0:b0 + n * nb].view(n, nb * bs, hkv, d)[:, :kl].transpose(1, 2) for x in (ks, vs))
+                if grp.shared_keys:
+                    k, v = k.expand(j1 - j0, -1, -1, -1), v.expand(j1 - j0, -1, -1, -1)
+                o[j0:j1] = F.scaled_dot_product_attention(qt[j0:j1], k, v, attn_mask=mask[j0:j1, :, :, :kl],
+                                                          scale=scale, enable_gqa=hq != hkv).transpose(1, 2)
+            out.index_copy_(0, grp.src, o.view(g * QUERY_TILE, hq, d).index_select(0, grp.dst))
         return out
 
-    def _attend(self, q, k_cache, v_cache, meta, scale, k_scale, v_scale, seqs: slice,
-                qsl: list[int], ctx: list[int]) -> torch.Tensor:
-        """Attention for the consecutive sequences ``seqs``; returns their tokens ``[n, Hq, D]``."""
-        _, block_size, hkv, d = k_cache.shape
-        hq = q.shape[1]
-        dev = q.device
-        first, last = seqs.start, seqs.stop
-        nseq = last - first
-        qlens = [qsl[i + 1] - qsl[i] for i in range(first, last)]
-        qmax = max(qlens)
-        tok0, tok1 = qsl[first], qsl[last]
-        seq_lens = [c + n for c, n in zip(ctx[first:last], qlens)]
-        s_max = max(seq_lens)
-        nblk = -(-s_max // block_size)
-
-        # Gather each sequence's blocks: [nseq, nblk*bs, Hkv, D] -> [nseq, Hkv, S, D].
-        bt = meta.block_tables[first:last, :nblk].to(torch.long)
-        k = dequantize_kv(_gather(k_cache, bt), k_scale, q.dtype).reshape(nseq, nblk * block_size, hkv, d)
-        v = dequantize_kv(_gather(v_cache, bt), v_scale, q.dtype).reshape(nseq, nblk * block_size, hkv, d)
-        k = k[:, :s_max].transpose(1, 2)
-        v = v[:, :s_max].transpose(1, 2)
-
-        uniform = all(n == qmax for n in qlens)
-        if uniform:
-            qb = q[tok0:tok1].view(nseq, qmax, hq, d)
-        else:
-            # Pad ragged queries; padded rows repeat the sequence's last real query.
-            idx = torch.tensor([qsl[first + i] + min(j, qlens[i] - 1)
-                                for i in range(nseq) for j in range(qmax)], device=dev)
-            qb = q.index_select(0, idx).view(nseq, qmax, hq, d)
-        qb = qb.transpose(1, 2)  # [nseq, Hq, qmax, D]
-
-        tree = meta.tree_mask
-        if nseq == 1 and ctx[first] == 0 and tree is None:
-            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale,
-                                               enable_gqa=hq != hkv)
-        else:
-            mask = self._mask(qlens, ctx[first:last], s_max, qmax, dev, tree, qsl[first:last + 1])
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
-                                               enable_gqa=hq != hkv)
-        o = o.transpose(1, 2)  # [nseq, qmax, Hq, D]
-        if uniform:
-            return o.reshape(tok1 - tok0, hq, d)
-        keep = torch.tensor([i * qmax + j for i in range(nseq) for j in range(qlens[i])], device=dev)
-        return o.reshape(nseq * qmax, hq, d).index_select(0, keep)
-
     @staticmethod
-    def _mask(qlens, ctx, s_max, qmax, dev, tree, qsl) -> torch.Tensor:
-        """Boolean ``[nseq, 1, qmax, S]``: key j visible to query i iff j <= ctx + i (causal, which
-        also hides keys past the sequence end) and, inside this step's tokens, the tree allows it."""
-        ctx_t = torch.tensor(ctx, device=dev).view(-1, 1, 1)
-        qlen_t = torch.tensor(qlens, device=dev).view(-1, 1, 1)
-        i = torch.arange(qmax, device=dev).view(1, -1, 1)
-        j = torch.arange(s_max, device=dev).view(1, 1, -1)
-        qpos = ctx_t + torch.minimum(i, qlen_t - 1)
-        mask = j <= qpos
+    def _make_plan(meta, bs: int, dev) -> list["_TileGroup"]:
+        """The step's query tiles, grouped: each prefill's tiles (sharing its keys), then every
+        decode-like sequence's (speculative verification included) ordered by key length."""
+        tile = QUERY_TILE
+        qsl = meta.query_start_loc.tolist()
+        ctx = meta.context_lens.tolist()
+        tables = meta.block_tables
+        groups, shared = [], []
+        for i in range(len(qsl) - 1):
+            c, n = ctx[i], qsl[i + 1] - qsl[i]
+            if n == 0:
+                continue
+            tiles = [(i, a) for a in range(c // tile * tile, c + n, tile)]
+            if i < meta.num_prefills:
+                groups.append(_TileGroup(tiles, qsl, ctx, meta.tree_mask, tables, bs, dev, shared_keys=True))
+            else:
+                shared.extend(tiles)
+        if shared:
+            shared.sort(key=lambda t: _key_len(t[1] + tile))
+            groups.append(_TileGroup(shared, qsl, ctx, meta.tree_mask, tables, bs, dev, shared_keys=False))
+        return groups
+
+
+def _key_len(end: int) -> int:
+    """Keys a tile ending at position ``end`` attends over: ``end`` rounded up to ``KEY_BUCKET``."""
+    return -(-end // KEY_BUCKET) * KEY_BUCKET
+
+
+class _TileGroup:
+    """Query tiles attended together, ordered by key length, and the index tensors every layer of the
+    step uses for them: ``src``/``dst`` (token rows of q <-> rows of the tiles), ``mask`` (additive,
+    ``[g, 1, QUERY_TILE, longest key length]``: causal, plus the step's token tree), ``blocks`` (the KV
+    blocks to gather: the one sequence's when ``shared_keys``, else each tile's sequence's) and ``runs``
+    ``(j0, j1, key length, first block, blocks per tile)``: tiles j0..j1 share one SDPA call."""
+
+    def __init__(self, items: list[tuple[int, int]], qsl, ctx, tree, tables, bs: int, dev, shared_keys: bool):
+        tile = QUERY_TILE
+        g = len(items)
+        self.shared_keys = shared_keys
+        self.kls = [_key_len(a + tile) for _, a in items]
+        src, dst = [], []
+        for j, (i, a) in enumerate(items):
+            c, t0 = ctx[i], qsl[i]
+            lo, hi = max(a, c), min(a + tile, c + qsl[i + 1] - t0)
+            src.extend(range(t0 + lo - c, t0 + hi - c))
+            dst.extend(range(j * tile + lo - a, j * tile + hi - a))
+        self.src, self.dst = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+        longest = self.kls[-1]
+        keys = torch.arange(longest, device=dev).view(1, 1, -1)
+        rows = torch.tensor([a for _, a in items], device=dev).view(g, 1, 1) + torch.arange(tile, device=dev).view(1, tile, 1)
+        visible = keys <= rows                                   # [g, tile, L]: causal
         if tree is not None:
-            # tree[t, m]: query token t may see the m-th token of its own step; pad to [nseq, qmax, qmax].
-            m = tree.shape[1]
-            rows = torch.stack([tree[qsl[b] + min(r, qlens[b] - 1)] for b in range(len(qlens))
-                                for r in range(qmax)]).view(len(qlens), qmax, m)
-            rel = j - ctx_t  # key position relative to this step's first token
-            in_step = rel >= 0
-            rel_idx = rel.clamp(0, m - 1).expand(len(qlens), qmax, s_max)
-            allowed = torch.gather(rows, 2, rel_idx)
-            mask = mask & (~in_step | allowed)
-        return mask.unsqueeze(1)
+            # tree[t, m]: row t may see the m-th token of its own step (position ctx + m); the cached
+            # context stays visible.
+            for j, (i, a) in enumerate(items):
+                c, t0, n = ctx[i], qsl[i], qsl[i + 1] - qsl[i]
+                lo, hi = max(a, c), min(a + tile, c + n)
+                m = min(n, longest - c)
+                visible[j, lo - a:hi - a, c:c + m] &= tree[t0 + lo - c:t0 + hi - c, :m]
+        self.mask = torch.zeros(g, 1, tile, longest, device=dev).masked_fill_(~visible.unsqueeze(1), float("-inf"))
+        # KV blocks: a tile of key length L reads ceil(L / bs) blocks of its sequence; past the block
+        # table (and in its padding) block 0, masked like every key past the sequence's length.
+        width = tables.shape[1]
+
+        def table(seqs: list[int], nb: int) -> torch.Tensor:
+            bt = tables.index_select(0, torch.tensor(seqs, device=dev))[:, :min(nb, width)].to(torch.long)
+            if nb > width:
+                bt = torch.cat([bt, bt.new_zeros(len(seqs), nb - width)], dim=1)
+            return bt.reshape(-1)
+
+        self.runs, blocks, j0, b0 = [], [], 0, 0
+        for kl, run in itertools.groupby(self.kls):
+            j1 = j0 + len(list(run))
+            nb = -(-kl // bs)
+            self.runs.append((j0, j1, kl, b0, nb))
+            if not shared_keys:
+                blocks.append(table([i for i, _ in items[j0:j1]], nb))
+                b0 += (j1 - j0) * nb
+            j0 = j1
+        # A prefill's tiles all read a prefix of one gather of its keys (as long as its last tile's).
+        self.blocks = table([items[0][0]], -(-longest // bs)) if shared_keys else torch.cat(blocks)

@@ -1,0 +1,93 @@
+"""Batch invariance on CPU (docs/contracts.md): a request's greedy tokens AND their logprobs, bit for
+bit, are the same whether it runs alone or with other requests in its steps, for every shipped weight
+format and KV cache dtype.
+
+What it covers, and why the older test (test_executor.py::test_batch_invariance_with_chunked_prefill)
+did not catch the bug it guards against: that test compared token ids only, 12 tokens, of the bf16
+bundle with an fp32 KV cache. The padded decode batch changed logits in the last bits (1e-7), which
+almost never flips a greedy argmax over 12 tokens; with an fp8 KV cache the same 1e-7 moves a key or
+value across an fp8 rounding boundary now and then, a change of one fp8 step (6 to 12%), which grows
+from step to step (two prompts, 20 forced decode steps: a fifth of one sequence's KV entries and its
+logits by up to 4.6 apart), and a soak of the default (fp8) bundle saw 30% of its outputs change. Here logprobs are compared exactly,
+so any difference in the numbers fails, whether or not it flips a token; and the batches vary what
+made the numbers differ: the number of sequences (decode rows above 32, where the CPU linear path used
+to switch from oneDNN to MKL), their lengths (padding), the prefill chunking (a 48-token step budget
+splits prompts at places that depend on the other prompts) and preemption under KV pressure (generated
+tokens recomputed as prefill rows)."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend.engine.executor import Executor
+from backend.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+# Light calibration: invariance does not depend on calibration quality. The overrides of
+# tests/builder/test_quantized_bundles.py, so these builds are shared with it.
+LIGHT = ["quantization.calibration.num_samples=4", "quantization.calibration.max_seq_len=64",
+         "verify.enabled=false"]
+# (config, build overrides, runtime engine overrides)
+FORMATS = {
+    "bf16": ("smollm2-135m-bf16", ["verify.enabled=false"], {}),
+    "fp8": ("smollm2-135m-fp8", LIGHT, {}),                                   # the default bundle
+    "fp8-weights-bf16-kv": ("smollm2-135m-fp8", LIGHT, {"kv_cache_dtype": "bfloat16"}),
+    "nvfp4": ("smollm2-135m-nvfp4", LIGHT, {}),   # dequantized weights: the column-major oneDNN path
+    "int4_awq": ("smollm2-135m-int4-awq", LIGHT, {}),
+}
+
+
+def _executor(bundle: Path, weights, **overrides) -> Executor:
+    return Executor(bundle, weights=weights, start=False, verify_hashes=False,
+                    **{"max_kv_tokens": 16384, "max_batch_size": 64, "enable_prefix_caching": False, **overrides})
+
+
+def _generate(ex: Executor, prompts) -> list[tuple[list[int], list[float]]]:
+    return [(r.token_ids, [lp for lp, _ in r.logprobs]) for r in ex.generate(prompts, PARAMS)]
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def bundle_case(request, build_bundle):
+    config, build, runtime = FORMATS[request.param]
+    bundle = Path(build_bundle(config, build))
+    from backend.model.runner import load_weights
+    return request.param, bundle, load_weights(bundle, torch.device("cpu")), runtime
+
+
+def test_greedy_tokens_and_logprobs_do_not_depend_on_the_batch(bundle_case, varied_prompts):
+    name, bundle, weights, runtime = bundle_case
+    prompts = varied_prompts   # 16 prompts of 1 to ~150 tokens
+    assert max(map(len, prompts)) > 3 * 48 and min(map(len, prompts)) < 8
+    ex = _executor(bundle, weights, **runtime)
+    alone = [_generate(ex, [p])[0] for p in prompts]
+    # 40 sequences in one batch: every prompt 2 or 3 times (no prefix caching: each copy computes),
+    # shuffled, so decode steps have 40 rows and each prompt sits among others of other lengths.
+    order = [i for i in range(len(prompts)) for _ in range(2 + (i % 2))][:40]
+    random.Random(0).shuffle(order)
+    assert len(order) == 40
+    together = _generate(ex, [prompts[i] for i in order])
+    ex.shutdown()
+    for j, i in enumerate(order):
+        assert together[j] == alone[i], f"{name}: prompt {i} (copy at {j}) changed with its batch"
+    # Prefill in 48-token steps: chunk boundaries depend on the other prompts; prefix caching on: the
+    # copies reuse each other's blocks, computed in another batch and another chunking.
+    ex = _executor(bundle, weights, max_num_tokens=48, enable_prefix_caching=True, **runtime)
+    chunked = _generate(ex, [prompts[i] for i in order[:24]])
+    ex.shutdown()
+    for j, i in enumerate(order[:24]):
+        assert chunked[j] == alone[i], f"{name}: prompt {i} (copy at {j}) changed with chunked prefill"
+    # KV pressure: a 128-token pool holds one or two of these at a time; the others wait, or are
+    # preempted and recomputed (their generated tokens prefilled again, where they were decoded).
+    short = [i for i in order if len(prompts[i]) <= 40][:10]
+    ex = _executor(bundle, weights, max_kv_tokens=128, **runtime)
+    pressed = _generate(ex, [prompts[i] for i in short])
+    preemptions = ex.stats()["preemptions"]
+    ex.shutdown()
+    assert preemptions > 0
+    for j, i in enumerate(short):
+        assert pressed[j] == alone[i], f"{name}: prompt {i} (copy at {j}) changed with preemption"
