@@ -3,116 +3,304 @@
 Tokenization and detokenization run in-process (the same functions the preprocessing and
 postprocessing models use); only the engine is a separate model, called with
 ``exec(decoupled=True)`` so its responses stream back as they are produced. Each request runs on a
-worker thread because a decoupled ``execute()`` must return at once.
+thread of its own because a decoupled ``execute()`` must return at once; the thread ends with the
+request, so an idle stub is back to its idle thread count.
+
+Rules that keep Triton 24.10's Python backend safe under cancellation (breaking them crashed the
+server or this model's stub within ~150 cancelled streams, or left a thread blocked for ever per
+cancelled stream):
+* ``execute()`` reads (copies) the inputs and takes the response sender; the thread uses only those
+  and ``request.is_cancelled()``: once ``execute()`` returned, Triton releases the request and
+  reuses the shared memory its input tensors were in (a late reader saw other requests' bytes).
+* The engine never ends an inner request with an error response: its requests carry the
+  ``kiln_inband_errors`` parameter, so errors arrive in a final DATA response (``finish_reason``
+  "error: ..."). The Python backend drops an error response that reaches an ``exec(decoupled=True)``
+  iterator after its first response: the iterator then never ends, its thread blocks for ever and
+  the server cannot unload the models at shutdown.
+* The inner iterator is always read to its end (the engine's FINAL), and kept for ``GRACE_S``
+  afterwards so that this model's threads, holding the GIL, release it (see ``GRACE_S``).
+* When the client goes away (``request.is_cancelled()``, checked before every send), the engine is
+  told to stop the inner request (a ``stop_request`` with its id): it then ends the iterator with a
+  final response (finish_reason "cancelled") within one engine step instead of after
+  ``max_tokens``, and the thread returns.
+* The client's response sender is used by this request's thread only, never after its FINAL flag,
+  and after a cancellation only for the FINAL flag itself (Triton requires it).
+* Metric updates go through ``backend.serving.metrics``' lock: the Python backend keeps a metric's
+  pending operation in the metric object and sends it with the GIL released, so two threads
+  updating one metric at once race (the first storm after adding bls's counters crashed the server).
+* Inner request ids are unguessable (``secrets``): the engine honours a ``stop_request`` only for
+  such ids, so no other client can stop a bls request.
 """
 from __future__ import annotations
 
-import itertools
-import os
-from concurrent.futures import ThreadPoolExecutor
+import collections
+import secrets
+import threading
+import time
 from typing import Any
 
 import numpy as np
 
+from backend.logs import get_logger
 from backend.serving.acceptance import ACCEPTANCE_OUTPUTS
 from backend.serving.convert import InvalidRequest
+from backend.serving.engine_host import INBAND_ERRORS
+from backend.serving.metrics import RequestErrors
 from backend.serving.postprocess import postprocess
 from backend.serving.preprocess import TEXT_INPUT_NAMES, Preprocessor
 
-__all__ = ["BlsHost", "MAX_IN_FLIGHT"]
+__all__ = ["BlsHost", "MAX_IN_FLIGHT", "new_inner_id"]
 
-MAX_IN_FLIGHT = 512  # worker threads: one per request being streamed (they mostly wait)
+_LOG = get_logger("serving.bls")
+
+MAX_IN_FLIGHT = 512  # requests streamed at once (one thread each; they mostly wait)
 _ENGINE_OUTPUTS = ["output_ids", "context_ids", "text_trim", "output_log_probs", "finish_reason"]
+_JOIN_S = 2.0        # finalize: how long to wait for request threads still running
+# A finished engine iterator is released by this model's threads no sooner than this after its end.
+# It holds the engine's responses (their tensors own NumPy arrays); the stub also keeps it in a map
+# until a helper thread of its own processes the iterator's cleanup. If that map held the last
+# reference, the helper thread would destroy the tensors without the GIL (Triton 24.10's PbTensor
+# destructor does not take it) and corrupt the Python heap: the bls stub then crashed at random under
+# a cancellation storm. The cleanup is one IPC round trip queued at the iterator's end (well under a
+# second even on a saturated 2-core machine), so 5 s leaves a wide margin.
+GRACE_S = 5.0
+_SHUTDOWN_GRACE_S = 0.5  # the same at finalize, when nothing else is queued
+
+
+def new_inner_id() -> str:
+    """The request id of an inner engine request: 128 random bits, so only this model can name it
+    in a stop_request (the engine refuses stops of short, guessable ids)."""
+    return f"bls-{secrets.token_hex(16)}"
 
 
 def _ids(resp_tensor) -> list[int]:
     return [] if resp_tensor is None else resp_tensor.as_numpy().reshape(-1).tolist()
 
 
+class _Reply:
+    """The client side of one bls request: its response sender, used by one thread, never after
+    the FINAL flag (every method is a no-op once ``open`` is false). A failed send means the client
+    went away."""
+
+    def __init__(self, pb: Any, request: Any):
+        self.pb = pb
+        self.sender = request.get_response_sender()
+        self.open = True
+        self.gone = False
+
+    def send(self, tensors: list, final: bool) -> None:
+        if not self.open:
+            return
+        flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        self.open = not final  # the flag counts as sent even if the send fails: never send again
+        try:
+            self.sender.send(self.pb.InferenceResponse(output_tensors=tensors), flags=flags)
+        except Exception:  # noqa: BLE001 - the client went away
+            self.gone = True
+
+    def error(self, message: str) -> None:
+        if not self.open:
+            return
+        self.open = False
+        try:
+            self.sender.send(self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message)),
+                             flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # noqa: BLE001 - the client went away
+            self.gone = True
+
+    def close(self) -> None:
+        """The FINAL flag alone (a cancelled request still needs it, nothing else)."""
+        if not self.open:
+            return
+        self.open = False
+        try:
+            self.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # noqa: BLE001 - the client went away
+            self.gone = True
+
+
 class BlsHost:
-    def __init__(self, pb: Any, engine_dir: str, engine_model: str):
+    def __init__(self, pb: Any, engine_dir: str, engine_model: str, *, model_name: str = "bls",
+                 instance: str = "0"):
         self.pb = pb
         self.pre = Preprocessor(engine_dir)
         self.tok = self.pre.tokenizer
         self.engine_model = engine_model
-        self.pool = ThreadPoolExecutor(max_workers=MAX_IN_FLIGHT, thread_name_prefix="kiln-bls")
-        self._ids = itertools.count()
+        self.errors = RequestErrors(pb, model_name, instance)
+        self._slots = threading.BoundedSemaphore(MAX_IN_FLIGHT)
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+        self._closing = False
+        self._graveyard: collections.deque = collections.deque()  # (release time, engine iterator)
 
     def execute(self, requests: list) -> None:
         for request in requests:
-            self.pool.submit(self._run, request)
+            refused = "the bls model is shutting down" if self._closing else None
+            if refused is None and not self._slots.acquire(blocking=False):
+                refused = f"the bls model has {MAX_IN_FLIGHT} requests in flight; retry later"
+            if refused is not None:
+                self.errors.count("unavailable")
+                _Reply(self.pb, request).error(refused)
+                continue
+            # the inputs are read here, copied: after execute() returns Triton releases the request
+            # and the shared memory its tensors live in is reused (a thread reading them later saw
+            # other requests' bytes)
+            try:
+                tensors = {n: np.array(t.as_numpy(), copy=True) for n in TEXT_INPUT_NAMES
+                           if (t := self.pb.get_input_tensor_by_name(request, n)) is not None}
+            except Exception as e:  # noqa: BLE001 - a request that cannot be read still gets its final
+                self._slots.release()
+                self.errors.count("internal")
+                _Reply(self.pb, request).error(f"bls: {type(e).__name__}: {e}")
+                continue
+            t = threading.Thread(target=self._thread, args=(request, _Reply(self.pb, request), tensors),
+                                 name="kiln-bls", daemon=True)
+            with self._lock:
+                self._threads.add(t)
+            t.start()
 
-    def _final_error(self, sender, message: str) -> None:
-        pb = self.pb
-        sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(message)),
-                    flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-
-    def _run(self, request) -> None:
-        pb = self.pb
-        sender = request.get_response_sender()
+    def _thread(self, request, out: _Reply, tensors: dict) -> None:
         try:
-            tensors = {n: t.as_numpy() for n in TEXT_INPUT_NAMES
-                       if (t := pb.get_input_tensor_by_name(request, n)) is not None}
+            self._run(request, out, tensors)
+        except Exception:  # noqa: BLE001 - _run ends its request itself; this only logs a bug
+            _LOG.exception("bls request thread failed")
+        finally:
+            self._bury()
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+            self._slots.release()
+
+    def _bury(self, *iterators) -> None:
+        """Keep finished engine iterators for GRACE_S (see there); release the ones kept longer, here,
+        in a Python thread holding the GIL."""
+        now = time.monotonic()
+        expired = []
+        with self._lock:
+            self._graveyard.extend((now + GRACE_S, it) for it in iterators)
+            while self._graveyard and self._graveyard[0][0] <= now:
+                expired.append(self._graveyard.popleft())
+        del expired
+
+    def _run(self, request, out: _Reply, tensors: dict) -> None:
+        pb = self.pb
+        try:
             prep = self.pre.prepare(tensors)
         except InvalidRequest as e:
-            self._final_error(sender, str(e))
+            self.errors.count("invalid_request")
+            out.error(str(e))
             return
         except Exception as e:  # noqa: BLE001 - a bug must still end the request with one final
-            self._final_error(sender, f"bls: {type(e).__name__}: {e}")
+            _LOG.exception("bls: preprocessing failed")
+            self.errors.count("internal")
+            out.error(f"bls: {type(e).__name__}: {e}")
             return
-        inner_id = f"bls-{os.getpid()}-{next(self._ids)}"
+        inner_id = new_inner_id()
         wanted = _ENGINE_OUTPUTS + (list(ACCEPTANCE_OUTPUTS) if prep.values["return_perf_metrics"] else [])
         inner = pb.InferenceRequest(
             model_name=self.engine_model, requested_output_names=wanted, request_id=inner_id,
-            inputs=[pb.Tensor(k, v) for k, v in prep.engine_tensors().items()])
-        echo, sent_final = prep.echo_text, False
+            inputs=[pb.Tensor(k, v) for k, v in prep.engine_tensors().items()],
+            parameters={INBAND_ERRORS: True})
         try:
-            for resp in inner.exec(decoupled=True):
-                if sent_final:
-                    continue  # drain whatever the engine still sends after its final
-                if request.is_cancelled():  # the client went away: stop the engine, free its blocks
-                    self._stop_engine(inner_id)
-                    sent_final = True
-                    try:
-                        self._final_error(sender, "request cancelled")
-                    except Exception:  # noqa: BLE001
-                        pass
-                    continue
-                if resp.has_error():
-                    self._final_error(sender, resp.error().message())
-                    sent_final = True
-                    continue
-                get = lambda n: pb.get_output_tensor_by_name(resp, n)  # noqa: E731
-                if get("output_ids") is None:  # a flags-only final from the engine
-                    continue
-                trim = int(get("text_trim").as_numpy().reshape(-1)[0])
-                text = postprocess(self.tok, _ids(get("output_ids")), _ids(get("context_ids")), trim, echo)
-                echo = ""
-                reason = get("finish_reason").as_numpy().reshape(-1)[0]
-                final = bool(reason)  # the engine fills finish_reason only on its last response
-                lp = get("output_log_probs").as_numpy().astype(np.float32).reshape(-1)
-                out = [pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),
-                       pb.Tensor("output_log_probs", lp)]
-                # present exactly when the client set return_perf_metrics (the engine adds them then)
-                out += [pb.Tensor(n, t.as_numpy()) for n in ACCEPTANCE_OUTPUTS if (t := get(n)) is not None]
-                sender.send(pb.InferenceResponse(output_tensors=out),
-                            flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-                sent_final = final
-            if not sent_final:
-                sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception as e:  # noqa: BLE001
-            if not sent_final:
-                try:
-                    self._final_error(sender, f"bls: {type(e).__name__}: {e}")
-                except Exception:  # noqa: BLE001 - client gone
+            responses = inner.exec(decoupled=True)
+        except Exception as e:  # noqa: BLE001 - e.g. the engine model is not ready
+            _LOG.warning("bls: engine request %s failed: %s", inner_id, e)
+            self.errors.count("engine")
+            out.error(f"bls: {type(e).__name__}: {e}")
+            return
+        state = {"echo": prep.echo_text, "stopped": False, "stops": []}
+        try:
+            # read to the end in every case: the engine's FINAL releases the inner request's state
+            for resp in responses:
+                self._relay(request, out, resp, inner_id, state)
+        except Exception as e:  # noqa: BLE001 - a bug: end the request, stop the engine, still drain
+            _LOG.exception("bls: relaying engine request %s failed", inner_id)
+            self.errors.count("internal")
+            out.error(f"bls: {type(e).__name__}: {e}")
+            if not state["stopped"]:
+                state["stops"].append(self._stop_engine(inner_id))
+            try:
+                for _ in responses:
                     pass
+            except Exception:  # noqa: BLE001 - nothing more can be done for it
+                pass
+        out.close()  # the engine ended without a final data response: the FINAL flag still goes out
+        self._bury(responses, *state["stops"])
 
-    def _stop_engine(self, inner_id: str) -> None:
+    def _relay(self, request, out: _Reply, resp, inner_id: str, state: dict) -> None:
+        """One engine response -> at most one response to the client."""
+        pb = self.pb
+        if not out.open:
+            return  # answered (or cancelled): only waiting for the engine's final
+        if not state["stopped"] and (out.gone or request.is_cancelled()):
+            # the client went away: stop the engine (frees its blocks, ends the iterator within a
+            # step), give Triton the FINAL flag it needs and send nothing else
+            state["stopped"] = True
+            self.errors.count("cancelled")
+            out.close()
+            state["stops"].append(self._stop_engine(inner_id))
+            return
+        if resp.has_error():  # only a first response can be one (errors come in-band after it)
+            self.errors.count("engine")
+            out.error(resp.error().message())
+            return
+        get = lambda n: pb.get_output_tensor_by_name(resp, n)  # noqa: E731
+        if get("output_ids") is None:  # a flags-only final from the engine
+            return
+        reason = get("finish_reason").as_numpy().reshape(-1)[0]
+        reason = reason.decode("utf-8", "replace") if isinstance(reason, bytes) else str(reason)
+        if reason.startswith("error: "):
+            self.errors.count("engine")
+            out.error(reason[len("error: "):])
+            return
+        if reason == "cancelled":  # stopped inside the engine (e.g. its shutdown): not a normal end
+            self.errors.count("cancelled")
+            out.error("request cancelled")
+            return
+        trim = int(get("text_trim").as_numpy().reshape(-1)[0])
+        text = postprocess(self.tok, _ids(get("output_ids")), _ids(get("context_ids")), trim, state["echo"])
+        state["echo"] = ""
+        lp = get("output_log_probs").as_numpy().astype(np.float32).reshape(-1)
+        tensors = [pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),
+                   pb.Tensor("output_log_probs", lp)]
+        # present exactly when the client set return_perf_metrics (the engine adds them then)
+        tensors += [pb.Tensor(n, t.as_numpy()) for n in ACCEPTANCE_OUTPUTS if (t := get(n)) is not None]
+        out.send(tensors, final=bool(reason))  # the engine fills finish_reason only on its last
+
+    def _stop_engine(self, inner_id: str):
+        """tensorrtllm_backend's stop: the engine stops the request with this id and answers with a
+        FINAL flag; the stopped request then sends its own final (finish_reason "cancelled").
+        Returns the stop's iterator (for ``_bury``), or None."""
         pb = self.pb
         stop = pb.InferenceRequest(model_name=self.engine_model, requested_output_names=[], request_id=inner_id,
                                    inputs=[pb.Tensor("stop_request", np.array([True]))])
-        for _ in stop.exec(decoupled=True):
-            pass
+        try:
+            responses = stop.exec(decoupled=True)
+            for resp in responses:
+                if resp.has_error():
+                    _LOG.warning("bls: stopping engine request %s: %s", inner_id, resp.error().message())
+            return responses
+        except Exception as e:  # noqa: BLE001 - the engine then runs it to its end: slower, still ends
+            _LOG.warning("bls: could not stop engine request %s: %s", inner_id, e)
+            return None
+
+    def num_active(self) -> int:
+        with self._lock:
+            return len(self._threads)
 
     def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Refuse new requests and give running ones a moment (Triton unloads a model once no
+        request holds it, so normally none is left)."""
+        self._closing = True
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(_JOIN_S / max(1, len(threads)))
+        # Triton unloads a model once no request holds it: the stub's helper thread has only the
+        # last iterators' cleanups left, a few IPC round trips; then release them here, with the GIL
+        with self._lock:
+            recent = bool(self._graveyard) and self._graveyard[-1][0] - GRACE_S > time.monotonic() - _SHUTDOWN_GRACE_S
+        if recent:
+            time.sleep(_SHUTDOWN_GRACE_S)
+        with self._lock:
+            self._graveyard.clear()
+        self.errors.close()  # now, not while the stub's interpreter shuts down (segfaults there)

@@ -4,15 +4,27 @@ Rules (the serving contract):
 * ``execute()`` only converts and enqueues; it never waits for tokens.
 * Responses are sent from the executor's callback thread through each request's response sender.
 * Every request gets exactly one FINAL response: the last data response carries the FINAL flag; a
-  bad request, an executor error or a cancellation gets an error response with the FINAL flag.
+  bad request, an executor error or a cancellation by its client gets an error response with the
+  FINAL flag. A request stopped by a ``stop_request`` ends like tensorrtllm_backend's: a normal
+  final response (what was generated so far) with ``finish_reason`` "cancelled".
+* A request whose parameters hold ``kiln_inband_errors: true`` (the bls model's) never gets an
+  error response: its errors come as a final data response with ``finish_reason`` "error: <message>".
+  Triton 24.10's Python backend drops an error response that reaches an ``exec(decoupled=True)``
+  iterator after its first response, so the caller would wait for ever (one blocked thread per
+  such request, and a server that cannot unload the models at shutdown).
 * A poller thread checks ``request.is_cancelled()`` (client closed the stream or cancelled) and
   cancels the request in the executor, which frees its KV blocks. A send that fails (client gone)
   cancels too.
+* A ``stop_request`` (tensorrtllm_backend's control request) stops the running requests with the same
+  Triton request id, but only an id of at least ``MIN_STOP_ID_LEN`` characters: a short id is
+  guessable, so anyone could stop someone else's request. Clients that stop by id start the request
+  with an unguessable id (a UUID); closing the stream cancels a request for everyone.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import threading
 import time
@@ -29,7 +41,7 @@ from backend.serving.engine_request import ENGINE_INPUT_NAMES, EngineRequest, pa
 from backend.serving.metrics import ServingMetrics
 from backend.serving.tokenizer import load_tokenizer
 
-__all__ = ["EngineHost", "chosen_logprobs", "exit_stub"]
+__all__ = ["EngineHost", "INBAND_ERRORS", "MIN_STOP_ID_LEN", "chosen_logprobs", "exit_stub"]
 
 _LOG = get_logger("serving.engine")
 
@@ -37,6 +49,8 @@ POLL_S = 0.5           # cancellation check period: each check is an IPC round t
                        # which at 64 streams on 2 cores costs more than a late cancel
 STATS_EVERY_S = 0.5    # gauge refresh period while requests run (each one also refreshes them
                        # just before its final response)
+MIN_STOP_ID_LEN = 16   # a stop_request may name only a request id at least this long (a UUID is 36)
+INBAND_ERRORS = "kiln_inband_errors"  # request parameter: end with a data response, never an error one
 
 
 def chosen_logprobs(event: Any) -> list[float]:
@@ -74,8 +88,18 @@ class _Stream:
     logprobs: list[float] = dataclasses.field(default_factory=list)  # not yet sent
     trim: int = 0
     cancel_asked: bool = False
+    cancel_by: str = ""     # "client" (went away), "stop" (a stop_request), "text" (a stop string)
+    inband: bool = False    # errors as a final data response (INBAND_ERRORS)
     done: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+def _inband(request) -> bool:
+    """Whether the request's parameters ask for in-band errors (INBAND_ERRORS: true)."""
+    try:
+        return json.loads(request.parameters() or "{}").get(INBAND_ERRORS) is True
+    except Exception:  # noqa: BLE001 - unreadable parameters: the default
+        return False
 
 
 def exit_stub(reason: str) -> None:
@@ -128,7 +152,9 @@ class EngineHost:
                 self._enqueue(request)
             except Exception as e:  # noqa: BLE001 - a bug here must still end the request, not the model
                 for_request(_LOG, request.request_id() or "-").exception("could not enqueue the request")
-                self._send_error(request.get_response_sender(), f"engine: {type(e).__name__}: {e}")
+                self.metrics.errors.count("internal")
+                self._send_error(request.get_response_sender(), f"engine: {type(e).__name__}: {e}",
+                                 _inband(request))
 
     def _tensors(self, request) -> dict[str, np.ndarray]:
         out = {}
@@ -144,18 +170,21 @@ class EngineHost:
         if stop is not None and bool(stop.as_numpy().reshape(-1)[0]):
             self._stop_request(request.request_id(), sender)
             return
+        inband = _inband(request)
         if self.failed is not None:
-            self._send_error(sender, f"engine unavailable: {self.failed}")
+            self.metrics.errors.count("unavailable")
+            self._send_error(sender, f"engine unavailable: {self.failed}", inband)
             return
         try:
             req = parse_engine_request(self._tensors(request), self.limits, self.vocab_size, self.tok)
             params = self._params(**req.sampling)
         except (InvalidRequest, ValueError, TypeError) as e:
-            self._send_error(sender, str(e))
+            self.metrics.errors.count("invalid_request")
+            self._send_error(sender, str(e), inband)
             return
         rid = self._prefix + str(next(self._ids))
         st = _Stream(rid, request.request_id(), request, sender, req, StreamDetokenizer(self.tok, req.prompt_ids, req.stop_strings,
-                                                                   self.interval), time.monotonic())
+                                                                   self.interval), time.monotonic(), inband=inband)
         with self._lock:
             self._active[rid] = st
         try:
@@ -167,11 +196,21 @@ class EngineHost:
             with st.lock:
                 if not st.done:
                     st.done = True
-                    self._send_error(sender, str(e) if isinstance(e, ValueError) else f"engine: {e}")
+                    self.metrics.errors.count("invalid_request" if isinstance(e, ValueError) else "unavailable")
+                    self._send_error(sender, str(e) if isinstance(e, ValueError) else f"engine: {e}", inband)
 
     def _stop_request(self, triton_id: str, sender) -> None:
         if not triton_id:
+            self.metrics.errors.count("invalid_request")
             self._send_error(sender, "stop_request needs the request id of the request to stop")
+            return
+        if len(triton_id) < MIN_STOP_ID_LEN:
+            # a short id is guessable: honouring it would let any client stop anyone's request
+            self.metrics.errors.count("invalid_request")
+            self._send_error(sender, f"stop_request refused: request id {triton_id!r} is shorter than "
+                             f"{MIN_STOP_ID_LEN} characters, so anyone could guess it; to stop a request by "
+                             "id, start it with an unguessable id such as a UUID (closing its stream cancels "
+                             "it too)")
             return
         with self._lock:
             targets = [st for st in self._active.values() if st.triton_id == triton_id]
@@ -179,9 +218,9 @@ class EngineHost:
             with st.lock:
                 if st.done or st.cancel_asked:
                     continue
-                st.cancel_asked = True
+                st.cancel_asked, st.cancel_by = True, "stop"
             self.executor.cancel(st.rid)
-        sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self._send_flags_final(sender)
 
     # ---- executor thread -----------------------------------------------------------------------
     def _on_event(self, st: _Stream, ev: Any) -> None:
@@ -198,20 +237,24 @@ class EngineHost:
                     st.logprobs.extend(chosen_logprobs(ev))
             if getattr(ev, "error", None):
                 for_request(_LOG, st.rid).error("engine error: %s", ev.error)
-                self._finish(st, error=f"engine error: {ev.error}")
+                self._finish(st, error=f"engine error: {ev.error}", kind="engine")
                 return
-            if ev.finished and ev.finish_reason == "cancelled" and st.cancel_asked:
-                self._finish(st, error="request cancelled")
+            if ev.finished and ev.finish_reason == "cancelled" and st.cancel_by == "client":
+                self._finish(st, error="request cancelled", kind="cancelled")
                 return
+            # cancelled otherwise (a stop_request, or the engine shutting down): a normal final
+            # response with what was generated, finish_reason "cancelled" (tensorrtllm_backend's stop)
             chunk = st.detok.push(list(ev.token_ids), bool(ev.finished))
             if chunk is None:
                 return
             # finish_reason is non-empty exactly on the final response (the bls model relies on it)
             reason = ("stop" if chunk.stop else ev.finish_reason or "finished") if chunk.finished else ""
             if chunk.stop and not ev.finished:
-                st.cancel_asked = True  # the text is complete; stop generating, free the blocks
+                st.cancel_asked, st.cancel_by = True, "text"  # the text is complete; free the blocks
                 self.executor.cancel(st.rid)
             if chunk.finished:
+                if reason == "cancelled":
+                    self.metrics.errors.count("cancelled")
                 self._retire(st)  # before the FINAL response: its sender sees metrics that count it
             if st.req.streaming:
                 self._send(st, chunk.ids, chunk.context, chunk.trim, reason, chunk.finished)
@@ -242,13 +285,18 @@ class EngineHost:
         except Exception as e:  # noqa: BLE001 - the client went away: stop generating for it
             for_request(_LOG, st.rid).info("response not delivered (%s); cancelling", e)
             if not final and not st.cancel_asked:
-                st.cancel_asked = True
+                st.cancel_asked, st.cancel_by = True, "client"
                 self.executor.cancel(st.rid)
 
-    def _finish(self, st: _Stream, error: str) -> None:
-        """Called with st.lock held. Ends st with an error as its FINAL response."""
+    def _finish(self, st: _Stream, error: str, kind: str) -> None:
+        """Called with st.lock held. Ends st with an error as its FINAL response (in-band for a
+        request that asked for it) and counts it under ``kind``."""
         self._retire(st)
-        self._send_error(st.sender, error)
+        self.metrics.errors.count(kind)
+        if st.inband:
+            self._send(st, [], [], 0, f"error: {error}", True)
+        else:
+            self._send_error(st.sender, error)
 
     def _retire(self, st: _Stream) -> None:
         """Called with st.lock held, BEFORE st's final response is sent: forgets st and publishes
@@ -265,10 +313,27 @@ class EngineHost:
             pass
         self.refresh_metrics()
 
-    def _send_error(self, sender, message: str) -> None:
-        resp = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
+    def _send_error(self, sender, message: str, inband: bool = False) -> None:
+        """A request's FINAL response: an error, or for ``inband`` a data response whose
+        finish_reason is "error: <message>" (no stream state exists yet: empty outputs)."""
+        if inband:
+            T = self.pb.Tensor
+            resp = self.pb.InferenceResponse(output_tensors=[
+                T("output_ids", np.zeros(0, np.int32)), T("context_ids", np.zeros(0, np.int32)),
+                T("text_trim", np.zeros(1, np.int32)), T("sequence_length", np.zeros(1, np.int32)),
+                T("output_log_probs", np.zeros(0, np.float32)),
+                T("finish_reason", np.asarray([f"error: {message}".encode()], dtype=object)),
+                T("echo_text", np.asarray([b""], dtype=object))])
+        else:
+            resp = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
         try:
             sender.send(resp, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # noqa: BLE001 - nobody left to tell
+            pass
+
+    def _send_flags_final(self, sender) -> None:
+        try:
+            sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception:  # noqa: BLE001 - nobody left to tell
             pass
 
@@ -284,7 +349,7 @@ class EngineHost:
                 with st.lock:
                     if st.done or st.cancel_asked or not st.request.is_cancelled():
                         continue
-                    st.cancel_asked = True
+                    st.cancel_asked, st.cancel_by = True, "client"
                 self.executor.cancel(st.rid)
             if time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + STATS_EVERY_S
@@ -299,12 +364,16 @@ class EngineHost:
         over to ``on_fatal`` (a hung device step cannot be interrupted from Python)."""
         self.failed = reason
         _LOG.critical("engine failed: %s; ending %d in-flight requests", reason, self.num_active())
+        try:
+            self.metrics.engine_failed()
+        except Exception:  # noqa: BLE001 - metrics must never stop the failure handling
+            pass
         with self._lock:
             streams = list(self._active.values())
         for st in streams:
             with st.lock:
                 if not st.done:
-                    self._finish(st, error=f"engine failure: {reason}")
+                    self._finish(st, error=f"engine failure: {reason}", kind="engine")
         if self.on_fatal is not None:
             self.on_fatal(reason)
 
@@ -330,4 +399,5 @@ class EngineHost:
         for st in leftover:
             with st.lock:
                 if not st.done:
-                    self._finish(st, error="the engine model is shutting down")
+                    self._finish(st, error="the engine model is shutting down", kind="unavailable")
+        self.metrics.close()  # now, not while the stub's interpreter shuts down (segfaults there)

@@ -6,12 +6,21 @@ and before every request's final response; token/request counters and the histog
 from the response path; the speculative decoding counters follow the executor's own running totals
 (refreshed with the gauges). So a client holding a request's final response reads metrics that
 include that request.
+
+Every model that refuses or ends requests (``engine``, ``bls``, ``preprocessing``) also counts them
+in ``kiln_request_errors_total{model, instance, kind}`` (``RequestErrors``; the kinds are
+``ERROR_KINDS``); the engine adds ``kiln_engine_failures_total`` (it became unable to serve: its
+loop died or a step hung) and follows the executor's ``preemptions`` and ``step_errors`` totals.
+Several stubs may create the same family: Triton keeps one family per name and every stub adds its
+own labelled series to it.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Mapping
 
-__all__ = ["ServingMetrics", "TTFT_BUCKETS", "TPOT_BUCKETS", "stats_counters", "stats_gauges"]
+__all__ = ["ERROR_KINDS", "RequestErrors", "ServingMetrics", "TTFT_BUCKETS", "TPOT_BUCKETS", "stats_counters",
+           "stats_gauges"]
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
 TPOT_BUCKETS = [0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]
@@ -41,7 +50,20 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
                                               ("draft_tokens_proposed", "draft_tokens")),
     "kiln_spec_draft_tokens_accepted_total": ("Draft tokens the target model accepted",
                                               ("draft_tokens_accepted", "accepted_draft_tokens")),
+    "kiln_preemptions_total": ("Running requests preempted when KV blocks ran out (their blocks freed, "
+                               "recomputed later)", ("preemptions", "num_preemptions")),
+    "kiln_engine_step_errors_total": ("Engine steps that raised (their requests ended with an error; the "
+                                      "engine kept serving)", ("step_errors",)),
 }
+
+# kind label of kiln_request_errors_total: why a request did not end normally
+ERROR_KINDS = (
+    "invalid_request",  # refused: a missing, malformed or out-of-range input
+    "cancelled",        # the client went away (stream closed or cancelled) or a stop_request stopped it
+    "engine",           # the engine failed it: a failed step, a failed engine, an engine error seen by bls
+    "unavailable",      # refused: the engine had failed, or too many requests were in flight
+    "internal",         # a bug in Kiln's serving code (logged with a traceback)
+)
 
 
 def _flatten(stats: Mapping[str, Any]) -> dict[str, Any]:
@@ -79,21 +101,63 @@ def stats_gauges(stats: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+# Every metric operation of this process goes through this lock. The Python backend stub keeps a
+# metric's pending operation in the Metric object itself and sends it with the GIL released, so two
+# threads updating one metric at once race on it (a storm of cancelled bls streams, whose threads
+# count cancellations, crashed the server with boost::interprocess::lock_exception before the lock).
+_LOCK = threading.RLock()
+
+
+class RequestErrors:
+    """``kiln_request_errors_total{model, instance, kind}``: one series per kind, created at 0."""
+
+    def __init__(self, pb: Any, model: str, instance: str):
+        mf = pb.MetricFamily
+        with _LOCK:
+            self._family = mf(name="kiln_request_errors_total", kind=mf.COUNTER,
+                              description="Requests that did not end normally, by kind: invalid_request, "
+                                          "cancelled, engine, unavailable, internal")
+            self._by_kind = {k: self._family.Metric(labels={"model": model, "instance": instance, "kind": k})
+                             for k in ERROR_KINDS}
+
+    def count(self, kind: str) -> None:
+        try:
+            with _LOCK:
+                if self._by_kind:
+                    self._by_kind[kind].increment(1)
+        except Exception:  # noqa: BLE001 - metrics must never cost a request its response
+            pass
+
+    def close(self) -> None:
+        """Drop the series and the family now (call from ``finalize``): released later, while the
+        stub's interpreter shuts down, they segfault the stub."""
+        with _LOCK:
+            self._by_kind = {}
+            self._family = None
+
+
 class ServingMetrics:
     def __init__(self, pb: Any, model: str, instance: str):
         labels = {"model": model, "instance": instance}
         mf = pb.MetricFamily
         # families must stay referenced: a metric is dropped when its family is collected
         self._families: list[Any] = []
-        self._gauges = {name: self._make(mf, name, h, mf.GAUGE, labels) for name, (h, _k) in _GAUGES.items()}
-        self._counters = {name: self._make(mf, name, h, mf.COUNTER, labels) for name, (h, _k) in _COUNTERS.items()}
-        self._totals: dict[str, float] = {}  # the executor totals the counters were last brought to
-        self.generated = self._make(mf, "kiln_generated_tokens_total", "Tokens generated", mf.COUNTER, labels)
-        self.requests = self._make(mf, "kiln_requests_finished_total", "Requests finished", mf.COUNTER, labels)
-        self.ttft = self._make(mf, "kiln_time_to_first_token_seconds", "Time from request arrival to its "
-                               "first generated token", mf.HISTOGRAM, labels, TTFT_BUCKETS)
-        self.tpot = self._make(mf, "kiln_time_per_output_token_seconds", "Mean time per output token after "
-                               "the first, per request", mf.HISTOGRAM, labels, TPOT_BUCKETS)
+        self.errors = RequestErrors(pb, model, instance)
+        with _LOCK:
+            self._failures = self._make(mf, "kiln_engine_failures_total", "Times the engine became unable to "
+                                        "serve (its loop died or a step hung); in-flight requests then end with "
+                                        "an error", mf.COUNTER, labels)
+            self._gauges = {name: self._make(mf, name, h, mf.GAUGE, labels) for name, (h, _k) in _GAUGES.items()}
+            self._counters = {name: self._make(mf, name, h, mf.COUNTER, labels)
+                              for name, (h, _k) in _COUNTERS.items()}
+            self._totals: dict[str, float] = {}  # the executor totals the counters were last brought to
+            self.generated = self._make(mf, "kiln_generated_tokens_total", "Tokens generated", mf.COUNTER, labels)
+            self.requests = self._make(mf, "kiln_requests_finished_total", "Requests finished", mf.COUNTER, labels)
+            self.ttft = self._make(mf, "kiln_time_to_first_token_seconds", "Time from request arrival to its "
+                                   "first generated token", mf.HISTOGRAM, labels, TTFT_BUCKETS)
+            self.tpot = self._make(mf, "kiln_time_per_output_token_seconds", "Mean time per output token after "
+                                   "the first, per request", mf.HISTOGRAM, labels, TPOT_BUCKETS)
+        self.closed = False
 
     def _make(self, mf, name, desc, kind, labels, buckets=None):
         fam = mf(name=name, description=desc, kind=kind)
@@ -101,23 +165,44 @@ class ServingMetrics:
         return fam.Metric(labels=labels, buckets=buckets) if buckets else fam.Metric(labels=labels)
 
     def update(self, stats: Mapping[str, Any]) -> None:
-        for name, value in stats_gauges(stats).items():
-            self._gauges[name].set(value)
-        # The executor keeps running totals; a Prometheus counter only goes up, so add the growth
-        # since the last refresh (a total that shrank means a new executor: count it from there).
-        for name, total in stats_counters(stats).items():
-            last = self._totals.get(name, 0.0)
-            if total > last:
-                self._counters[name].increment(total - last)
-            self._totals[name] = total
+        with _LOCK:
+            if self.closed:
+                return
+            for name, value in stats_gauges(stats).items():
+                self._gauges[name].set(value)
+            # The executor keeps running totals; a Prometheus counter only goes up, so add the growth
+            # since the last refresh (a total that shrank means a new executor: count it from there).
+            for name, total in stats_counters(stats).items():
+                last = self._totals.get(name, 0.0)
+                if total > last:
+                    self._counters[name].increment(total - last)
+                self._totals[name] = total
 
     def tokens(self, n: int) -> None:
-        if n:
-            self.generated.increment(n)
+        with _LOCK:
+            if n and not self.closed:
+                self.generated.increment(n)
 
     def request_done(self, ttft: float | None, tpot: float | None) -> None:
-        self.requests.increment(1)
-        if ttft is not None:
-            self.ttft.observe(ttft)
-        if tpot is not None:
-            self.tpot.observe(tpot)
+        with _LOCK:
+            if self.closed:
+                return
+            self.requests.increment(1)
+            if ttft is not None:
+                self.ttft.observe(ttft)
+            if tpot is not None:
+                self.tpot.observe(tpot)
+
+    def engine_failed(self) -> None:
+        with _LOCK:
+            if not self.closed:
+                self._failures.increment(1)
+
+    def close(self) -> None:
+        """Drop every series and family now (call from ``finalize``; see ``RequestErrors.close``)."""
+        with _LOCK:
+            self.closed = True
+            self.errors.close()
+            self._gauges, self._counters = {}, {}
+            self._failures = self.generated = self.requests = self.ttft = self.tpot = None
+            self._families = []

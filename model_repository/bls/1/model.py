@@ -10,10 +10,11 @@ class TritonPythonModel:
     def initialize(self, args):
         route_to_triton(pb_utils)  # kiln.* log lines go to the server's log
         cfg = model_config(args)
-        self.host = BlsHost(pb_utils, engine_dir(args, cfg), parameter(cfg, "engine_model"))
+        self.host = BlsHost(pb_utils, engine_dir(args, cfg), parameter(cfg, "engine_model"),
+                            model_name=args["model_name"], instance=args["model_instance_name"])
 
     def execute(self, requests):
-        self.host.execute(requests)  # each request streams on a worker thread
+        self.host.execute(requests)  # each request streams on a thread of its own
         return None
 
     def finalize(self):

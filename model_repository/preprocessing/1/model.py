@@ -3,6 +3,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.logs import get_logger, route_to_triton
 from backend.serving.convert import InvalidRequest
+from backend.serving.metrics import RequestErrors
 from backend.serving.model_args import engine_dir, model_config
 from backend.serving.preprocess import TEXT_INPUT_NAMES, Preprocessor, preprocessing_outputs
 
@@ -13,6 +14,7 @@ class TritonPythonModel:
     def initialize(self, args):
         route_to_triton(pb_utils)  # kiln.* log lines go to the server's log
         self.pre = Preprocessor(engine_dir(args, model_config(args)))
+        self.errors = RequestErrors(pb_utils, args["model_name"], args["model_instance_name"])
 
     def execute(self, requests):
         responses = []
@@ -22,13 +24,18 @@ class TritonPythonModel:
             try:
                 out = preprocessing_outputs(self.pre.prepare(tensors))
             except InvalidRequest as e:
+                self.errors.count("invalid_request")
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e))))
                 continue
             except Exception as e:  # noqa: BLE001 - one bad request must not fail its batchmates
                 _LOG.exception("request %s: preprocessing failed", request.request_id() or "-")
+                self.errors.count("internal")
                 responses.append(pb_utils.InferenceResponse(
                     output_tensors=[], error=pb_utils.TritonError(f"preprocessing: {type(e).__name__}: {e}")))
                 continue
             responses.append(pb_utils.InferenceResponse(
                 output_tensors=[pb_utils.Tensor(k, v) for k, v in out.items()]))
         return responses
+
+    def finalize(self):
+        self.errors.close()  # now, not while the stub's interpreter shuts down (segfaults there)
