@@ -93,7 +93,7 @@ def grpc_run(url: str, model: str, text: str, on_piece: Callable[[str], None] | 
         figures = None
 
         async def requests():
-            yield {"model_name": model, "inputs": inputs, "enable_empty_final_response": True}
+            yield {"model_name": model, "inputs": inputs}
         try:
             async for result, error in client.stream_infer(requests()):
                 if error is not None:
@@ -108,7 +108,7 @@ def grpc_run(url: str, model: str, text: str, on_piece: Callable[[str], None] | 
                 figures = read_acceptance(_tensors(result, ACCEPTANCE_OUTPUTS)) or figures
                 final = result.get_response().parameters.get("triton_final_response")
                 if final is not None and final.bool_param:
-                    break
+                    continue  # the server ends the stream next (harness.serving_client READ_TO_THE_END)
         finally:
             await client.close()
         return "".join(pieces), figures

@@ -226,17 +226,16 @@ async def _one_raw(url, model, inputs):
     client = aio.InferenceServerClient(url)
 
     async def reqs():
-        yield {"model_name": model, "inputs": inputs, "enable_empty_final_response": True}
+        yield {"model_name": model, "inputs": inputs}
+    first_error = None
     try:
+        # read to the stream's end (harness.serving_client READ_TO_THE_END)
         async for result, error in client.stream_infer(reqs()):
-            if error is not None:
-                return str(error)
-            final = result.get_response().parameters.get("triton_final_response")
-            if final is not None and final.bool_param:
-                return None
+            if error is not None and first_error is None:
+                first_error = str(error)
     finally:
         await client.close()
-    return None
+    return first_error
 
 
 def test_custom_metrics_are_exported(triton_server):

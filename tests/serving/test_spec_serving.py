@@ -92,16 +92,14 @@ async def _stream(url: str, model: str, inputs: list) -> list:
     out = []
 
     async def reqs():
-        yield {"model_name": model, "inputs": inputs, "enable_empty_final_response": True}
+        yield {"model_name": model, "inputs": inputs}
     try:
+        # read to the stream's end (harness.serving_client READ_TO_THE_END)
         async for result, error in client.stream_infer(reqs()):
             assert error is None, error
             names = [o.name for o in result.get_response().outputs]
             if names:
                 out.append({n: result.as_numpy(n) for n in names})
-            final = result.get_response().parameters.get("triton_final_response")
-            if final is not None and final.bool_param:
-                break
     finally:
         await client.close()
     return out
