@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 # Python backend stub (which runs the first python3 on PATH) sees the same packages.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup build test clean distclean serve bench bench-engine bench-overhead bench-kernels bench-eagle bench-eagle-cost gpu-check-prepare gpu-check bench-gpu mlperf run submission validate
+.PHONY: help setup build test clean distclean serve bench bench-engine bench-overhead bench-kernels bench-eagle bench-eagle-cost gpu-check-prepare gpu-check bench-gpu mlperf run submission validate soak
 
 help: ## List the commands
 	@echo "Kiln: ahead-of-time LLM engine builder and Triton Inference Server backend"
@@ -73,6 +73,9 @@ bench-eagle: $(STAMP) ## EAGLE-3 acceptance and speed vs plain decoding on MT-be
 bench-eagle-cost: $(STAMP) ## EAGLE-3 cost per target pass with k drafts and the speedup it implies (GPU: python -m harness.bench.eagle_cost --llama8b)
 	$(PY) -m builder build configs/smollm2-135m-bf16-eagle3.yaml
 	$(PY) -m harness.bench.eagle_cost --engine build/smollm2-135m-bf16-eagle3/engine --dtype float32 $(BENCH_ARGS)
+
+soak: $(STAMP) ## Mixed load on the real server: 1,000 requests at concurrency 64, 10% cancelled, KV pool 1/8 of demand -> docs/perf/soak.json
+	$(PY) -m harness.soak --config $(CONFIG) $(SOAK_ARGS)
 
 gpu-check-prepare: $(STAMP) ## Build tiny bundles of every GPU format + CPU outputs into build/gpu-check/
 	$(PY) -m harness.gpucheck prepare
