@@ -19,6 +19,7 @@ import asyncio
 import datetime as dt
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -93,19 +94,23 @@ def build(args: argparse.Namespace) -> Path:
 
 
 def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every request of the run, decided up front (seeded) so a failing run can be replayed."""
+    """Every request of the run, decided up front (seeded) so a failing run can be replayed: exactly
+    round(fraction x requests) malformed and cancelled requests, the rest plain, in a seeded order."""
     rng = random.Random(args.seed)
+    n_bad = round(args.malformed_fraction * args.requests)
+    n_cancel = min(round(args.cancel_fraction * args.requests), args.requests - n_bad)
+    kinds = ["malformed"] * n_bad + ["cancel"] * n_cancel + ["plain"] * (args.requests - n_bad - n_cancel)
+    rng.shuffle(kinds)
     out = []
-    for i in range(args.requests):
-        r = rng.random()
+    for i, kind in enumerate(kinds):
         prompt = rng.randrange(len(PROMPTS))
-        if r < args.malformed_fraction:
-            out.append({"i": i, "kind": "malformed", "model": rng.choice(["ensemble", "bls"]), "prompt": prompt,
+        if kind == "malformed":
+            out.append({"i": i, "kind": kind, "model": rng.choice(["ensemble", "bls"]), "prompt": prompt,
                         "fields": MALFORMED[rng.randrange(len(MALFORMED))]})
-        elif r < args.malformed_fraction + args.cancel_fraction:
-            out.append({"i": i, "kind": "cancel", "model": rng.choice(["bls", "engine"]), "prompt": prompt})
+        elif kind == "cancel":
+            out.append({"i": i, "kind": kind, "model": rng.choice(["bls", "engine"]), "prompt": prompt})
         else:
-            out.append({"i": i, "kind": "plain", "model": rng.choice(["ensemble", "bls"]), "prompt": prompt})
+            out.append({"i": i, "kind": kind, "model": rng.choice(["ensemble", "bls"]), "prompt": prompt})
     return out
 
 
@@ -238,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if too_long:
         raise SystemExit(f"error: prompts {too_long} exceed the soak's {PROMPT_BUDGET}-token budget")
     reqs = plan(args)
+    load_before = [round(x, 2) for x in os.getloadavg()]  # the soak judges correctness, not speed
     t0 = time.monotonic()
     with TritonServer(root / "model_repository", exit_timeout=10) as srv:
         srv.watch()
@@ -266,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     doc = {"benchmark": "soak", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "command": "python -m harness.soak " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "commit": git_commit(), "machine": cpu_machine(), "config": args.config,
+           "commit": git_commit(), "machine": cpu_machine(), "load_average_before": load_before,
+           "config": args.config,
            "requests": args.requests, "concurrency": args.concurrency, "cancel_fraction": args.cancel_fraction,
            "malformed_fraction": args.malformed_fraction, "max_tokens": args.max_tokens,
            "kv_pool_tokens": kv_tokens(args.concurrency, args.max_tokens, args.kv_fraction),

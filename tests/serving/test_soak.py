@@ -37,5 +37,7 @@ def test_plan_is_seeded_and_mixes_kinds():
     args = soak.parse_args(["--requests", "200", "--seed", "3"])
     a, b = soak.plan(args), soak.plan(args)
     assert a == b
-    share = sum(r["kind"] == "cancel" for r in a) / len(a)
-    assert 0.03 < share < 0.2
+    assert sum(r["kind"] == "cancel" for r in a) == 20      # the default 10%, exactly
+    assert sum(r["kind"] == "malformed" for r in a) == 10   # the default 5%
+    assert soak.plan(soak.parse_args(["--requests", "200", "--seed", "4"])) != a
+    assert {r["model"] for r in a if r["kind"] == "cancel"} == {"bls", "engine"}
