@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 
 @dataclass
@@ -16,6 +16,9 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None     # "length" | "stop" | "cancelled" | "error"
     error: str | None = None
+    # The executor's Request (its timestamps and KV block counts), for the per-request perf figures.
+    # Read it only inside the event callback: that runs on the executor's thread, which owns it.
+    request: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass

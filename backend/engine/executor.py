@@ -329,8 +329,8 @@ class Executor:
     # -- helpers ------------------------------------------------------------------------------
     def _emit_tokens(self, req: Request, tokens: list[int], lp: list | None, done: bool) -> None:
         rid = req.request_id
-        self._emit(rid, TokenEvent(rid, tokens, lp, done, FINISH_REASONS.get(req.status) if done else None),
-                   final=done)
+        self._emit(rid, TokenEvent(rid, tokens, lp, done, FINISH_REASONS.get(req.status) if done else None,
+                                   request=req), final=done)
 
     def _fail_requests(self, reqs: Sequence[Request], msg: str) -> None:
         """End these requests with an error event (a failed step). A request the scheduler already
@@ -353,7 +353,8 @@ class Executor:
         with self._lock:
             req = self.scheduler.abort(rid, status, error)
         if req is not None:
-            self._emit(rid, TokenEvent(rid, [], None, True, FINISH_REASONS[status], error), final=True)
+            self._emit(rid, TokenEvent(rid, [], None, True, FINISH_REASONS[status], error, request=req),
+                       final=True)
 
     def _emit(self, rid: str, ev: TokenEvent, final: bool) -> None:
         handle = self._handles.get(rid)

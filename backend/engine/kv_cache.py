@@ -67,6 +67,9 @@ class BlockManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_evictions = 0
+        # Counters (blocks): taken from the pool for a request, and cached blocks a request reused
+        self.num_alloc_new_blocks = 0
+        self.num_reused_blocks = 0
 
     # -- counters -----------------------------------------------------------------------------
     @property
@@ -100,7 +103,8 @@ class BlockManager:
                 "kv_block_size": self.block_size, "prefix_cache_queries": self.prefix_cache_queries,
                 "prefix_cache_hits": self.prefix_cache_hits,
                 "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
-                "kv_evictions": self.num_evictions}
+                "kv_evictions": self.num_evictions, "kv_alloc_new_blocks": self.num_alloc_new_blocks,
+                "kv_reused_blocks": self.num_reused_blocks}
 
     # -- prefix lookup ------------------------------------------------------------------------
     def _compute_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
@@ -187,6 +191,10 @@ class BlockManager:
                 del evictable[b]
             ref[b] += 1
         request.block_ids = hits + self._take(num_new)
+        request.num_new_blocks += num_new
+        request.num_reused_blocks += len(hits)
+        self.num_alloc_new_blocks += num_new
+        self.num_reused_blocks += len(hits)
         if self.block_table_changes is not None:
             self.block_table_changes.append(request)
         request.num_slots = target
@@ -219,6 +227,8 @@ class BlockManager:
                 blocks.append(b)
             else:
                 blocks.extend(self._take(need))
+            request.num_new_blocks += need
+            self.num_alloc_new_blocks += need
             if self.block_table_changes is not None:
                 self.block_table_changes.append(request)
         request.num_slots = target
@@ -235,6 +245,8 @@ class BlockManager:
             if need > self.num_free_blocks:
                 return False
             request.block_ids.extend(self._take(need))
+            request.num_new_blocks += need
+            self.num_alloc_new_blocks += need
             if self.block_table_changes is not None:
                 self.block_table_changes.append(request)
         request.num_slots = target

@@ -54,7 +54,8 @@ class Request:
         "num_tentative_tokens",
         "spec_token_ids", "num_draft_tokens", "num_accepted_draft_tokens", "stop_ids",
         "first_scheduled_time", "first_token_time", "last_token_time", "finished_time",
-        "num_preemptions", "error", "stop_token", "token_limit", "sched_seq",
+        "num_preemptions", "error", "stop_token", "token_limit", "sched_seq", "num_new_blocks",
+        "num_reused_blocks",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -84,6 +85,11 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
+        # KV blocks over the request's life, re-admissions after preemption included (the
+        # per-request figures of tensorrtllm_backend's return_perf_metrics): blocks taken from the
+        # pool, and prefix-cache blocks reused instead of computed
+        self.num_new_blocks = 0
+        self.num_reused_blocks = 0
         self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)  # scheduler adds eos
         # Most tokens (prompt + output) this request may reach; the scheduler caps it at max_seq_len.
         self.token_limit = len(self.prompt_token_ids) + params.max_tokens

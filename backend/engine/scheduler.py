@@ -73,6 +73,10 @@ class Scheduler:
         self.num_generated_tokens = 0
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
+        # The last iteration (a schedule() that ran something): what NVIDIA's inflight batcher
+        # reports per iteration. (scheduled, context requests, context tokens, generation requests,
+        # requests paused = preempted, its wall-clock time in seconds)
+        self.last_iteration: tuple[int, int, int, int, int, float] = (0, 0, 0, 0, 0, 0.0)
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -240,6 +244,8 @@ class Scheduler:
         if out.scheduled:
             self.num_steps += 1
             self.peak_scheduled = max(self.peak_scheduled, len(out.scheduled))
+            self.last_iteration = (len(out.scheduled), len(prefills), num_prefill_tokens, len(decodes),
+                                   len(preempted), time.time())
         assert out.num_tokens <= self.max_num_tokens and len(out.scheduled) <= self.max_batch_size
         return out
 
@@ -405,7 +411,16 @@ class Scheduler:
                "decode_tokens_computed": self.num_decode_tokens_computed,
                "generated_tokens": self.num_generated_tokens,
                "draft_tokens": self.num_draft_tokens,
-               "accepted_draft_tokens": self.num_accepted_draft_tokens}
+               "accepted_draft_tokens": self.num_accepted_draft_tokens,
+               "max_batch_size": self.max_batch_size}
+        # The last iteration's figures, or zeros once nothing is left to run (the loop then stops
+        # scheduling, and the last busy iteration no longer describes the engine).
+        busy = bool(self.requests)
+        sched, ctx, ctx_tokens, gen, paused, when = self.last_iteration
+        out.update({"iter_scheduled": sched if busy else 0, "iter_context_requests": ctx if busy else 0,
+                    "iter_context_tokens": ctx_tokens if busy else 0,
+                    "iter_generation_requests": gen if busy else 0, "iter_paused": paused if busy else 0,
+                    "iter_time": when})
         out.update(self.block_manager.stats())
         return out
 

@@ -39,6 +39,7 @@ from backend.serving.convert import EngineLimits, InvalidRequest
 from backend.serving.detok import CONTEXT_TOKENS, StreamDetokenizer
 from backend.serving.engine_request import ENGINE_INPUT_NAMES, EngineRequest, parse_engine_request
 from backend.serving.metrics import ServingMetrics
+from backend.serving.perf_metrics import perf_tensors
 from backend.serving.tokenizer import load_tokenizer
 
 __all__ = ["EngineHost", "INBAND_ERRORS", "MIN_STOP_ID_LEN", "chosen_logprobs", "exit_stub"]
@@ -90,6 +91,7 @@ class _Stream:
     cancel_asked: bool = False
     cancel_by: str = ""     # "client" (went away), "stop" (a stop_request), "text" (a stop string)
     inband: bool = False    # errors as a final data response (INBAND_ERRORS)
+    engine_req: Any = None  # the executor's Request, from its events (perf figures; executor thread only)
     done: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -112,7 +114,8 @@ def exit_stub(reason: str) -> None:
 
 class EngineHost:
     def __init__(self, pb: Any, engine_dir: str, *, device: str = "cpu", stream_interval: int = 1,
-                 model_name: str = "engine", instance: str = "0",
+                 model_name: str = "engine", instance: str = "0", version: str = "1",
+                 nv_instance: str | None = None,
                  executor_factory: Callable[..., Any] | None = None, step_timeout_s: float = 0.0,
                  on_fatal: Callable[[str], None] | None = None):
         """``step_timeout_s`` > 0: a step running longer counts as a hung engine. When the engine
@@ -135,7 +138,9 @@ class EngineHost:
         self.executor = executor_factory(bundle, device=device)  # the checked bundle: not read again
         from backend.engine.sampling_params import SamplingParams
         self._params = SamplingParams
-        self.metrics = ServingMetrics(pb, model_name, instance)
+        # nv_trt_llm_* beside kiln_*: labelled with the model's version (and nv_instance, when the
+        # model runs several instances, so their executors' series stay apart)
+        self.metrics = ServingMetrics(pb, model_name, instance, version=version, nv_instance=nv_instance)
         self._metrics_lock = threading.Lock()
         self._ids = itertools.count()
         self._prefix = f"{model_name}-{instance}-{os.getpid()}-"
@@ -228,6 +233,8 @@ class EngineHost:
             if st.done:
                 return
             now = time.monotonic()
+            if getattr(ev, "request", None) is not None:
+                st.engine_req = ev.request
             if ev.token_ids:
                 st.first = st.first or now
                 st.last = now
@@ -278,6 +285,7 @@ class EngineHost:
         ]
         if st.req.return_perf_metrics:  # cumulative on every response, as tensorrtllm_backend does
             tensors += [T(k, v) for k, v in acceptance_tensors(*draft_counts(self.executor, st.rid)).items()]
+            tensors += [T(k, v) for k, v in perf_tensors(st.engine_req).items()]
         resp = self.pb.InferenceResponse(output_tensors=tensors)
         st.req.echo_text = ""  # only the first response carries it
         try:

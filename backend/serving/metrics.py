@@ -19,6 +19,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Mapping
 
+from backend.serving.nv_metrics import NvMetrics
+
 __all__ = ["ERROR_KINDS", "RequestErrors", "ServingMetrics", "TTFT_BUCKETS", "TPOT_BUCKETS", "stats_counters",
            "stats_gauges"]
 
@@ -137,7 +139,10 @@ class RequestErrors:
 
 
 class ServingMetrics:
-    def __init__(self, pb: Any, model: str, instance: str):
+    def __init__(self, pb: Any, model: str, instance: str, *, version: str | None = None,
+                 nv_instance: str | None = None):
+        """``version`` given: also export tensorrtllm_backend's ``nv_trt_llm_*`` families
+        (``nv_metrics.NvMetrics``, labelled model/version, plus ``nv_instance`` when given)."""
         labels = {"model": model, "instance": instance}
         mf = pb.MetricFamily
         # families must stay referenced: a metric is dropped when its family is collected
@@ -151,6 +156,7 @@ class ServingMetrics:
             self._counters = {name: self._make(mf, name, h, mf.COUNTER, labels)
                               for name, (h, _k) in _COUNTERS.items()}
             self._totals: dict[str, float] = {}  # the executor totals the counters were last brought to
+            self.nv = NvMetrics(pb, model, version, nv_instance) if version is not None else None
             self.generated = self._make(mf, "kiln_generated_tokens_total", "Tokens generated", mf.COUNTER, labels)
             self.requests = self._make(mf, "kiln_requests_finished_total", "Requests finished", mf.COUNTER, labels)
             self.ttft = self._make(mf, "kiln_time_to_first_token_seconds", "Time from request arrival to its "
@@ -170,6 +176,8 @@ class ServingMetrics:
                 return
             for name, value in stats_gauges(stats).items():
                 self._gauges[name].set(value)
+            if self.nv is not None:  # NVIDIA's names, from the same snapshot
+                self.nv.update(stats)
             # The executor keeps running totals; a Prometheus counter only goes up, so add the growth
             # since the last refresh (a total that shrank means a new executor: count it from there).
             for name, total in stats_counters(stats).items():
@@ -204,5 +212,8 @@ class ServingMetrics:
             self.closed = True
             self.errors.close()
             self._gauges, self._counters = {}, {}
+            if self.nv is not None:
+                self.nv.close()
+                self.nv = None
             self._failures = self.generated = self.requests = self.ttft = self.tpot = None
             self._families = []
