@@ -147,6 +147,7 @@ class EngineHost:
         self._active: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.refresh_metrics()  # the pool's size etc. from the start, not from the first poll
         self._poller = threading.Thread(target=self._poll, name="kiln-engine-poller", daemon=True)
         self._poller.start()
 
