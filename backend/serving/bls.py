@@ -43,6 +43,7 @@ import numpy as np
 
 from backend.logs import get_logger
 from backend.serving.acceptance import ACCEPTANCE_OUTPUTS
+from backend.serving.perf_metrics import PERF_OUTPUTS
 from backend.serving.convert import InvalidRequest
 from backend.serving.engine_host import INBAND_ERRORS
 from backend.serving.metrics import RequestErrors
@@ -55,6 +56,8 @@ _LOG = get_logger("serving.bls")
 
 MAX_IN_FLIGHT = 512  # requests streamed at once (one thread each; they mostly wait)
 _ENGINE_OUTPUTS = ["output_ids", "context_ids", "text_trim", "output_log_probs", "finish_reason"]
+# return_perf_metrics: every perf output of the engine, passed through as tensorrtllm_backend's bls does
+_PERF = list(ACCEPTANCE_OUTPUTS) + list(PERF_OUTPUTS)
 _JOIN_S = 2.0        # finalize: how long to wait for request threads still running
 # A finished engine iterator is released by this model's threads no sooner than this after its end.
 # It holds the engine's responses (their tensors own NumPy arrays); the stub also keeps it in a map
@@ -195,7 +198,7 @@ class BlsHost:
             out.error(f"bls: {type(e).__name__}: {e}")
             return
         inner_id = new_inner_id()
-        wanted = _ENGINE_OUTPUTS + (list(ACCEPTANCE_OUTPUTS) if prep.values["return_perf_metrics"] else [])
+        wanted = _ENGINE_OUTPUTS + (_PERF if prep.values["return_perf_metrics"] else [])
         inner = pb.InferenceRequest(
             model_name=self.engine_model, requested_output_names=wanted, request_id=inner_id,
             inputs=[pb.Tensor(k, v) for k, v in prep.engine_tensors().items()],
@@ -263,7 +266,7 @@ class BlsHost:
         tensors = [pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),
                    pb.Tensor("output_log_probs", lp)]
         # present exactly when the client set return_perf_metrics (the engine adds them then)
-        tensors += [pb.Tensor(n, t.as_numpy()) for n in ACCEPTANCE_OUTPUTS if (t := get(n)) is not None]
+        tensors += [pb.Tensor(n, t.as_numpy()) for n in _PERF if (t := get(n)) is not None]
         out.send(tensors, final=bool(reason))  # the engine fills finish_reason only on its last
 
     def _stop_engine(self, inner_id: str):

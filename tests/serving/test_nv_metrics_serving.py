@@ -194,3 +194,31 @@ def test_perf_outputs_exactly_when_asked_and_consistent(triton_server, engine, t
     total2 = int(np.asarray(again["kv_cache_alloc_total_blocks"]).reshape(-1)[0])
     assert reused2 == (len(ids) - 1) // int(bs) > 0
     assert total2 == total
+
+
+def bls_model(repo) -> str:
+    """The model whose config names the engine model it calls (``engine_model``)."""
+    for cfg in sorted(repo.glob("*/config.pbtxt")):
+        text = cfg.read_text()
+        if '"engine_model"' in text:
+            return re.search(r'^name:\s*"([^"]+)"', text, re.M).group(1)
+    raise AssertionError(f"no bls model in {repo}")
+
+
+def test_bls_passes_the_perf_outputs_through(triton_server):
+    from harness.serving_client import http_generate
+    bls = bls_model(triton_server.repo)
+    text = f"{uuid.uuid4()} " + "The capital of France is a city on the river Seine. " * 3  # > 2 KV blocks
+    plain = http_generate(triton_server.http_url, bls, text, max_tokens=6, temperature=0.0)
+    assert not set(PERF) & set(plain)
+    body = http_generate(triton_server.http_url, bls, text, max_tokens=6, temperature=0.0,
+                         return_perf_metrics=True)
+    assert set(PERF) <= set(body)
+    one = {k: np.asarray(body[k]).reshape(-1)[0] for k in PERF}
+    t = [int(one[k]) for k in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns",
+                               "last_token_time_ns")]
+    assert 0 < t[0] <= t[1] <= t[2] <= t[3], t
+    assert int(one["kv_cache_alloc_total_blocks"]) == int(one["kv_cache_alloc_new_blocks"]) + int(
+        one["kv_cache_reused_blocks"]) > 0
+    # the same prompt ran just before (without perf figures): its full blocks were reused
+    assert int(one["kv_cache_reused_blocks"]) >= 2
