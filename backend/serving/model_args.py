@@ -7,7 +7,7 @@ from typing import Any
 
 from backend.bundle import MANIFEST
 
-__all__ = ["model_config", "parameter", "engine_dir"]
+__all__ = ["model_config", "parameter", "engine_dir", "instance_count"]
 
 
 def model_config(args: dict[str, Any]) -> dict[str, Any]:
@@ -21,6 +21,12 @@ def parameter(cfg: dict[str, Any], key: str, default: str | None = None) -> str:
             raise ValueError(f"model '{cfg.get('name')}': config.pbtxt parameter '{key}' is missing")
         return default
     return value
+
+
+def instance_count(cfg: dict[str, Any]) -> int:
+    """Instances of the model (the sum over its instance groups; 1 when it has none)."""
+    groups = cfg.get("instance_group") or [{}]
+    return sum(int(g.get("count", 1)) for g in groups)
 
 
 def engine_dir(args: dict[str, Any], cfg: dict[str, Any]) -> str:

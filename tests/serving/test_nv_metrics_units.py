@@ -113,3 +113,10 @@ def test_last_iteration_figures_while_requests_run():
 def test_no_request_means_zero_perf_figures():
     t = perf_tensors(None)
     assert {k: int(v[0]) for k, v in t.items()} == dict.fromkeys(PERF_OUTPUTS, 0)
+
+
+def test_instance_count_decides_the_extra_instance_label():
+    from backend.serving.model_args import instance_count
+    assert instance_count({}) == 1
+    assert instance_count({"instance_group": [{"count": 1, "kind": "KIND_CPU"}]}) == 1
+    assert instance_count({"instance_group": [{"count": 2}, {"count": 1}]}) == 3

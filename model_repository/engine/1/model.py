@@ -3,7 +3,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.logs import route_to_triton
 from backend.serving.engine_host import EngineHost, exit_stub
-from backend.serving.model_args import engine_dir, model_config, parameter
+from backend.serving.model_args import engine_dir, instance_count, model_config, parameter
 
 
 class TritonPythonModel:
@@ -13,6 +13,9 @@ class TritonPythonModel:
         self.host = EngineHost(pb_utils, engine_dir(args, cfg), device=parameter(cfg, "device", "cpu"),
                                stream_interval=int(parameter(cfg, "stream_interval", "1")),
                                model_name=args["model_name"], instance=args["model_instance_name"],
+                               # nv_trt_llm_*: NVIDIA's labels, plus the instance when several run
+                               version=str(args["model_version"]),
+                               nv_instance=args["model_instance_name"] if instance_count(cfg) > 1 else None,
                                step_timeout_s=float(parameter(cfg, "step_timeout_s", "300")),
                                on_fatal=exit_stub)
 
