@@ -146,9 +146,35 @@ class VerifyConfig:
     max_mean_kl: float | None = opt(None, min=0.0)
 
 
+def _model_name_moved(v: str) -> str | None:
+    return (f"replaced by serving.model_names.ensemble (the ensemble's name; every model's name is "
+            f"configurable now, defaulting to NVIDIA's tensorrtllm_backend names): write "
+            f"'model_names: {{ensemble: {v}}}' under serving")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelNamesConfig:
+    """Triton model names (folder names in model_repository/); defaults are NVIDIA's
+    tensorrtllm_backend inflight_batcher_llm names, so its clients find the models they expect."""
+    preprocessing: str = opt("preprocessing", check=_path_segment, allowed=PATH_SEGMENT_ALLOWED)
+    engine: str = opt("tensorrt_llm", check=_path_segment, allowed=PATH_SEGMENT_ALLOWED)
+    postprocessing: str = opt("postprocessing", check=_path_segment, allowed=PATH_SEGMENT_ALLOWED)
+    ensemble: str = opt("ensemble", check=_path_segment, allowed=PATH_SEGMENT_ALLOWED)
+    bls: str = opt("tensorrt_llm_bls", check=_path_segment, allowed=PATH_SEGMENT_ALLOWED)
+
+    def as_dict(self) -> dict[str, str]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
-    model_name: str = opt("ensemble", check=_path_segment, allowed=PATH_SEGMENT_ALLOWED)
+    model_names: ModelNamesConfig = opt(ModelNamesConfig())
+    # removed key: refused with a message naming its replacement (null is accepted and ignored)
+    model_name: str | None = opt(None, check=_model_name_moved, allowed="serving.model_names.ensemble")
+    # NVIDIA's decoupled_mode: true streams (gRPC streams, HTTP generate_stream); false makes the
+    # engine and bls models answer one response per request (HTTP /infer, one-shot gRPC ModelInfer)
+    # and refuses streaming requests
+    decoupled: bool = opt(True)
     engine_instances: int = opt(1, min=1, max=64)
     preprocessing_instances: int = opt(1, min=1, max=64)
     postprocessing_instances: int = opt(1, min=1, max=64)
@@ -250,6 +276,10 @@ class BuildConfig:
         if s.tree != "chain" and s.min_draft_prob > 0:
             raise ConfigError(f, "speculative.min_draft_prob", f"only used with speculative.tree=chain "
                               f"(tree is {s.tree}; the dynamic tree already ranks by draft probability)", "0")
+        names = self.serving.model_names.as_dict()
+        if len(set(names.values())) != len(names):
+            raise ConfigError(f, "serving.model_names", f"model names must differ, got {names}",
+                              "five distinct names")
         ports = {"http_port": self.serving.http_port, "grpc_port": self.serving.grpc_port,
                  "metrics_port": self.serving.metrics_port}
         if len(set(ports.values())) != len(ports):

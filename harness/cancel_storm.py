@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness.model_names import DEFAULT
 
 __all__ = ["StormReport", "StubSnapshot", "cancel_storm", "snapshot", "wait_threads", "main"]
 
@@ -146,7 +147,7 @@ class _Tickets:
             yield n
 
 
-def cancel_storm(srv: Any, *, cancels: int = 1000, concurrency: int = 64, model: str = "bls",
+def cancel_storm(srv: Any, *, cancels: int = 1000, concurrency: int = 64, model: str = DEFAULT.bls,
                  normal_every: int = 4, cancel_tokens: int = 200, timeout_s: float = 120.0,
                  budget_s: float = 3600.0, inputs: tuple[list, list] | None = None) -> StormReport:
     """``cancels`` client-cancelled streams at ``concurrency`` against ``model``, plus one normal
@@ -174,7 +175,7 @@ def cancel_storm(srv: Any, *, cancels: int = 1000, concurrency: int = 64, model:
     return report
 
 
-def snapshot(srv: Any, model: str = "bls") -> StubSnapshot:
+def snapshot(srv: Any, model: str = DEFAULT.bls) -> StubSnapshot:
     """Thread count and RSS of ``model``'s Python backend stub (one instance)."""
     from harness.serving_server import stub_processes
     pids = [pid for pid, name in stub_processes(srv.proc.pid).items() if name == model]
@@ -187,7 +188,7 @@ def snapshot(srv: Any, model: str = "bls") -> StubSnapshot:
     return StubSnapshot(pid, threads, rss)
 
 
-def wait_threads(srv: Any, most: int, *, model: str = "bls", timeout_s: float = 30.0) -> StubSnapshot:
+def wait_threads(srv: Any, most: int, *, model: str = DEFAULT.bls, timeout_s: float = 30.0) -> StubSnapshot:
     """Poll ``model``'s stub until it has at most ``most`` threads or ``timeout_s`` passed; return
     the last snapshot (the caller judges it)."""
     deadline = time.monotonic() + timeout_s
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     from harness.serving_server import TritonServer
     ap = argparse.ArgumentParser(prog="python -m harness.cancel_storm", description=__doc__.split("\n\n")[0])
     ap.add_argument("model_repository")
-    ap.add_argument("--model", default="bls")
+    ap.add_argument("--model", default=DEFAULT.bls)
     ap.add_argument("--cancels", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--normal-every", type=int, default=4)

@@ -2,7 +2,7 @@
 
     python -m harness.client "Tell me about Paris"                       # gRPC, ensemble, one response
     python -m harness.client --stream "Tell me about Paris"              # tokens printed as they arrive
-    python -m harness.client --model bls --protocol http --stream "Hi"   # HTTP generate_stream (SSE)
+    python -m harness.client --model tensorrt_llm_bls --protocol http --stream "Hi"   # HTTP generate_stream (SSE)
     python -m harness.client --json "Tell me about Paris"                # one JSON object, with the
                                                                          # speculative-decoding figures
 
@@ -22,6 +22,7 @@ import numpy as np
 
 from backend.serving.acceptance import read_acceptance
 from harness.serving_client import GenerateError, grpc_inputs, http_generate, http_stream
+from harness.model_names import DEFAULT
 
 DEFAULT_URL = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
 
@@ -31,7 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", help="the text to send (text_input)")
     p.add_argument("--url", help="host:port (default 127.0.0.1:8001 for grpc, :8000 for http)")
-    p.add_argument("--model", default="ensemble", help="ensemble | bls (or the configured serving.model_name)")
+    p.add_argument("--model", default=DEFAULT.ensemble,
+                   help=f"{DEFAULT.ensemble} | {DEFAULT.bls} (or the names set in serving.model_names)")
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument("--max-tokens", type=int, default=128)

@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 from harness.serving_server import ServerError, TritonServer
+from harness.model_names import repository_names
 
 EXIT_MODEL_FAILED = 3  # the server or one of its model stubs died while serving
 
@@ -46,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def examples(srv: TritonServer) -> str:
     h, g = srv.http_url, srv.grpc_url
+    names = repository_names(srv.repo)
+    ens, bls = names.ensemble, names.bls
     return f"""
 Kiln is serving {srv.repo}
   HTTP    http://{h}      gRPC {g}      metrics {srv.metrics_url}
@@ -53,11 +56,11 @@ Kiln is serving {srv.repo}
   pid     {srv.proc.pid} (process group of the server and its Python backend stubs)
 
 Try:
-  python -m harness.client --url {g} --stream "Tell me about Paris"
-  python -m harness.client --url {h} --protocol http --model bls "Tell me about Paris"
-  curl -s -X POST http://{h}/v2/models/ensemble/generate \\
+  python -m harness.client --url {g} --model {ens} --stream "Tell me about Paris"
+  python -m harness.client --url {h} --protocol http --model {bls} "Tell me about Paris"
+  curl -s -X POST http://{h}/v2/models/{ens}/generate \\
        -d '{{"text_input": "Tell me about Paris", "max_tokens": 64, "temperature": 0}}'
-  curl -s -N -X POST http://{h}/v2/models/ensemble/generate_stream \\
+  curl -s -N -X POST http://{h}/v2/models/{ens}/generate_stream \\
        -d '{{"text_input": "Tell me about Paris", "max_tokens": 64, "stream": true}}'
   curl -s {srv.metrics_url} | grep kiln_
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from harness.serving_client import grpc_stream
 from harness.serving_server import TritonServer, stub_processes
+from harness.model_names import DEFAULT as NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_BUDGET = 64   # tokens a soak prompt may take (checked): the KV demand is sized with it
@@ -105,12 +106,12 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     for i, kind in enumerate(kinds):
         prompt = rng.randrange(len(PROMPTS))
         if kind == "malformed":
-            out.append({"i": i, "kind": kind, "model": rng.choice(["ensemble", "bls"]), "prompt": prompt,
+            out.append({"i": i, "kind": kind, "model": rng.choice([NAMES.ensemble, NAMES.bls]), "prompt": prompt,
                         "fields": MALFORMED[rng.randrange(len(MALFORMED))]})
         elif kind == "cancel":
-            out.append({"i": i, "kind": kind, "model": rng.choice(["bls", "engine"]), "prompt": prompt})
+            out.append({"i": i, "kind": kind, "model": rng.choice([NAMES.bls, NAMES.engine]), "prompt": prompt})
         else:
-            out.append({"i": i, "kind": kind, "model": rng.choice(["ensemble", "bls"]), "prompt": prompt})
+            out.append({"i": i, "kind": kind, "model": rng.choice([NAMES.ensemble, NAMES.bls]), "prompt": prompt})
     return out
 
 
@@ -128,7 +129,7 @@ async def _engine_stream(client, ids: list[int], max_tokens: int, cancel_after: 
               inp("streaming", np.asarray([True]), "BOOL")]
 
     async def requests():
-        yield {"model_name": "engine", "inputs": inputs}
+        yield {"model_name": NAMES.engine, "inputs": inputs}
     it = client.stream_infer(requests())
     pieces, first_error = 0, None
     async for result, error in it:
@@ -156,7 +157,7 @@ async def run_load(grpc_url: str, reqs: list[dict], refs: dict[int, str], prompt
             t0 = time.monotonic()
             out = dict(r, outcome="ok", detail="")
             try:
-                if r["kind"] == "cancel" and r["model"] == "engine":
+                if r["kind"] == "cancel" and r["model"] == NAMES.engine:
                     err, _ = await asyncio.wait_for(
                         _engine_stream(client, prompt_ids[r["prompt"]], args.max_tokens, 1), args.deadline)
                     if err is not None:
@@ -225,7 +226,7 @@ def alone(srv: TritonServer, args: argparse.Namespace) -> dict[int, str]:
     refs = {}
     for i, text in enumerate(PROMPTS):
         from harness.serving_client import grpc_generate
-        res = grpc_generate(srv.grpc_url, "ensemble", text, max_tokens=args.max_tokens, temperature=0.0)
+        res = grpc_generate(srv.grpc_url, NAMES.ensemble, text, max_tokens=args.max_tokens, temperature=0.0)
         if res.error:
             raise RuntimeError(f"prompt {i} alone failed: {res.error}")
         refs[i] = res.text

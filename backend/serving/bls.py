@@ -123,9 +123,12 @@ class _Reply:
 
 
 class BlsHost:
-    def __init__(self, pb: Any, engine_dir: str, engine_model: str, *, model_name: str = "bls",
-                 instance: str = "0"):
+    def __init__(self, pb: Any, engine_dir: str, engine_model: str, *, model_name: str = "tensorrt_llm_bls",
+                 instance: str = "0", decoupled: bool = True):
         self.pb = pb
+        # serving.decoupled: the engine model has the same transaction policy as this one; a
+        # non-decoupled engine answers exec() with one response (its model.py refuses streaming)
+        self.decoupled = decoupled
         self.pre = Preprocessor(engine_dir)
         self.tok = self.pre.tokenizer
         self.engine_model = engine_model
@@ -204,7 +207,7 @@ class BlsHost:
             inputs=[pb.Tensor(k, v) for k, v in prep.engine_tensors().items()],
             parameters={INBAND_ERRORS: True})
         try:
-            responses = inner.exec(decoupled=True)
+            responses = inner.exec(decoupled=True) if self.decoupled else [inner.exec()]
         except Exception as e:  # noqa: BLE001 - e.g. the engine model is not ready
             _LOG.warning("bls: engine request %s failed: %s", inner_id, e)
             self.errors.count("engine")
@@ -274,6 +277,8 @@ class BlsHost:
         FINAL flag; the stopped request then sends its own final (finish_reason "cancelled").
         Returns the stop's iterator (for ``_bury``), or None."""
         pb = self.pb
+        if not self.decoupled:  # a non-decoupled engine has no stop request; the request runs to its end
+            return None
         stop = pb.InferenceRequest(model_name=self.engine_model, requested_output_names=[], request_id=inner_id,
                                    inputs=[pb.Tensor("stop_request", np.array([True]))])
         try:

@@ -21,7 +21,8 @@ __all__ = ["TEMPLATE_ROOT", "MODELS", "RenderError", "render_text", "render_repo
 
 TEMPLATE_ROOT = Path(__file__).resolve().parents[2] / "model_repository"
 TEMPLATE_SUFFIX = ".tmpl"
-# template folder -> the value naming its rendered folder (the ensemble takes serving.model_name)
+# template folder -> the value naming its rendered folder (serving.model_names.<key>; the engine's
+# template folder is "engine", its default Triton name NVIDIA's "tensorrt_llm")
 MODELS: dict[str, str] = {
     "preprocessing": "preprocessing_name", "engine": "engine_name", "postprocessing": "postprocessing_name",
     "ensemble": "ensemble_name", "bls": "bls_name",
@@ -59,8 +60,8 @@ def render_repository(values: Mapping[str, object], out_dir: Path, template_root
     """Render every model of ``template_root`` into ``out_dir``; return the model names written."""
     names = [str(values[MODELS[m]]) for m in MODELS]
     if len(set(names)) != len(names):
-        raise RenderError(f"model names must differ, got {names} (serving.model_name clashes with a "
-                          "fixed model name)")
+        raise RenderError(f"model names must differ, got {names} (serving.model_names must hold five "
+                          "distinct names)")
     for name in names:  # the config refuses these already; a folder must never land outside out_dir
         if not _MODEL_NAME.fullmatch(name) or name in (".", ".."):
             raise RenderError(f"{out_dir}: model name {name!r} is not a plain folder name; "
@@ -101,12 +102,15 @@ def render_repository(values: Mapping[str, object], out_dir: Path, template_root
 
 def template_values(serving, engine_dir: str, device: str = "auto") -> dict[str, object]:
     """The placeholder table, from the config's ``serving`` section (contracts section 1)."""
+    names = serving.model_names
     return {
-        "ensemble_name": serving.model_name,
-        "engine_name": "engine",
-        "bls_name": "bls",
-        "preprocessing_name": "preprocessing",
-        "postprocessing_name": "postprocessing",
+        "ensemble_name": names.ensemble,
+        "engine_name": names.engine,
+        "bls_name": names.bls,
+        "preprocessing_name": names.preprocessing,
+        "postprocessing_name": names.postprocessing,
+        # NVIDIA's decoupled_mode, for the engine and bls models (the ensemble follows the engine)
+        "decoupled": "true" if serving.decoupled else "false",
         "engine_dir": engine_dir,
         "device": device,
         "stream_interval": serving.stream_interval,
@@ -135,4 +139,5 @@ def run(ctx: StageContext) -> dict:
     values = template_values(ctx.config.serving, engine_rel)
     models = render_repository(values, ctx.out_dir)
     ctx.log(f"model repository: {', '.join(models)} (serve with: make serve)")
-    return {"models": models, "engine_dir": engine_rel, "ensemble": ctx.config.serving.model_name}
+    return {"models": models, "engine_dir": engine_rel, "ensemble": ctx.config.serving.model_names.ensemble,
+            "model_names": ctx.config.serving.model_names.as_dict()}

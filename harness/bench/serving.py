@@ -2,7 +2,7 @@
 
     python -m harness.bench.serving --url 127.0.0.1:8001                    # a server already running
     python -m harness.bench.serving --start --model-repository build/smollm2-135m-fp8/model_repository \
-        --models ensemble,bls --baseline hf
+        --models ensemble,tensorrt_llm_bls --baseline hf
 
 Concurrency sweep (1, 4, 16, 64 streams, each keeping that many requests in flight) and an optional
 Poisson request-rate mode (``--request-rate``), on MT-bench first-turn questions (chat template
@@ -29,6 +29,7 @@ from typing import Any
 from harness.serving_client import StreamResult, grpc_stream
 from harness.bench.prompts import load_prompts
 from harness.bench.serving_stats import plot, summarize, write_csv
+from harness.model_names import DEFAULT
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url", default="127.0.0.1:8001", help="gRPC host:port of a running server")
     p.add_argument("--start", action="store_true", help="start a server for the run (free ports)")
     p.add_argument("--model-repository", default=str(ROOT / "build/smollm2-135m-fp8/model_repository"))
-    p.add_argument("--models", default="ensemble", help="comma-separated: ensemble,bls")
+    p.add_argument("--models", default=DEFAULT.ensemble,
+                   help=f"comma-separated model names, e.g. {DEFAULT.ensemble},{DEFAULT.bls} (serving.model_names)")
     p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated stream counts ('' = none)")
     p.add_argument("--request-rate", type=float, default=None, help="also run Poisson arrivals at this rate (req/s)")
     p.add_argument("--num-prompts", type=int, default=0, help="requests per level (default max(16, concurrency))")

@@ -22,6 +22,7 @@ from pathlib import Path
 from backend import bundle
 from harness.mlperf import accuracy, compliance, settings
 from harness.mlperf.datasets import REPO_ROOT, Sample, load_dataset
+from harness.model_names import DEFAULT, repository_names
 
 log = logging.getLogger(__name__)
 REFERENCE_FILE = "reference.json"
@@ -101,7 +102,7 @@ def ensure_server(url: str | None, repo: Path, default_port: int):
     if server_reachable(url):
         yield url
         return
-    if not (repo / "engine").is_dir():
+    if not (repo / repository_names(repo).engine).is_dir():
         raise RuntimeError(f"no Triton server at {url} and no model repository at {repo} to start one "
                            f"(build it first: make build CONFIG=...)")
     from harness.serving_server import TritonServer
@@ -130,7 +131,7 @@ def parse_summary(path: Path) -> dict[str, str]:
 
 
 def _loadgen_session(run_settings: settings.RunSettings, log_dir: Path, audit: Path, url: str,
-                     samples: list[Sample], num_clients: int) -> None:
+                     samples: list[Sample], num_clients: int, engine_model: str = DEFAULT.engine) -> None:
     """Child process: one LoadGen test over the Triton SUT; request errors go to sut_errors.json."""
     import mlperf_loadgen as lg
     from harness.mlperf.sut import SampleLibrary, TritonSUT
@@ -142,7 +143,8 @@ def _loadgen_session(run_settings: settings.RunSettings, log_dir: Path, audit: P
     log_settings.enable_trace = False
     bench = run_settings.benchmark
     sut_obj = TritonSUT(url, samples, max_output_tokens=bench.max_output_tokens,
-                        min_output_tokens=bench.min_output_tokens, num_clients=num_clients)
+                        min_output_tokens=bench.min_output_tokens, num_clients=num_clients,
+                        model_name=engine_model)
     qsl_obj = SampleLibrary(samples, ts.performance_sample_count_override or len(samples))
     sut = lg.ConstructSUT(sut_obj.issue_queries, sut_obj.flush_queries)
     qsl = qsl_obj.construct()
@@ -199,7 +201,8 @@ def run(req: RunRequest) -> dict:
         # process and flags any second one as invalid, so every test runs in a fresh process.
         ctx = multiprocessing.get_context("spawn")
         child = ctx.Process(target=_loadgen_session, name="loadgen",
-                            args=(run_settings, log_dir, audit, url, samples, req.num_clients))
+                            args=(run_settings, log_dir, audit, url, samples, req.num_clients,
+                                  repository_names(out_dir / "model_repository").engine))
         child.start()
         child.join()
     errors_file = log_dir / "sut_errors.json"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from harness.mlperf.datasets import Sample
+from harness.model_names import DEFAULT
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class TritonSUT:
     """
 
     def __init__(self, url: str, samples: list[Sample], *, max_output_tokens: int,
-                 min_output_tokens: int = 1, model_name: str = "engine", num_clients: int = 4,
+                 min_output_tokens: int = 1, model_name: str = DEFAULT.engine, num_clients: int = 4,
                  num_workers: int = 4, timeout_s: float = 600.0):
         import tritonclient.grpc as grpcclient
 

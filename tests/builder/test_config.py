@@ -233,18 +233,41 @@ def test_build_summary_states_verify_figures():
 
 @pytest.mark.parametrize("name", ["../../escaped_model", "/tmp/abs_model", "a b/c", "a/b", "..", ".", "a\\b",
                                   "caf\u00e9", "x\ny"])
-def test_model_name_must_be_one_plain_folder_name(tmp_path, name):
-    # serving.model_name becomes <output>/model_repository/<name>: a path must never escape the output folder
-    msg = error_of(BuildConfig.from_dict, {"serving": {"model_name": name}}, "x.yaml")
-    assert msg.startswith("x.yaml: serving.model_name: "), msg
+@pytest.mark.parametrize("role", ["preprocessing", "engine", "postprocessing", "ensemble", "bls"])
+def test_model_name_must_be_one_plain_folder_name(tmp_path, name, role):
+    # serving.model_names.<role> becomes <output>/model_repository/<name>: a path must never escape
+    msg = error_of(BuildConfig.from_dict, {"serving": {"model_names": {role: name}}}, "x.yaml")
+    assert msg.startswith(f"x.yaml: serving.model_names.{role}: "), msg
     assert "not a plain folder name" in msg and "allowed: one folder name of letters, digits" in msg
     p = write(tmp_path, "serving: {}\n")
-    assert "serving.model_name" in error_of(BuildConfig.from_yaml, p, [f"serving.model_name={name!r}"])
+    assert f"serving.model_names.{role}" in error_of(BuildConfig.from_yaml, p,
+                                                     [f"serving.model_names.{role}={name!r}"])
 
 
-def test_model_name_plain_names_pass():
+def test_model_names_default_to_nvidias_and_plain_names_pass():
+    names = BuildConfig.from_dict({}).serving.model_names
+    assert names.as_dict() == {"preprocessing": "preprocessing", "engine": "tensorrt_llm",
+                               "postprocessing": "postprocessing", "ensemble": "ensemble",
+                               "bls": "tensorrt_llm_bls"}
     for name in ("ensemble", "llama-3.1_8b", "v2.0"):
-        assert BuildConfig.from_dict({"serving": {"model_name": name}}).serving.model_name == name
+        assert BuildConfig.from_dict({"serving": {"model_names": {"ensemble": name}}}).serving.model_names.ensemble == name
+
+
+def test_model_names_must_differ():
+    msg = error_of(BuildConfig.from_dict, {"serving": {"model_names": {"ensemble": "tensorrt_llm"}}}, "x.yaml")
+    assert msg.startswith("x.yaml: serving.model_names: model names must differ"), msg
+
+
+def test_removed_model_name_key_says_what_to_use(tmp_path):
+    msg = error_of(BuildConfig.from_dict, {"serving": {"model_name": "smollm2"}}, "x.yaml")
+    assert msg.startswith("x.yaml: serving.model_name: replaced by serving.model_names.ensemble"), msg
+    assert "model_names: {ensemble: smollm2}" in msg
+
+
+def test_decoupled_is_a_bool_defaulting_to_true():
+    assert BuildConfig.from_dict({}).serving.decoupled is True
+    assert BuildConfig.from_dict({"serving": {"decoupled": False}}).serving.decoupled is False
+    assert "serving.decoupled" in error_of(BuildConfig.from_dict, {"serving": {"decoupled": "yes"}}, "x.yaml")
 
 
 def test_render_repository_refuses_escaping_model_names(tmp_path):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from harness.mlperf.run import RunRequest, run
+from harness.model_names import DEFAULT as NAMES
 from harness.submission.check import check_tree
 from harness.submission.package import package
 
@@ -103,7 +104,7 @@ def test_accuracy_texts_equal_the_servers_greedy_outputs(served):
             ins[1].set_data_from_numpy(np.asarray([MAX_TOKENS], np.int32))
             ins[2].set_data_from_numpy(np.asarray([0.0], np.float32))
             got.clear()
-            client.async_stream_infer("engine", ins)
+            client.async_stream_infer(NAMES.engine, ins)
             import time
             deadline = time.time() + 120
             while "r" not in got and time.time() < deadline:

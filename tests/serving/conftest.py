@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.model_names import DEFAULT as NAMES
+
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER_CACHE = ROOT / "build" / "cache" / "serving-tokenizer"
 
@@ -42,7 +44,7 @@ def serving_build(build_bundle) -> Path:
     """build/test-cache/<...>/ with engine/ and model_repository/ from the real build pipeline
     (``build_bundle`` in tests/conftest.py: stages are cached between runs)."""
     root = Path(build_bundle(SERVING_CONFIG, SERVING_OVERRIDES)).parent
-    assert (root / "model_repository" / "engine" / "config.pbtxt").is_file(), "the package stage did not run"
+    assert (root / "model_repository" / NAMES.engine / "config.pbtxt").is_file(), "the package stage did not run"
     return root
 
 
@@ -51,7 +53,7 @@ def triton_server(serving_build):
     """ONE real Triton server per test module: explicit model control with every model loaded, so
     the model-control test can unload and reload the engine."""
     from harness.serving_server import TritonServer
-    models = ("preprocessing", "engine", "postprocessing", "ensemble", "bls")
+    models = tuple(NAMES.as_dict().values())
     with TritonServer(serving_build / "model_repository", model_control="explicit", load_models=models,
                       exit_timeout=3) as srv:
         yield srv

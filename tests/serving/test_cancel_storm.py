@@ -17,11 +17,12 @@ import pytest
 import requests
 
 from harness.cancel_storm import cancel_storm, snapshot, wait_threads
+from harness.model_names import DEFAULT as NAMES
 from harness.serving_server import TritonServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
-MODELS = ("preprocessing", "engine", "postprocessing", "ensemble", "bls")
+MODELS = tuple(NAMES.as_dict().values())
 GREEDY = ("The capital of France is", 16)
 EXIT_TIMEOUT = 10        # --exit-timeout-secs of the storm's server
 # Tolerances after the storm (justified in the test): threads the stub may start once, lazily,
@@ -96,7 +97,7 @@ async def _stream(url: str, model: str, inputs, *, request_id: str = "", cancel_
 
 def _greedy(url: str) -> str:
     text, n = GREEDY
-    res = asyncio.run(_stream(url, "bls", _text_inputs(text, max_tokens=n, temperature=0.0, stream=True)))
+    res = asyncio.run(_stream(url, NAMES.bls, _text_inputs(text, max_tokens=n, temperature=0.0, stream=True)))
     assert res["error"] is None and res["final"], res
     return "".join(res["pieces"])
 
@@ -170,7 +171,7 @@ def _engine_inputs(srv, text: str, n: int):
 
 
 async def _stop(url: str, request_id: str) -> dict:
-    return await _stream(url, "engine", _inputs(stop_request=np.array([True])), request_id=request_id)
+    return await _stream(url, NAMES.engine, _inputs(stop_request=np.array([True])), request_id=request_id)
 
 
 def test_stop_request_needs_an_unguessable_id(triton_server):
@@ -181,7 +182,7 @@ def test_stop_request_needs_an_unguessable_id(triton_server):
 
     async def go(request_id: str):
         started = asyncio.Event()
-        job = asyncio.create_task(_stream(url, "engine", _engine_inputs(triton_server, "Write a long story.", 600),
+        job = asyncio.create_task(_stream(url, NAMES.engine, _engine_inputs(triton_server, "Write a long story.", 600),
                                           request_id=request_id, on_piece=started.set))
         await asyncio.wait_for(started.wait(), 60)
         stop = await _stop(url, request_id)
@@ -208,32 +209,32 @@ def test_stop_request_needs_an_unguessable_id(triton_server):
 
 def test_cancellations_and_invalid_requests_move_the_error_counters(triton_server):
     srv, url = triton_server, triton_server.grpc_url
-    cancelled = {m: _errors(srv, m, "cancelled") for m in ("bls", "engine")}
-    invalid = {m: _errors(srv, m, "invalid_request") for m in ("bls", "engine", "preprocessing")}
-    other = {(m, k): _errors(srv, m, k) for m in ("bls", "engine") for k in ("engine", "unavailable", "internal")}
+    cancelled = {m: _errors(srv, m, "cancelled") for m in (NAMES.bls, NAMES.engine)}
+    invalid = {m: _errors(srv, m, "invalid_request") for m in (NAMES.bls, NAMES.engine, NAMES.preprocessing)}
+    other = {(m, k): _errors(srv, m, k) for m in (NAMES.bls, NAMES.engine) for k in ("engine", "unavailable", "internal")}
 
     # a bls stream its client cancels: bls counts the cancellation, the engine the inner request it stopped
-    res = asyncio.run(_stream(url, "bls", _text_inputs("Write a long story about a dragon.", max_tokens=600,
+    res = asyncio.run(_stream(url, NAMES.bls, _text_inputs("Write a long story about a dragon.", max_tokens=600,
                                                        min_tokens=600, temperature=0.0, stream=True),
                               cancel_after=2))
     assert res["cancelled"]
-    assert _wait_for(lambda: _errors(srv, "bls", "cancelled"), cancelled["bls"] + 1) == cancelled["bls"] + 1
-    assert _wait_for(lambda: _errors(srv, "engine", "cancelled"), cancelled["engine"] + 1) == cancelled["engine"] + 1
+    assert _wait_for(lambda: _errors(srv, NAMES.bls, "cancelled"), cancelled[NAMES.bls] + 1) == cancelled[NAMES.bls] + 1
+    assert _wait_for(lambda: _errors(srv, NAMES.engine, "cancelled"), cancelled[NAMES.engine] + 1) == cancelled[NAMES.engine] + 1
 
     # an engine client that closes its stream
-    res = asyncio.run(_stream(url, "engine", _engine_inputs(srv, "Write a long story.", 600), cancel_after=2))
+    res = asyncio.run(_stream(url, NAMES.engine, _engine_inputs(srv, "Write a long story.", 600), cancel_after=2))
     assert res["cancelled"]
-    assert _wait_for(lambda: _errors(srv, "engine", "cancelled"), cancelled["engine"] + 2) == cancelled["engine"] + 2
+    assert _wait_for(lambda: _errors(srv, NAMES.engine, "cancelled"), cancelled[NAMES.engine] + 2) == cancelled[NAMES.engine] + 2
 
     # invalid requests, counted by the model that refuses them
-    res = asyncio.run(_stream(url, "bls", _text_inputs("Hi", max_tokens=0)))
+    res = asyncio.run(_stream(url, NAMES.bls, _text_inputs("Hi", max_tokens=0)))
     assert res["error"] and "max_tokens" in res["error"]
-    res = asyncio.run(_stream(url, "ensemble", _text_inputs("Hi", top_p=1.5)))
+    res = asyncio.run(_stream(url, NAMES.ensemble, _text_inputs("Hi", top_p=1.5)))
     assert res["error"] and "top_p" in res["error"]
     bad = _engine_inputs(srv, "Hi", 4) + _inputs(temperature=np.array([-1.0], np.float32))
-    res = asyncio.run(_stream(url, "engine", bad))
+    res = asyncio.run(_stream(url, NAMES.engine, bad))
     assert res["error"] and "temperature" in res["error"]
-    for m in ("bls", "engine", "preprocessing"):
+    for m in (NAMES.bls, NAMES.engine, NAMES.preprocessing):
         assert _wait_for(lambda m=m: _errors(srv, m, "invalid_request"), invalid[m] + 1) == invalid[m] + 1, m
     # nothing was counted as anything else
     assert {(m, k): _errors(srv, m, k) for (m, k) in other} == other

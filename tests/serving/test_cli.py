@@ -10,6 +10,7 @@ from backend.serving.metrics import stats_gauges
 from harness.bench import serving as bench
 from harness import client, serve
 from harness.serving_server import free_port
+from harness.model_names import DEFAULT as NAMES
 
 
 def _fails(capsys, fn, argv, fragment):
@@ -42,8 +43,9 @@ def test_bench_arguments(capsys):
     _fails(capsys, bench.parse_args, ["--concurrency", "0"], "every level must be >= 1")
     _fails(capsys, bench.parse_args, ["--concurrency", "", "--max-tokens", "4"], "nothing to run")
     _fails(capsys, bench.parse_args, ["--request-rate", "-1"], "--request-rate: -1.0; allowed: > 0")
-    a = bench.parse_args(["--models", "ensemble,bls"])
-    assert a.levels == [1, 4, 16, 64] and a.model_list == ["ensemble", "bls"]
+    a = bench.parse_args(["--models", "ensemble,tensorrt_llm_bls"])
+    assert a.levels == [1, 4, 16, 64] and a.model_list == ["ensemble", "tensorrt_llm_bls"]
+    assert bench.parse_args([]).model_list == [NAMES.ensemble]
 
 
 def test_stats_to_gauges():

@@ -16,17 +16,36 @@ def values(**serving):
 
 
 def test_renders_every_model_with_config_values(tmp_path):
-    names = render_repository(values(model_name="smollm2", engine_instances=2, stream_interval=4), tmp_path)
-    assert sorted(names) == sorted(["preprocessing", "engine", "postprocessing", "smollm2", "bls"])
+    names = render_repository(values(model_names={"ensemble": "smollm2"}, engine_instances=2, stream_interval=4),
+                              tmp_path)
+    assert sorted(names) == sorted(["preprocessing", "tensorrt_llm", "postprocessing", "smollm2", "tensorrt_llm_bls"])
     for name in names:
         cfg = (tmp_path / name / "config.pbtxt").read_text()
         assert "${" not in cfg
         assert (tmp_path / name / "1").is_dir()
-    engine = (tmp_path / "engine" / "config.pbtxt").read_text()
+    engine = (tmp_path / "tensorrt_llm" / "config.pbtxt").read_text()
     assert "count: 2 kind: KIND_CPU" in engine and 'string_value: "4"' in engine
     assert 'string_value: "../engine"' in engine and "decoupled: true" in engine
     assert 'name: "smollm2"' in (tmp_path / "smollm2" / "config.pbtxt").read_text()
-    assert (tmp_path / "engine" / "1" / "model.py").read_text() == (TEMPLATE_ROOT / "engine/1/model.py").read_text()
+    assert (tmp_path / "tensorrt_llm" / "1" / "model.py").read_text() == (TEMPLATE_ROOT / "engine/1/model.py").read_text()
+    assert 'string_value: "tensorrt_llm" }' in (tmp_path / "tensorrt_llm_bls" / "config.pbtxt").read_text()
+
+
+def test_every_model_name_is_configurable_and_threaded_through(tmp_path):
+    custom = {"preprocessing": "pre", "engine": "gen", "postprocessing": "post", "ensemble": "llm", "bls": "llm_bls"}
+    names = render_repository(values(model_names=custom, decoupled=False), tmp_path)
+    assert sorted(names) == sorted(custom.values())
+    ensemble = (tmp_path / "llm" / "config.pbtxt").read_text()
+    steps = [line.split('"')[1] for line in ensemble.splitlines() if line.strip().startswith("model_name:")]
+    assert steps == ["pre", "gen", "post"]
+    for role, name in custom.items():
+        assert f'name: "{name}"' in (tmp_path / name / "config.pbtxt").read_text(), role
+    bls = (tmp_path / "llm_bls" / "config.pbtxt").read_text()
+    assert 'key: "engine_model" value: { string_value: "gen" }' in bls
+    # non-decoupled (NVIDIA's decoupled_mode=false): the engine and bls answer one response per request
+    assert "decoupled: false" in bls and "decoupled: false" in (tmp_path / "gen" / "config.pbtxt").read_text()
+    from harness.model_names import repository_names
+    assert repository_names(tmp_path).as_dict() == custom
 
 
 def test_unknown_placeholder_fails_naming_file_and_name():
@@ -58,10 +77,12 @@ def test_value_used_by_no_template_fails(tmp_path):
         render_repository(v, tmp_path)
 
 
-@pytest.mark.parametrize("clash", ["engine", "bls", "preprocessing"])
-def test_ensemble_name_may_not_clash_with_a_fixed_model(tmp_path, clash):
+@pytest.mark.parametrize("clash", ["tensorrt_llm", "tensorrt_llm_bls", "preprocessing"])
+def test_ensemble_name_may_not_clash_with_another_model(tmp_path, clash):
+    v = values()
+    v["ensemble_name"] = clash  # the config refuses this already; rendering checks again
     with pytest.raises(RenderError, match="model names must differ"):
-        render_repository(values(model_name=clash), tmp_path)
+        render_repository(v, tmp_path)
 
 
 def test_every_template_folder_is_listed():

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from harness.serving_client import http_generate
+from harness.model_names import DEFAULT as NAMES
 from harness.serving_server import free_port, stub_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
@@ -53,7 +54,7 @@ def test_serve_starts_answers_and_stops_cleanly(serving_build, sig):
         out = "".join(lines)
         assert pid is not None, out
         assert f"127.0.0.1:{ports[0]}" in out and "harness.client" in out and "generate_stream" in out
-        body = http_generate(f"127.0.0.1:{ports[0]}", "ensemble", "The capital of France is", max_tokens=4,
+        body = http_generate(f"127.0.0.1:{ports[0]}", NAMES.ensemble, "The capital of France is", max_tokens=4,
                              temperature=0.0, exclude_input_in_output=True)
         assert body["text_output"].strip()
         assert len(_group_members(pid)) >= 5  # the server and its four Python stubs
@@ -116,7 +117,7 @@ def test_a_dead_engine_stub_ends_streams_and_stops_the_server(serving_build):
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}")
         # 900 forced tokens (the serving build's max_seq_len is 1024): minutes on this CPU
         results.extend(await asyncio.gather(*[
-            grpc_stream(client, "ensemble", f"Count to a thousand, {i}:", on_piece=lambda _s, i=i: seen.add(i),
+            grpc_stream(client, NAMES.ensemble, f"Count to a thousand, {i}:", on_piece=lambda _s, i=i: seen.add(i),
                         max_tokens=900, min_tokens=900, temperature=0.0) for i in range(3)],
             return_exceptions=True))  # the RPC itself fails (UNAVAILABLE) when the server goes
         await client.close()
@@ -128,12 +129,12 @@ def test_a_dead_engine_stub_ends_streams_and_stops_the_server(serving_build):
         while len(seen) < 3 and runner.is_alive() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(seen) == 3, f"streams did not start: {results}"
-        engine = [p for p, model in stub_processes(pid).items() if model == "engine"]
+        engine = [p for p, model in stub_processes(pid).items() if model == NAMES.engine]
         assert len(engine) == 1
         os.kill(engine[0], signal.SIGKILL)
         rest, _ = proc.communicate(timeout=120)
         assert proc.returncode == 3, rest
-        assert "stub of model engine" in rest and "died" in rest
+        assert f"stub of model {NAMES.engine}" in rest and "died" in rest
         runner.join(60)
         assert not runner.is_alive(), "a stream still hangs after the server stopped"
         # each stream ended with an error: a final error response or the RPC's own failure
@@ -162,21 +163,21 @@ def test_a_hung_step_ends_requests_with_an_error_and_stops_the_server(serving_bu
     repo = tmp_path / "model_repository"
     shutil.copytree(serving_build / "model_repository", repo)
     (tmp_path / "engine").symlink_to(serving_build / "engine")  # models name it as ../engine
-    pbtxt = repo / "engine" / "config.pbtxt"
+    pbtxt = repo / NAMES.engine / "config.pbtxt"
     text = pbtxt.read_text()
     assert 'key: "step_timeout_s" value: { string_value: "300' in text  # the default is rendered
     pbtxt.write_text(text.replace('key: "step_timeout_s" value: { string_value: "300.0" }',
                                   'key: "step_timeout_s" value: { string_value: "0.02" }'))
     proc, pid, ports = _start_serve(serving_build, repo)
     try:
-        res = grpc_generate(f"127.0.0.1:{ports[1]}", "ensemble",
+        res = grpc_generate(f"127.0.0.1:{ports[1]}", NAMES.ensemble,
                             "Count to a thousand:", max_tokens=900, min_tokens=900, temperature=0.0)
         assert res.error and "engine failure" in res.error and "more than 0.02 s" in res.error, res.error
         rest, _ = proc.communicate(timeout=120)
         assert proc.returncode == 3, rest
         # the stub's exit is seen as its death, or (when Triton 24.10 aborts as the stub goes away
         # mid-IPC) as the server's own exit: either way the server is stopped with code 3
-        assert "stub of model engine" in rest or "tritonserver exited with code" in rest, rest
+        assert f"stub of model {NAMES.engine}" in rest or "tritonserver exited with code" in rest, rest
     finally:
         if proc.poll() is None:
             proc.kill()

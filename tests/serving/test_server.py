@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import requests
 
+from harness.model_names import DEFAULT as NAMES
 from harness.serving_client import GenerateError, grpc_inputs, grpc_stream, http_generate, http_stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
-MODELS = ("ensemble", "bls")
+MODELS = (NAMES.ensemble, NAMES.bls)
 # under 16 tokens (one KV block) so no request reuses a cached prefix: every greedy run then does
 # exactly the same arithmetic as the in-process reference
 PROMPTS = {"paris": ("The capital of France is", 16), "fib": ("def fibonacci(n):", 12)}
@@ -133,7 +134,7 @@ def test_64_concurrent_streams_complete_and_free_the_kv_pool(triton_server):
 
 # Not "ensemble": Triton 24.10 checks an ensemble's cancellation only between steps and never cancels
 # the engine step already streaming, so the engine cannot see it (the bls model stops the engine itself).
-@pytest.mark.parametrize("model", ["bls"])
+@pytest.mark.parametrize("model", [NAMES.bls])
 def test_cancelled_stream_frees_its_blocks_and_others_finish(reference, triton_server, model):
     text, n = PROMPTS["paris"]
     before = metric(triton_server, "kiln_generated_tokens_total")
@@ -166,7 +167,7 @@ def test_cancelled_engine_request_frees_its_blocks(reference, triton_server):
         client = aio.InferenceServerClient(triton_server.grpc_url)
 
         async def reqs():
-            yield {"model_name": "engine", "inputs": inputs}
+            yield {"model_name": NAMES.engine, "inputs": inputs}
         n = 0
         it = client.stream_infer(reqs())
         async for result, error in it:
@@ -245,7 +246,7 @@ def test_custom_metrics_are_exported(triton_server):
              "kiln_time_per_output_token_seconds_count")
     before = {name: metric(triton_server, name) for name in (*grown, "kiln_generated_tokens_total")}
     text, n = PROMPTS["paris"]
-    body = http_generate(triton_server.http_url, "ensemble", text, max_tokens=n, temperature=0.0,
+    body = http_generate(triton_server.http_url, NAMES.ensemble, text, max_tokens=n, temperature=0.0,
                          exclude_input_in_output=True)
     assert body["text_output"]
     exported = requests.get(triton_server.metrics_url, timeout=10).text
@@ -263,7 +264,7 @@ def test_a_bundle_without_a_draft_reports_zero_acceptance(reference, triton_serv
     from backend.serving.acceptance import read_acceptance
     zeros = {"acceptance_rate": 0.0, "total_accepted_draft_tokens": 0, "total_draft_tokens": 0}
     text, n = PROMPTS["paris"]
-    for model, flag in (("ensemble", {}), ("bls", {"return_perf_metrics": True})):
+    for model, flag in ((NAMES.ensemble, {}), (NAMES.bls, {"return_perf_metrics": True})):
         body = http_generate(triton_server.http_url, model, text, max_tokens=n, temperature=0.0,
                              exclude_input_in_output=True, **flag)
         assert body["text_output"] == reference["paris"]
@@ -299,21 +300,21 @@ def test_engine_model_unloads_and_reloads_without_leaking(reference, triton_serv
     before = _stubs(pid)
     assert len(before) == 4  # one stub per Python model instance (the ensemble has none)
     for _ in range(2):
-        client.unload_model("engine")
+        client.unload_model(NAMES.engine)
         deadline = time.monotonic() + 60
-        while (client.is_model_ready("engine") or len(_stubs(pid)) != len(before) - 1) \
+        while (client.is_model_ready(NAMES.engine) or len(_stubs(pid)) != len(before) - 1) \
                 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not client.is_model_ready("engine")
+        assert not client.is_model_ready(NAMES.engine)
         assert len(_stubs(pid)) == len(before) - 1  # the engine's stub process is gone
         with pytest.raises(GenerateError):
-            http_generate(triton_server.http_url, "ensemble", "Hi", max_tokens=2)
-        client.load_model("engine")
-        assert client.is_model_ready("engine")
+            http_generate(triton_server.http_url, NAMES.ensemble, "Hi", max_tokens=2)
+        client.load_model(NAMES.engine)
+        assert client.is_model_ready(NAMES.engine)
     after = _stubs(pid)
     assert len(after) == len(before)
     assert sum(after.values()) < 1.3 * sum(before.values()) + 200_000
     text, n = PROMPTS["paris"]
-    assert http_generate(triton_server.http_url, "ensemble", text, max_tokens=n, temperature=0.0,
+    assert http_generate(triton_server.http_url, NAMES.ensemble, text, max_tokens=n, temperature=0.0,
                          exclude_input_in_output=True)["text_output"] == reference["paris"]
     client.close()

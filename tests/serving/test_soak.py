@@ -11,6 +11,7 @@ import json
 import pytest
 
 from harness import soak
+from harness.model_names import DEFAULT as NAMES
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -40,4 +41,4 @@ def test_plan_is_seeded_and_mixes_kinds():
     assert sum(r["kind"] == "cancel" for r in a) == 20      # the default 10%, exactly
     assert sum(r["kind"] == "malformed" for r in a) == 10   # the default 5%
     assert soak.plan(soak.parse_args(["--requests", "200", "--seed", "4"])) != a
-    assert {r["model"] for r in a if r["kind"] == "cancel"} == {"bls", "engine"}
+    assert {r["model"] for r in a if r["kind"] == "cancel"} == {NAMES.bls, NAMES.engine}

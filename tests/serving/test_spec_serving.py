@@ -19,6 +19,7 @@ import requests
 
 from backend.serving.acceptance import ACCEPTANCE_OUTPUTS, read_acceptance
 from harness.serving_client import grpc_inputs, http_generate
+from harness.model_names import DEFAULT as NAMES
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -34,7 +35,7 @@ def eagle_build(build_bundle):
     from tests.eagle.conftest import eagle_overrides  # noqa: PLC0415
 
     bundle = build_bundle("smollm2-135m-bf16-eagle3", eagle_overrides(verify=False))
-    assert (bundle / "draft").is_dir() and (bundle.parent / "model_repository" / "engine").is_dir()
+    assert (bundle / "draft").is_dir() and (bundle.parent / "model_repository" / NAMES.engine).is_dir()
     return bundle.parent
 
 
@@ -72,7 +73,7 @@ def reference(eagle_build):
 @pytest.fixture(scope="module")
 def server(eagle_build, reference):  # the reference first: one model in memory at a time
     from harness.serving_server import TritonServer
-    models = ("preprocessing", "engine", "postprocessing", "ensemble", "bls")
+    models = tuple(NAMES.as_dict().values())
     with TritonServer(eagle_build / "model_repository", model_control="explicit", load_models=models,
                       exit_timeout=3) as srv:
         yield srv
@@ -152,7 +153,7 @@ def test_speculation_leaves_greedy_output_unchanged(reference):
 @pytest.mark.parametrize("key", list(PROMPTS))
 def test_engine_streams_the_executors_tokens_and_counts(reference, server, key):
     ids, _plain, spec, counts, _text = reference[key]
-    responses = stream(server.grpc_url, "engine", engine_inputs(ids, return_perf_metrics=True))
+    responses = stream(server.grpc_url, NAMES.engine, engine_inputs(ids, return_perf_metrics=True))
     got = [int(t) for r in responses for t in r["output_ids"].reshape(-1)]
     assert got == spec
     check_cumulative(responses, counts)
@@ -162,14 +163,14 @@ def test_engine_streams_the_executors_tokens_and_counts(reference, server, key):
 def test_ensemble_and_bls_report_the_same_figures(reference, server):
     _ids, _plain, _spec, counts, text = reference["paris"]
     # ensemble, HTTP generate, no flag: the ensemble always carries the figures
-    body = http_generate(server.http_url, "ensemble", PROMPTS["paris"], max_tokens=MAX_TOKENS,
+    body = http_generate(server.http_url, NAMES.ensemble, PROMPTS["paris"], max_tokens=MAX_TOKENS,
                          temperature=0.0, exclude_input_in_output=True)
     assert body["text_output"] == text
     f = read_acceptance(body)
     assert (f["total_draft_tokens"], f["total_accepted_draft_tokens"]) == counts
     # bls, gRPC streaming with the flag: cumulative on every response
     flag = dict(datatypes={"return_perf_metrics": "BOOL"}, return_perf_metrics=np.array([True]))
-    responses = stream(server.grpc_url, "bls", grpc_inputs(PROMPTS["paris"], max_tokens=MAX_TOKENS,
+    responses = stream(server.grpc_url, NAMES.bls, grpc_inputs(PROMPTS["paris"], max_tokens=MAX_TOKENS,
                                                            temperature=0.0, stream=True, **flag))
     assert "".join(r["text_output"].reshape(-1)[0].decode() for r in responses) == text
     check_cumulative(responses, counts)
@@ -177,10 +178,10 @@ def test_ensemble_and_bls_report_the_same_figures(reference, server):
 
 def test_clients_that_do_not_ask_see_no_acceptance_outputs(reference, server):
     ids, _plain, spec, _counts, text = reference["fox"]
-    responses = stream(server.grpc_url, "engine", engine_inputs(ids))
+    responses = stream(server.grpc_url, NAMES.engine, engine_inputs(ids))
     assert [int(t) for r in responses for t in r["output_ids"].reshape(-1)] == spec
     assert all(not set(ACCEPTANCE_OUTPUTS) & r.keys() for r in responses)
-    responses = stream(server.grpc_url, "bls", grpc_inputs(PROMPTS["fox"], max_tokens=MAX_TOKENS,
+    responses = stream(server.grpc_url, NAMES.bls, grpc_inputs(PROMPTS["fox"], max_tokens=MAX_TOKENS,
                                                            temperature=0.0, stream=True))
     assert "".join(r["text_output"].reshape(-1)[0].decode() for r in responses) == text
     assert all(set(r) == {"text_output", "output_log_probs"} for r in responses)
@@ -189,7 +190,7 @@ def test_clients_that_do_not_ask_see_no_acceptance_outputs(reference, server):
 def test_request_that_cannot_speculate_reports_zeros(reference, server):
     # log-probabilities rule drafts out for the request (backend/speculative/accept.py): plain decoding
     ids, plain, _spec, _counts, _text = reference["paris"]
-    responses = stream(server.grpc_url, "engine", engine_inputs(ids, return_perf_metrics=True,
+    responses = stream(server.grpc_url, NAMES.engine, engine_inputs(ids, return_perf_metrics=True,
                                                                 return_log_probs=True))
     assert [int(t) for r in responses for t in r["output_ids"].reshape(-1)] == plain
     check_cumulative(responses, (0, 0))
@@ -199,7 +200,7 @@ def test_speculation_metrics_grow_by_the_requests_counts(reference, server):
     names = ("kiln_spec_draft_tokens_proposed_total", "kiln_spec_draft_tokens_accepted_total")
     ids, _plain, _spec, counts, _text = reference["paris"]
     before = [metric(server, n) for n in names]
-    responses = stream(server.grpc_url, "engine", engine_inputs(ids, return_perf_metrics=True))
+    responses = stream(server.grpc_url, NAMES.engine, engine_inputs(ids, return_perf_metrics=True))
     check_cumulative(responses, counts)
     # the engine publishes a request's metrics before its final response: no waiting needed
     assert [metric(server, n) - b for n, b in zip(names, before)] == [float(c) for c in counts]
@@ -209,8 +210,8 @@ def test_speculation_metrics_grow_by_the_requests_counts(reference, server):
     assert metric(server, "kiln_spec_mean_acceptance_length") >= 1.0  # the target's own token at least
 
 
-@pytest.mark.parametrize("protocol,model,stream", [("grpc", "ensemble", True), ("http", "bls", False),
-                                                   ("http", "ensemble", True)])
+@pytest.mark.parametrize("protocol,model,stream", [("grpc", NAMES.ensemble, True), ("http", NAMES.bls, False),
+                                                   ("http", NAMES.ensemble, True)])
 def test_client_json_shows_the_figures(reference, server, capsys, protocol, model, stream):
     from harness import client
     _ids, _plain, _spec, counts, text = reference["paris"]

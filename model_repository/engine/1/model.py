@@ -1,15 +1,18 @@
-"""Triton model: the Kiln engine (decoupled). Logic: backend/serving/engine_host.py."""
+"""Triton model: the Kiln engine (decoupled unless built with serving.decoupled=false).
+Logic: backend/serving/engine_host.py."""
 import triton_python_backend_utils as pb_utils
 
 from backend.logs import route_to_triton
 from backend.serving.engine_host import EngineHost, exit_stub
 from backend.serving.model_args import engine_dir, instance_count, model_config, parameter
+from backend.serving.transaction import is_decoupled, streaming_refused
 
 
 class TritonPythonModel:
     def initialize(self, args):
         route_to_triton(pb_utils)  # kiln.* log lines go to the server's log
         cfg = model_config(args)
+        self.name, self.decoupled = args["model_name"], is_decoupled(cfg)
         self.host = EngineHost(pb_utils, engine_dir(args, cfg), device=parameter(cfg, "device", "cpu"),
                                stream_interval=int(parameter(cfg, "stream_interval", "1")),
                                model_name=args["model_name"], instance=args["model_instance_name"],
@@ -20,6 +23,9 @@ class TritonPythonModel:
                                on_fatal=exit_stub)
 
     def execute(self, requests):
+        if not self.decoupled:  # one response per request: a streaming or stop request is refused
+            requests = [r for r in requests if not streaming_refused(pb_utils, r, self.name, "streaming")
+                        and not streaming_refused(pb_utils, r, self.name, "stop_request")]
         self.host.execute(requests)  # only enqueues; responses come from the executor thread
         return None
 
