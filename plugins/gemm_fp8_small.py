@@ -10,10 +10,7 @@ How it reads the weight: each program owns BLOCK_N output rows and one K slice. 
 is computed transposed, ``w_tile [BLOCK_N, BLOCK_K] @ x_tile^T [BLOCK_K, 16]``, so the weight is the MMA's
 wide operand and M only pads the narrow one (tensor-core FLOPs are free here, and loads that feed
 ``tl.dot`` are software-pipelined over ``num_stages``); otherwise (M = 1) a plain multiply and row sum.
-Split-K without a second launch: with ``num_splits > 1`` each program stores its fp32 partial rows, and
-the last program of an N tile to arrive (an atomic counter per tile) adds the partials in split order
-(deterministic) and writes the output, then resets its counter to 0, so the counters (``locks``, int32
-zeros owned by the caller, e.g. one per FP8 linear) are ready for the next launch, also inside a CUDA graph.
+Split-K without a second launch, deterministic, with self-resetting counters: plugins/splitk.py.
 
 Interpreter tests run it on fp16/fp32 tensors holding e4m3 values (the notes' rule); on a GPU it reads
 float8_e4m3fn. Reference: plugins/reference/gemm.py (fp8_gemm_codes_ref).
@@ -25,10 +22,11 @@ import triton
 import triton.language as tl
 
 from . import tuning
+from . import splitk
 from .common import Variant, check, launch
+from .splitk import plan_splits, store_split_k
 
 MAX_M = 16                      # rows this kernel takes; larger M is torch._scaled_mm's (or fp8_gemm_kernel's)
-INTERPRETER_PROGRAMS = 8        # split-K target under the interpreter (no SMs to fill there)
 
 
 @triton.jit
@@ -60,21 +58,8 @@ def fp8_gemm_small_m_kernel(out_ptr, x_ptr, w_ptr, ws_ptr, xs_ptr, part_ptr, loc
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[:, None]
     scale = tl.load(xs_ptr) * tl.load(ws_ptr + rn, mask=nmask, other=0.0)
     omask = nmask[:, None] & mmask[None, :]
-    optrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
-    if num_splits == 1:
-        tl.store(optrs, (acc * scale[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
-    else:
-        # partials [num_splits, N, BLOCK_M] fp32; only the M real rows are written and read back
-        pofs = rn[:, None].to(tl.int64) * BLOCK_M + rm[None, :]
-        tl.store(part_ptr + pid_k.to(tl.int64) * N * BLOCK_M + pofs, acc, mask=omask)
-        tl.debug_barrier()                                     # every thread's partial is stored ...
-        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")   # ... before this release
-        if arrived == num_splits - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            for s in range(0, num_splits):
-                total += tl.load(part_ptr + s * N * BLOCK_M + pofs, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.store(optrs, (total * scale[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed")
+    store_split_k(acc, scale, out_ptr, part_ptr, lock_ptr, rn, rm, omask, stride_om, N, pid_n, pid_k,
+                  num_splits, BLOCK_N, BLOCK_M)
 
 
 def gemm_config(M: int) -> dict:
@@ -86,36 +71,9 @@ def gemm_config(M: int) -> dict:
     return dict(tuning.get("fp8_small_m"), block_m=16, use_dot=True)
 
 
-_SMS: dict[int, int] = {}
-
-
-def _target_programs(device: torch.device, per_sm: int) -> int:
-    """Programs that fill the GPU (``per_sm`` per SM); a fixed small number under the interpreter."""
-    if device.type != "cuda":
-        return INTERPRETER_PROGRAMS
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return per_sm * _SMS[idx]
-
-
-def plan_splits(N: int, K: int, cfg: dict, device: torch.device, split_k: int | None = None) -> tuple[int, int]:
-    """-> (num_splits, k_per_split): enough (N tile, K slice) programs to fill the GPU, whole K tiles per
-    slice, at most ``cfg["max_splits"]`` (each split adds M x N fp32 partials written and read back)."""
-    bk = cfg["block_k"]
-    k_tiles = triton.cdiv(K, bk)
-    if split_k is None:
-        n_tiles = triton.cdiv(N, cfg["block_n"])
-        split_k = triton.cdiv(_target_programs(device, cfg["programs_per_sm"]), n_tiles)
-        split_k = min(split_k, cfg["max_splits"])
-    splits = max(1, min(split_k, k_tiles))
-    per = triton.cdiv(k_tiles, splits) * bk
-    return triton.cdiv(K, per), per
-
-
 def lock_count(N: int) -> int:
     """int32 counters a caller keeps for weights of N output rows (one per N tile of any configuration)."""
-    return triton.cdiv(N, min(tuning.get("fp8_gemv")["block_n"], tuning.get("fp8_small_m")["block_n"]))
+    return splitk.lock_count(N, "fp8_gemv", "fp8_small_m")
 
 
 def fp8_gemm_small_m(xq: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -36,11 +36,12 @@ import triton
 import triton.language as tl
 
 from . import tuning
+from . import splitk
 from .common import Variant, check, launch
+from .splitk import plan_splits, store_split_k
 from .gemm_w4a16 import FORMATS, FMT_INT4_AWQ, FMT_NVFP4, _decode
 
 MAX_M = 16                      # rows this kernel takes; larger M is plugins/gemm_w4a16.py's
-INTERPRETER_PROGRAMS = 8        # split-K target under the interpreter (no SMs to fill there)
 
 SCALE_ELEMENT = 0   # one multiply per weight element (in the activation dtype, as the reference rounds)
 SCALE_TILE = 1      # int4: one scale per row per K tile, on the tile's partial sums
@@ -121,21 +122,8 @@ def w4a16_small_m_kernel(out_ptr, x_ptr, w_ptr, ws_ptr, ws2_ptr, part_ptr, lock_
     if FMT == 1:
         scale = scale * tl.load(ws2_ptr)                       # nvfp4's global scale, once per output
     omask = nmask[:, None] & mmask[None, :]
-    optrs = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
-    if num_splits == 1:
-        tl.store(optrs, (acc * scale[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
-    else:
-        # partials [num_splits, N, BLOCK_M] fp32; only the M real rows are written and read back
-        pofs = rn[:, None].to(tl.int64) * BLOCK_M + rm[None, :]
-        tl.store(part_ptr + pid_k.to(tl.int64) * N * BLOCK_M + pofs, acc, mask=omask)
-        tl.debug_barrier()                                     # every thread's partial is stored ...
-        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")   # ... before this release
-        if arrived == num_splits - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            for s in range(0, num_splits):
-                total += tl.load(part_ptr + s * N * BLOCK_M + pofs, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.store(optrs, (total * scale[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed")
+    store_split_k(acc, scale, out_ptr, part_ptr, lock_ptr, rn, rm, omask, stride_om, N, pid_n, pid_k,
+                  num_splits, BLOCK_N, BLOCK_M)
 
 
 def gemm_config(M: int) -> dict:
@@ -157,36 +145,9 @@ def scale_mode(fmt_id: int, group: int, cfg: dict) -> int:
     return SCALE_ELEMENT
 
 
-_SMS: dict[int, int] = {}
-
-
-def _target_programs(device: torch.device, per_sm: int) -> int:
-    """Programs that fill the GPU (``per_sm`` per SM); a fixed small number under the interpreter."""
-    if device.type != "cuda":
-        return INTERPRETER_PROGRAMS
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return per_sm * _SMS[idx]
-
-
-def plan_splits(N: int, K: int, cfg: dict, device: torch.device, split_k: int | None = None) -> tuple[int, int]:
-    """-> (num_splits, k_per_split): enough (N tile, K slice) programs to fill the GPU, whole K tiles per
-    slice, at most ``cfg["max_splits"]`` (each split adds M x N fp32 partials written and read back:
-    small next to the K x N / 2 weight bytes at M <= 16)."""
-    bk = cfg["block_k"]
-    k_tiles = triton.cdiv(K, bk)
-    if split_k is None:
-        n_tiles = triton.cdiv(N, cfg["block_n"])
-        split_k = min(triton.cdiv(_target_programs(device, cfg["programs_per_sm"]), n_tiles), cfg["max_splits"])
-    splits = max(1, min(split_k, k_tiles))
-    per = triton.cdiv(k_tiles, splits) * bk
-    return triton.cdiv(K, per), per
-
-
 def lock_count(N: int) -> int:
     """int32 counters a caller keeps for weights of N output rows (one per N tile of any configuration)."""
-    return triton.cdiv(N, min(tuning.get("w4a16_gemv")["block_n"], tuning.get("w4a16_small_m")["block_n"]))
+    return splitk.lock_count(N, "w4a16_gemv", "w4a16_small_m")
 
 
 def w4a16_small_m(x: torch.Tensor, fmt: str, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from backend.ops import linear as linear_mod
-from plugins import aot, gemm_fp8_small, registry, tuning
+from plugins import aot, gemm_fp8_small, registry, splitk, tuning
 from plugins.common import EngineShapes
 from plugins.gemm_fp8_small import MAX_M, fp8_gemm_small_m, lock_count
 from plugins.reference.gemm import fp8_gemm_codes_ref
@@ -79,7 +79,7 @@ def test_split_plan_fills_the_gpu_in_whole_k_tiles():
     cfg = dict(tuning.get("fp8_small_m"), block_m=16, use_dot=True, block_k=128, block_n=64, programs_per_sm=2,
                max_splits=8)
     cuda = torch.device("cuda")
-    gemm_fp8_small._SMS[0] = 132
+    splitk._SMS[0] = 132
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(torch.cuda, "current_device", lambda: 0)
@@ -91,7 +91,7 @@ def test_split_plan_fills_the_gpu_in_whole_k_tiles():
             assert gemm_fp8_small.plan_splits(64, 4096, cfg, cuda)[0] == 8
             assert gemm_fp8_small.plan_splits(64, 200, cfg, cuda) == (2, 128)
     finally:
-        gemm_fp8_small._SMS.pop(0, None)
+        splitk._SMS.pop(0, None)
 
 
 def test_refusals_name_the_problem(device):

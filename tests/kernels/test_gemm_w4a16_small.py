@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from plugins import aot, gemm_w4a16, gemm_w4a16_small as small, tuning
+from plugins import aot, gemm_w4a16, gemm_w4a16_small as small, splitk, tuning
 from plugins.common import EngineShapes
 from plugins.gemm_w4a16 import w4a16_linear
 from plugins.gemm_w4a16_small import MAX_M, lock_count, w4a16_small_m
@@ -103,7 +103,7 @@ def test_w4a16_linear_picks_the_kernel_by_rows(device, fresh_seed, monkeypatch):
 def test_split_plan_fills_the_gpu_in_whole_k_tiles(monkeypatch):
     cfg = dict(tuning.get("w4a16_small_m"), block_m=16, use_dot=True, block_k=128, block_n=64, programs_per_sm=2,
                max_splits=8)
-    monkeypatch.setattr(small, "_target_programs", lambda dev, per_sm: per_sm * 132)
+    monkeypatch.setattr(splitk, "target_programs", lambda dev, per_sm: per_sm * 132)
     cuda = torch.device("cuda")
     assert small.plan_splits(4096, 4096, cfg, cuda) == (5, 896)     # 64 N tiles x 5 slices for 264 slots
     assert small.plan_splits(28672, 4096, cfg, cuda) == (1, 4096)   # gate/up: N tiles alone fill the GPU
