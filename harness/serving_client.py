@@ -25,7 +25,8 @@ PARAM_TYPES: dict[str, tuple[str, Any]] = {
     "seed": ("UINT64", np.uint64), "end_id": ("INT32", np.int32), "pad_id": ("INT32", np.int32),
     "stop_words": ("BYTES", object), "bad_words": ("BYTES", object),
     "return_log_probs": ("BOOL", bool), "exclude_input_in_output": ("BOOL", bool),
-    "apply_chat_template": ("BOOL", bool),
+    "apply_chat_template": ("BOOL", bool), "beam_width": ("INT32", np.int32),
+    "num_return_sequences": ("INT32", np.int32), "return_perf_metrics": ("BOOL", bool),
 }
 
 
@@ -174,3 +175,30 @@ def grpc_generate(url: str, model: str, text: str, **params: Any) -> StreamResul
         finally:
             await client.close()
     return asyncio.run(run())
+
+
+# STOP_BY_ID: cancelling a gRPC stream to the ensemble does not reach its engine step on Triton 24.10
+# (measured: the engine's request.is_cancelled() and response_sender.is_cancelled() stay false and
+# its send() keeps succeeding; the ensemble drops the responses and the request runs to max_tokens).
+# The ensemble forwards its request id to its steps, so a client that starts an ensemble stream with
+# an unguessable id (a UUID: the engine refuses ids shorter than 16 characters) cancels it for real by
+# closing the stream AND sending the engine model a stop_request with that id (model_repository
+# README "Cancellation"). Closing the stream alone is enough for the engine and bls models.
+
+
+async def stop_request(client: Any, engine_model: str, request_id: str) -> str | None:
+    """Stop the engine request started with ``request_id`` (tensorrtllm_backend's ``stop_request``
+    control request, sent to the engine model ``engine_model``). Returns the server's error, or None.
+    The answer is a flags-only final response, which tritonclient's aio stream shows as its end."""
+    import tritonclient.grpc as g
+    stop = g.InferInput("stop_request", [1], "BOOL")
+    stop.set_data_from_numpy(np.array([True]))
+
+    async def requests() -> AsyncIterator[dict]:
+        yield {"model_name": engine_model, "inputs": [stop], "request_id": request_id}
+
+    error = None
+    async for _result, err in client.stream_infer(requests()):  # read to the end (READ_TO_THE_END)
+        if err is not None:
+            error = error or str(err)
+    return error

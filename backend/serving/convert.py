@@ -48,7 +48,12 @@ def _gt(lo: float) -> Callable[[Any], str | None]:
 
 
 def _top_p(v: float) -> str | None:
-    return None if math.isfinite(v) and 0.0 < v <= 1.0 else f"{v} is outside (0, 1]"
+    return None if math.isfinite(v) and 0.0 <= v <= 1.0 else f"{v} is outside [0, 1]"
+
+
+def _only(value: int, why: str) -> Callable[[Any], str | None]:
+    """An input Kiln accepts only with its neutral value (refused, never silently ignored)."""
+    return lambda v: None if v == value else f"{v} is not supported ({why})"
 
 
 # One table for every model: the ensemble/bls inputs (NVIDIA tensorrtllm_backend names) and the
@@ -59,14 +64,17 @@ INPUTS: dict[str, InputSpec] = {
     "stream": InputSpec("bool", False),
     "temperature": InputSpec("float", 1.0, check=_ge(0.0), allowed=">= 0 (0 = greedy)"),
     "top_k": InputSpec("int", 0, check=_ge(0), allowed=">= 0 (0 = off)"),
-    "top_p": InputSpec("float", 1.0, check=_top_p, allowed="(0, 1]"),
+    # 0 = top-p off, as in TensorRT-LLM (top_k 0 and top_p 0 together = greedy)
+    "top_p": InputSpec("float", 1.0, check=_top_p, allowed="[0, 1] (0 = off; with top_k 0: greedy)"),
     "repetition_penalty": InputSpec("float", 1.0, check=_gt(0.0), allowed="> 0 (1 = off)"),
     "presence_penalty": InputSpec("float", 0.0, check=_finite, allowed="a finite number"),
     "frequency_penalty": InputSpec("float", 0.0, check=_finite, allowed="a finite number"),
     "min_tokens": InputSpec("int", 0, check=_ge(0), allowed=">= 0 and <= max_tokens"),
     "seed": InputSpec("int", None, check=_ge(0), allowed="an unsigned 64-bit integer"),
-    "end_id": InputSpec("int", None, check=_ge(0), allowed="a token id"),
-    "pad_id": InputSpec("int", None, check=_ge(0), allowed="a token id"),
+    # -1 = the model's own (NVIDIA's default), the same as leaving the input out
+    "end_id": InputSpec("int", None, check=_ge(-1), allowed="a token id, or -1 for the model's own"),
+    "pad_id": InputSpec("int", None, check=_ge(-1), allowed="a token id, or -1 for the model's own"),
+    # NVIDIA's: tokenized, matched on the generated token ids, kept in the output
     "stop_words": InputSpec("bytes", (), many=True, allowed="a list of UTF-8 strings"),
     "bad_words": InputSpec("bytes", (), many=True, allowed="a list of UTF-8 strings"),
     "return_log_probs": InputSpec("bool", False),
@@ -74,7 +82,16 @@ INPUTS: dict[str, InputSpec] = {
     "return_perf_metrics": InputSpec("bool", False),
     "exclude_input_in_output": InputSpec("bool", False),
     "apply_chat_template": InputSpec("bool", False),
+    "beam_width": InputSpec("int", 1, check=_only(1, "Kiln decodes one beam"), allowed="1"),
+    "num_return_sequences": InputSpec("int", 1, check=_only(1, "Kiln returns one sequence per request"),
+                                      allowed="1"),
     # engine model only
+    "runtime_top_k": InputSpec("int", 0, check=_ge(0), allowed=">= 0 (0 = off); NVIDIA's name for top_k"),
+    "runtime_top_p": InputSpec("float", 1.0, check=_top_p,
+                               allowed="[0, 1] (0 = off; with top_k 0: greedy); NVIDIA's name for top_p"),
+    "random_seed": InputSpec("int", None, check=_ge(0), allowed="an unsigned 64-bit integer"),
+    # Kiln extension: substrings of the decoded text; the text is cut before the first one found
+    "stop_strings": InputSpec("bytes", (), many=True, allowed="a list of UTF-8 strings"),
     "input_ids": InputSpec("int", None, many=True, allowed="a non-empty list of token ids"),
     "input_lengths": InputSpec("int", None, check=_gt(0), allowed="len(input_ids)"),
     "request_output_len": InputSpec("int", 16, check=_gt(0), allowed=">= 1 and within max_seq_len"),
@@ -193,13 +210,18 @@ def sampling_kwargs(values: Mapping[str, Any], prompt_len: int, limits: EngineLi
     if values["min_tokens"] > max_tokens:
         raise InvalidRequest(f"input 'min_tokens': {values['min_tokens']} exceeds {max_tokens_name}="
                              f"{max_tokens}; allowed: 0..{max_tokens}")
+    temperature, top_k, top_p = values["temperature"], values["top_k"], values["top_p"]
+    if top_p == 0.0:  # TensorRT-LLM: top_p 0 turns top-p off; with top_k 0 too, decoding is greedy
+        top_p = 1.0
+        if top_k == 0:
+            temperature = 0.0
     kw: dict[str, Any] = dict(
-        max_tokens=max_tokens, min_tokens=values["min_tokens"], temperature=values["temperature"],
-        top_k=values["top_k"], top_p=values["top_p"], repetition_penalty=values["repetition_penalty"],
+        max_tokens=max_tokens, min_tokens=values["min_tokens"], temperature=temperature,
+        top_k=top_k, top_p=top_p, repetition_penalty=values["repetition_penalty"],
         presence_penalty=values["presence_penalty"], frequency_penalty=values["frequency_penalty"],
         seed=values["seed"], logprobs=1 if values["return_log_probs"] else 0,
     )
-    if values.get("end_id") is not None:
+    if values.get("end_id") is not None and values["end_id"] >= 0:  # -1: the model's own
         kw["stop_token_ids"] = (values["end_id"],)
     return kw
 

@@ -1,4 +1,12 @@
-"""Incremental detokenization that never splits a UTF-8 character, with stop strings.
+"""Incremental detokenization that never splits a UTF-8 character, with stop words and strings.
+
+Two kinds of stop, one per input name:
+
+* stop words (``stop_ids``; NVIDIA's ``stop_words`` / ``stop_words_list``): token sequences matched
+  on the generated token ids, as TensorRT-LLM does; the request ends after the matching token and
+  the stop word stays in the output;
+* stop strings (Kiln's ``stop_strings`` extension): substrings of the decoded text, whatever the
+  tokenization; the text is cut before the first one found.
 
 The work is split so the ensemble's postprocessing model can stay stateless:
 
@@ -49,7 +57,7 @@ class Chunk:
     text: str               # decode_piece(context, ids) with the stop-string cut applied
     trim: int = 0           # characters cut from the end of the decoded piece (stop string)
     finished: bool = False
-    stop: str | None = None  # the stop string that ended the request
+    stop: str | None = None  # the stop string, or the decoded stop word, that ended the request
 
 
 class StreamDetokenizer:
@@ -60,9 +68,12 @@ class StreamDetokenizer:
     """
 
     def __init__(self, tok: Decoder, prompt_ids: list[int], stop_strings: tuple[str, ...] | list[str] = (),
-                 interval: int = 1):
+                 interval: int = 1, stop_ids: tuple[tuple[int, ...], ...] | list[list[int]] = ()):
         assert interval >= 1
         self.tok = tok
+        self.stop_ids = tuple(tuple(w) for w in stop_ids if len(w))
+        self._longest = max((len(w) for w in self.stop_ids), default=0)
+        self._tail: list[int] = []  # the last generated ids, enough to match the longest stop word
         self.context = list(prompt_ids[-CONTEXT_TOKENS:])
         self.stops = tuple(s for s in stop_strings if s)
         self.interval = interval
@@ -85,6 +96,14 @@ class StreamDetokenizer:
         """Add tokens; return a chunk to send, or None to wait. ``finished`` always yields a chunk."""
         if self.finished:
             return None
+        word = None
+        if self.stop_ids:
+            for j, t in enumerate(ids):
+                self._tail = (self._tail + [t])[-self._longest:]
+                word = next((w for w in self.stop_ids if tuple(self._tail[-len(w):]) == w), None)
+                if word is not None:  # keep the stop word; drop what came after it
+                    ids, finished = list(ids[: j + 1]), True
+                    break
         self.pending.extend(ids)
         piece = decode_piece(self.tok, self.context, self.pending)
         hit = self._stop_at(piece) if self.stops else None
@@ -104,7 +123,7 @@ class StreamDetokenizer:
         if finished:  # generation ended inside a character (length limit): drop the broken tail
             trim = len(piece) - len(piece.rstrip(REPLACEMENT))
         chunk = Chunk(list(self.pending), list(self.context), piece[: len(piece) - trim], trim=trim,
-                      finished=finished)
+                      finished=finished, stop=None if word is None else (self.tok.decode(list(word)) or str(list(word))))
         if self.pending:
             self.context = (self.context + self.pending)[-CONTEXT_TOKENS:]
         self.pending = []

@@ -15,6 +15,9 @@ Rules (the serving contract):
 * A poller thread checks ``request.is_cancelled()`` (client closed the stream or cancelled) and
   cancels the request in the executor, which frees its KV blocks. A send that fails (client gone)
   cancels too.
+  Neither happens for an ``ensemble`` step on Triton 24.10 (measured: ``is_cancelled()`` of the
+  request and of the response sender stay false and ``send()`` keeps succeeding after the
+  ensemble's client went away), so ensemble clients stop by id (below; tests/serving/test_ensemble_cancel.py).
 * A ``stop_request`` (tensorrtllm_backend's control request) stops the running requests with the same
   Triton request id, but only an id of at least ``MIN_STOP_ID_LEN`` characters: a short id is
   guessable, so anyone could stop someone else's request. Clients that stop by id start the request
@@ -190,7 +193,7 @@ class EngineHost:
             return
         rid = self._prefix + str(next(self._ids))
         st = _Stream(rid, request.request_id(), request, sender, req, StreamDetokenizer(self.tok, req.prompt_ids, req.stop_strings,
-                                                                   self.interval), time.monotonic(), inband=inband)
+                                                                   self.interval, req.stop_ids), time.monotonic(), inband=inband)
         with self._lock:
             self._active[rid] = st
         try:

@@ -1,4 +1,4 @@
-"""Engine model inputs -> (prompt ids, SamplingParams kwargs, streaming, stop strings).
+"""Engine model inputs -> (prompt ids, SamplingParams kwargs, streaming, stop words).
 
 The engine checks everything again even though preprocessing already did: clients may call the
 engine model directly with token ids (NVIDIA-style ``input_ids``/``request_output_len``).
@@ -19,9 +19,13 @@ __all__ = ["ENGINE_INPUT_NAMES", "EngineRequest", "parse_engine_request"]
 ENGINE_INPUT_NAMES = (
     "input_ids", "input_lengths", "request_output_len", "streaming", "temperature", "top_k", "top_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "seed", "end_id",
-    "return_log_probs", "stop_words", "stop_words_list", "bad_words_list", "echo_text",
-    "stop_request", "return_perf_metrics",
+    "return_log_probs", "stop_strings", "stop_words_list", "bad_words_list", "echo_text",
+    "stop_request", "return_perf_metrics", "pad_id", "runtime_top_k", "runtime_top_p", "random_seed",
+    "beam_width", "num_return_sequences",
 )
+
+# NVIDIA's engine-model name -> Kiln's (both accepted; giving both with different values is refused)
+ALIASES = {"runtime_top_k": "top_k", "runtime_top_p": "top_p", "random_seed": "seed"}
 
 
 @dataclasses.dataclass
@@ -29,10 +33,11 @@ class EngineRequest:
     prompt_ids: list[int]
     sampling: dict[str, Any]         # SamplingParams keyword arguments
     streaming: bool
-    stop_strings: tuple[str, ...]    # matched on the detokenized text (catches any tokenization)
+    stop_strings: tuple[str, ...]    # Kiln's stop_strings: matched on the decoded text, cut
     return_log_probs: bool
     echo_text: str = ""              # passed through to postprocessing on the first response
     return_perf_metrics: bool = False  # add the acceptance figures to every response
+    stop_ids: tuple[tuple[int, ...], ...] = ()  # NVIDIA's stop_words_list: token sequences, kept
 
 
 def _optional_id(v: int | None) -> int | None:
@@ -47,6 +52,14 @@ def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits
         if name in t and t[name] is not None and np.asarray(t[name]).size == 1 and int(np.asarray(t[name]).reshape(-1)[0]) < 0:
             t.pop(name)
     v = read_inputs(t, ENGINE_INPUT_NAMES, required=("input_ids",))
+    for nv_name, name in ALIASES.items():
+        if t.get(nv_name) is None:
+            continue
+        value = v[nv_name] & 0x7FFFFFFFFFFFFFFF if nv_name == "random_seed" else v[nv_name]
+        if t.get(name) is not None and v[name] is not None and v[name] != value:
+            raise InvalidRequest(f"input '{nv_name}': {v[nv_name]} differs from '{name}'={v[name]}; "
+                                 f"send one of them ('{nv_name}' is NVIDIA's name for '{name}')")
+        v[name] = value
     prompt = v["input_ids"]
     if v["input_lengths"] is not None:
         if v["input_lengths"] > len(prompt):
@@ -60,7 +73,7 @@ def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits
     bad = from_words_list("bad_words_list", v["bad_words_list"], vocab_size)
     if bad:
         kw["bad_token_ids"] = tuple(tuple(w) for w in bad)
-    stops = [s for s in v["stop_words"] if s]
-    stops += [tok.decode(w) for w in from_words_list("stop_words_list", v["stop_words_list"], vocab_size)]
-    return EngineRequest(prompt, kw, bool(v["streaming"]), tuple(dict.fromkeys(s for s in stops if s)),
-                         bool(v["return_log_probs"]), v["echo_text"], bool(v["return_perf_metrics"]))
+    stop_ids = from_words_list("stop_words_list", v["stop_words_list"], vocab_size)
+    return EngineRequest(prompt, kw, bool(v["streaming"]), tuple(dict.fromkeys(s for s in v["stop_strings"] if s)),
+                         bool(v["return_log_probs"]), v["echo_text"], bool(v["return_perf_metrics"]),
+                         tuple(dict.fromkeys(tuple(w) for w in stop_ids)))

@@ -23,7 +23,7 @@ TEXT_INPUT_NAMES = (
     "text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_tokens", "seed", "end_id", "pad_id", "stop_words",
     "bad_words", "return_log_probs", "exclude_input_in_output", "apply_chat_template",
-    "return_perf_metrics",
+    "return_perf_metrics", "beam_width", "num_return_sequences",
 )
 
 
@@ -59,7 +59,6 @@ class PreparedRequest:
             "end_id": i32(-1 if v["end_id"] is None else v["end_id"]),
             "return_log_probs": np.array([v["return_log_probs"]], dtype=bool),
             "return_perf_metrics": np.array([v["return_perf_metrics"]], dtype=bool),
-            "stop_words": np.array([w.encode("utf-8") for w in v["stop_words"]] or [b""], dtype=object),
             "stop_words_list": to_words_list(self.stop_words_ids),
             "bad_words_list": to_words_list(self.bad_words_ids),
         }
@@ -68,7 +67,7 @@ class PreparedRequest:
 # engine input -> the preprocessing model's output name (a model's outputs may not reuse input names)
 RENAMED_OUTPUTS = {k: "out_" + k for k in (
     "temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-    "min_tokens", "seed", "end_id", "return_log_probs", "stop_words", "return_perf_metrics")}
+    "min_tokens", "seed", "end_id", "return_log_probs", "return_perf_metrics")}
 
 
 def preprocessing_outputs(prep: PreparedRequest) -> dict[str, np.ndarray]:

@@ -68,8 +68,13 @@ def test_streaming_never_echoes_the_prompt(pre):
     ({"text_input": text("")}, "the prompt is empty"),
     ({"text_input": text("x"), "temperature": f32(-0.5)}, "input 'temperature': -0.5 is below 0"),
     ({"text_input": text("x"), "temperature": f32(np.nan)}, "is not finite"),
-    ({"text_input": text("x"), "top_p": f32(0.0)}, "input 'top_p': 0.0 is outside (0, 1]"),
-    ({"text_input": text("x"), "top_p": f32(1.5)}, "input 'top_p': 1.5 is outside (0, 1]"),
+    ({"text_input": text("x"), "top_p": f32(-0.5)}, "input 'top_p': -0.5 is outside [0, 1]"),
+    ({"text_input": text("x"), "top_p": f32(1.5)}, "input 'top_p': 1.5 is outside [0, 1]"),
+    ({"text_input": text("x"), "end_id": i32(-2)}, "input 'end_id': -2 is below -1"),
+    ({"text_input": text("x"), "beam_width": i32(2)},
+     "input 'beam_width': 2 is not supported (Kiln decodes one beam); allowed: 1"),
+    ({"text_input": text("x"), "num_return_sequences": i32(3)},
+     "input 'num_return_sequences': 3 is not supported (Kiln returns one sequence per request); allowed: 1"),
     ({"text_input": text("x"), "top_k": i32(-1)}, "input 'top_k': -1 is below 0"),
     ({"text_input": text("x"), "min_tokens": i32(20)}, "input 'min_tokens': 20 exceeds max_tokens=16"),
     ({"text_input": text("x"), "repetition_penalty": f32(0.0)}, "input 'repetition_penalty'"),
@@ -106,7 +111,8 @@ def test_engine_request_round_trip(pre, text_tokenizer):
                         "bad_words": np.array([b" spam"], dtype=object), "return_log_probs": np.array([True])})
     req = parse_engine_request(prep.engine_tensors(), LIMITS, 49152, text_tokenizer)
     assert req.prompt_ids == prep.prompt_ids and not req.streaming and req.return_log_probs
-    assert req.stop_strings == ("END",)
+    # NVIDIA's stop_words: token sequences (kept in the output), no text stop strings
+    assert req.stop_strings == () and req.stop_ids == tuple(tuple(w) for w in text_tokenizer.words(["END"]))
     params = SamplingParams(**req.sampling)
     params.validate(LIMITS.max_seq_len - len(req.prompt_ids), 49152)
     assert (params.temperature, params.top_k, params.seed, params.logprobs) == (0.0, 5, 7, 1)
@@ -159,3 +165,48 @@ def test_postprocess_applies_context_trim_and_echo(text_tokenizer):
         "output_ids": np.array(ids, np.int32), "context_ids": np.array(text_tokenizer.encode("Hello"), np.int32),
         "text_trim": i32(len(" STOP here")), "echo_text": text("Hello")})
     assert out["text_output"][0].decode() == "Hello world."
+
+
+def _params(req):
+    params = SamplingParams(**req.sampling)
+    params.validate(LIMITS.max_seq_len - len(req.prompt_ids), 49152)
+    return params
+
+
+@pytest.mark.parametrize("top_k, expected", [(0, (0.0, 0, 1.0)), (1, (1.0, 1, 1.0)), (5, (1.0, 5, 1.0))])
+def test_top_p_zero_means_top_p_off_and_greedy_without_top_k(pre, text_tokenizer, top_k, expected):
+    # TensorRT-LLM: top_p 0 disables top-p; top_k 0 and top_p 0 together = greedy
+    prep = pre.prepare({"text_input": text("Hello"), "top_p": f32(0.0), "top_k": i32(top_k)})
+    p = _params(parse_engine_request(prep.engine_tensors(), LIMITS, 49152, text_tokenizer))
+    assert (p.temperature, p.top_k, p.top_p) == expected
+
+
+def test_end_id_and_pad_id_minus_one_mean_the_models_own(pre, text_tokenizer):
+    base = pre.prepare({"text_input": text("Hello")})
+    prep = pre.prepare({"text_input": text("Hello"), "end_id": i32(-1), "pad_id": i32(-1)})
+    a = parse_engine_request(base.engine_tensors(), LIMITS, 49152, text_tokenizer)
+    b = parse_engine_request(prep.engine_tensors(), LIMITS, 49152, text_tokenizer)
+    assert a.sampling == b.sampling and "stop_token_ids" not in b.sampling
+    c = parse_engine_request(engine_tensors([1, 2], end_id=i32(-1), pad_id=i32(-1)), LIMITS, 49152, text_tokenizer)
+    assert "stop_token_ids" not in c.sampling
+
+
+def test_engine_accepts_nvidia_names(text_tokenizer):
+    req = parse_engine_request(engine_tensors([1, 2], runtime_top_k=i32(3), runtime_top_p=f32(0.5),
+                                              random_seed=np.array([2**64 - 1], dtype=np.uint64),
+                                              beam_width=i32(1), num_return_sequences=i32(1)),
+                               LIMITS, 49152, text_tokenizer)
+    p = _params(req)
+    assert (p.top_k, p.top_p, p.seed) == (3, 0.5, 2**63 - 1)
+    with pytest.raises(InvalidRequest, match="input 'runtime_top_k': 3 differs from 'top_k'=4"):
+        parse_engine_request(engine_tensors([1, 2], runtime_top_k=i32(3), top_k=i32(4)), LIMITS, 49152,
+                             text_tokenizer)
+    with pytest.raises(InvalidRequest, match="input 'beam_width': 2 is not supported.*allowed: 1"):
+        parse_engine_request(engine_tensors([1, 2], beam_width=i32(2)), LIMITS, 49152, text_tokenizer)
+
+
+def test_engine_stop_words_list_and_kiln_stop_strings(text_tokenizer):
+    req = parse_engine_request(engine_tensors([1, 2], stop_words_list=to_words_list([[5, 6], [7]]),
+                                              stop_strings=np.array([b"END"], dtype=object)),
+                               LIMITS, 49152, text_tokenizer)
+    assert req.stop_ids == ((5, 6), (7,)) and req.stop_strings == ("END",)

@@ -78,3 +78,26 @@ def test_generation_ending_inside_a_character_drops_the_broken_tail(text_tokeniz
     chunks = _stream(text_tokenizer, [], ids[:cut])
     assert "".join(c.text for c in chunks) == text_tokenizer.decode(ids[:cut]).rstrip(REPLACEMENT)
     assert chunks[-1].trim > 0
+
+
+def test_stop_word_ids_end_the_stream_and_stay_in_the_text(text_tokenizer):
+    # NVIDIA's stop words: matched on token ids, the stop word kept, nothing after it
+    ids = text_tokenizer.encode(" The answer is 42. END of story, more text follows")
+    word = text_tokenizer.encode(" END")
+    k = next(i for i in range(len(ids)) if ids[i:i + len(word)] == word)
+    for step in (1, 3, len(ids)):
+        det = StreamDetokenizer(text_tokenizer, [], stop_ids=[word])
+        chunks = [c for i in range(0, len(ids), step) if (c := det.push(ids[i:i + step]))]
+        assert "".join(c.text for c in chunks) == text_tokenizer.decode(ids[:k + len(word)])
+        assert chunks[-1].finished and chunks[-1].stop == " END" and chunks[-1].trim == 0
+        assert sum(len(c.ids) for c in chunks) == k + len(word)
+
+
+def test_stop_word_ids_do_not_match_inside_other_tokens(text_tokenizer):
+    # "cat" inside "concatenate" is another tokenization: no token-sequence match, the text runs on
+    ids = text_tokenizer.encode(" We concatenate the strings")
+    word = text_tokenizer.encode("cat")
+    assert all(ids[i:i + len(word)] != word for i in range(len(ids)))
+    det = StreamDetokenizer(text_tokenizer, [], stop_ids=[word])
+    c = det.push(ids, finished=True)
+    assert c.text == text_tokenizer.decode(ids) and c.stop is None

@@ -107,16 +107,43 @@ def test_multibyte_characters_stream_intact(triton_server, model):
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_stop_words_end_the_text_before_the_stop_string(reference, triton_server, model):
+def test_stop_words_end_the_text_and_stay_in_it(reference, text_tokenizer, triton_server, model):
+    # NVIDIA's semantics: the stop word is matched on token ids and kept in the output
     text, n = PROMPTS["paris"]
-    cut = reference["paris"].index(".")
-    assert cut > 0
+    cut = reference["paris"].index(".") + 1
+    assert 0 < cut < len(reference["paris"])
     body = http_generate(triton_server.http_url, model, text, max_tokens=n, temperature=0.0,
                          exclude_input_in_output=True, stop_words=["."])
     assert body["text_output"] == reference["paris"][:cut]
     res = run(_streams(triton_server.grpc_url, [(model, text, dict(max_tokens=n, temperature=0.0,
                                                                     stop_words=["."]))]))[0]
     assert res.text == reference["paris"][:cut]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_nvidia_neutral_values_give_the_greedy_text(reference, triton_server, model):
+    text, n = PROMPTS["paris"]
+    kw = dict(max_tokens=n, exclude_input_in_output=True)
+    # end_id/pad_id -1 = the model's own; top_p 0 with top_k 1 (NVIDIA's samples) and with top_k 0 = greedy;
+    # beam_width / num_return_sequences 1 accepted
+    for extra in (dict(temperature=0.0, end_id=-1, pad_id=-1), dict(top_k=1, top_p=0.0),
+                  dict(top_k=0, top_p=0.0), dict(temperature=0.0, beam_width=1, num_return_sequences=1)):
+        body = http_generate(triton_server.http_url, model, text, **kw, **extra)
+        assert body["text_output"] == reference["paris"], extra
+    res = run(_streams(triton_server.grpc_url, [(model, text, dict(max_tokens=n, top_k=1, top_p=0.0, end_id=-1))]))[0]
+    assert res.error is None and res.text == reference["paris"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("name, message", [
+    ("beam_width", "input 'beam_width': 2 is not supported (Kiln decodes one beam); allowed: 1"),
+    ("num_return_sequences", "input 'num_return_sequences': 2 is not supported (Kiln returns one sequence "
+                             "per request); allowed: 1"),
+])
+def test_beam_width_and_num_return_sequences_above_one_are_refused(triton_server, model, name, message):
+    with pytest.raises(GenerateError) as e:
+        http_generate(triton_server.http_url, model, "Hello", max_tokens=4, **{name: 2})
+    assert message in str(e.value)
 
 
 def test_64_concurrent_streams_complete_and_free_the_kv_pool(triton_server):
