@@ -216,7 +216,9 @@ INVALID = [
     ({"text_input": "Hi", "max_tokens": 5000}, None, "beyond the engine limit"),
     ({"text_input": "word " * 700, "max_tokens": 4}, None, "max_input_len"),
     ({"text_input": "Hi", "temperature": -1.0}, None, "temperature"),
-    ({"text_input": "Hi", "top_p": 0.0}, None, "top_p"),
+    ({"text_input": "Hi", "top_p": -0.5}, None, "top_p"),
+    ({"text_input": "Hi", "end_id": -2}, None, "end_id"),
+    ({"text_input": "Hi", "beam_width": 4}, None, "beam_width"),
     ({"text_input": "Hi", "top_p": 1.5}, None, "top_p"),
     ({"text_input": "Hi", "top_k": -1}, None, "top_k"),
     ({"text_input": b"caf\xc3(", "max_tokens": 4}, None, "UTF-8"),
@@ -345,3 +347,63 @@ def test_engine_model_unloads_and_reloads_without_leaking(reference, triton_serv
     assert http_generate(triton_server.http_url, NAMES.ensemble, text, max_tokens=n, temperature=0.0,
                          exclude_input_in_output=True)["text_output"] == reference["paris"]
     client.close()
+
+
+def _engine_stream(url, ids, **extra):
+    """One streaming request to the engine model with NVIDIA's tensor names; (ids, last text_trim, error)."""
+    import tritonclient.grpc as g
+    import tritonclient.grpc.aio as aio
+    types = {np.dtype(bool): "BOOL", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
+             np.dtype(np.uint64): "UINT64", np.dtype(object): "BYTES"}
+    inputs = []
+    for name, arr in dict(input_ids=np.array(ids, np.int32), streaming=np.array([True]), **extra).items():
+        inp = g.InferInput(name, list(arr.shape), types[arr.dtype])
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+
+    async def go():
+        client = aio.InferenceServerClient(url)
+
+        async def reqs():
+            yield {"model_name": NAMES.engine, "inputs": inputs}
+        out, trim, err = [], 0, None
+        try:
+            async for result, error in client.stream_infer(reqs()):
+                if error is not None:
+                    err = str(error)
+                    break
+                if result.as_numpy("output_ids") is not None:
+                    out += result.as_numpy("output_ids").tolist()
+                    trim = int(result.as_numpy("text_trim")[0])
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+        finally:
+            await client.close()
+        return out, trim, err
+    return run(go())
+
+
+def test_engine_model_takes_nvidia_names_and_stop_semantics(reference, text_tokenizer, triton_server):
+    from backend.serving.convert import to_words_list
+    text, n = PROMPTS["paris"]
+    ids = text_tokenizer.encode(text)
+    i32 = lambda v: np.array([v], np.int32)  # noqa: E731
+    base = dict(request_output_len=i32(n))
+    # NVIDIA's tensorrt_llm names and neutral values: greedy (runtime_top_k 1, runtime_top_p 0)
+    out, _, err = _engine_stream(triton_server.grpc_url, ids, **base, runtime_top_k=i32(1),
+                                 runtime_top_p=np.array([0.0], np.float32),
+                                 random_seed=np.array([2**64 - 1], np.uint64), end_id=i32(-1), pad_id=i32(-1),
+                                 beam_width=i32(1), num_return_sequences=i32(1))
+    assert err is None and text_tokenizer.decode(out).rstrip("\ufffd") == reference["paris"]
+    cut = reference["paris"].index(".") + 1
+    # stop_words_list: token ids, the stop word kept
+    out, trim, err = _engine_stream(triton_server.grpc_url, ids, **base, runtime_top_k=i32(1), runtime_top_p=np.array([0.0], np.float32),
+                                    stop_words_list=to_words_list(text_tokenizer.words(["."])))
+    assert err is None and trim == 0 and text_tokenizer.decode(out) == reference["paris"][:cut]
+    # Kiln's stop_strings: substrings of the text, cut before the match
+    out, trim, err = _engine_stream(triton_server.grpc_url, ids, **base, temperature=np.array([0.0], np.float32),
+                                    stop_strings=np.array([b"."], dtype=object))
+    full = text_tokenizer.decode(out)
+    assert err is None and full[: len(full) - trim] == reference["paris"][:cut - 1]
+    _, _, err = _engine_stream(triton_server.grpc_url, ids, **base, beam_width=i32(2))
+    assert err is not None and "input 'beam_width': 2 is not supported (Kiln decodes one beam); allowed: 1" in err
