@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=None, help="stop word (repeatable): tokenized, matched on the generated tokens, kept in the output (NVIDIA's stop_words)")
     # On by default: the shipped engines are instruct/chat models, which ramble on a raw prompt.
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="apply the model's chat template to the prompt (default; --no-chat sends it raw)")
