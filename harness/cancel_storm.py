@@ -12,7 +12,9 @@ request and, after its first chunk, closes the stream with ``stop_stream(cancel_
 to its final response, which must carry no error. ``snapshot(srv, model)`` reads a model stub's
 thread count and RSS from ``/proc`` so that a caller can compare idle values before and after.
 
-Command line (starts its own server on free ports, prints a JSON report, exit code 1 on failure):
+Command line (starts its own server on free ports, warms the stub with a small storm, measures
+its idle threads and RSS, runs the storm, settles, measures again; prints a JSON report with the
+first-chunk wait percentiles; exit code 1 on failure):
 ``python -m harness.cancel_storm build/<stem>/model_repository --cancels 1000 --concurrency 64``
 """
 from __future__ import annotations
@@ -43,6 +45,16 @@ class StormReport:
     errors: list[str] = dataclasses.field(default_factory=list)   # streams that got an error
     unanswered: int = 0         # streams with no first chunk (normal: no final) within the timeout
     seconds: float = 0.0
+    # seconds from sending to the first chunk (cancelled) or the final response (normal), answered only
+    waits: list[float] = dataclasses.field(default_factory=list, repr=False)
+
+    def wait_summary(self) -> dict[str, float]:
+        """p50 / p99 / max of :attr:`waits` (tells a slow queue from a stream that was lost)."""
+        if not self.waits:
+            return {}
+        w = sorted(self.waits)
+        pick = lambda q: round(w[min(len(w) - 1, int(q * len(w)))], 2)  # noqa: E731
+        return {"p50_s": pick(0.50), "p99_s": pick(0.99), "max_s": round(w[-1], 2)}
 
     def ok(self) -> bool:
         return not self.errors and self.unanswered == 0
@@ -74,14 +86,16 @@ def _is_final(result) -> bool:
     return p is not None and p.bool_param
 
 
-def _one(client, model: str, inputs: list, normal: bool, timeout_s: float) -> str:
-    """One ticket on ``client``'s own stream: 'completed' | 'first chunk' | 'unanswered' | 'error: ...'."""
+def _one(client, model: str, inputs: list, normal: bool, timeout_s: float) -> tuple[str, float]:
+    """One ticket on ``client``'s own stream: ('completed' | 'first chunk' | 'unanswered' |
+    'error: ...', seconds until that outcome)."""
     q: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
     outcome = "unanswered"
+    t0 = time.monotonic()
     try:
         client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-        end = time.monotonic() + timeout_s
+        end = t0 + timeout_s
         while True:
             try:
                 result, error = q.get(timeout=max(0.0, end - time.monotonic()))
@@ -100,8 +114,9 @@ def _one(client, model: str, inputs: list, normal: bool, timeout_s: float) -> st
         outcome = f"error: {type(e).__name__}: {e}"
     finally:
         # a cancelling ticket closes its stream mid-generation, like a client that goes away
+        waited = time.monotonic() - t0
         client.stop_stream(cancel_requests=outcome != "completed")
-    return outcome
+    return outcome, waited
 
 
 def _worker(url: str, model: str, tickets, report: StormReport, lock: threading.Lock,
@@ -113,8 +128,10 @@ def _worker(url: str, model: str, tickets, report: StormReport, lock: threading.
             if time.monotonic() > deadline:
                 return
             normal = normal_every > 0 and ticket % normal_every == normal_every - 1
-            outcome = _one(client, model, short_inputs if normal else long_inputs, normal, timeout_s)
+            outcome, waited = _one(client, model, short_inputs if normal else long_inputs, normal, timeout_s)
             with lock:
+                if outcome in ("completed", "first chunk"):
+                    report.waits.append(waited)
                 if outcome == "completed":
                     report.completed += 1
                 elif outcome == "first chunk":
@@ -199,6 +216,21 @@ def wait_threads(srv: Any, most: int, *, model: str = DEFAULT.bls, timeout_s: fl
         time.sleep(0.25)
 
 
+def _settle(srv: Any, model: str, timeout_s: float) -> None:
+    """Let the bls model drop the engine iterators it keeps for GRACE_S after a stream ended, then
+    send one normal request (a finished iterator is released on the next request's way through)."""
+    import tritonclient.grpc as g
+    from backend.serving.bls import GRACE_S
+    time.sleep(GRACE_S + 0.5)
+    client = g.InferenceServerClient(srv.grpc_url)
+    try:
+        outcome, _ = _one(client, model, _inputs(SHORT_PROMPT, 4, 4), True, timeout_s)
+    finally:
+        client.close()
+    if outcome != "completed":
+        raise RuntimeError(f"a normal request to {model!r} on an idle server ended with {outcome!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from harness.serving_server import TritonServer
     ap = argparse.ArgumentParser(prog="python -m harness.cancel_storm", description=__doc__.split("\n\n")[0])
@@ -207,25 +239,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cancels", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--normal-every", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds one stream may wait for its first chunk (a normal request for its "
+                         "final) before it counts as unanswered (default 600: on 2 cores a stream "
+                         "queued behind 63 long ones waits minutes; lost is what this looks for)")
     ap.add_argument("--exit-timeout", type=int, default=10)
     args = ap.parse_args(argv)
     srv = TritonServer(args.model_repository, exit_timeout=args.exit_timeout).start()
-    failure, after = None, None
+    failure, after, idle = None, None, None
     try:
-        before = snapshot(srv, args.model)
+        # Idle is measured warm, as tests/serving/test_cancel_storm.py does: after a small storm and
+        # the grace period, so that lazily started threads and allocator arenas are counted as idle.
+        warm = cancel_storm(srv, cancels=8, concurrency=8, model=args.model, timeout_s=args.timeout)
+        if not warm.ok():
+            raise RuntimeError(f"the warm-up storm failed: {warm}")
+        _settle(srv, args.model, args.timeout)
+        idle = wait_threads(srv, 10**6, model=args.model)
         report = cancel_storm(srv, cancels=args.cancels, concurrency=args.concurrency, model=args.model,
-                              normal_every=args.normal_every)
+                              normal_every=args.normal_every, timeout_s=args.timeout)
         failure = srv.failure()
         if failure is None:
-            after = wait_threads(srv, before.threads, model=args.model)
+            wait_threads(srv, idle.threads, model=args.model)
+            _settle(srv, args.model, args.timeout)
+            after = wait_threads(srv, idle.threads, model=args.model)
     finally:
         t0 = time.monotonic()
         code = srv.stop()
         stop_s = time.monotonic() - t0
-    out = {"report": dataclasses.asdict(report), "server_failure": failure,
-           "stub_before": dataclasses.asdict(before), "stub_after": after and dataclasses.asdict(after),
-           "exit_code": code, "stop_seconds": round(stop_s, 2)}
-    out["report"]["errors"] = out["report"]["errors"][:20]
+    rep = dataclasses.asdict(report)
+    rep.pop("waits")
+    rep["errors"] = rep["errors"][:20]
+    rep["wait"] = report.wait_summary()
+    out = {"report": rep, "server_failure": failure, "stub_idle_warm": dataclasses.asdict(idle),
+           "stub_after": after and dataclasses.asdict(after), "exit_code": code,
+           "stop_seconds": round(stop_s, 2)}
     print(json.dumps(out, indent=2))
     return 0 if report.ok() and failure is None and code == 0 else 1
 
