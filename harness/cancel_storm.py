@@ -70,11 +70,11 @@ class StubSnapshot:
 def _inputs(text: str, max_tokens: int, min_tokens: int) -> list:
     import tritonclient.grpc as g
     out = []
-    for name, arr, dt in (("text_input", np.array([text.encode()], dtype=object), "BYTES"),
-                          ("max_tokens", np.array([max_tokens], np.int32), "INT32"),
-                          ("min_tokens", np.array([min_tokens], np.int32), "INT32"),
-                          ("temperature", np.array([0.0], np.float32), "FP32"),
-                          ("stream", np.array([True]), "BOOL")):
+    for name, arr, dt in (("text_input", np.array([[text.encode()]], dtype=object), "BYTES"),
+                          ("max_tokens", np.array([[max_tokens]], np.int32), "INT32"),
+                          ("min_tokens", np.array([[min_tokens]], np.int32), "INT32"),
+                          ("temperature", np.array([[0.0]], np.float32), "FP32"),
+                          ("stream", np.array([[True]]), "BOOL")):
         inp = g.InferInput(name, list(arr.shape), dt)
         inp.set_data_from_numpy(arr)
         out.append(inp)

@@ -86,7 +86,7 @@ def grpc_run(url: str, model: str, text: str, on_piece: Callable[[str], None] | 
     from backend.serving.acceptance import ACCEPTANCE_OUTPUTS
 
     if "return_perf_metrics" in params:  # not in serving_client's table of typed inputs
-        params["return_perf_metrics"] = np.array([bool(params["return_perf_metrics"])])
+        params["return_perf_metrics"] = np.array([[bool(params["return_perf_metrics"])]])
     inputs = grpc_inputs(text, datatypes={"return_perf_metrics": "BOOL"}, **params)
 
     async def run() -> tuple[str, dict | None]:

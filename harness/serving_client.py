@@ -35,13 +35,15 @@ class GenerateError(RuntimeError):
 
 
 def _array(name: str, value: Any) -> np.ndarray:
+    """One request's value with the batch dimension the models declare (``[1, 1]``, ``[1, N]``);
+    an ndarray is sent as it is (to send a wrong shape on purpose)."""
     if isinstance(value, np.ndarray):
         return value
     dtype = PARAM_TYPES[name][1]
     if dtype is object:
         vals = value if isinstance(value, (list, tuple)) else [value]
-        return np.array([v.encode("utf-8") if isinstance(v, str) else v for v in vals], dtype=object)
-    return np.array([value], dtype=dtype)
+        return np.array([[v.encode("utf-8") if isinstance(v, str) else v for v in vals]], dtype=object)
+    return np.array([[value]], dtype=dtype)
 
 
 def grpc_inputs(text: str | bytes, datatypes: dict[str, str] | None = None, **params: Any) -> list:
@@ -189,10 +191,10 @@ def grpc_generate(url: str, model: str, text: str, **params: Any) -> StreamResul
 async def stop_request(client: Any, engine_model: str, request_id: str) -> str | None:
     """Stop the engine request started with ``request_id`` (tensorrtllm_backend's ``stop_request``
     control request, sent to the engine model ``engine_model``). Returns the server's error, or None.
-    The answer is a flags-only final response, which tritonclient's aio stream shows as its end."""
+    The answer is one final response with no outputs."""
     import tritonclient.grpc as g
-    stop = g.InferInput("stop_request", [1], "BOOL")
-    stop.set_data_from_numpy(np.array([True]))
+    stop = g.InferInput("stop_request", [1, 1], "BOOL")
+    stop.set_data_from_numpy(np.array([[True]]))
 
     async def requests() -> AsyncIterator[dict]:
         yield {"model_name": engine_model, "inputs": [stop], "request_id": request_id}

@@ -123,10 +123,10 @@ async def _engine_stream(client, ids: list[int], max_tokens: int, cancel_after: 
         x = g.InferInput(name, list(arr.shape), dt)
         x.set_data_from_numpy(arr)
         return x
-    inputs = [inp("input_ids", np.asarray([ids], np.int32).reshape(-1), "INT32"),
-              inp("input_lengths", np.asarray([len(ids)], np.int32), "INT32"),
-              inp("request_output_len", np.asarray([max_tokens], np.int32), "INT32"),
-              inp("streaming", np.asarray([True]), "BOOL")]
+    inputs = [inp("input_ids", np.asarray([ids], np.int32), "INT32"),
+              inp("input_lengths", np.asarray([[len(ids)]], np.int32), "INT32"),
+              inp("request_output_len", np.asarray([[max_tokens]], np.int32), "INT32"),
+              inp("streaming", np.asarray([[True]]), "BOOL")]
 
     async def requests():
         yield {"model_name": NAMES.engine, "inputs": inputs}

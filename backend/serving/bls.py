@@ -43,6 +43,7 @@ import numpy as np
 
 from backend.logs import get_logger
 from backend.serving.acceptance import ACCEPTANCE_OUTPUTS
+from backend.serving.batching import batched, unbatch
 from backend.serving.perf_metrics import PERF_OUTPUTS
 from backend.serving.convert import InvalidRequest
 from backend.serving.engine_host import INBAND_ERRORS
@@ -55,7 +56,7 @@ __all__ = ["BlsHost", "MAX_IN_FLIGHT", "new_inner_id"]
 _LOG = get_logger("serving.bls")
 
 MAX_IN_FLIGHT = 512  # requests streamed at once (one thread each; they mostly wait)
-_ENGINE_OUTPUTS = ["output_ids", "context_ids", "text_trim", "output_log_probs", "finish_reason"]
+_ENGINE_OUTPUTS = ["output_ids", "context_ids", "text_trim", "output_log_probs", "cum_log_probs", "finish_reason"]
 # return_perf_metrics: every perf output of the engine, passed through as tensorrtllm_backend's bls does
 _PERF = list(ACCEPTANCE_OUTPUTS) + list(PERF_OUTPUTS)
 _JOIN_S = 2.0        # finalize: how long to wait for request threads still running
@@ -126,6 +127,7 @@ class BlsHost:
     def __init__(self, pb: Any, engine_dir: str, engine_model: str, *, model_name: str = "tensorrt_llm_bls",
                  instance: str = "0", decoupled: bool = True):
         self.pb = pb
+        self.model_name = model_name
         # serving.decoupled: the engine model has the same transaction policy as this one; a
         # non-decoupled engine answers exec() with one response (its model.py refuses streaming)
         self.decoupled = decoupled
@@ -190,7 +192,7 @@ class BlsHost:
     def _run(self, request, out: _Reply, tensors: dict) -> None:
         pb = self.pb
         try:
-            prep = self.pre.prepare(tensors)
+            prep = self.pre.prepare(unbatch(tensors, self.model_name))
         except InvalidRequest as e:
             self.errors.count("invalid_request")
             out.error(str(e))
@@ -204,7 +206,7 @@ class BlsHost:
         wanted = _ENGINE_OUTPUTS + (_PERF if prep.values["return_perf_metrics"] else [])
         inner = pb.InferenceRequest(
             model_name=self.engine_model, requested_output_names=wanted, request_id=inner_id,
-            inputs=[pb.Tensor(k, v) for k, v in prep.engine_tensors().items()],
+            inputs=[pb.Tensor(k, batched(v)) for k, v in prep.engine_tensors().items()],
             parameters={INBAND_ERRORS: True})
         try:
             responses = inner.exec(decoupled=True) if self.decoupled else [inner.exec()]
@@ -213,7 +215,7 @@ class BlsHost:
             self.errors.count("engine")
             out.error(f"bls: {type(e).__name__}: {e}")
             return
-        state = {"echo": prep.echo_text, "stopped": False, "stops": []}
+        state = {"stopped": False, "stops": []}
         try:
             # read to the end in every case: the engine's FINAL releases the inner request's state
             for resp in responses:
@@ -263,11 +265,12 @@ class BlsHost:
             out.error("request cancelled")
             return
         trim = int(get("text_trim").as_numpy().reshape(-1)[0])
-        text = postprocess(self.tok, _ids(get("output_ids")), _ids(get("context_ids")), trim, state["echo"])
-        state["echo"] = ""
-        lp = get("output_log_probs").as_numpy().astype(np.float32).reshape(-1)
+        # non-streamed: output_ids holds the prompt too unless exclude_input_in_output (engine_outputs.py)
+        text = postprocess(self.tok, _ids(get("output_ids")), _ids(get("context_ids")), trim)
+        # 1-D, one string per beam, as NVIDIA's postprocessing (its clients read output[0] as the text)
         tensors = [pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),
-                   pb.Tensor("output_log_probs", lp)]
+                   pb.Tensor("output_log_probs", get("output_log_probs").as_numpy().astype(np.float32)),
+                   pb.Tensor("cum_log_probs", get("cum_log_probs").as_numpy().astype(np.float32))]
         # present exactly when the client set return_perf_metrics (the engine adds them then)
         tensors += [pb.Tensor(n, t.as_numpy()) for n in _PERF if (t := get(n)) is not None]
         out.send(tensors, final=bool(reason))  # the engine fills finish_reason only on its last
@@ -280,7 +283,7 @@ class BlsHost:
         if not self.decoupled:  # a non-decoupled engine has no stop request; the request runs to its end
             return None
         stop = pb.InferenceRequest(model_name=self.engine_model, requested_output_names=[], request_id=inner_id,
-                                   inputs=[pb.Tensor("stop_request", np.array([True]))])
+                                   inputs=[pb.Tensor("stop_request", np.array([[True]]))])
         try:
             responses = stop.exec(decoupled=True)
             for resp in responses:

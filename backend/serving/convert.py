@@ -5,8 +5,9 @@ Pure numpy; no Triton, no torch. Every model (preprocessing, engine, bls) reads 
 live in one place. A problem raises :class:`InvalidRequest`, which the models turn into a Triton
 error response (the server keeps serving).
 
-Shapes: every model uses ``max_batch_size: 0`` (the engine batches in flight, not Triton), so a
-scalar input arrives as shape ``[1]``; ``[1, 1]`` (clients that add a batch dimension) is accepted too.
+Shapes: every model declares ``max_batch_size`` > 0 as NVIDIA's do; the models strip the batch
+dimension first (backend/serving/batching.py), so the tensors read here are one request's: a scalar
+input is shape ``[1]``.
 """
 from __future__ import annotations
 
@@ -64,8 +65,9 @@ INPUTS: dict[str, InputSpec] = {
     "stream": InputSpec("bool", False),
     "temperature": InputSpec("float", 1.0, check=_ge(0.0), allowed=">= 0 (0 = greedy)"),
     "top_k": InputSpec("int", 0, check=_ge(0), allowed=">= 0 (0 = off)"),
-    # 0 = top-p off, as in TensorRT-LLM (top_k 0 and top_p 0 together = greedy)
-    "top_p": InputSpec("float", 1.0, check=_top_p, allowed="[0, 1] (0 = off; with top_k 0: greedy)"),
+    # 0 = top-p off, as in TensorRT-LLM, and its default: with top_k 0 (its default too) a request
+    # that names neither is greedy whatever its temperature, as NVIDIA's clients expect
+    "top_p": InputSpec("float", 0.0, check=_top_p, allowed="[0, 1] (0 = off; with top_k 0: greedy)"),
     "repetition_penalty": InputSpec("float", 1.0, check=_gt(0.0), allowed="> 0 (1 = off)"),
     "presence_penalty": InputSpec("float", 0.0, check=_finite, allowed="a finite number"),
     "frequency_penalty": InputSpec("float", 0.0, check=_finite, allowed="a finite number"),
@@ -85,9 +87,18 @@ INPUTS: dict[str, InputSpec] = {
     "beam_width": InputSpec("int", 1, check=_only(1, "Kiln decodes one beam"), allowed="1"),
     "num_return_sequences": InputSpec("int", 1, check=_only(1, "Kiln returns one sequence per request"),
                                       allowed="1"),
+    # logits are not kept by Kiln's engine (it samples on the device and keeps the chosen ids)
+    "return_context_logits": InputSpec("bool", False, check=_only(False, "Kiln does not return logits"),
+                                       allowed="false"),
+    "return_generation_logits": InputSpec("bool", False, check=_only(False, "Kiln does not return logits"),
+                                          allowed="false"),
+    # NVIDIA's logit bias by word; Kiln's sampler has none: only the empty list is accepted (checked
+    # in preprocess.py, a list has no per-value check here)
+    "embedding_bias_words": InputSpec("bytes", (), many=True, allowed="an empty list"),
+    "embedding_bias_weights": InputSpec("float", (), many=True, allowed="an empty list"),
     # engine model only
     "runtime_top_k": InputSpec("int", 0, check=_ge(0), allowed=">= 0 (0 = off); NVIDIA's name for top_k"),
-    "runtime_top_p": InputSpec("float", 1.0, check=_top_p,
+    "runtime_top_p": InputSpec("float", 0.0, check=_top_p,
                                allowed="[0, 1] (0 = off; with top_k 0: greedy); NVIDIA's name for top_p"),
     "random_seed": InputSpec("int", None, check=_ge(0), allowed="an unsigned 64-bit integer"),
     # Kiln extension: substrings of the decoded text; the text is cut before the first one found
@@ -98,8 +109,14 @@ INPUTS: dict[str, InputSpec] = {
     "streaming": InputSpec("bool", False),
     "stop_words_list": InputSpec("int", None, many=True, allowed="[2, N] NVIDIA words list"),
     "bad_words_list": InputSpec("int", None, many=True, allowed="[2, N] NVIDIA words list"),
-    "echo_text": InputSpec("bytes", ""),
     "stop_request": InputSpec("bool", False),
+    # NVIDIA's name for stop_request (same rules: backend/serving/engine_host.py)
+    "stop": InputSpec("bool", False),
+    # encoder-decoder inputs NVIDIA's preprocessing always fills; a decoder-only engine ignores them
+    "decoder_input_ids": InputSpec("int", None, many=True, allowed="ignored (decoder-only model)"),
+    "decoder_input_lengths": InputSpec("int", None, allowed="ignored (decoder-only model)"),
+    # NVIDIA's dense [vocab] logit bias; only the empty tensor its preprocessing sends without words
+    "embedding_bias": InputSpec("float", None, many=True, allowed="an empty tensor (Kiln has no logit bias)"),
 }
 
 _KINDS = {"bytes": "OSU", "int": "iu", "float": "f", "bool": "b"}
@@ -134,7 +151,8 @@ def _convert(name: str, spec: InputSpec, arr: Any) -> Any:
             return arr
         if arr.ndim > 2 or (arr.ndim == 2 and arr.shape[0] != 1):
             raise InvalidRequest(f"input '{name}': expected a 1-D list, got shape {list(arr.shape)}")
-        return [int(v) for v in arr.reshape(-1)]
+        cast = float if spec.kind == "float" else int
+        return [cast(v) for v in arr.reshape(-1)]
     v = _scalar(name, arr)
     if spec.kind == "bytes":
         return decode_text(name, v)

@@ -38,8 +38,10 @@ import numpy as np
 from backend.bundle import load_bundle
 from backend.logs import for_request, get_logger
 from backend.serving.acceptance import acceptance_tensors, draft_counts
+from backend.serving.batching import unbatch
 from backend.serving.convert import EngineLimits, InvalidRequest
 from backend.serving.detok import CONTEXT_TOKENS, StreamDetokenizer
+from backend.serving.engine_outputs import response_tensors
 from backend.serving.engine_request import ENGINE_INPUT_NAMES, EngineRequest, parse_engine_request
 from backend.serving.metrics import ServingMetrics
 from backend.serving.perf_metrics import perf_tensors
@@ -90,6 +92,7 @@ class _Stream:
     n_tokens: int = 0
     ids: list[int] = dataclasses.field(default_factory=list)       # non-streaming: all sent ids
     logprobs: list[float] = dataclasses.field(default_factory=list)  # not yet sent
+    cum_logprob: float = 0.0  # of every generated token so far (NVIDIA's cum_log_probs)
     trim: int = 0
     cancel_asked: bool = False
     cancel_by: str = ""     # "client" (went away), "stop" (a stop_request), "text" (a stop string)
@@ -143,6 +146,7 @@ class EngineHost:
         self._params = SamplingParams
         # nv_trt_llm_* beside kiln_*: labelled with the model's version (and nv_instance, when the
         # model runs several instances, so their executors' series stay apart)
+        self.model_name = model_name
         self.metrics = ServingMetrics(pb, model_name, instance, version=version, nv_instance=nv_instance)
         self._metrics_lock = threading.Lock()
         self._ids = itertools.count()
@@ -171,12 +175,19 @@ class EngineHost:
             t = self.pb.get_input_tensor_by_name(request, name)
             if t is not None:
                 out[name] = t.as_numpy()
-        return out
+        return unbatch(out, self.model_name)
+
+    def _is_stop(self, request) -> bool:
+        """A control request: ``stop_request`` or NVIDIA's ``stop`` true (its other inputs are dummies)."""
+        for name in ("stop_request", "stop"):
+            t = self.pb.get_input_tensor_by_name(request, name)
+            if t is not None and t.as_numpy().size and bool(t.as_numpy().reshape(-1)[0]):
+                return True
+        return False
 
     def _enqueue(self, request) -> None:
         sender = request.get_response_sender()
-        stop = self.pb.get_input_tensor_by_name(request, "stop_request")
-        if stop is not None and bool(stop.as_numpy().reshape(-1)[0]):
+        if self._is_stop(request):
             self._stop_request(request.request_id(), sender)
             return
         inband = _inband(request)
@@ -229,7 +240,7 @@ class EngineHost:
                     continue
                 st.cancel_asked, st.cancel_by = True, "stop"
             self.executor.cancel(st.rid)
-        self._send_flags_final(sender)
+        self._send_empty_final(sender)
 
     # ---- executor thread -----------------------------------------------------------------------
     def _on_event(self, st: _Stream, ev: Any) -> None:
@@ -272,26 +283,21 @@ class EngineHost:
             else:
                 st.ids.extend(chunk.ids)
                 st.trim = chunk.trim
-                if chunk.finished:
+                if chunk.finished and st.req.exclude_input_in_output:
                     self._send(st, st.ids, st.req.prompt_ids[-CONTEXT_TOKENS:], st.trim, reason, True)
+                elif chunk.finished:  # NVIDIA's non-streamed output_ids: the prompt, then the new ids
+                    self._send(st, st.req.prompt_ids + st.ids, [], st.trim, reason, True)
 
     def _send(self, st: _Stream, ids, context, trim, reason, final) -> None:
         lp, st.logprobs = st.logprobs, []  # chunks take every pending token, so all of them
-        T = self.pb.Tensor
-        tensors = [
-            T("output_ids", np.asarray(ids, np.int32)),
-            T("context_ids", np.asarray(context, np.int32)),
-            T("text_trim", np.asarray([trim], np.int32)),
-            T("sequence_length", np.asarray([len(st.req.prompt_ids) + st.n_tokens], np.int32)),
-            T("output_log_probs", np.asarray(lp, np.float32)),
-            T("finish_reason", np.asarray([reason.encode()], dtype=object)),
-            T("echo_text", np.asarray([st.req.echo_text.encode("utf-8")], dtype=object)),
-        ]
+        st.cum_logprob += float(sum(lp))
+        extra = {}
         if st.req.return_perf_metrics:  # cumulative on every response, as tensorrtllm_backend does
-            tensors += [T(k, v) for k, v in acceptance_tensors(*draft_counts(self.executor, st.rid)).items()]
-            tensors += [T(k, v) for k, v in perf_tensors(st.engine_req).items()]
+            extra.update(acceptance_tensors(*draft_counts(self.executor, st.rid)))
+            extra.update(perf_tensors(st.engine_req))
+        tensors = [self.pb.Tensor(k, v) for k, v in
+                   response_tensors(ids, context, trim, lp, st.cum_logprob, reason, extra).items()]
         resp = self.pb.InferenceResponse(output_tensors=tensors)
-        st.req.echo_text = ""  # only the first response carries it
         try:
             st.sender.send(resp, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
         except Exception as e:  # noqa: BLE001 - the client went away: stop generating for it
@@ -329,13 +335,8 @@ class EngineHost:
         """A request's FINAL response: an error, or for ``inband`` a data response whose
         finish_reason is "error: <message>" (no stream state exists yet: empty outputs)."""
         if inband:
-            T = self.pb.Tensor
             resp = self.pb.InferenceResponse(output_tensors=[
-                T("output_ids", np.zeros(0, np.int32)), T("context_ids", np.zeros(0, np.int32)),
-                T("text_trim", np.zeros(1, np.int32)), T("sequence_length", np.zeros(1, np.int32)),
-                T("output_log_probs", np.zeros(0, np.float32)),
-                T("finish_reason", np.asarray([f"error: {message}".encode()], dtype=object)),
-                T("echo_text", np.asarray([b""], dtype=object))])
+                self.pb.Tensor(k, v) for k, v in response_tensors([], [], 0, [], 0.0, f"error: {message}").items()])
         else:
             resp = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
         try:
@@ -343,9 +344,12 @@ class EngineHost:
         except Exception:  # noqa: BLE001 - nobody left to tell
             pass
 
-    def _send_flags_final(self, sender) -> None:
+    def _send_empty_final(self, sender) -> None:
+        """The answer to a stop: one FINAL response with no outputs, as tensorrtllm_backend sends (a
+        non-decoupled model must send exactly one response, so not a bare FINAL flag)."""
         try:
-            sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            sender.send(self.pb.InferenceResponse(output_tensors=[]),
+                        flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception:  # noqa: BLE001 - nobody left to tell
             pass
 

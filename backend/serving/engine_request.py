@@ -19,9 +19,10 @@ __all__ = ["ENGINE_INPUT_NAMES", "EngineRequest", "parse_engine_request"]
 ENGINE_INPUT_NAMES = (
     "input_ids", "input_lengths", "request_output_len", "streaming", "temperature", "top_k", "top_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "seed", "end_id",
-    "return_log_probs", "stop_strings", "stop_words_list", "bad_words_list", "echo_text",
-    "stop_request", "return_perf_metrics", "pad_id", "runtime_top_k", "runtime_top_p", "random_seed",
-    "beam_width", "num_return_sequences",
+    "return_log_probs", "stop_strings", "stop_words_list", "bad_words_list",
+    "stop_request", "stop", "return_perf_metrics", "pad_id", "runtime_top_k", "runtime_top_p", "random_seed",
+    "beam_width", "num_return_sequences", "exclude_input_in_output", "return_context_logits",
+    "return_generation_logits", "decoder_input_ids", "decoder_input_lengths", "embedding_bias",
 )
 
 # NVIDIA's engine-model name -> Kiln's (both accepted; giving both with different values is refused)
@@ -35,9 +36,10 @@ class EngineRequest:
     streaming: bool
     stop_strings: tuple[str, ...]    # Kiln's stop_strings: matched on the decoded text, cut
     return_log_probs: bool
-    echo_text: str = ""              # passed through to postprocessing on the first response
     return_perf_metrics: bool = False  # add the acceptance figures to every response
     stop_ids: tuple[tuple[int, ...], ...] = ()  # NVIDIA's stop_words_list: token sequences, kept
+    # NVIDIA's: a non-streamed output_ids holds the prompt's ids before the generated ones unless true
+    exclude_input_in_output: bool = False
 
 
 def _optional_id(v: int | None) -> int | None:
@@ -74,6 +76,9 @@ def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits
     if bad:
         kw["bad_token_ids"] = tuple(tuple(w) for w in bad)
     stop_ids = from_words_list("stop_words_list", v["stop_words_list"], vocab_size)
+    if v["embedding_bias"]:
+        raise InvalidRequest(f"input 'embedding_bias': {len(v['embedding_bias'])} values; Kiln's sampler has "
+                             "no logit bias, so only an empty tensor is accepted (leave the input out)")
     return EngineRequest(prompt, kw, bool(v["streaming"]), tuple(dict.fromkeys(s for s in v["stop_strings"] if s)),
-                         bool(v["return_log_probs"]), v["echo_text"], bool(v["return_perf_metrics"]),
-                         tuple(dict.fromkeys(tuple(w) for w in stop_ids)))
+                         bool(v["return_log_probs"]), bool(v["return_perf_metrics"]),
+                         tuple(dict.fromkeys(tuple(w) for w in stop_ids)), bool(v["exclude_input_in_output"]))

@@ -17,14 +17,25 @@ from backend.serving.convert import (EngineLimits, InvalidRequest, check_prompt,
                                     sampling_kwargs, to_words_list)
 from backend.serving.tokenizer import TextTokenizer, load_tokenizer
 
-__all__ = ["TEXT_INPUT_NAMES", "PreparedRequest", "Preprocessor", "preprocessing_outputs"]
+__all__ = ["TEXT_INPUT_NAMES", "NVIDIA_INPUTS", "PREPROCESSING_INPUTS", "PreparedRequest", "Preprocessor",
+           "preprocessing_outputs"]
 
 TEXT_INPUT_NAMES = (
     "text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_tokens", "seed", "end_id", "pad_id", "stop_words",
     "bad_words", "return_log_probs", "exclude_input_in_output", "apply_chat_template",
-    "return_perf_metrics", "beam_width", "num_return_sequences",
+    "return_perf_metrics", "beam_width", "num_return_sequences", "return_context_logits",
+    "return_generation_logits", "embedding_bias_words", "embedding_bias_weights",
 )
+
+# The preprocessing model's inputs under NVIDIA's names -> the text-level names above (the ensemble
+# maps its own inputs onto these; the sampling inputs keep their names and are validated here too)
+NVIDIA_INPUTS = {
+    "QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
+    "STOP_WORDS_DICT": "stop_words", "END_ID": "end_id", "PAD_ID": "pad_id",
+    "EMBEDDING_BIAS_WORDS": "embedding_bias_words", "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights",
+}
+PREPROCESSING_INPUTS = tuple(NVIDIA_INPUTS) + tuple(n for n in TEXT_INPUT_NAMES if n not in NVIDIA_INPUTS.values())
 
 
 @dataclasses.dataclass
@@ -33,14 +44,22 @@ class PreparedRequest:
     values: dict[str, Any]          # converted text-level inputs (defaults filled)
     stop_words_ids: list[list[int]]
     bad_words_ids: list[list[int]]
-    echo_text: str                  # prepended to the output (non-streaming, input not excluded)
+    end_id: int                     # the request's, else the tokenizer's end token (-1: none known)
+    pad_id: int                     # the request's, else the tokenizer's end token (Kiln never pads)
 
     @property
     def stream(self) -> bool:
         return bool(self.values["stream"])
 
+    @property
+    def exclude_input(self) -> bool:
+        """Whether the output leaves the prompt out. A chat-templated prompt is never echoed: its ids
+        spell the template, not what the client sent."""
+        return bool(self.values["exclude_input_in_output"] or self.values["apply_chat_template"])
+
     def engine_tensors(self) -> dict[str, np.ndarray]:
-        """The engine model's inputs (names of model_repository/engine/config.pbtxt.tmpl)."""
+        """The engine model's inputs for one request, without the batch dimension (names of
+        model_repository/engine/config.pbtxt.tmpl)."""
         v = self.values
         f32 = lambda x: np.array([x], dtype=np.float32)  # noqa: E731
         i32 = lambda x: np.array([x], dtype=np.int32)  # noqa: E731
@@ -54,31 +73,41 @@ class PreparedRequest:
             "presence_penalty": f32(v["presence_penalty"]),
             "frequency_penalty": f32(v["frequency_penalty"]),
             "min_tokens": i32(v["min_tokens"]),
-            # the engine takes INT64 so that "no seed"/"no end id" can travel as -1 through an ensemble
+            # the engine takes INT64 so that "no seed" can travel as -1 through an ensemble
             "seed": np.array([-1 if v["seed"] is None else v["seed"] & 0x7FFFFFFFFFFFFFFF], dtype=np.int64),
-            "end_id": i32(-1 if v["end_id"] is None else v["end_id"]),
+            "end_id": i32(self.end_id),
             "return_log_probs": np.array([v["return_log_probs"]], dtype=bool),
             "return_perf_metrics": np.array([v["return_perf_metrics"]], dtype=bool),
+            "exclude_input_in_output": np.array([self.exclude_input], dtype=bool),
             "stop_words_list": to_words_list(self.stop_words_ids),
             "bad_words_list": to_words_list(self.bad_words_ids),
         }
 
 
-# engine input -> the preprocessing model's output name (a model's outputs may not reuse input names)
-RENAMED_OUTPUTS = {k: "out_" + k for k in (
-    "temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-    "min_tokens", "seed", "end_id", "return_log_probs", "return_perf_metrics")}
+# engine input -> the preprocessing model's output name: NVIDIA's for the ones its preprocessing has,
+# "out_" + the engine's name for the sampling values Kiln validates here (a model's outputs may not
+# reuse its input names)
+OUTPUT_NAMES = {
+    "input_ids": "INPUT_ID", "input_lengths": "REQUEST_INPUT_LEN", "request_output_len": "REQUEST_OUTPUT_LEN",
+    "stop_words_list": "STOP_WORDS_IDS", "bad_words_list": "BAD_WORDS_IDS", "end_id": "OUT_END_ID",
+    "streaming": "streaming",
+}
 
 
 def preprocessing_outputs(prep: PreparedRequest) -> dict[str, np.ndarray]:
-    """Outputs of the ``preprocessing`` model (model_repository/preprocessing/config.pbtxt.tmpl)."""
-    out = {RENAMED_OUTPUTS.get(k, k): v for k, v in prep.engine_tensors().items()}
-    out["echo_text"] = np.array([prep.echo_text.encode("utf-8")], dtype=object)
+    """Outputs of the ``preprocessing`` model, batch dimension included
+    (model_repository/preprocessing/config.pbtxt.tmpl)."""
+    out = {OUTPUT_NAMES.get(k, "out_" + k): v for k, v in prep.engine_tensors().items()}
+    out["OUT_PAD_ID"] = np.array([prep.pad_id], np.int32)
+    # NVIDIA's encoder-decoder outputs, filled as its preprocessing fills them for a decoder-only model
+    out["DECODER_INPUT_ID"] = np.array([max(prep.pad_id, 0)], np.int32)
+    out["REQUEST_DECODER_INPUT_LEN"] = np.array([1], np.int32)
+    out["EMBEDDING_BIAS"] = np.zeros(0, np.float32)  # no bias (non-empty words are refused)
     # The ensemble always asks the engine for the acceptance figures: a decoupled ensemble sends a
     # response only once every output the client asked for exists, and a client that names no
     # outputs asks for all of them, so an output that appeared only on request would stall it.
     out["out_return_perf_metrics"] = np.array([True])
-    return out
+    return {k: v[None] for k, v in out.items()}
 
 
 class Preprocessor:
@@ -95,6 +124,19 @@ class Preprocessor:
             raise InvalidRequest(f"input 'apply_chat_template': {e}") from None
         check_prompt(prompt_ids, self.limits)
         sampling_kwargs(v, len(prompt_ids), self.limits)  # range checks now, not in the engine
-        echo = "" if v["stream"] or v["exclude_input_in_output"] else v["text_input"]
+        for name in ("embedding_bias_words", "embedding_bias_weights"):
+            if any(w != "" for w in v[name]):  # NVIDIA's clients send [""] for "none"
+                raise InvalidRequest(f"input '{name}': Kiln's sampler has no logit bias; send an empty "
+                                     "list or leave the input out")
+        # not given: the tokenizer's end token, as NVIDIA's preprocessing fills OUT_END_ID / OUT_PAD_ID
+        # (the engine stops on the model's own end tokens as well; Kiln never pads, pad_id only travels)
+        eos = self.tokenizer.eos_id
+        end_id = v["end_id"] if v["end_id"] is not None and v["end_id"] >= 0 else eos
+        pad_id = v["pad_id"] if v["pad_id"] is not None and v["pad_id"] >= 0 else eos
         return PreparedRequest(prompt_ids, v, self.tokenizer.words(v["stop_words"]),
-                               self.tokenizer.words(v["bad_words"]), echo)
+                               self.tokenizer.words(v["bad_words"]), end_id, pad_id)
+
+    def prepare_nvidia(self, tensors: Mapping[str, np.ndarray]) -> PreparedRequest:
+        """The preprocessing model's inputs: NVIDIA's names (QUERY, REQUEST_OUTPUT_LEN, ...) and the
+        sampling inputs, without the batch dimension."""
+        return self.prepare({NVIDIA_INPUTS.get(k, k): v for k, v in tensors.items()})

@@ -34,6 +34,13 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def eos_id(self) -> int:
+        """The end token's id (tokenizer_config.json's eos_token), or -1 when none is known."""
+        name = self.special.get("eos_token")
+        tid = self.tokenizer.token_to_id(name) if name else None
+        return -1 if tid is None else int(tid)
+
     def encode(self, text: str, chat: bool = False) -> list[int]:
         if chat:
             text = self.render_chat(text)

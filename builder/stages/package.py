@@ -100,8 +100,9 @@ def render_repository(values: Mapping[str, object], out_dir: Path, template_root
     return names
 
 
-def template_values(serving, engine_dir: str, device: str = "auto") -> dict[str, object]:
-    """The placeholder table, from the config's ``serving`` section (contracts section 1)."""
+def template_values(serving, engine_dir: str, device: str = "auto", max_batch_size: int = 64) -> dict[str, object]:
+    """The placeholder table, from the config's ``serving`` section (contracts section 1) and the
+    engine's ``max_batch_size``."""
     names = serving.model_names
     return {
         "ensemble_name": names.ensemble,
@@ -111,6 +112,9 @@ def template_values(serving, engine_dir: str, device: str = "auto") -> dict[str,
         "postprocessing_name": names.postprocessing,
         # NVIDIA's decoupled_mode, for the engine and bls models (the ensemble follows the engine)
         "decoupled": "true" if serving.decoupled else "false",
+        # NVIDIA's triton_max_batch_size: every model takes [B, ...] tensors as its clients send them
+        # (B = 1 per request: backend/serving/batching.py); the engine's own bound on sequences in flight
+        "triton_max_batch_size": max_batch_size,
         "engine_dir": engine_dir,
         "device": device,
         "stream_interval": serving.stream_interval,
@@ -136,7 +140,7 @@ def run(ctx: StageContext) -> dict:
         raise StageError("package: no engine bundle (the compile stage did not run)")
     # relative to the repository root so build/<stem>/ can be moved or mounted as a whole
     engine_rel = os.path.relpath(compiled.path.resolve(), (ctx.root / "model_repository").resolve())
-    values = template_values(ctx.config.serving, engine_rel)
+    values = template_values(ctx.config.serving, engine_rel, max_batch_size=ctx.config.engine.max_batch_size)
     models = render_repository(values, ctx.out_dir)
     ctx.log(f"model repository: {', '.join(models)} (serve with: make serve)")
     return {"models": models, "engine_dir": engine_rel, "ensemble": ctx.config.serving.model_names.ensemble,

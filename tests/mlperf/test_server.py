@@ -97,12 +97,13 @@ def test_accuracy_texts_equal_the_servers_greedy_outputs(served):
         for idx in outputs:
             # one non-streaming greedy request straight to the engine model, outside the SUT
             ids = np.asarray(samples[idx].input_ids, np.int32)
-            ins = [grpcclient.InferInput("input_ids", [len(ids)], "INT32"),
-                   grpcclient.InferInput("request_output_len", [1], "INT32"),
-                   grpcclient.InferInput("temperature", [1], "FP32")]
-            ins[0].set_data_from_numpy(ids)
-            ins[1].set_data_from_numpy(np.asarray([MAX_TOKENS], np.int32))
-            ins[2].set_data_from_numpy(np.asarray([0.0], np.float32))
+            # batch dimension first, as NVIDIA's tensorrt_llm model takes them
+            ins = [grpcclient.InferInput("input_ids", [1, len(ids)], "INT32"),
+                   grpcclient.InferInput("request_output_len", [1, 1], "INT32"),
+                   grpcclient.InferInput("temperature", [1, 1], "FP32")]
+            ins[0].set_data_from_numpy(ids[None])
+            ins[1].set_data_from_numpy(np.asarray([[MAX_TOKENS]], np.int32))
+            ins[2].set_data_from_numpy(np.asarray([[0.0]], np.float32))
             got.clear()
             client.async_stream_infer(NAMES.engine, ins)
             import time
@@ -111,7 +112,10 @@ def test_accuracy_texts_equal_the_servers_greedy_outputs(served):
                 time.sleep(0.05)
             result, error = got["r"]
             assert error is None, error
+            # not streamed: NVIDIA's output_ids, the prompt then the generated ids
             direct = result.as_numpy("output_ids").reshape(-1).tolist()
+            assert direct[:len(ids)] == ids.tolist()
+            direct = direct[len(ids):]
             assert direct == outputs[idx]
             assert tok.decode(direct, skip_special_tokens=True).strip() == \
                 tok.decode(outputs[idx], skip_special_tokens=True).strip()

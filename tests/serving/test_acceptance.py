@@ -77,12 +77,12 @@ def test_preprocessing_always_asks_the_engine_but_bls_passes_the_clients_choice(
     (tmp_path / "tokenizer").symlink_to(tokenizer_dir)
     prep = Preprocessor(tmp_path).prepare({"text_input": np.array([b"Hi"], dtype=object)})
     assert prep.engine_tensors()["return_perf_metrics"].tolist() == [False]   # bls: not asked
-    assert preprocessing_outputs(prep)["out_return_perf_metrics"].tolist() == [True]  # ensemble: always
+    assert preprocessing_outputs(prep)["out_return_perf_metrics"].tolist() == [[True]]  # ensemble: always
 
 
 def test_postprocessing_passes_the_figures_through_or_zeros(text_tokenizer):
-    resp = {"output_ids": np.array(text_tokenizer.encode(" Paris"), np.int32),
-            "context_ids": np.zeros(0, np.int32), "text_trim": np.array([0], np.int32)}
+    resp = {"TOKENS_BATCH": np.array([[text_tokenizer.encode(" Paris")]], np.int32),
+            "context_ids": np.zeros((1, 0), np.int32), "text_trim": np.array([[0]], np.int32)}
     out = postprocess_tensors(text_tokenizer, dict(resp, **acceptance_tensors(7, 5)))
     assert read_acceptance(out, prefix="out_") == {"acceptance_rate": pytest.approx(5 / 7),
                                                    "total_accepted_draft_tokens": 5, "total_draft_tokens": 7}

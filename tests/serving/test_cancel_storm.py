@@ -35,7 +35,7 @@ def _inputs(**tensors):
     import tritonclient.grpc as g
     out = []
     for name, arr in tensors.items():
-        arr = np.asarray(arr)
+        arr = np.asarray(arr)[None]  # one request's tensor, batch dimension first (max_batch_size > 0)
         dt = {np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32", np.dtype(bool): "BOOL"}.get(arr.dtype, "BYTES")
         inp = g.InferInput(name, list(arr.shape), dt)
         inp.set_data_from_numpy(arr)
@@ -55,9 +55,8 @@ async def _stream(url: str, model: str, inputs, *, request_id: str = "", cancel_
     """One request on its own gRPC stream (tritonclient.grpc.aio): pieces, error, finish."""
     import tritonclient.grpc.aio as aio
     client = aio.InferenceServerClient(url)
-    # "ended": the server closed the stream without an error. tritonclient's aio stream cannot ask for
-    # an empty final response (the triton_ parameter is reserved there), so a flags-only final (a
-    # stop_request's answer) shows as a stream that ends with no response at all.
+    # "ended": the server closed the stream without an error (a stop_request's answer is one final
+    # response with no outputs).
     out = {"pieces": [], "error": None, "final": False, "cancelled": False, "finish_reason": None,
            "ended": False}
 

@@ -45,16 +45,30 @@ def test_defaults_and_engine_tensors(pre):
     prep = pre.prepare({"text_input": text("Hello there"), "stop_words": np.array([b"\n\n", b"END"], dtype=object)})
     assert prep.prompt_ids == pre.tokenizer.encode("Hello there")
     assert prep.values["max_tokens"] == 16 and prep.values["temperature"] == 1.0
-    assert prep.echo_text == "Hello there"  # non-streaming, input not excluded: NVIDIA's default
-    out = preprocessing_outputs(prep)
-    assert out["out_seed"].tolist() == [-1] and out["out_end_id"].tolist() == [-1]
-    assert out["echo_text"].tolist() == [b"Hello there"]
-    assert from_words_list("stop_words_list", out["stop_words_list"]) == pre.tokenizer.words(["\n\n", "END"])
+    assert not prep.exclude_input  # non-streaming, input not excluded: NVIDIA's default
+    out = preprocessing_outputs(prep)  # NVIDIA's names, batch dimension first
+    assert out["INPUT_ID"].tolist() == [prep.prompt_ids] and out["REQUEST_INPUT_LEN"].tolist() == [[len(prep.prompt_ids)]]
+    assert out["REQUEST_OUTPUT_LEN"].tolist() == [[16]] and out["EMBEDDING_BIAS"].shape == (1, 0)
+    eos = pre.tokenizer.eos_id
+    assert eos >= 0 and out["out_seed"].tolist() == [[-1]] and out["OUT_END_ID"].tolist() == [[eos]]
+    assert out["OUT_PAD_ID"].tolist() == [[eos]] and out["out_exclude_input_in_output"].tolist() == [[False]]
+    assert from_words_list("stop_words_list", out["STOP_WORDS_IDS"][0]) == pre.tokenizer.words(["\n\n", "END"])
 
 
-def test_streaming_never_echoes_the_prompt(pre):
-    assert pre.prepare({"text_input": text("Hi"), "stream": np.array([True])}).echo_text == ""
-    assert pre.prepare({"text_input": text("Hi"), "exclude_input_in_output": np.array([True])}).echo_text == ""
+def test_nvidia_preprocessing_names_and_empty_word_lists(pre):
+    prep = pre.prepare_nvidia({"QUERY": text("Hi"), "REQUEST_OUTPUT_LEN": i32(5), "END_ID": i32(7),
+                               "BAD_WORDS_DICT": text(""), "STOP_WORDS_DICT": text(""),
+                               "EMBEDDING_BIAS_WORDS": text(""), "EMBEDDING_BIAS_WEIGHTS": f32(0.0)[:0]})
+    assert prep.values["text_input"] == "Hi" and prep.values["max_tokens"] == 5 and prep.end_id == 7
+    assert prep.stop_words_ids == [] and prep.bad_words_ids == []  # NVIDIA's [[""]] = no words
+    with pytest.raises(InvalidRequest, match="input 'embedding_bias_words': Kiln's sampler has no logit bias"):
+        pre.prepare_nvidia({"QUERY": text("Hi"), "EMBEDDING_BIAS_WORDS": text("cat"),
+                            "EMBEDDING_BIAS_WEIGHTS": f32(1.0)})
+
+
+def test_chat_or_exclude_leaves_the_prompt_out(pre):
+    assert pre.prepare({"text_input": text("Hi"), "exclude_input_in_output": np.array([True])}).exclude_input
+    assert pre.prepare({"text_input": text("Hi"), "apply_chat_template": np.array([True])}).exclude_input
 
 
 @pytest.mark.parametrize("tensors, message", [
@@ -159,12 +173,22 @@ def test_words_list_ids_must_be_in_the_vocabulary():
         from_words_list("w", np.array([[-3], [1]], dtype=np.int64))
 
 
-def test_postprocess_applies_context_trim_and_echo(text_tokenizer):
+def test_postprocess_applies_context_and_trim(text_tokenizer):
     ids = text_tokenizer.encode(" world. STOP here")
     out = postprocess_tensors(text_tokenizer, {
-        "output_ids": np.array(ids, np.int32), "context_ids": np.array(text_tokenizer.encode("Hello"), np.int32),
-        "text_trim": i32(len(" STOP here")), "echo_text": text("Hello")})
-    assert out["text_output"][0].decode() == "Hello world."
+        "TOKENS_BATCH": np.array([[ids]], np.int32), "SEQUENCE_LENGTH": np.array([[len(ids)]], np.int32),
+        "context_ids": np.array([text_tokenizer.encode("Hello")], np.int32),
+        "text_trim": np.array([[len(" STOP here")]], np.int32)})
+    assert out["OUTPUT"].shape == (1,) and out["OUTPUT"][0].decode() == " world."
+
+
+def test_postprocess_is_nvidias_decode_of_the_first_sequence_length_ids(text_tokenizer):
+    ids = text_tokenizer.encode("Hello world, again")
+    padded = np.array([[ids + [0, 0, 0]]], np.int32)  # ids past SEQUENCE_LENGTH are not read
+    out = postprocess_tensors(text_tokenizer, {"TOKENS_BATCH": padded, "SEQUENCE_LENGTH": np.array([[len(ids)]], np.int32)})
+    assert out["OUTPUT"].tolist() == [text_tokenizer.decode(ids).encode()]
+    with pytest.raises(InvalidRequest, match=r"input 'TOKENS_BATCH': expected shape \[1, beams, tokens\]"):
+        postprocess_tensors(text_tokenizer, {"TOKENS_BATCH": np.zeros((2, 1, 3), np.int32)})
 
 
 def _params(req):
@@ -184,9 +208,12 @@ def test_top_p_zero_means_top_p_off_and_greedy_without_top_k(pre, text_tokenizer
 def test_end_id_and_pad_id_minus_one_mean_the_models_own(pre, text_tokenizer):
     base = pre.prepare({"text_input": text("Hello")})
     prep = pre.prepare({"text_input": text("Hello"), "end_id": i32(-1), "pad_id": i32(-1)})
+    # preprocessing fills the tokenizer's end token, as NVIDIA's does; the engine stops on it (one
+    # of the model's own end tokens) as it would without it
+    assert base.end_id == base.pad_id == prep.end_id == text_tokenizer.eos_id
     a = parse_engine_request(base.engine_tensors(), LIMITS, 49152, text_tokenizer)
     b = parse_engine_request(prep.engine_tensors(), LIMITS, 49152, text_tokenizer)
-    assert a.sampling == b.sampling and "stop_token_ids" not in b.sampling
+    assert a.sampling == b.sampling and b.sampling["stop_token_ids"] == (text_tokenizer.eos_id,)
     c = parse_engine_request(engine_tensors([1, 2], end_id=i32(-1), pad_id=i32(-1)), LIMITS, 49152, text_tokenizer)
     assert "stop_token_ids" not in c.sampling
 
@@ -210,3 +237,40 @@ def test_engine_stop_words_list_and_kiln_stop_strings(text_tokenizer):
                                               stop_strings=np.array([b"END"], dtype=object)),
                                LIMITS, 49152, text_tokenizer)
     assert req.stop_ids == ((5, 6), (7,)) and req.stop_strings == ("END",)
+
+
+def test_neither_top_k_nor_top_p_is_greedy_as_in_tensorrt_llm(pre, text_tokenizer):
+    # NVIDIA's clients send temperature 1.0 and expect greedy text unless they name top_k / top_p
+    prep = pre.prepare({"text_input": text("Hello"), "temperature": f32(1.0)})
+    assert _params(parse_engine_request(prep.engine_tensors(), LIMITS, 49152, text_tokenizer)).temperature == 0.0
+    req = parse_engine_request(engine_tensors([1, 2], temperature=f32(1.0)), LIMITS, 49152, text_tokenizer)
+    assert _params(req).temperature == 0.0
+    req = parse_engine_request(engine_tensors([1, 2], temperature=f32(0.7), runtime_top_p=f32(0.9)), LIMITS,
+                               49152, text_tokenizer)
+    assert (_params(req).temperature, _params(req).top_p) == (pytest.approx(0.7), pytest.approx(0.9))
+
+
+def test_engine_accepts_nvidias_neutral_inputs_and_refuses_the_rest(text_tokenizer):
+    req = parse_engine_request(engine_tensors([1, 2], decoder_input_ids=i32(0), decoder_input_lengths=i32(1),
+                                              embedding_bias=np.zeros(0, np.float32),
+                                              return_context_logits=np.array([False]),
+                                              return_generation_logits=np.array([False]),
+                                              exclude_input_in_output=np.array([True])),
+                               LIMITS, 49152, text_tokenizer)
+    assert req.exclude_input_in_output and req.prompt_ids == [1, 2]
+    for extra, message in ((dict(embedding_bias=np.ones(4, np.float32)), "input 'embedding_bias': 4 values"),
+                           (dict(return_context_logits=np.array([True])), "input 'return_context_logits'"),
+                           (dict(return_generation_logits=np.array([True])), "Kiln does not return logits")):
+        with pytest.raises(InvalidRequest, match=message):
+            parse_engine_request(engine_tensors([1, 2], **extra), LIMITS, 49152, text_tokenizer)
+
+
+def test_batch_dimension_one_sequence_per_request():
+    from backend.serving.batching import batched, unbatch
+    got = unbatch({"input_ids": np.array([[5, 6, 7]], np.int32), "end_id": np.array([[2]], np.int32)}, "m")
+    assert got["input_ids"].tolist() == [5, 6, 7] and got["end_id"].tolist() == [2]
+    with pytest.raises(InvalidRequest, match=r"input 'text_input' of model 'ensemble': batch size 2 \(shape \[2, 1\]\)"):
+        unbatch({"text_input": np.array([[b"a"], [b"b"]], dtype=object)}, "ensemble")
+    with pytest.raises(InvalidRequest, match="no batch dimension"):
+        unbatch({"x": np.array(3)}, "m")
+    assert batched([1, 2], np.int32).shape == (1, 2)

@@ -61,11 +61,12 @@ def _http_infer(srv, model: str, inputs: list[dict]) -> requests.Response:
 
 
 def _text_inputs(**extra) -> list[dict]:
-    out = [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": [PROMPT]},
-           {"name": "max_tokens", "datatype": "INT32", "shape": [1], "data": [N]},
-           {"name": "temperature", "datatype": "FP32", "shape": [1], "data": [0.0]},
-           {"name": "exclude_input_in_output", "datatype": "BOOL", "shape": [1], "data": [True]}]
-    return out + [{"name": k, "datatype": "BOOL", "shape": [1], "data": [v]} for k, v in extra.items()]
+    # shapes [1, 1]: the batch dimension, then the value (max_batch_size > 0, as NVIDIA's models)
+    out = [{"name": "text_input", "datatype": "BYTES", "shape": [1, 1], "data": [PROMPT]},
+           {"name": "max_tokens", "datatype": "INT32", "shape": [1, 1], "data": [N]},
+           {"name": "temperature", "datatype": "FP32", "shape": [1, 1], "data": [0.0]},
+           {"name": "exclude_input_in_output", "datatype": "BOOL", "shape": [1, 1], "data": [True]}]
+    return out + [{"name": k, "datatype": "BOOL", "shape": [1, 1], "data": [v]} for k, v in extra.items()]
 
 
 @pytest.mark.parametrize("model", [NAMES.ensemble, NAMES.bls])
@@ -96,6 +97,7 @@ def test_one_shot_grpc_infer_on_the_engine_returns_the_token_ids(server, referen
     inputs = []
     for name, arr in (("input_ids", ids), ("input_lengths", np.array([len(ids)], np.int32)),
                       ("request_output_len", np.array([N], np.int32)), ("temperature", np.array([0.0], np.float32))):
+        arr = arr[None]  # the batch dimension
         inp = g.InferInput(name, list(arr.shape), {np.int32: "INT32", np.float32: "FP32"}[arr.dtype.type])
         inp.set_data_from_numpy(arr)
         inputs.append(inp)
@@ -104,8 +106,10 @@ def test_one_shot_grpc_infer_on_the_engine_returns_the_token_ids(server, referen
         res = client.infer(NAMES.engine, inputs)
     finally:
         client.close()
-    assert res.as_numpy("output_ids").reshape(-1).tolist() == reference["ids"]
-    assert int(res.as_numpy("sequence_length").reshape(-1)[0]) == len(ids) + N
+    # NVIDIA's non-streamed output_ids: [batch, beam, prompt + generated]
+    out = res.as_numpy("output_ids")
+    assert out.shape == (1, 1, len(ids) + N) and out.reshape(-1).tolist() == reference["prompt_ids"] + reference["ids"]
+    assert res.as_numpy("sequence_length").tolist() == [[len(ids) + N]]
 
 
 def test_streaming_requests_get_a_clear_error(server):
@@ -115,9 +119,9 @@ def test_streaming_requests_get_a_clear_error(server):
         assert r.status_code >= 400, r.text
         assert "needs a decoupled (streaming) model" in r.text and "serving.decoupled=true" in r.text, r.text
     r = _http_infer(server, NAMES.engine, [
-        {"name": "input_ids", "datatype": "INT32", "shape": [3], "data": [1, 2, 3]},
-        {"name": "request_output_len", "datatype": "INT32", "shape": [1], "data": [2]},
-        {"name": "streaming", "datatype": "BOOL", "shape": [1], "data": [True]}])
+        {"name": "input_ids", "datatype": "INT32", "shape": [1, 3], "data": [1, 2, 3]},
+        {"name": "request_output_len", "datatype": "INT32", "shape": [1, 1], "data": [2]},
+        {"name": "streaming", "datatype": "BOOL", "shape": [1, 1], "data": [True]}])
     assert r.status_code >= 400 and "streaming=true needs a decoupled" in r.text, r.text
     # over a gRPC stream too (allowed on a non-decoupled model): the error comes back, nothing hangs
     res = grpc_generate(server.grpc_url, NAMES.bls, PROMPT, max_tokens=N, stream=True)

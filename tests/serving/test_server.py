@@ -186,6 +186,7 @@ def test_cancelled_engine_request_frees_its_blocks(reference, triton_server):
     inputs = []
     for name, arr in (("input_ids", np.array(ids, np.int32)), ("request_output_len", np.array([600], np.int32)),
                       ("min_tokens", np.array([600], np.int32)), ("streaming", np.array([True]))):
+        arr = arr[None]  # the batch dimension (max_batch_size > 0, as NVIDIA's models)
         inp = g.InferInput(name, list(arr.shape), "BOOL" if arr.dtype == bool else "INT32")
         inp.set_data_from_numpy(arr)
         inputs.append(inp)
@@ -199,7 +200,7 @@ def test_cancelled_engine_request_frees_its_blocks(reference, triton_server):
         it = client.stream_infer(reqs())
         async for result, error in it:
             assert error is None
-            n += len(result.as_numpy("output_ids"))
+            n += result.as_numpy("output_ids").size
             if n >= 3:
                 it.cancel()
                 break
@@ -222,10 +223,12 @@ INVALID = [
     ({"text_input": "Hi", "top_p": 1.5}, None, "top_p"),
     ({"text_input": "Hi", "top_k": -1}, None, "top_k"),
     ({"text_input": b"caf\xc3(", "max_tokens": 4}, None, "UTF-8"),
-    ({"text_input": "Hi", "max_tokens": np.array([4.0], np.float32)}, {"max_tokens": "FP32"}, "max_tokens"),
-    ({"text_input": "Hi", "return_perf_metrics": np.array([1], np.int32)}, {"return_perf_metrics": "INT32"},
+    ({"text_input": "Hi", "max_tokens": np.array([[4.0]], np.float32)}, {"max_tokens": "FP32"}, "max_tokens"),
+    ({"text_input": "Hi", "return_perf_metrics": np.array([[1]], np.int32)}, {"return_perf_metrics": "INT32"},
      "return_perf_metrics"),
-    ({"text_input": np.array([b"a", b"b"], dtype=object)}, None, "text_input"),
+    ({"text_input": np.array([[b"a", b"b"]], dtype=object)}, None, "text_input"),
+    # two rows in one request: Kiln takes one sequence per request and says so
+    ({"text_input": np.array([[b"a"], [b"b"]], dtype=object)}, None, "batch size 2"),
 ]
 
 
@@ -357,6 +360,7 @@ def _engine_stream(url, ids, **extra):
              np.dtype(np.uint64): "UINT64", np.dtype(object): "BYTES"}
     inputs = []
     for name, arr in dict(input_ids=np.array(ids, np.int32), streaming=np.array([True]), **extra).items():
+        arr = arr[None]  # the batch dimension (max_batch_size > 0, as NVIDIA's models)
         inp = g.InferInput(name, list(arr.shape), types[arr.dtype])
         inp.set_data_from_numpy(arr)
         inputs.append(inp)
@@ -373,8 +377,8 @@ def _engine_stream(url, ids, **extra):
                     err = str(error)
                     break
                 if result.as_numpy("output_ids") is not None:
-                    out += result.as_numpy("output_ids").tolist()
-                    trim = int(result.as_numpy("text_trim")[0])
+                    out += result.as_numpy("output_ids").reshape(-1).tolist()
+                    trim = int(result.as_numpy("text_trim").reshape(-1)[0])
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     break
         finally:

@@ -117,6 +117,7 @@ def engine_inputs(ids, **flags) -> list:
               **{k: np.array([v]) for k, v in flags.items()}}
     out = []
     for name, arr in arrays.items():
+        arr = arr[None]  # the batch dimension (max_batch_size > 0)
         inp = g.InferInput(name, list(arr.shape), {"i": "INT32", "f": "FP32", "b": "BOOL"}[arr.dtype.kind])
         inp.set_data_from_numpy(arr)
         out.append(inp)
@@ -169,7 +170,7 @@ def test_ensemble_and_bls_report_the_same_figures(reference, server):
     f = read_acceptance(body)
     assert (f["total_draft_tokens"], f["total_accepted_draft_tokens"]) == counts
     # bls, gRPC streaming with the flag: cumulative on every response
-    flag = dict(datatypes={"return_perf_metrics": "BOOL"}, return_perf_metrics=np.array([True]))
+    flag = dict(datatypes={"return_perf_metrics": "BOOL"}, return_perf_metrics=np.array([[True]]))
     responses = stream(server.grpc_url, NAMES.bls, grpc_inputs(PROMPTS["paris"], max_tokens=MAX_TOKENS,
                                                            temperature=0.0, stream=True, **flag))
     assert "".join(r["text_output"].reshape(-1)[0].decode() for r in responses) == text
@@ -184,7 +185,7 @@ def test_clients_that_do_not_ask_see_no_acceptance_outputs(reference, server):
     responses = stream(server.grpc_url, NAMES.bls, grpc_inputs(PROMPTS["fox"], max_tokens=MAX_TOKENS,
                                                            temperature=0.0, stream=True))
     assert "".join(r["text_output"].reshape(-1)[0].decode() for r in responses) == text
-    assert all(set(r) == {"text_output", "output_log_probs"} for r in responses)
+    assert all(set(r) == {"text_output", "output_log_probs", "cum_log_probs"} for r in responses)
 
 
 def test_request_that_cannot_speculate_reports_zeros(reference, server):

@@ -23,9 +23,8 @@ class TritonPythonModel:
                                on_fatal=exit_stub)
 
     def execute(self, requests):
-        if not self.decoupled:  # one response per request: a streaming or stop request is refused
-            requests = [r for r in requests if not streaming_refused(pb_utils, r, self.name, "streaming")
-                        and not streaming_refused(pb_utils, r, self.name, "stop_request")]
+        if not self.decoupled:  # one response per request: a streaming request is refused
+            requests = [r for r in requests if not streaming_refused(pb_utils, r, self.name, "streaming")]
         self.host.execute(requests)  # only enqueues; responses come from the executor thread
         return None
 

@@ -3,12 +3,11 @@ import triton_python_backend_utils as pb_utils
 
 from backend.logs import get_logger, route_to_triton
 from backend.serving.model_args import engine_dir, model_config
-from backend.serving.postprocess import postprocess_tensors
+from backend.serving.convert import InvalidRequest
+from backend.serving.postprocess import POSTPROCESSING_INPUTS, postprocess_tensors
 from backend.serving.tokenizer import load_tokenizer
 
 _LOG = get_logger("serving.postprocessing")
-_INPUTS = ("output_ids", "context_ids", "text_trim", "echo_text", "output_log_probs", "acceptance_rate",
-           "total_accepted_draft_tokens", "total_draft_tokens")
 
 
 class TritonPythonModel:
@@ -19,10 +18,13 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = []
         for request in requests:
-            tensors = {n: t.as_numpy() for n in _INPUTS
+            tensors = {n: t.as_numpy() for n in POSTPROCESSING_INPUTS
                        if (t := pb_utils.get_input_tensor_by_name(request, n)) is not None}
             try:
                 out = postprocess_tensors(self.tok, tensors)
+            except InvalidRequest as e:
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e))))
+                continue
             except Exception as e:  # noqa: BLE001 - one bad response must not fail its batchmates
                 _LOG.exception("request %s: postprocessing failed", request.request_id() or "-")
                 responses.append(pb_utils.InferenceResponse(

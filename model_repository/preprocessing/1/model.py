@@ -2,10 +2,11 @@
 import triton_python_backend_utils as pb_utils
 
 from backend.logs import get_logger, route_to_triton
+from backend.serving.batching import unbatch
 from backend.serving.convert import InvalidRequest
 from backend.serving.metrics import RequestErrors
 from backend.serving.model_args import engine_dir, model_config
-from backend.serving.preprocess import TEXT_INPUT_NAMES, Preprocessor, preprocessing_outputs
+from backend.serving.preprocess import PREPROCESSING_INPUTS, Preprocessor, preprocessing_outputs
 
 _LOG = get_logger("serving.preprocessing")
 
@@ -14,15 +15,16 @@ class TritonPythonModel:
     def initialize(self, args):
         route_to_triton(pb_utils)  # kiln.* log lines go to the server's log
         self.pre = Preprocessor(engine_dir(args, model_config(args)))
-        self.errors = RequestErrors(pb_utils, args["model_name"], args["model_instance_name"])
+        self.name = args["model_name"]
+        self.errors = RequestErrors(pb_utils, self.name, args["model_instance_name"])
 
     def execute(self, requests):
         responses = []
         for request in requests:
-            tensors = {n: t.as_numpy() for n in TEXT_INPUT_NAMES
+            tensors = {n: t.as_numpy() for n in PREPROCESSING_INPUTS
                        if (t := pb_utils.get_input_tensor_by_name(request, n)) is not None}
             try:
-                out = preprocessing_outputs(self.pre.prepare(tensors))
+                out = preprocessing_outputs(self.pre.prepare_nvidia(unbatch(tensors, self.name)))
             except InvalidRequest as e:
                 self.errors.count("invalid_request")
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e))))
