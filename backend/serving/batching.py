@@ -4,11 +4,11 @@ NVIDIA's inflight_batcher_llm models declare ``max_batch_size: ${triton_max_batc
 client of theirs sends ``[B, ...]`` tensors (``[1, 1]`` for a scalar, ``[1, L]`` for a prompt) and
 reads ``[B, ...]`` outputs (``output_ids`` ``[B, beams, len]``). Kiln declares the same. Triton never
 merges requests into one batch here (no dynamic batcher: the engine batches in flight, across
-requests), so B is what one client put in one request; Kiln takes B = 1 and refuses more with an
-error that says what to do, instead of answering one row and dropping the others.
+requests), so B is what one client put in one request (NVIDIA's ``--batch-inputs``).
 
-Pure numpy: the models strip the batch dimension on the way in (:func:`unbatch`) so that the rest
-of the serving code reads per-request tensors, and add it on the way out (:func:`batched`).
+Pure numpy: the models split a request into its rows on the way in (:func:`rows`; :func:`unbatch`
+where only one row makes sense) so that the rest of the serving code reads one sequence's tensors,
+and add the batch dimension on the way out (:func:`batched`, :func:`stack_rows`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,47 @@ import numpy as np
 
 from backend.serving.convert import InvalidRequest
 
-__all__ = ["unbatch", "batched", "batched_all"]
+__all__ = ["rows", "unbatch", "batched", "batched_all", "stack_rows"]
+
+
+def rows(tensors: Mapping[str, np.ndarray], model: str) -> list[dict[str, np.ndarray]]:
+    """``{name: [B, *dims]}`` -> B dicts ``{name: [*dims]}``; every tensor must have the same B."""
+    sizes = {}
+    for name, arr in tensors.items():
+        a = np.asarray(arr)
+        if a.ndim == 0:
+            raise InvalidRequest(f"input '{name}' of model '{model}': no batch dimension (shape []); "
+                                 "send [1, ...] for one sequence")
+        sizes[name] = a.shape[0]
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"'{n}' {b}" for n, b in sizes.items())
+        raise InvalidRequest(f"model '{model}': the inputs disagree on the batch size ({listed}); "
+                             "every input needs one row per sequence")
+    b = next(iter(sizes.values()), 1)
+    if b == 0:
+        raise InvalidRequest(f"model '{model}': batch size 0; send at least one row")
+    return [{n: np.asarray(a)[i] for n, a in tensors.items()} for i in range(b)]
+
+
+def stack_rows(per_row: list[Mapping[str, np.ndarray]], pad: Mapping[str, int | float] | None = None
+               ) -> dict[str, np.ndarray]:
+    """B dicts of one sequence's outputs -> ``{name: [B, *dims]}``, ragged last dimensions padded at
+    the end with ``pad[name]`` (default 0; NVIDIA pads ``INPUT_ID`` with the pad id and word lists'
+    offsets with -1; the lengths beside them say where each row ends)."""
+    out = {}
+    for name in per_row[0]:
+        arrs = [np.asarray(r[name]) for r in per_row]
+        width = max((a.shape[-1] if a.ndim else 0) for a in arrs)
+        fill = (pad or {}).get(name, 0)
+        padded = []
+        for a in arrs:
+            if a.ndim and a.shape[-1] < width:
+                widths = [(0, 0)] * (a.ndim - 1) + [(0, width - a.shape[-1])]
+                a = np.pad(a, widths, constant_values=fill) if a.dtype != object else \
+                    np.concatenate([a, np.full(a.shape[:-1] + (width - a.shape[-1],), fill, dtype=object)], -1)
+            padded.append(a)
+        out[name] = np.stack(padded)
+    return out
 
 
 def unbatch(tensors: Mapping[str, np.ndarray], model: str) -> dict[str, np.ndarray]:

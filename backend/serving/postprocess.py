@@ -36,32 +36,46 @@ def _ids(arr: np.ndarray | None) -> list[int]:
     return [] if arr is None else [int(t) for t in np.asarray(arr).reshape(-1)]
 
 
-def _beams(tokens: np.ndarray, lengths: np.ndarray | None) -> list[list[int]]:
-    """TOKENS_BATCH [1, beams, n] cut to SEQUENCE_LENGTH [1, beams]."""
+def _sequences(tokens: np.ndarray, lengths: np.ndarray | None) -> list[list[list[int]]]:
+    """TOKENS_BATCH [B, beams, n] cut to SEQUENCE_LENGTH [B, beams]: [row][beam] -> ids."""
     t = np.asarray(tokens)
-    if t.ndim != 3 or t.shape[0] != 1:
-        raise InvalidRequest(f"input 'TOKENS_BATCH': expected shape [1, beams, tokens] (one sequence per "
-                             f"request), got {list(t.shape)}")
-    beams = t[0]
-    lens = np.asarray(lengths).reshape(-1) if lengths is not None else [beams.shape[1]] * beams.shape[0]
-    return [[int(x) for x in beam[: max(0, min(int(n), beams.shape[1]))]] for beam, n in zip(beams, lens)]
+    if t.ndim != 3:
+        raise InvalidRequest(f"input 'TOKENS_BATCH': expected shape [batch, beams, tokens], got {list(t.shape)}")
+    if lengths is None:
+        lens = np.full(t.shape[:2], t.shape[2])
+    else:
+        lens = np.asarray(lengths)
+        if lens.size != t.shape[0] * t.shape[1]:
+            raise InvalidRequest(f"input 'SEQUENCE_LENGTH': shape {list(lens.shape)} does not match "
+                                 f"TOKENS_BATCH {list(t.shape)} (one length per row and beam)")
+        lens = lens.reshape(t.shape[:2])
+    return [[[int(x) for x in beam[: max(0, min(int(n), t.shape[2]))]] for beam, n in zip(row, row_lens)]
+            for row, row_lens in zip(t, lens)]
+
+
+def _per_row(arr: np.ndarray | None, b: int) -> list[np.ndarray | None]:
+    return [None] * b if arr is None else [np.asarray(arr)[i] for i in range(b)]
 
 
 def postprocess_tensors(tok: Decoder, t: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Tensors of the ``postprocessing`` model in and out (batch dimension included)."""
-    trim = int(np.asarray(t["text_trim"]).reshape(-1)[0]) if t.get("text_trim") is not None else 0
-    context = _ids(t.get("context_ids"))
-    texts = [postprocess(tok, ids, context, trim) for ids in _beams(t["TOKENS_BATCH"], t.get("SEQUENCE_LENGTH"))]
+    """Tensors of the ``postprocessing`` model in and out (batch dimension included; ``OUTPUT`` is
+    1-D, row by row and beam by beam, as NVIDIA's)."""
+    seqs = _sequences(t["TOKENS_BATCH"], t.get("SEQUENCE_LENGTH"))
+    contexts, trims = _per_row(t.get("context_ids"), len(seqs)), _per_row(t.get("text_trim"), len(seqs))
+    texts = [postprocess(tok, ids, _ids(ctx), int(trim.reshape(-1)[0]) if trim is not None else 0)
+             for row, ctx, trim in zip(seqs, contexts, trims) for ids in row]
     lp = t.get("output_log_probs")
     cum = t.get("cum_log_probs")
+    b = len(seqs)
     out = {
-        "OUTPUT": np.array([s.encode("utf-8") for s in texts], dtype=object),
-        "OUT_OUTPUT_LOG_PROBS": (np.zeros((1, 1, 0), np.float32) if lp is None
-                                 else np.asarray(lp, np.float32).reshape(1, 1, -1)),
-        "OUT_CUM_LOG_PROBS": np.zeros((1, 1), np.float32) if cum is None else np.asarray(cum, np.float32).reshape(1, 1),
+        "OUTPUT": np.array([x.encode("utf-8") for x in texts], dtype=object),
+        # passed through as the engine sent them (one response: [1, beams, ...])
+        "OUT_OUTPUT_LOG_PROBS": np.zeros((b, 1, 0), np.float32) if lp is None else np.asarray(lp, np.float32),
+        "OUT_CUM_LOG_PROBS": np.zeros((b, 1), np.float32) if cum is None else np.asarray(cum, np.float32),
     }
     # Always present: the ensemble forwards them and cannot answer while an output is missing.
     figures = read_acceptance(t)  # None only when a caller other than the ensemble sent none
     for name, zero in acceptance_tensors(0, 0).items():
-        out["out_" + name] = (zero if figures is None else np.array([figures[name]], zero.dtype))[None]
+        out["out_" + name] = (np.zeros((b, 1), zero.dtype) if figures is None
+                              else np.array([[figures[name]]], zero.dtype))
     return out

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from backend import bundle
+from backend.serving.batching import stack_rows
 from backend.serving.convert import (EngineLimits, InvalidRequest, check_prompt, read_inputs,
                                     sampling_kwargs, to_words_list)
 from backend.serving.tokenizer import TextTokenizer, load_tokenizer
@@ -94,9 +95,7 @@ OUTPUT_NAMES = {
 }
 
 
-def preprocessing_outputs(prep: PreparedRequest) -> dict[str, np.ndarray]:
-    """Outputs of the ``preprocessing`` model, batch dimension included
-    (model_repository/preprocessing/config.pbtxt.tmpl)."""
+def _row_outputs(prep: PreparedRequest) -> dict[str, np.ndarray]:
     out = {OUTPUT_NAMES.get(k, "out_" + k): v for k, v in prep.engine_tensors().items()}
     out["OUT_PAD_ID"] = np.array([prep.pad_id], np.int32)
     # NVIDIA's encoder-decoder outputs, filled as its preprocessing fills them for a decoder-only model
@@ -107,7 +106,16 @@ def preprocessing_outputs(prep: PreparedRequest) -> dict[str, np.ndarray]:
     # response only once every output the client asked for exists, and a client that names no
     # outputs asks for all of them, so an output that appeared only on request would stall it.
     out["out_return_perf_metrics"] = np.array([True])
-    return {k: v[None] for k, v in out.items()}
+    return out
+
+
+def preprocessing_outputs(*preps: PreparedRequest) -> dict[str, np.ndarray]:
+    """Outputs of the ``preprocessing`` model for a request's rows, batch dimension first
+    (model_repository/preprocessing/config.pbtxt.tmpl). Rows of different lengths are padded as
+    NVIDIA's preprocessing pads them: prompts with the pad id (``REQUEST_INPUT_LEN`` says where each
+    ends), word lists with -1 (the end of the offsets)."""
+    pad = {"INPUT_ID": max(preps[0].pad_id, 0), "STOP_WORDS_IDS": -1, "BAD_WORDS_IDS": -1}
+    return stack_rows([_row_outputs(p) for p in preps], pad)
 
 
 class Preprocessor:

@@ -187,8 +187,28 @@ def test_postprocess_is_nvidias_decode_of_the_first_sequence_length_ids(text_tok
     padded = np.array([[ids + [0, 0, 0]]], np.int32)  # ids past SEQUENCE_LENGTH are not read
     out = postprocess_tensors(text_tokenizer, {"TOKENS_BATCH": padded, "SEQUENCE_LENGTH": np.array([[len(ids)]], np.int32)})
     assert out["OUTPUT"].tolist() == [text_tokenizer.decode(ids).encode()]
-    with pytest.raises(InvalidRequest, match=r"input 'TOKENS_BATCH': expected shape \[1, beams, tokens\]"):
-        postprocess_tensors(text_tokenizer, {"TOKENS_BATCH": np.zeros((2, 1, 3), np.int32)})
+    # two rows (NVIDIA's --batch-inputs): OUTPUT is 1-D, row by row
+    other = text_tokenizer.encode("Bye")
+    two = np.array([[ids], [other + [0] * (len(ids) - len(other))]], np.int32)
+    out = postprocess_tensors(text_tokenizer, {"TOKENS_BATCH": two,
+                                               "SEQUENCE_LENGTH": np.array([[len(ids)], [len(other)]], np.int32)})
+    assert out["OUTPUT"].tolist() == [text_tokenizer.decode(ids).encode(), b"Bye"]
+    with pytest.raises(InvalidRequest, match=r"input 'TOKENS_BATCH': expected shape \[batch, beams, tokens\]"):
+        postprocess_tensors(text_tokenizer, {"TOKENS_BATCH": np.zeros((2, 3), np.int32)})
+    with pytest.raises(InvalidRequest, match=r"input 'SEQUENCE_LENGTH': shape \[1, 1\] does not match"):
+        postprocess_tensors(text_tokenizer, {"TOKENS_BATCH": two, "SEQUENCE_LENGTH": np.array([[3]], np.int32)})
+
+
+def test_preprocessing_pads_rows_as_nvidias(pre):
+    a = pre.prepare({"text_input": text("Hello there, how are you"), "stop_words": np.array([b"END"], dtype=object)})
+    b = pre.prepare({"text_input": text("Hi"), "end_id": i32(9)})
+    out = preprocessing_outputs(a, b)
+    la, lb = len(a.prompt_ids), len(b.prompt_ids)
+    assert out["INPUT_ID"].shape == (2, la) and out["INPUT_ID"][0].tolist() == a.prompt_ids
+    assert out["INPUT_ID"][1, :lb].tolist() == b.prompt_ids and out["REQUEST_INPUT_LEN"].tolist() == [[la], [lb]]
+    assert out["OUT_END_ID"].tolist() == [[a.end_id], [9]]
+    assert from_words_list("s", out["STOP_WORDS_IDS"][0]) == pre.tokenizer.words(["END"])
+    assert from_words_list("s", out["STOP_WORDS_IDS"][1]) == []  # padded with -1: no words
 
 
 def _params(req):

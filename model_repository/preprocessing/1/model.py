@@ -2,7 +2,7 @@
 import triton_python_backend_utils as pb_utils
 
 from backend.logs import get_logger, route_to_triton
-from backend.serving.batching import unbatch
+from backend.serving.batching import rows
 from backend.serving.convert import InvalidRequest
 from backend.serving.metrics import RequestErrors
 from backend.serving.model_args import engine_dir, model_config
@@ -24,7 +24,8 @@ class TritonPythonModel:
             tensors = {n: t.as_numpy() for n in PREPROCESSING_INPUTS
                        if (t := pb_utils.get_input_tensor_by_name(request, n)) is not None}
             try:
-                out = preprocessing_outputs(self.pre.prepare_nvidia(unbatch(tensors, self.name)))
+                # one row per sequence (NVIDIA's --batch-inputs sends several); the engine splits them again
+                out = preprocessing_outputs(*(self.pre.prepare_nvidia(r) for r in rows(tensors, self.name)))
             except InvalidRequest as e:
                 self.errors.count("invalid_request")
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e))))
