@@ -243,10 +243,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds one stream may wait for its first chunk (a normal request for its "
                          "final) before it counts as unanswered (default 600: on 2 cores a stream "
                          "queued behind 63 long ones waits minutes; lost is what this looks for)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="storms in a row on the same server, each followed by an idle measurement: RSS "
+                         "that grows every round is a leak, RSS that stays after the first is memory "
+                         "the allocator keeps for the next burst")
     ap.add_argument("--exit-timeout", type=int, default=10)
     args = ap.parse_args(argv)
     srv = TritonServer(args.model_repository, exit_timeout=args.exit_timeout).start()
-    failure, after, idle = None, None, None
+    failure, idle, rounds = None, None, []
     try:
         # Idle is measured warm, as tests/serving/test_cancel_storm.py does: after a small storm and
         # the grace period, so that lazily started threads and allocator arenas are counted as idle.
@@ -255,26 +259,35 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"the warm-up storm failed: {warm}")
         _settle(srv, args.model, args.timeout)
         idle = wait_threads(srv, 10**6, model=args.model)
-        report = cancel_storm(srv, cancels=args.cancels, concurrency=args.concurrency, model=args.model,
-                              normal_every=args.normal_every, timeout_s=args.timeout)
-        failure = srv.failure()
-        if failure is None:
+        for _ in range(max(1, args.rounds)):
+            report = cancel_storm(srv, cancels=args.cancels, concurrency=args.concurrency, model=args.model,
+                                  normal_every=args.normal_every, timeout_s=args.timeout)
+            failure = srv.failure()
+            if failure is not None:
+                break
             wait_threads(srv, idle.threads, model=args.model)
             _settle(srv, args.model, args.timeout)
             after = wait_threads(srv, idle.threads, model=args.model)
+            rounds.append((report, after))
+            if not report.ok():
+                break
     finally:
         t0 = time.monotonic()
         code = srv.stop()
         stop_s = time.monotonic() - t0
-    rep = dataclasses.asdict(report)
-    rep.pop("waits")
-    rep["errors"] = rep["errors"][:20]
-    rep["wait"] = report.wait_summary()
-    out = {"report": rep, "server_failure": failure, "stub_idle_warm": dataclasses.asdict(idle),
-           "stub_after": after and dataclasses.asdict(after), "exit_code": code,
+
+    def summary(r: StormReport) -> dict:
+        d = dataclasses.asdict(r)
+        d.pop("waits")
+        d["errors"] = d["errors"][:20]
+        d["wait"] = r.wait_summary()
+        return d
+    out = {"rounds": [{"report": summary(r), "stub_after": dataclasses.asdict(a)} for r, a in rounds],
+           "server_failure": failure, "stub_idle_warm": dataclasses.asdict(idle), "exit_code": code,
            "stop_seconds": round(stop_s, 2)}
     print(json.dumps(out, indent=2))
-    return 0 if report.ok() and failure is None and code == 0 else 1
+    ok = len(rounds) == max(1, args.rounds) and all(r.ok() for r, _ in rounds)
+    return 0 if ok and failure is None and code == 0 else 1
 
 
 if __name__ == "__main__":
