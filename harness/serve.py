@@ -4,8 +4,10 @@
 
 Uses ``tritonserver`` from PATH (NVIDIA's container) or else the one in the nvidia-pytriton wheel,
 binds 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002 unless overridden), waits until every model is
-ready, prints client examples, and on Ctrl-C / SIGTERM stops the server and its Python backend stubs
-and removes their shared-memory files.
+ready, prints client examples, and on Ctrl-C / SIGTERM first has the engine end every in-flight
+request (each client gets a final response or an error; ``TritonServer.drain`` says why this must
+come before the server's own SIGTERM), then stops the server and its Python backend stubs and
+removes their shared-memory files.
 """
 from __future__ import annotations
 

@@ -5,27 +5,37 @@ Used by ``harness/serve.py`` (``make serve``), the serving tests and the benchma
 assembles the Python backend folder as symlinks (copies break the stub's relative library path and
 the server then hangs at load), puts this interpreter's ``bin/`` first on PATH (the stub runs the
 first ``python3`` it finds, so it must see Kiln and numpy<2), binds 127.0.0.1 on free ports, waits
-until ready, and on exit stops the whole process group and removes its shared-memory files.
+until ready, and on exit drains the engine (``stop``), stops the whole process group and removes
+its shared-memory files.
 """
 from __future__ import annotations
 
 import dataclasses
 import glob
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from backend.serving.serving_state import DRAIN_DIR_ENV, DRAIN_REQUEST, engine_marker, idle_marker
+
 __all__ = ["TritonServer", "TritonBinary", "find_tritonserver", "free_port", "ServerError", "stub_processes"]
 
 ROOT = Path(__file__).resolve().parents[1]
 STUB_PY = f"{sys.version_info.major}.{sys.version_info.minor}"
+DRAIN_TIMEOUT_S = 10.0  # stop(): at most this long for the engines to end their requests
+# drain(): after the engines acknowledged, time for the server to hand their last responses to the
+# ensemble, whose postprocessing steps are then queued before the SIGTERM (after it they are refused,
+# and one refused for a response that was not the last leaves its ensemble request unreleased)
+DRAIN_SETTLE_S = 0.5
 
 
 class ServerError(RuntimeError):
@@ -139,6 +149,8 @@ class TritonServer:
         self.extra_args = tuple(extra_args)
         # per-server shared-memory prefix: cleanup removes only this server's regions, never another's
         self.shm_prefix = f"kiln_{os.getpid()}_{self.ports['http']}_"
+        # stop()'s drain handshake with the engine stubs (backend/serving/serving_state.py)
+        self.drain_dir = Path(tempfile.gettempdir()) / f"{self.shm_prefix}drain"
         self.proc: subprocess.Popen | None = None
         self.binary: TritonBinary | None = None
         self.abort = threading.Event()  # set (e.g. from a signal handler) to give up waiting for ready
@@ -176,12 +188,15 @@ class TritonServer:
         env.setdefault("PYTHONUNBUFFERED", "1")
         # each stub would otherwise start one torch thread per core: 2 cores shared by many stubs
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2))))
+        env[DRAIN_DIR_ENV] = str(self.drain_dir)  # the stubs inherit it
         return env
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> "TritonServer":
         self.binary = find_tritonserver()
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.drain_dir, ignore_errors=True)
+        self.drain_dir.mkdir(parents=True)
         self._log = open(self.log_file, "ab")
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self.env(), start_new_session=True)
@@ -217,12 +232,44 @@ class TritonServer:
         except OSError:
             return "(no log)"
 
+    def drain(self, timeout: float = DRAIN_TIMEOUT_S) -> bool:
+        """Ask the engine models to end every in-flight request and refuse new ones, and wait until
+        each engine stub runs nothing (or ``timeout``). True when all acknowledged.
+
+        Why before the SIGTERM (Triton 24.10): on SIGTERM Triton first stops every model's
+        scheduler, then waits for in-flight requests. An ensemble stream whose engine step is still
+        running then has its next postprocessing step refused, after which the ensemble ignores the
+        rest of that engine step and never releases the request: the server waits out its exit
+        timeout, exits 1 and crashes on the way out. Ending the engine requests first lets every
+        ensemble, bls and engine stream end with a final response or error while the server still
+        takes the ensemble's steps (backend/serving/serving_state.py has the details)."""
+        if not self.running():
+            return False
+        try:
+            (self.drain_dir / DRAIN_REQUEST).touch()
+        except OSError:
+            return False
+        deadline = time.monotonic() + timeout
+        while True:
+            alive = self.stub_pids()  # an engine stub that died or was unloaded has nothing to end
+            waiting = [pid for pid in alive if engine_marker(self.drain_dir, pid).exists()
+                       and not idle_marker(self.drain_dir, pid).exists()]
+            if not waiting:
+                break
+            if time.monotonic() >= deadline or not self.running():
+                return False
+            time.sleep(0.05)
+        time.sleep(DRAIN_SETTLE_S)
+        return True
+
     def stop(self) -> int | None:
-        """SIGTERM the server's process group (server + stubs), SIGKILL after the exit timeout."""
+        """Drain the engines (``drain``), then SIGTERM the server's process group (server + stubs),
+        SIGKILL after the exit timeout."""
         if self.proc is None:
             return None
         code = self.proc.poll()
         if code is None:
+            self.drain()
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -239,6 +286,7 @@ class TritonServer:
         if code is None:
             code = self.proc.wait(timeout=10)
         self._log.close()
+        shutil.rmtree(self.drain_dir, ignore_errors=True)
         for f in glob.glob(f"/dev/shm/{self.shm_prefix}*"):
             try:
                 os.unlink(f)

@@ -30,6 +30,13 @@ cancelled stream):
   updating one metric at once race (the first storm after adding bls's counters crashed the server).
 * Inner request ids are unguessable (``secrets``): the engine honours a ``stop_request`` only for
   such ids, so no other client can stop a bls request.
+* Shutdown needs nothing more here: Triton calls ``finalize()`` only once no request holds this
+  model, and it does not count bls streams as in flight, so it goes on to unload the models while
+  they run. The engine ends every inner request itself when it should stop serving (the harness's
+  drain, or Triton exiting: backend/serving/serving_state.py) with an in-band "error: the server is
+  shutting down ...", which ``_relay`` sends to the client as its final error; the thread has read
+  its iterator to the end and returns, and Triton can unload this model. No stop_request is needed
+  (one sent after Triton began unloading the engine is refused by Triton).
 """
 from __future__ import annotations
 

@@ -22,6 +22,15 @@ Rules (the serving contract):
   Triton request id, but only an id of at least ``MIN_STOP_ID_LEN`` characters: a short id is
   guessable, so anyone could stop someone else's request. Clients that stop by id start the request
   with an unguessable id (a UUID); closing the stream cancels a request for everyone.
+* Shutdown: Triton tells a model nothing until finalize(), which comes only once no request holds
+  it, and waits at most --exit-timeout-secs for that (then exits 1 and crashes on the way out). So
+  the poller watches ``serving_state`` (the harness's drain request before its SIGTERM; Triton's
+  readiness): once the engine should stop, new requests are refused and every running one ends at
+  once, with an error if nothing was sent yet or it is bls's (in-band), else like a stop (a normal
+  final, finish_reason "cancelled"): Triton 24.10's ensemble never releases a request whose
+  decoupled step sends an error while a later step (postprocessing) is still running, and that
+  request would hold the server for the whole exit timeout. bls's and the ensemble's requests end
+  with their engine requests.
 """
 from __future__ import annotations
 
@@ -45,6 +54,7 @@ from backend.serving.engine_outputs import response_tensors
 from backend.serving.engine_request import ENGINE_INPUT_NAMES, EngineRequest, parse_engine_request
 from backend.serving.metrics import ServingMetrics
 from backend.serving.perf_metrics import perf_tensors
+from backend.serving.serving_state import ServingState
 from backend.serving.tokenizer import load_tokenizer
 
 __all__ = ["EngineHost", "INBAND_ERRORS", "MIN_STOP_ID_LEN", "chosen_logprobs", "exit_stub"]
@@ -99,6 +109,7 @@ class _Stream:
     inband: bool = False    # errors as a final data response (INBAND_ERRORS)
     engine_req: Any = None  # the executor's Request, from its events (perf figures; executor thread only)
     done: bool = False
+    sent: bool = False      # a response went out (an ensemble may be running a later step on it)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -154,6 +165,8 @@ class EngineHost:
         self._active: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.serving = ServingState(pb, model_name, version)
+        self.draining: str | None = None  # set for good once the engine should stop serving (serving_state)
         self.refresh_metrics()  # the pool's size etc. from the start, not from the first poll
         self._poller = threading.Thread(target=self._poll, name="kiln-engine-poller", daemon=True)
         self._poller.start()
@@ -191,9 +204,9 @@ class EngineHost:
             self._stop_request(request.request_id(), sender)
             return
         inband = _inband(request)
-        if self.failed is not None:
+        if self.failed is not None or self.draining is not None:
             self.metrics.errors.count("unavailable")
-            self._send_error(sender, f"engine unavailable: {self.failed}", inband)
+            self._send_error(sender, f"engine unavailable: {self.failed or self.draining}", inband)
             return
         try:
             req = parse_engine_request(self._tensors(request), self.limits, self.vocab_size, self.tok)
@@ -298,6 +311,7 @@ class EngineHost:
         tensors = [self.pb.Tensor(k, v) for k, v in
                    response_tensors(ids, context, trim, lp, st.cum_logprob, reason, extra).items()]
         resp = self.pb.InferenceResponse(output_tensors=tensors)
+        st.sent = True
         try:
             st.sender.send(resp, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
         except Exception as e:  # noqa: BLE001 - the client went away: stop generating for it
@@ -359,6 +373,8 @@ class EngineHost:
         while not self._stop.wait(POLL_S):
             with self._lock:
                 streams = list(self._active.values())
+            if streams or self.draining is not None or self.serving.drain_dir:
+                self._check_serving(streams)
             for st in streams:
                 # under the stream's lock: once its FINAL response is sent Triton releases the
                 # request, and asking a released request is_cancelled() crashes the server
@@ -374,6 +390,27 @@ class EngineHost:
             if reason is not None:
                 self._fail(reason)
                 return
+
+    def _check_serving(self, streams: list[_Stream]) -> None:
+        """Once the engine should stop serving (``serving_state``: a drain before the server stops,
+        Triton exiting or unloading the model): refuse new requests and end the running ones now,
+        not at max_tokens past Triton's exit timeout (the module docstring says why one that already
+        sent a response ends like a stop, not with an error). Triton is asked (an IPC round trip)
+        only while requests run; with none left, a drain is acknowledged."""
+        self.draining = self.serving.stopped(ask_triton=bool(streams))
+        if self.draining is None:
+            return
+        if not streams:
+            self.serving.idle()
+        for st in streams:
+            with st.lock:
+                if st.done or st.cancel_by == "shutdown":
+                    continue
+                st.cancel_asked, st.cancel_by = True, "shutdown"
+                if st.inband or not st.sent:
+                    self._finish(st, error=self.draining, kind="unavailable")
+            # frees its blocks; a request not ended above gets its final ("cancelled") within a step
+            self.executor.cancel(st.rid)
 
     def _fail(self, reason: str) -> None:
         """The engine cannot serve any more: end everything in flight with an error, then hand
