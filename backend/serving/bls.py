@@ -50,7 +50,7 @@ import numpy as np
 
 from backend.logs import get_logger
 from backend.serving.acceptance import ACCEPTANCE_OUTPUTS
-from backend.serving.batching import batched, unbatch
+from backend.serving.batching import rows, stack_rows
 from backend.serving.perf_metrics import PERF_OUTPUTS
 from backend.serving.convert import InvalidRequest
 from backend.serving.engine_host import INBAND_ERRORS
@@ -199,7 +199,8 @@ class BlsHost:
     def _run(self, request, out: _Reply, tensors: dict) -> None:
         pb = self.pb
         try:
-            prep = self.pre.prepare(unbatch(tensors, self.model_name))
+            # one prepared request per row (NVIDIA's --batch-inputs); the engine answers row by row
+            preps = [self.pre.prepare(r) for r in rows(tensors, self.model_name)]
         except InvalidRequest as e:
             self.errors.count("invalid_request")
             out.error(str(e))
@@ -210,10 +211,14 @@ class BlsHost:
             out.error(f"bls: {type(e).__name__}: {e}")
             return
         inner_id = new_inner_id()
-        wanted = _ENGINE_OUTPUTS + (_PERF if prep.values["return_perf_metrics"] else [])
+        batch = len(preps)
+        wanted = (_ENGINE_OUTPUTS + (["batch_index"] if batch > 1 else [])
+                  + (_PERF if any(p.values["return_perf_metrics"] for p in preps) else []))
         inner = pb.InferenceRequest(
             model_name=self.engine_model, requested_output_names=wanted, request_id=inner_id,
-            inputs=[pb.Tensor(k, batched(v)) for k, v in prep.engine_tensors().items()],
+            inputs=[pb.Tensor(k, v) for k, v in stack_rows(
+                [p.engine_tensors() for p in preps],
+                {"input_ids": 0, "stop_words_list": -1, "bad_words_list": -1}).items()],
             parameters={INBAND_ERRORS: True})
         try:
             responses = inner.exec(decoupled=True) if self.decoupled else [inner.exec()]
@@ -222,7 +227,7 @@ class BlsHost:
             self.errors.count("engine")
             out.error(f"bls: {type(e).__name__}: {e}")
             return
-        state = {"stopped": False, "stops": []}
+        state = {"stopped": False, "stops": [], "rows_left": batch}
         try:
             # read to the end in every case: the engine's FINAL releases the inner request's state
             for resp in responses:
@@ -280,7 +285,11 @@ class BlsHost:
                    pb.Tensor("cum_log_probs", get("cum_log_probs").as_numpy().astype(np.float32))]
         # present exactly when the client set return_perf_metrics (the engine adds them then)
         tensors += [pb.Tensor(n, t.as_numpy()) for n in _PERF if (t := get(n)) is not None]
-        out.send(tensors, final=bool(reason))  # the engine fills finish_reason only on its last
+        if reason:  # the engine fills finish_reason only on a row's last response
+            state["rows_left"] -= 1
+        if (b := get("batch_index")) is not None:  # a request of several rows: say which one
+            tensors.append(pb.Tensor("batch_index", b.as_numpy()))
+        out.send(tensors, final=state["rows_left"] == 0)
 
     def _stop_engine(self, inner_id: str):
         """tensorrtllm_backend's stop: the engine stops the request with this id and answers with a

@@ -34,9 +34,7 @@ Rules (the serving contract):
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import json
 import os
 import threading
 import time
@@ -47,11 +45,13 @@ import numpy as np
 from backend.bundle import load_bundle
 from backend.logs import for_request, get_logger
 from backend.serving.acceptance import acceptance_tensors, draft_counts
-from backend.serving.batching import unbatch
+from backend.serving.batching import rows
 from backend.serving.convert import EngineLimits, InvalidRequest
 from backend.serving.detok import CONTEXT_TOKENS, StreamDetokenizer
-from backend.serving.engine_outputs import response_tensors
-from backend.serving.engine_request import ENGINE_INPUT_NAMES, EngineRequest, parse_engine_request
+from backend.serving.engine_outputs import response_tensors, send_empty_final, send_error
+from backend.serving.engine_stream import INBAND_ERRORS, Stream, chosen_logprobs, inband_errors
+from backend.serving.row_group import RowGroup
+from backend.serving.engine_request import ENGINE_INPUT_NAMES, parse_engine_request
 from backend.serving.metrics import ServingMetrics
 from backend.serving.perf_metrics import perf_tensors
 from backend.serving.serving_state import ServingState
@@ -66,59 +66,6 @@ POLL_S = 0.5           # cancellation check period: each check is an IPC round t
 STATS_EVERY_S = 0.5    # gauge refresh period while requests run (each one also refreshes them
                        # just before its final response)
 MIN_STOP_ID_LEN = 16   # a stop_request may name only a request id at least this long (a UUID is 36)
-INBAND_ERRORS = "kiln_inband_errors"  # request parameter: end with a data response, never an error one
-
-
-def chosen_logprobs(event: Any) -> list[float]:
-    """Log-probability of each generated token of an executor event, whatever shape it has."""
-    lps = getattr(event, "logprobs", None)
-    if not lps:
-        return []
-    out = []
-    for tok, lp in zip(event.token_ids, lps):
-        if isinstance(lp, (int, float)):
-            out.append(float(lp))
-        elif isinstance(lp, dict):
-            out.append(float(lp.get(tok, next(iter(lp.values())))))
-        elif isinstance(lp, (list, tuple)) and lp:
-            first = lp[0]
-            out.append(float(first[1] if isinstance(first, (list, tuple)) else first))
-        else:
-            out.append(float(getattr(lp, "logprob", np.nan)))
-    return out
-
-
-@dataclasses.dataclass
-class _Stream:
-    rid: str
-    triton_id: str          # the Triton request id (a stop request names it)
-    request: Any
-    sender: Any
-    req: EngineRequest
-    detok: StreamDetokenizer
-    arrival: float
-    first: float | None = None
-    last: float | None = None
-    n_tokens: int = 0
-    ids: list[int] = dataclasses.field(default_factory=list)       # non-streaming: all sent ids
-    logprobs: list[float] = dataclasses.field(default_factory=list)  # not yet sent
-    cum_logprob: float = 0.0  # of every generated token so far (NVIDIA's cum_log_probs)
-    trim: int = 0
-    cancel_asked: bool = False
-    cancel_by: str = ""     # "client" (went away), "stop" (a stop_request), "text" (a stop string)
-    inband: bool = False    # errors as a final data response (INBAND_ERRORS)
-    engine_req: Any = None  # the executor's Request, from its events (perf figures; executor thread only)
-    done: bool = False
-    sent: bool = False      # a response went out (an ensemble may be running a later step on it)
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-
-def _inband(request) -> bool:
-    """Whether the request's parameters ask for in-band errors (INBAND_ERRORS: true)."""
-    try:
-        return json.loads(request.parameters() or "{}").get(INBAND_ERRORS) is True
-    except Exception:  # noqa: BLE001 - unreadable parameters: the default
-        return False
 
 
 def exit_stub(reason: str) -> None:
@@ -134,11 +81,14 @@ class EngineHost:
                  model_name: str = "engine", instance: str = "0", version: str = "1",
                  nv_instance: str | None = None,
                  executor_factory: Callable[..., Any] | None = None, step_timeout_s: float = 0.0,
-                 on_fatal: Callable[[str], None] | None = None):
+                 on_fatal: Callable[[str], None] | None = None,
+                 decoupled: bool = True):
         """``step_timeout_s`` > 0: a step running longer counts as a hung engine. When the engine
         fails (its loop thread died, or a step hung) every in-flight request gets a final error,
         new ones are refused, and ``on_fatal(reason)`` runs (the Triton model exits its stub)."""
         self.pb = pb
+        # a request with batch size B > 1 is answered row by row: only a decoupled model may
+        self.decoupled = decoupled
         self.step_timeout_s = step_timeout_s
         self.on_fatal = on_fatal
         self.failed: str | None = None
@@ -162,7 +112,7 @@ class EngineHost:
         self._metrics_lock = threading.Lock()
         self._ids = itertools.count()
         self._prefix = f"{model_name}-{instance}-{os.getpid()}-"
-        self._active: dict[str, _Stream] = {}
+        self._active: dict[str, Stream] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.serving = ServingState(pb, model_name, version)
@@ -180,15 +130,22 @@ class EngineHost:
                 for_request(_LOG, request.request_id() or "-").exception("could not enqueue the request")
                 self.metrics.errors.count("internal")
                 self._send_error(request.get_response_sender(), f"engine: {type(e).__name__}: {e}",
-                                 _inband(request))
+                                 inband_errors(request))
 
-    def _tensors(self, request) -> dict[str, np.ndarray]:
+    def _rows(self, request) -> list[dict[str, np.ndarray]]:
+        """The request's inputs, one dict per row (NVIDIA's clients send B rows with --batch-inputs)."""
         out = {}
         for name in ENGINE_INPUT_NAMES:
             t = self.pb.get_input_tensor_by_name(request, name)
             if t is not None:
                 out[name] = t.as_numpy()
-        return unbatch(out, self.model_name)
+        per_row = rows(out, self.model_name)
+        if len(per_row) > 1 and not self.decoupled:
+            raise InvalidRequest(f"model '{self.model_name}': batch size {len(per_row)} needs a decoupled model "
+                                 "(one response per row; this repository was built with serving.decoupled="
+                                 "false): send the rows as separate requests, or rebuild with "
+                                 "serving.decoupled=true")
+        return per_row
 
     def _is_stop(self, request) -> bool:
         """A control request: ``stop_request`` or NVIDIA's ``stop`` true (its other inputs are dummies)."""
@@ -203,21 +160,28 @@ class EngineHost:
         if self._is_stop(request):
             self._stop_request(request.request_id(), sender)
             return
-        inband = _inband(request)
+        inband = inband_errors(request)
         if self.failed is not None or self.draining is not None:
             self.metrics.errors.count("unavailable")
             self._send_error(sender, f"engine unavailable: {self.failed or self.draining}", inband)
             return
         try:
-            req = parse_engine_request(self._tensors(request), self.limits, self.vocab_size, self.tok)
-            params = self._params(**req.sampling)
+            reqs = [parse_engine_request(r, self.limits, self.vocab_size, self.tok) for r in self._rows(request)]
+            params = [self._params(**r.sampling) for r in reqs]
         except (InvalidRequest, ValueError, TypeError) as e:
             self.metrics.errors.count("invalid_request")
             self._send_error(sender, str(e), inband)
             return
+        # every row is checked before any starts: a bad row refuses the whole request
+        group = RowGroup(len(reqs)) if len(reqs) > 1 else None
+        for i, (req, p) in enumerate(zip(reqs, params)):
+            self._start(request, sender, req, p, inband, group, i)
+
+    def _start(self, request, sender, req, params, inband: bool, group: RowGroup | None, row: int) -> None:
         rid = self._prefix + str(next(self._ids))
-        st = _Stream(rid, request.request_id(), request, sender, req, StreamDetokenizer(self.tok, req.prompt_ids, req.stop_strings,
-                                                                   self.interval, req.stop_ids), time.monotonic(), inband=inband)
+        st = Stream(rid, request.request_id(), request, sender, req,
+                    StreamDetokenizer(self.tok, req.prompt_ids, req.stop_strings, self.interval, req.stop_ids),
+                    time.monotonic(), inband=inband, group=group, row=row)
         with self._lock:
             self._active[rid] = st
         try:
@@ -230,7 +194,8 @@ class EngineHost:
                 if not st.done:
                     st.done = True
                     self.metrics.errors.count("invalid_request" if isinstance(e, ValueError) else "unavailable")
-                    self._send_error(sender, str(e) if isinstance(e, ValueError) else f"engine: {e}", inband)
+                    if group is None or group.close():  # a row's error ends its whole request
+                        self._send_error(sender, str(e) if isinstance(e, ValueError) else f"engine: {e}", inband)
 
     def _stop_request(self, triton_id: str, sender) -> None:
         if not triton_id:
@@ -253,12 +218,17 @@ class EngineHost:
                     continue
                 st.cancel_asked, st.cancel_by = True, "stop"
             self.executor.cancel(st.rid)
-        self._send_empty_final(sender)
+        send_empty_final(self.pb, sender)
 
     # ---- executor thread -----------------------------------------------------------------------
-    def _on_event(self, st: _Stream, ev: Any) -> None:
+    def _on_event(self, st: Stream, ev: Any) -> None:
         with st.lock:
             if st.done:
+                return
+            if st.group is not None and st.group.closed:
+                # another row's error ended the request (nothing may follow its FINAL): stop this row
+                self._retire(st)
+                self.executor.cancel(st.rid)
                 return
             now = time.monotonic()
             if getattr(ev, "request", None) is not None:
@@ -301,15 +271,17 @@ class EngineHost:
                 elif chunk.finished:  # NVIDIA's non-streamed output_ids: the prompt, then the new ids
                     self._send(st, st.req.prompt_ids + st.ids, [], st.trim, reason, True)
 
-    def _send(self, st: _Stream, ids, context, trim, reason, final) -> None:
+    def _send(self, st: Stream, ids, context, trim, reason, final) -> None:
         lp, st.logprobs = st.logprobs, []  # chunks take every pending token, so all of them
         st.cum_logprob += float(sum(lp))
         extra = {}
+        if st.group is not None:  # the request ends (FINAL flag) with the response ending its last row
+            final = final and (st.group.closed or st.group.row_finished())
         if st.req.return_perf_metrics:  # cumulative on every response, as tensorrtllm_backend does
             extra.update(acceptance_tensors(*draft_counts(self.executor, st.rid)))
             extra.update(perf_tensors(st.engine_req))
         tensors = [self.pb.Tensor(k, v) for k, v in
-                   response_tensors(ids, context, trim, lp, st.cum_logprob, reason, extra).items()]
+                   response_tensors(ids, context, trim, lp, st.cum_logprob, reason, extra, st.row).items()]
         resp = self.pb.InferenceResponse(output_tensors=tensors)
         st.sent = True
         try:
@@ -320,17 +292,19 @@ class EngineHost:
                 st.cancel_asked, st.cancel_by = True, "client"
                 self.executor.cancel(st.rid)
 
-    def _finish(self, st: _Stream, error: str, kind: str) -> None:
+    def _finish(self, st: Stream, error: str, kind: str) -> None:
         """Called with st.lock held. Ends st with an error as its FINAL response (in-band for a
         request that asked for it) and counts it under ``kind``."""
         self._retire(st)
         self.metrics.errors.count(kind)
+        if st.group is not None and not st.group.close():
+            return  # another row's error, or the last row's FINAL, already ended the request
         if st.inband:
             self._send(st, [], [], 0, f"error: {error}", True)
         else:
             self._send_error(st.sender, error)
 
-    def _retire(self, st: _Stream) -> None:
+    def _retire(self, st: Stream) -> None:
         """Called with st.lock held, BEFORE st's final response is sent: forgets st and publishes
         its metrics (latencies, and the executor totals its steps added to), so that a client
         holding its final response reads metrics that include its request."""
@@ -346,26 +320,7 @@ class EngineHost:
         self.refresh_metrics()
 
     def _send_error(self, sender, message: str, inband: bool = False) -> None:
-        """A request's FINAL response: an error, or for ``inband`` a data response whose
-        finish_reason is "error: <message>" (no stream state exists yet: empty outputs)."""
-        if inband:
-            resp = self.pb.InferenceResponse(output_tensors=[
-                self.pb.Tensor(k, v) for k, v in response_tensors([], [], 0, [], 0.0, f"error: {message}").items()])
-        else:
-            resp = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
-        try:
-            sender.send(resp, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception:  # noqa: BLE001 - nobody left to tell
-            pass
-
-    def _send_empty_final(self, sender) -> None:
-        """The answer to a stop: one FINAL response with no outputs, as tensorrtllm_backend sends (a
-        non-decoupled model must send exactly one response, so not a bare FINAL flag)."""
-        try:
-            sender.send(self.pb.InferenceResponse(output_tensors=[]),
-                        flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception:  # noqa: BLE001 - nobody left to tell
-            pass
+        send_error(self.pb, sender, message, inband)
 
     # ---- poller: cancellation and gauges -------------------------------------------------------
     def _poll(self) -> None:
@@ -391,7 +346,7 @@ class EngineHost:
                 self._fail(reason)
                 return
 
-    def _check_serving(self, streams: list[_Stream]) -> None:
+    def _check_serving(self, streams: list[Stream]) -> None:
         """Once the engine should stop serving (``serving_state``: a drain before the server stops,
         Triton exiting or unloading the model): refuse new requests and end the running ones now,
         not at max_tokens past Triton's exit timeout (the module docstring says why one that already

@@ -10,33 +10,36 @@ Every response carries, batch dimension first (``max_batch_size`` > 0, one seque
 * ``output_log_probs`` FP32 ``[1, 1, g]``: log-probabilities of this response's generated tokens
   (empty unless ``return_log_probs``); ``cum_log_probs`` FP32 ``[1, 1]``: their sum over the request
   so far. Always present, so that an ensemble that forwards them never waits for a missing output.
-* ``sequence_index`` INT32 ``[1, 1]``: 0 (Kiln returns one sequence per request).
+* ``sequence_index`` INT32 ``[1, 1]``: 0 (Kiln returns one sequence per request);
+  ``batch_index`` INT32 ``[1, 1]``: the row of the request this response belongs to (0 for a
+  request of one row: always present, so an ensemble forwarding it never waits for it).
 * Kiln's own, for its postprocessing: ``context_ids`` INT32 ``[1, c]`` (ids before ``output_ids``,
   to decode it as a continuation), ``text_trim`` INT32 ``[1, 1]`` (characters to cut for a stop
   string), ``finish_reason`` BYTES ``[1, 1]`` (non-empty exactly on the final response).
 * With ``return_perf_metrics``: the acceptance and perf figures, each ``[1, 1]``.
 
-Pure numpy: no Triton, no torch.
+Numpy only: the Triton calls go through the ``pb`` (``triton_python_backend_utils``) a caller passes.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from backend.serving.batching import batched
 
-__all__ = ["response_tensors"]
+__all__ = ["response_tensors", "send_error", "send_empty_final"]
 
 
 def response_tensors(ids: Sequence[int], context: Sequence[int], trim: int, logprobs: Sequence[float],
-                     cum_logprob: float, reason: str,
-                     extra: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+                     cum_logprob: float, reason: str, extra: Mapping[str, np.ndarray] | None = None,
+                     row: int = 0) -> dict[str, np.ndarray]:
     out = {
         "output_ids": np.asarray(ids, np.int32).reshape(1, 1, -1),
         "sequence_length": np.asarray([[len(ids)]], np.int32),
         "output_log_probs": np.asarray(logprobs, np.float32).reshape(1, 1, -1),
         "cum_log_probs": np.asarray([[cum_logprob]], np.float32),
+        "batch_index": np.asarray([[row]], np.int32),
         "sequence_index": np.zeros((1, 1), np.int32),
         "context_ids": batched(context, np.int32),
         "text_trim": np.asarray([[trim]], np.int32),
@@ -45,3 +48,26 @@ def response_tensors(ids: Sequence[int], context: Sequence[int], trim: int, logp
     for name, value in (extra or {}).items():
         out[name] = batched(value)
     return out
+
+
+def send_error(pb: Any, sender: Any, message: str, inband: bool = False) -> None:
+    """A request's FINAL response: an error, or for ``inband`` (the bls model's requests) a data
+    response whose finish_reason is "error: <message>" (no stream state exists yet: empty outputs)."""
+    if inband:
+        resp = pb.InferenceResponse(output_tensors=[
+            pb.Tensor(k, v) for k, v in response_tensors([], [], 0, [], 0.0, f"error: {message}").items()])
+    else:
+        resp = pb.InferenceResponse(output_tensors=[], error=pb.TritonError(message))
+    try:
+        sender.send(resp, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    except Exception:  # noqa: BLE001 - nobody left to tell
+        pass
+
+
+def send_empty_final(pb: Any, sender: Any) -> None:
+    """The answer to a stop: one FINAL response with no outputs, as tensorrtllm_backend sends (a
+    non-decoupled model must send exactly one response, so not a bare FINAL flag)."""
+    try:
+        sender.send(pb.InferenceResponse(output_tensors=[]), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    except Exception:  # noqa: BLE001 - nobody left to tell
+        pass

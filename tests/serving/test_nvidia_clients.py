@@ -674,7 +674,8 @@ def _batch_error_ok(msg: str) -> bool:
 
 @pytest.mark.parametrize("model", [NAMES.ensemble, NAMES.bls, NAMES.engine])
 def test_batch_of_two_is_refused_and_the_server_keeps_serving(nd_server, refs, model):
-    """B must be 1 for now: a [2, ...] request gets an error naming the batch size (HTTP infer)."""
+    """A non-decoupled build answers one response per request, so a [2, ...] request gets an error
+    naming the batch size (as NVIDIA's backend refuses it); then a normal request works (HTTP infer)."""
     import tritonclient.http as httpclient
     client = httpclient.InferenceServerClient(nd_server.http_url, network_timeout=STREAM_TIMEOUT)
     ref = refs.ete
@@ -703,16 +704,31 @@ def test_batch_of_two_is_refused_and_the_server_keeps_serving(nd_server, refs, m
         client.close()
 
 
-def test_batch_of_two_on_an_ensemble_stream_is_refused(dec_server, refs):
-    """The same on the decoupled build, through a gRPC stream as end_to_end_grpc_client.py sends
-    --batch-inputs with two prompts (each input stacked on the batch dimension): an error naming the
-    batch size; then a normal request works."""
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize("model", [NAMES.ensemble, NAMES.bls])
+def test_batch_inputs_are_answered_row_by_row(dec_server, refs, model, stream):
+    """end_to_end_grpc_client.py --batch-inputs on the decoupled build: two prompts stacked on the
+    batch dimension in one request (each its own max_tokens). Every response carries one row's text
+    and its batch_index; per row, the text is that prompt's greedy answer; the request ends with ONE
+    final response (after both rows)."""
     import tritonclient.grpc as grpcclient
-    a, b = e2e_client_arrays(E2E_PROMPT, 4, False), e2e_client_arrays(ETE_PROMPT, 4, False)
-    stacked = [tensor(grpcclient, k, np.concatenate([a[k], b[k]], axis=0)) for k in a]
-    results = run_stream(dec_server.grpc_url, [(NAMES.ensemble, stacked,
-                                                dict(outputs=e2e_client_outputs(), request_id="2"))])
-    errs = errors_of(results)
-    assert errs and all(_batch_error_ok(e) for e in errs), (errs, [output_names(r) for r, e in results if r])
+    rows_ = [(E2E_PROMPT, E2E_N, refs.e2e), (ETE_PROMPT, ETE_N, refs.ete)]
+    arrays = [e2e_client_arrays(prompt, n, stream) for prompt, n, _ in rows_]
+    stacked = [tensor(grpcclient, k, np.concatenate([a[k] for a in arrays], axis=0)) for k in arrays[0]]
+    outputs = e2e_client_outputs() + [grpcclient.InferRequestedOutput("batch_index")]
+    results = run_stream(dec_server.grpc_url, [(model, stacked, dict(outputs=outputs, request_id="2"))])
+    assert not errors_of(results), errors_of(results)
+    texts: dict[int, list[str]] = {0: [], 1: []}
+    for result, _ in results:
+        if "text_output" not in output_names(result):
+            continue
+        row = int(result.as_numpy("batch_index").reshape(-1)[0])
+        texts[row].append(one_text(result.as_numpy("text_output")))
+    assert sum(is_final(r) for r, _ in results) == 1 and is_final(results[-1][0])
+    for row, (_prompt, _n, ref) in enumerate(rows_):
+        if stream:  # pieces add up to the completion
+            assert "".join(texts[row]) == ref.completion, row
+        else:       # one response per row: the prompt, then the completion
+            assert texts[row] == [ref.full_text], row
     ok = e2e_client(dec_server.grpc_url, NAMES.ensemble, E2E_PROMPT, E2E_N, False)
     assert client_text(ok, False) == refs.e2e.full_text

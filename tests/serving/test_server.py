@@ -227,8 +227,9 @@ INVALID = [
     ({"text_input": "Hi", "return_perf_metrics": np.array([[1]], np.int32)}, {"return_perf_metrics": "INT32"},
      "return_perf_metrics"),
     ({"text_input": np.array([[b"a", b"b"]], dtype=object)}, None, "text_input"),
-    # two rows in one request: Kiln takes one sequence per request and says so
-    ({"text_input": np.array([[b"a"], [b"b"]], dtype=object)}, None, "batch size 2"),
+    # two rows of text but one of max_tokens: every input needs one row per sequence (Triton checks)
+    ({"text_input": np.array([[b"a"], [b"b"]], dtype=object), "max_tokens": 4}, None,
+     "batch size does not match"),  # Triton checks this before the model
 ]
 
 

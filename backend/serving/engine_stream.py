@@ -1,0 +1,77 @@
+"""One engine request's state in the engine model (``engine_host.py``), and small helpers it uses.
+
+A :class:`Stream` is one sequence: a Triton request with batch size 1, or one row of a request with
+batch size B > 1 (then ``group`` ties the rows together, ``row_group.py``). Its fields are read and
+written under its ``lock``: by the executor's thread (events), the poller (cancellation, shutdown)
+and ``execute()`` (stop requests).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from typing import Any
+
+import numpy as np
+
+from backend.serving.detok import StreamDetokenizer
+from backend.serving.engine_request import EngineRequest
+from backend.serving.row_group import RowGroup
+
+__all__ = ["Stream", "chosen_logprobs", "inband_errors", "INBAND_ERRORS"]
+
+INBAND_ERRORS = "kiln_inband_errors"  # request parameter: end with a data response, never an error one
+
+
+def chosen_logprobs(event: Any) -> list[float]:
+    """Log-probability of each generated token of an executor event, whatever shape it has."""
+    lps = getattr(event, "logprobs", None)
+    if not lps:
+        return []
+    out = []
+    for tok, lp in zip(event.token_ids, lps):
+        if isinstance(lp, (int, float)):
+            out.append(float(lp))
+        elif isinstance(lp, dict):
+            out.append(float(lp.get(tok, next(iter(lp.values())))))
+        elif isinstance(lp, (list, tuple)) and lp:
+            first = lp[0]
+            out.append(float(first[1] if isinstance(first, (list, tuple)) else first))
+        else:
+            out.append(float(getattr(lp, "logprob", np.nan)))
+    return out
+
+
+@dataclasses.dataclass
+class Stream:
+    rid: str
+    triton_id: str          # the Triton request id (a stop request names it)
+    request: Any
+    sender: Any
+    req: EngineRequest
+    detok: StreamDetokenizer
+    arrival: float
+    first: float | None = None
+    last: float | None = None
+    n_tokens: int = 0
+    ids: list[int] = dataclasses.field(default_factory=list)       # non-streaming: all sent ids
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # not yet sent
+    cum_logprob: float = 0.0  # of every generated token so far (NVIDIA's cum_log_probs)
+    trim: int = 0
+    cancel_asked: bool = False
+    cancel_by: str = ""     # "client" (went away), "stop" (a stop_request), "text" (a stop string)
+    inband: bool = False    # errors as a final data response (INBAND_ERRORS)
+    engine_req: Any = None  # the executor's Request, from its events (perf figures; executor thread only)
+    done: bool = False
+    sent: bool = False      # a response went out (an ensemble may be running a later step on it)
+    group: RowGroup | None = None  # the rows of a request with batch size > 1 (row_group.py)
+    row: int = 0            # this stream's row in it (NVIDIA's batch_index)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+def inband_errors(request) -> bool:
+    """Whether the request's parameters ask for in-band errors (INBAND_ERRORS: true)."""
+    try:
+        return json.loads(request.parameters() or "{}").get(INBAND_ERRORS) is True
+    except Exception:  # noqa: BLE001 - unreadable parameters: the default
+        return False
