@@ -106,6 +106,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per sample row"
         raw = logits
         logits = logits.float().clone() if self._needs_edit(rows) else logits.float()
+        self._apply_bias(logits, rows)
         self._apply_masks(logits, rows)
         self._apply_penalties(logits, rows)
 
@@ -129,7 +130,22 @@ class Sampler:
 
     def _has_mask(self, r: SampleRow) -> bool:
         p = r.params
-        return bool(p.bad_token_ids) or (len(r.output_token_ids) < p.min_tokens)
+        return bool(p.bad_token_ids) or bool(p.logit_bias) or (len(r.output_token_ids) < p.min_tokens)
+
+    def _apply_bias(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
+        """Add each row's logit_bias (before the masks, so that a forbidden token stays forbidden)."""
+        row_idx: list[int] = []
+        col_idx: list[int] = []
+        vals: list[float] = []
+        for i, r in enumerate(rows):
+            for tok, val in r.params.logit_bias:
+                row_idx.append(i)
+                col_idx.append(tok)
+                vals.append(float(val))
+        if row_idx:
+            dev = logits.device
+            logits.index_put_((_to_device(row_idx, dev), _to_device(col_idx, dev)),
+                              _to_device(vals, dev).to(logits.dtype), accumulate=True)
 
     def _apply_masks(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
         """Forbid bad-word completions and, before ``min_tokens`` are generated, every stop token."""

@@ -39,12 +39,21 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     bad_token_ids: tuple[tuple[int, ...], ...] = ()   # token sequences that must not be generated
+    # (token id, value) pairs added to the logits before sampling (OpenAI's logit_bias, NVIDIA's
+    # embedding_bias); masks (bad words, min_tokens) still win over a bias
+    logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int = 0            # top-n log-probabilities per generated token (0 = none)
     priority: int = 0            # higher first (FCFS among equals)
     speculative: bool = True     # per-request opt-out of speculative decoding
 
     def __post_init__(self) -> None:
         # Accept lists (what JSON and Triton give) but store tuples: frozen means frozen.
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        if not isinstance(self.logit_bias, tuple) and _is_seq(self.logit_bias):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
+        if isinstance(self.logit_bias, tuple) and any(not isinstance(b, tuple) and _is_seq(b) for b in self.logit_bias):
+            object.__setattr__(self, "logit_bias", tuple(tuple(b) if _is_seq(b) else b for b in self.logit_bias))
         if not isinstance(self.stop_token_ids, tuple) and _is_seq(self.stop_token_ids):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.bad_token_ids, tuple) and _is_seq(self.bad_token_ids):
@@ -118,6 +127,14 @@ class SamplingParams:
                 _fail("bad_token_ids", seq, "each entry must be a non-empty list of token ids")
             for tok in seq:
                 _check_token("bad_token_ids", tok, vocab_size)
+        if not isinstance(self.logit_bias, tuple):
+            _fail("logit_bias", self.logit_bias, "must be a list of (token id, value) pairs")
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                _fail("logit_bias", pair, "each entry must be a (token id, value) pair")
+            _check_token("logit_bias", pair[0], vocab_size)
+            if isinstance(pair[1], bool) or not isinstance(pair[1], (int, float)) or not math.isfinite(pair[1]):
+                _fail("logit_bias", pair, "the value must be a finite number")
 
     def replace(self, **changes) -> "SamplingParams":
         """A copy with some fields changed (unknown names raise, like the constructor)."""

@@ -92,10 +92,10 @@ INPUTS: dict[str, InputSpec] = {
                                        allowed="false"),
     "return_generation_logits": InputSpec("bool", False, check=_only(False, "Kiln does not return logits"),
                                           allowed="false"),
-    # NVIDIA's logit bias by word; Kiln's sampler has none: only the empty list is accepted (checked
-    # in preprocess.py, a list has no per-value check here)
-    "embedding_bias_words": InputSpec("bytes", (), many=True, allowed="an empty list"),
-    "embedding_bias_weights": InputSpec("float", (), many=True, allowed="an empty list"),
+    # NVIDIA's logit bias by word: each word's tokens get its weight added to their logits (checked
+    # in preprocess.py: the two lists go together)
+    "embedding_bias_words": InputSpec("bytes", (), many=True, allowed="a list of UTF-8 strings"),
+    "embedding_bias_weights": InputSpec("float", (), many=True, allowed="one finite number per word"),
     # engine model only
     "runtime_top_k": InputSpec("int", 0, check=_ge(0), allowed=">= 0 (0 = off); NVIDIA's name for top_k"),
     "runtime_top_p": InputSpec("float", 0.0, check=_top_p,
@@ -115,8 +115,8 @@ INPUTS: dict[str, InputSpec] = {
     # encoder-decoder inputs NVIDIA's preprocessing always fills; a decoder-only engine ignores them
     "decoder_input_ids": InputSpec("int", None, many=True, allowed="ignored (decoder-only model)"),
     "decoder_input_lengths": InputSpec("int", None, allowed="ignored (decoder-only model)"),
-    # NVIDIA's dense [vocab] logit bias; only the empty tensor its preprocessing sends without words
-    "embedding_bias": InputSpec("float", None, many=True, allowed="an empty tensor (Kiln has no logit bias)"),
+    # NVIDIA's dense [vocab] logit bias (engine); empty = none
+    "embedding_bias": InputSpec("float", None, many=True, allowed="one value per vocabulary entry, or none"),
 }
 
 _KINDS = {"bytes": "OSU", "int": "iu", "float": "f", "bool": "b"}

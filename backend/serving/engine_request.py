@@ -6,6 +6,7 @@ engine model directly with token ids (NVIDIA-style ``input_ids``/``request_outpu
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 import numpy as np
@@ -76,9 +77,14 @@ def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits
     if bad:
         kw["bad_token_ids"] = tuple(tuple(w) for w in bad)
     stop_ids = from_words_list("stop_words_list", v["stop_words_list"], vocab_size)
-    if v["embedding_bias"]:
-        raise InvalidRequest(f"input 'embedding_bias': {len(v['embedding_bias'])} values; Kiln's sampler has "
-                             "no logit bias, so only an empty tensor is accepted (leave the input out)")
+    bias = v["embedding_bias"] or []
+    if bias and len(bias) != vocab_size:
+        raise InvalidRequest(f"input 'embedding_bias': {len(bias)} values; NVIDIA's dense logit bias has one "
+                             f"per vocabulary entry ({vocab_size}), or none (an empty tensor)")
+    if any(not math.isfinite(x) for x in bias):
+        raise InvalidRequest("input 'embedding_bias': values must be finite")
+    if any(bias):  # added to the logits before sampling, as TensorRT-LLM adds it
+        kw["logit_bias"] = tuple((i, x) for i, x in enumerate(bias) if x != 0.0)
     return EngineRequest(prompt, kw, bool(v["streaming"]), tuple(dict.fromkeys(s for s in v["stop_strings"] if s)),
                          bool(v["return_log_probs"]), bool(v["return_perf_metrics"]),
                          tuple(dict.fromkeys(tuple(w) for w in stop_ids)), bool(v["exclude_input_in_output"]))

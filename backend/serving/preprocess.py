@@ -7,6 +7,7 @@ the engine step of the ensemble always receives every input with a value.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -47,6 +48,7 @@ class PreparedRequest:
     bad_words_ids: list[list[int]]
     end_id: int                     # the request's, else the tokenizer's end token (-1: none known)
     pad_id: int                     # the request's, else the tokenizer's end token (Kiln never pads)
+    embedding_bias: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float32))
 
     @property
     def stream(self) -> bool:
@@ -82,6 +84,7 @@ class PreparedRequest:
             "exclude_input_in_output": np.array([self.exclude_input], dtype=bool),
             "stop_words_list": to_words_list(self.stop_words_ids),
             "bad_words_list": to_words_list(self.bad_words_ids),
+            "embedding_bias": self.embedding_bias,
         }
 
 
@@ -91,6 +94,7 @@ class PreparedRequest:
 OUTPUT_NAMES = {
     "input_ids": "INPUT_ID", "input_lengths": "REQUEST_INPUT_LEN", "request_output_len": "REQUEST_OUTPUT_LEN",
     "stop_words_list": "STOP_WORDS_IDS", "bad_words_list": "BAD_WORDS_IDS", "end_id": "OUT_END_ID",
+    "embedding_bias": "EMBEDDING_BIAS",
     "streaming": "streaming",
 }
 
@@ -101,7 +105,6 @@ def _row_outputs(prep: PreparedRequest) -> dict[str, np.ndarray]:
     # NVIDIA's encoder-decoder outputs, filled as its preprocessing fills them for a decoder-only model
     out["DECODER_INPUT_ID"] = np.array([max(prep.pad_id, 0)], np.int32)
     out["REQUEST_DECODER_INPUT_LEN"] = np.array([1], np.int32)
-    out["EMBEDDING_BIAS"] = np.zeros(0, np.float32)  # no bias (non-empty words are refused)
     # The ensemble always asks the engine for the acceptance figures: a decoupled ensemble sends a
     # response only once every output the client asked for exists, and a client that names no
     # outputs asks for all of them, so an output that appeared only on request would stall it.
@@ -121,7 +124,9 @@ def preprocessing_outputs(*preps: PreparedRequest) -> dict[str, np.ndarray]:
 class Preprocessor:
     def __init__(self, engine_dir: str | Path, tokenizer: TextTokenizer | None = None):
         # The checked manifest (format, fields); the engine model checks the files' hashes.
-        self.limits = EngineLimits.from_engine(bundle.read(engine_dir).engine)
+        manifest = bundle.read(engine_dir)
+        self.limits = EngineLimits.from_engine(manifest.engine)
+        self.vocab_size = manifest.model.vocab_size  # EMBEDDING_BIAS has one value per entry
         self.tokenizer = tokenizer or load_tokenizer(engine_dir)
 
     def prepare(self, tensors: Mapping[str, np.ndarray]) -> PreparedRequest:
@@ -132,17 +137,31 @@ class Preprocessor:
             raise InvalidRequest(f"input 'apply_chat_template': {e}") from None
         check_prompt(prompt_ids, self.limits)
         sampling_kwargs(v, len(prompt_ids), self.limits)  # range checks now, not in the engine
-        for name in ("embedding_bias_words", "embedding_bias_weights"):
-            if any(w != "" for w in v[name]):  # NVIDIA's clients send [""] for "none"
-                raise InvalidRequest(f"input '{name}': Kiln's sampler has no logit bias; send an empty "
-                                     "list or leave the input out")
+        bias = self._embedding_bias(v["embedding_bias_words"], v["embedding_bias_weights"])
         # not given: the tokenizer's end token, as NVIDIA's preprocessing fills OUT_END_ID / OUT_PAD_ID
         # (the engine stops on the model's own end tokens as well; Kiln never pads, pad_id only travels)
         eos = self.tokenizer.eos_id
         end_id = v["end_id"] if v["end_id"] is not None and v["end_id"] >= 0 else eos
         pad_id = v["pad_id"] if v["pad_id"] is not None and v["pad_id"] >= 0 else eos
         return PreparedRequest(prompt_ids, v, self.tokenizer.words(v["stop_words"]),
-                               self.tokenizer.words(v["bad_words"]), end_id, pad_id)
+                               self.tokenizer.words(v["bad_words"]), end_id, pad_id, bias)
+
+    def _embedding_bias(self, words: tuple[str, ...], weights: list[float]) -> np.ndarray:
+        """NVIDIA's EMBEDDING_BIAS: a dense [vocab] FP32 vector, each word's weight added at each of
+        its tokens (tokenized as a continuation, like stop words); empty when no word is given
+        (NVIDIA's clients send [""] for none)."""
+        if not any(words):  # no word (NVIDIA's clients send [""] with or without a weight)
+            return np.zeros(0, np.float32)
+        if len(words) != len(weights):
+            raise InvalidRequest(f"inputs 'embedding_bias_words' ({len(words)}) and 'embedding_bias_weights' "
+                                 f"({len(weights)}): send one weight per word")
+        if any(not math.isfinite(x) for x in weights):
+            raise InvalidRequest("input 'embedding_bias_weights': values must be finite")
+        bias = np.zeros(self.vocab_size, np.float32)
+        for word, weight in zip(words, weights):
+            for tok in (self.tokenizer.words([word])[0] if word else []):
+                bias[tok] += weight
+        return bias
 
     def prepare_nvidia(self, tensors: Mapping[str, np.ndarray]) -> PreparedRequest:
         """The preprocessing model's inputs: NVIDIA's names (QUERY, REQUEST_OUTPUT_LEN, ...) and the

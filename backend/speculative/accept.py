@@ -10,8 +10,9 @@ proposed: speculation changes the speed, never the distribution. ``tests/eagle``
 chi-square test.
 
 ``target_probs`` reproduces the sampler's distribution (temperature, top-k, top-p, min-p); requests
-whose distribution depends on the tokens being decided (penalties, bad words, min_tokens) are not
-given drafts (``speculation_allowed``), so their probabilities never need the path's tokens.
+whose distribution depends on the tokens being decided (penalties, bad words, min_tokens) or that
+carry a logit bias (which ``target_probs`` does not add) are not given drafts
+(``speculation_allowed``), so their probabilities never need the path's tokens.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from backend.speculative.tree import TokenTree, greedy_accept
 def speculation_allowed(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a request may get draft tokens this step (see the module doc for why not)."""
     return (params.speculative and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and not params.bad_token_ids and params.logprobs == 0
+            and params.frequency_penalty == 0.0 and not params.bad_token_ids and not params.logit_bias
+            and params.logprobs == 0
             and num_output_tokens >= params.min_tokens)
 
 

@@ -116,3 +116,21 @@ def test_logprobs_are_model_log_softmax_with_top_n():
     assert abs(chosen - lp[0, out.token_ids[0]].item()) < 1e-5
     assert [t for t, _ in top] == lp[0].topk(4).indices.tolist()
     assert out.logprobs[1] is None
+
+
+def test_logit_bias_moves_only_its_row_and_masks_still_win():
+    logits = _logits(2, seed=3)
+    low = int(logits[0].argmin())
+    biased = SamplingParams(temperature=0.0, logit_bias=((low, 1000.0),))
+    out = Sampler([EOS])(logits.clone(), [_row(biased), _row(SamplingParams(temperature=0.0))])
+    assert out.token_ids == [low, int(logits[1].argmax())]  # the other row is untouched
+    best = int(logits[0].argmax())
+    down = Sampler([EOS])(logits[:1].clone(), [_row(SamplingParams(temperature=0.0, logit_bias={best: -1000.0}))])
+    assert down.token_ids[0] != best
+    # a bias cannot bring back a forbidden token: bad words and min_tokens masks are applied after it
+    forced = SamplingParams(temperature=0.0, logit_bias=((EOS, 1000.0),), min_tokens=2)
+    assert Sampler([EOS])(logits[:1].clone(), [_row(forced)]).token_ids[0] != EOS
+    # and the caller's logits are not edited in place
+    raw = logits.clone()
+    Sampler([EOS])(raw, [_row(biased), _row(biased)])
+    assert torch.equal(raw, logits)

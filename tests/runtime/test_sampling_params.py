@@ -86,3 +86,13 @@ def test_replace_keeps_other_fields_and_rejects_unknown_names():
     assert (q.temperature, q.seed, q.max_tokens) == (0.7, 3, 9)
     with pytest.raises(ValueError, match=r"unknown field\(s\) temprature; allowed: .*temperature"):
         p.replace(temprature=1.0)
+
+
+def test_logit_bias_is_validated_and_stored_as_pairs():
+    p = SamplingParams(logit_bias={3: 1.5, 9: -2})
+    assert p.logit_bias == ((3, 1.5), (9, -2))
+    p.validate(16, vocab_size=10)
+    for bad, fragment in ((((12, 1.0),), "token ids allowed: 0..9"), (((3, float("nan")),), "finite"),
+                          (((3,),), "pair")):
+        with pytest.raises(ValueError, match=f"sampling.logit_bias: .*{fragment}"):
+            SamplingParams(logit_bias=bad).validate(16, vocab_size=10)

@@ -61,9 +61,24 @@ def test_nvidia_preprocessing_names_and_empty_word_lists(pre):
                                "EMBEDDING_BIAS_WORDS": text(""), "EMBEDDING_BIAS_WEIGHTS": f32(0.0)[:0]})
     assert prep.values["text_input"] == "Hi" and prep.values["max_tokens"] == 5 and prep.end_id == 7
     assert prep.stop_words_ids == [] and prep.bad_words_ids == []  # NVIDIA's [[""]] = no words
-    with pytest.raises(InvalidRequest, match="input 'embedding_bias_words': Kiln's sampler has no logit bias"):
-        pre.prepare_nvidia({"QUERY": text("Hi"), "EMBEDDING_BIAS_WORDS": text("cat"),
-                            "EMBEDDING_BIAS_WEIGHTS": f32(1.0)})
+    assert prep.embedding_bias.shape == (0,)  # no word: no bias (NVIDIA's [B, 0])
+
+
+def test_embedding_bias_words_become_nvidias_dense_bias_and_the_engines_logit_bias(pre, text_tokenizer):
+    prep = pre.prepare_nvidia({"QUERY": text("Hi"), "EMBEDDING_BIAS_WORDS": np.array([b" Paris", b"cat"], dtype=object),
+                               "EMBEDDING_BIAS_WEIGHTS": np.array([-5.0, 2.5], np.float32)})
+    bias = preprocessing_outputs(prep)["EMBEDDING_BIAS"]
+    assert bias.shape == (1, pre.vocab_size)
+    paris, cat = pre.tokenizer.words([" Paris"])[0], pre.tokenizer.words(["cat"])[0]
+    assert all(bias[0, t] == -5.0 for t in paris) and all(bias[0, t] == 2.5 for t in cat)
+    assert np.count_nonzero(bias) == len(set(paris) | set(cat))
+    req = parse_engine_request(prep.engine_tensors(), EngineLimits(64, 128), pre.vocab_size, text_tokenizer)
+    assert dict(req.sampling["logit_bias"]) == {int(t): float(bias[0, t]) for t in np.nonzero(bias[0])[0]}
+    for words, weights, message in (([b"cat"], [], "send one weight per word"),
+                                    ([b"cat"], [float("inf")], "must be finite")):
+        with pytest.raises(InvalidRequest, match=message):
+            pre.prepare_nvidia({"QUERY": text("Hi"), "EMBEDDING_BIAS_WORDS": np.array(words, dtype=object),
+                                "EMBEDDING_BIAS_WEIGHTS": np.array(weights, np.float32)})
 
 
 def test_chat_or_exclude_leaves_the_prompt_out(pre):
@@ -278,7 +293,7 @@ def test_engine_accepts_nvidias_neutral_inputs_and_refuses_the_rest(text_tokeniz
                                               exclude_input_in_output=np.array([True])),
                                LIMITS, 49152, text_tokenizer)
     assert req.exclude_input_in_output and req.prompt_ids == [1, 2]
-    for extra, message in ((dict(embedding_bias=np.ones(4, np.float32)), "input 'embedding_bias': 4 values"),
+    for extra, message in ((dict(embedding_bias=np.ones(4, np.float32)), "input 'embedding_bias': 4 values; NVIDIA's dense"),
                            (dict(return_context_logits=np.array([True])), "input 'return_context_logits'"),
                            (dict(return_generation_logits=np.array([True])), "Kiln does not return logits")):
         with pytest.raises(InvalidRequest, match=message):

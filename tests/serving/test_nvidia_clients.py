@@ -217,7 +217,8 @@ def output_names(result) -> list[str]:
 # ---- end_to_end_grpc_client.py -----------------------------------------------------------------
 
 def e2e_client_arrays(prompt: str, n: int, stream: bool, *, return_log_probs: bool = False,
-                      stop_words: list[str] | None = None) -> dict[str, np.ndarray]:
+                      stop_words: list[str] | None = None,
+                      embedding_bias: tuple[list[str], list[float]] | None = None) -> dict[str, np.ndarray]:
     """What end_to_end_grpc_client.py's prepare_inputs sends by default (+ the flags given)."""
     arrays = {
         "text_input": np.array([[prompt]]).astype(object),
@@ -230,6 +231,9 @@ def e2e_client_arrays(prompt: str, n: int, stream: bool, *, return_log_probs: bo
         arrays["stop_words"] = np.array([stop_words], dtype=object)
     if return_log_probs:
         arrays["return_log_probs"] = np.array([[True]], dtype=bool)
+    if embedding_bias is not None:  # --embedding-bias-words W... --embedding-bias-weights X...
+        arrays["embedding_bias_words"] = np.array([embedding_bias[0]], dtype=object)
+        arrays["embedding_bias_weights"] = np.array([embedding_bias[1]], dtype=np.float32)
     arrays["exclude_input_in_output"] = np.array([[False]], dtype=bool)
     return arrays
 
@@ -336,6 +340,21 @@ def test_end_to_end_grpc_client_stop_words(dec_server, refs, model, stream):
     else:
         assert client_text(results, False) == refs.stop_full_text
     assert refs.stop_full_text.endswith(refs.stop_word) and len(refs.stop_full_text) < len(refs.e2e.full_text)
+
+
+@pytest.mark.parametrize("model", TEXT_MODELS)
+def test_end_to_end_grpc_client_embedding_bias(dec_server, refs, model):
+    """--embedding-bias-words W --embedding-bias-weights -100: embedding_bias_words [1,1] BYTES and
+    embedding_bias_weights [1,1] FP32. The word is the greedy answer's first token: biased down, the
+    greedy answer must start with another token; a word the answer never reaches changes nothing."""
+    first = refs.tok.decode([refs.e2e.ids[0]])
+    assert refs.tok.words([first]) == [[refs.e2e.ids[0]]], "the first token must be a word of its own"
+    results = e2e_client(dec_server.grpc_url, model, E2E_PROMPT, E2E_N, False, embedding_bias=([first], [-100.0]))
+    text = client_text(results, False)
+    assert text.startswith(E2E_PROMPT) and not text[len(E2E_PROMPT):].startswith(first), text
+    results = e2e_client(dec_server.grpc_url, model, E2E_PROMPT, E2E_N, False,
+                         embedding_bias=([NO_SUCH_WORD], [-5.0]))  # tokens it never picks: lowered, same answer
+    assert client_text(results, False) == refs.e2e.full_text
 
 
 # ---- inflight_batcher_llm_client.py ------------------------------------------------------------
