@@ -24,9 +24,8 @@ Rules (the serving contract):
   with an unguessable id (a UUID); closing the stream cancels a request for everyone.
 * Shutdown: Triton tells a model nothing until finalize(), which comes only once no request holds
   it, and waits at most --exit-timeout-secs for that (then exits 1 and crashes on the way out). So
-  the poller watches ``serving_state`` (the harness's drain request before its SIGTERM; Triton's
-  readiness): once the engine should stop, new requests are refused and every running one ends at
-  once, with an error if nothing was sent yet or it is bls's (in-band), else like a stop (a normal
+  the poller watches ``serving_state`` (the harness's drain request before its SIGTERM): once the
+  engine should stop, new requests are refused and every running one ends at once, with an error if nothing was sent yet or it is bls's (in-band), else like a stop (a normal
   final, finish_reason "cancelled"): Triton 24.10's ensemble never releases a request whose
   decoupled step sends an error while a later step (postprocessing) is still running, and that
   request would hold the server for the whole exit timeout. bls's and the ensemble's requests end
@@ -115,7 +114,7 @@ class EngineHost:
         self._active: dict[str, Stream] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.serving = ServingState(pb, model_name, version)
+        self.serving = ServingState(model_name)
         self.draining: str | None = None  # set for good once the engine should stop serving (serving_state)
         self.refresh_metrics()  # the pool's size etc. from the start, not from the first poll
         self._poller = threading.Thread(target=self._poll, name="kiln-engine-poller", daemon=True)
@@ -328,7 +327,7 @@ class EngineHost:
         while not self._stop.wait(POLL_S):
             with self._lock:
                 streams = list(self._active.values())
-            if streams or self.draining is not None or self.serving.drain_dir:
+            if self.serving.drain_dir:  # a file check, no IPC (serving_state.py says why)
                 self._check_serving(streams)
             for st in streams:
                 # under the stream's lock: once its FINAL response is sent Triton releases the
@@ -347,12 +346,11 @@ class EngineHost:
                 return
 
     def _check_serving(self, streams: list[Stream]) -> None:
-        """Once the engine should stop serving (``serving_state``: a drain before the server stops,
-        Triton exiting or unloading the model): refuse new requests and end the running ones now,
-        not at max_tokens past Triton's exit timeout (the module docstring says why one that already
-        sent a response ends like a stop, not with an error). Triton is asked (an IPC round trip)
-        only while requests run; with none left, a drain is acknowledged."""
-        self.draining = self.serving.stopped(ask_triton=bool(streams))
+        """Once the engine should stop serving (``serving_state``: the harness's drain before it stops
+        the server): refuse new requests and end the running ones now, not at max_tokens past
+        Triton's exit timeout (the module docstring says why one that already sent a response ends
+        like a stop, not with an error); with none left, the drain is acknowledged."""
+        self.draining = self.serving.stopped()
         if self.draining is None:
             return
         if not streams:

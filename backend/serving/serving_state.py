@@ -9,29 +9,29 @@ once no request holds the model. The clients are still connected, so a 600-token
 the timeout; the server then gave up ("Exit timeout expired. Exiting immediately."), exited 1 and
 crashed on the way out (malloc abort, Signal 6/11) while the stubs still ran.
 
-Two signals, either one stops the engine (``EngineHost._check_serving``):
+The signal (``EngineHost._check_serving``): the drain request of
+``harness.serving_server.TritonServer.stop`` (a file in the folder named by ``$KILN_DRAIN_DIR``),
+BEFORE it sends SIGTERM. Draining first is what makes ``ensemble`` streams end cleanly: once
+Triton's ``StopAllModels`` ran, the ensemble's next postprocessing step is refused ("Setting state
+from PENDING to FAILED_ENQUEUE" in a verbose log) and Triton 24.10's ensemble then ignores the rest
+of its running engine step (``EnsembleContext::PrepareSteps`` skips every later step completion once
+its status is an error), so that ensemble request is never released and holds the server for the
+whole exit timeout, whatever the engine does after the SIGTERM. Draining first, the engine's final
+responses go through the ensemble while its steps are still accepted. The engine acknowledges
+(``<pid>.idle``) once it runs nothing, and the harness waits for every engine that registered
+(``<pid>.engine``), then signals the server. A deployment without the harness touches the same file
+before its SIGTERM (model_repository/README.md "Shutdown").
 
-* The drain request of ``harness.serving_server.TritonServer.stop`` (a file in the folder named by
-  ``$KILN_DRAIN_DIR``), BEFORE it sends SIGTERM. This is the one that makes ``ensemble`` streams end
-  cleanly: once Triton's ``StopAllModels`` ran, the ensemble's next postprocessing step is refused
-  ("Setting state from PENDING to FAILED_ENQUEUE" in a verbose log) and Triton 24.10's ensemble then
-  ignores the rest of its running engine step (``EnsembleContext::PrepareSteps`` skips every later
-  step completion once its status is an error), so that ensemble request is never released and holds
-  the server for the whole exit timeout, whatever the engine does after the SIGTERM. Draining first,
-  the engine's final responses go through the ensemble while its steps are still accepted. The
-  engine acknowledges (``<pid>.idle``) once it runs nothing, and the harness waits for every engine
-  that registered (``<pid>.engine``), then signals the server.
-* Triton's readiness (``pb_utils.is_model_ready`` of the engine model), asked by the poller only
-  while requests run: Triton answers "Server not ready" (an error) from the moment it is exiting,
-  False while the model unloads. A bare ``tritonserver`` (NVIDIA's container, no harness) thus gets
-  its bls and engine streams ended within a poll of the SIGTERM; its ensemble streams still hit the
-  Triton defect above.
+Not used, on purpose: Triton's readiness (``pb_utils.is_model_ready``) as a second signal for a bare
+SIGTERM. Asked while the server is exiting, the call can abort the server (a call still open when
+Triton finalizes the model: boost::interprocess::lock_exception, Signal 6) or never return (seen in
+a CI run: the poller blocked, the engine never ended its streams and the server hung after its exit
+timeout), so the engine makes no IPC call during shutdown at all.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from backend.logs import get_logger
 
@@ -55,16 +55,12 @@ def idle_marker(drain_dir: str | os.PathLike, pid: int) -> Path:
 
 
 class ServingState:
-    """``stopped(ask_triton)`` -> None while the engine should serve, else why not (``SHUTTING_DOWN``)."""
+    """``stopped()`` -> None while the engine should serve, else why not (``SHUTTING_DOWN``)."""
 
-    def __init__(self, pb: Any, model_name: str, version: str = "", drain_dir: str | None = None):
-        # None outside Triton (unit tests' fake pb_utils): readiness is then never asked
-        self._ask = getattr(pb, "is_model_ready", None)
+    def __init__(self, model_name: str, drain_dir: str | None = None):
         self.model_name = model_name
-        self.version = str(version or "")
         self.drain_dir = drain_dir if drain_dir is not None else (os.environ.get(DRAIN_DIR_ENV) or None)
         self._said: str | None = None
-        self._odd = ""  # the last unexpected is_model_ready error (logged once)
         self._idle_said = False
         if self.drain_dir:
             try:
@@ -73,33 +69,15 @@ class ServingState:
                 _LOG.warning("cannot register for drains in %s: %s", self.drain_dir, e)
                 self.drain_dir = None
 
-    def stopped(self, ask_triton: bool = True) -> str | None:
-        """Final once not None: an exiting server or an unloading model never serves again (a
-        reloaded model is a new stub), and Triton is never asked again. That matters: an
-        ``is_model_ready`` call still waiting for its answer when Triton finalizes this model's
-        instance aborted the server (boost::interprocess::lock_exception in
-        TRITONBACKEND_ModelInstanceFinalize, Signal 6); so it is asked only while requests run
-        (finalize starts only after the last one ended, which leaves this call's own round trip as
-        the window) and never once it said no."""
+    def stopped(self) -> str | None:
+        """Final once not None: a drained engine never serves again (the server is about to stop)."""
         if self._said is not None:
             return SHUTTING_DOWN
-        why = None
-        if self.drain_dir and os.path.exists(os.path.join(self.drain_dir, DRAIN_REQUEST)):
-            why = "the harness asked to drain before stopping the server"
-        elif ask_triton and self._ask is not None:
-            try:
-                if not self._ask(self.model_name, self.version):
-                    why = "is_model_ready: False (unloading)"
-            except Exception as e:  # noqa: BLE001 - Triton's "Server not ready" while it exits
-                if "not ready" in str(e).lower():
-                    why = f"is_model_ready: {e}"
-                elif str(e) != self._odd:  # anything else (an IPC hiccup) must not end every request
-                    self._odd = str(e)
-                    _LOG.warning("is_model_ready(%s) failed (%s); still serving", self.model_name, e)
-        if why is None:
+        if not (self.drain_dir and os.path.exists(os.path.join(self.drain_dir, DRAIN_REQUEST))):
             return None
-        self._said = why
-        _LOG.warning("model %s stops serving (%s): ending its requests, refusing new ones", self.model_name, why)
+        self._said = "the harness asked to drain before stopping the server"
+        _LOG.warning("model %s stops serving (%s): ending its requests, refusing new ones", self.model_name,
+                     self._said)
         return SHUTTING_DOWN
 
     def idle(self) -> None:

@@ -11,10 +11,7 @@ The mechanism is in backend/serving/serving_state.py.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import signal
-import subprocess
 import threading
 import time
 
@@ -122,66 +119,7 @@ def test_stop_with_streams_in_flight_on_every_model_is_clean(serving_build):
             assert res["error"] is None and res["final"], (name, res)
 
 
-@pytest.mark.slow
-@pytest.mark.server
-def test_bare_sigterm_ends_bls_and_engine_streams(serving_build):
-    """A SIGTERM straight to tritonserver (NVIDIA's container, no harness drain): the engine learns
-    from Triton's readiness that the server is exiting and ends its requests, so bls and engine
-    streams end and the server exits 0 well within its timeout. (ensemble streams are left out: on a
-    bare SIGTERM Triton 24.10 refuses their next postprocessing step and then never releases them,
-    whatever the engine does: backend/serving/serving_state.py.)"""
-    srv = TritonServer(serving_build / "model_repository", model_control="explicit",
-                       load_models=tuple(NAMES.as_dict().values()), exit_timeout=EXIT_TIMEOUT).start()
-
-    def sigterm() -> int | None:
-        os.killpg(srv.proc.pid, signal.SIGTERM)
-        try:
-            return srv.proc.wait(timeout=EXIT_TIMEOUT + 20)
-        except subprocess.TimeoutExpired:
-            return None
-
-    try:
-        jobs = _jobs(srv, (NAMES.bls, NAMES.engine))
-        code, stop_s, results, not_started = _stop_under_load(srv, jobs, sigterm)
-    finally:
-        srv.stop()  # cleans up (and kills a server that did not exit)
-    log = _check_exit(srv, code, stop_s, not_started)
-    assert "stops serving" in log, "the engine did not see the server exiting"
-    for name, res in results.items():
-        _ended(name, res)
-
-
-# ---- ServingState: the engine's signals, without a server ----------------------------------------
-
-class _Pb:
-    """pb_utils' is_model_ready: a value, or an exception to raise; counts the calls."""
-
-    def __init__(self, answer):
-        self.answer, self.calls = answer, 0
-
-    def is_model_ready(self, name, version):
-        self.calls += 1
-        if isinstance(self.answer, Exception):
-            raise self.answer
-        return self.answer
-
-
-def test_serving_state_asks_triton_only_while_requests_run_and_latches(tmp_path):
-    from backend.serving.serving_state import SHUTTING_DOWN, ServingState
-    pb = _Pb(True)
-    st = ServingState(pb, "tensorrt_llm", "1", drain_dir="")
-    assert st.stopped(ask_triton=False) is None and pb.calls == 0   # idle: no IPC
-    assert st.stopped() is None and pb.calls == 1
-    pb.answer = RuntimeError("Failed to process the request: shared memory exhausted")
-    assert st.stopped() is None  # not Triton saying "not ready": an IPC hiccup ends nothing
-    pb.answer = RuntimeError("Failed to check model readiness: ... Server not ready")
-    assert st.stopped() == SHUTTING_DOWN and pb.calls == 3
-    pb.answer = True  # never asked again: finalize may be running (an open call aborted the server)
-    assert st.stopped() == SHUTTING_DOWN and st.stopped(ask_triton=False) == SHUTTING_DOWN and pb.calls == 3
-    unloading = ServingState(_Pb(False), "tensorrt_llm")
-    assert unloading.stopped() == SHUTTING_DOWN
-    assert ServingState(object(), "tensorrt_llm").stopped() is None  # no is_model_ready: serves on
-
+# ---- ServingState: the engine's signal, without a server ----------------------------------------
 
 def test_serving_state_drain_handshake(tmp_path, monkeypatch):
     """The harness's side: a drain request in the folder; the engine registered itself at start and
@@ -190,14 +128,17 @@ def test_serving_state_drain_handshake(tmp_path, monkeypatch):
     from backend.serving.serving_state import (DRAIN_DIR_ENV, DRAIN_REQUEST, SHUTTING_DOWN, ServingState,
                                                engine_marker, idle_marker)
     monkeypatch.setenv(DRAIN_DIR_ENV, str(tmp_path))
-    pb = _Pb(True)
-    st = ServingState(pb, "tensorrt_llm", "1")
+    st = ServingState("tensorrt_llm")
     assert engine_marker(tmp_path, os.getpid()).exists()
-    assert st.stopped(ask_triton=False) is None
+    assert st.stopped() is None
     (tmp_path / DRAIN_REQUEST).touch()
-    assert st.stopped() == SHUTTING_DOWN and pb.calls == 0  # the file decides, no IPC
+    assert st.stopped() == SHUTTING_DOWN
+    (tmp_path / DRAIN_REQUEST).unlink()
+    assert st.stopped() == SHUTTING_DOWN  # final: a drained engine never serves again
     assert not idle_marker(tmp_path, os.getpid()).exists()
     st.idle()
     assert idle_marker(tmp_path, os.getpid()).exists()
     monkeypatch.setenv(DRAIN_DIR_ENV, str(tmp_path / "missing"))
-    assert ServingState(pb, "tensorrt_llm").drain_dir is None  # cannot register: not waited for
+    assert ServingState("tensorrt_llm").drain_dir is None  # cannot register: not waited for
+    monkeypatch.delenv(DRAIN_DIR_ENV)
+    assert ServingState("tensorrt_llm").stopped() is None  # no drain folder: serves on
