@@ -33,7 +33,7 @@ cancelled stream):
 * Shutdown needs nothing more here: Triton calls ``finalize()`` only once no request holds this
   model, and it does not count bls streams as in flight, so it goes on to unload the models while
   they run. The engine ends every inner request itself when it should stop serving (the harness's
-  drain, or Triton exiting: backend/serving/serving_state.py) with an in-band "error: the server is
+  drain before its SIGTERM: backend/serving/serving_state.py) with an in-band "error: the server is
   shutting down ...", which ``_relay`` sends to the client as its final error; the thread has read
   its iterator to the end and returns, and Triton can unload this model. No stop_request is needed
   (one sent after Triton began unloading the engine is refused by Triton).
