@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.model_names import DEFAULT as NAMES
+from harness.model_names import DEFAULT as NAMES, repository_names
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER_CACHE = ROOT / "build" / "cache" / "serving-tokenizer"
@@ -57,3 +57,46 @@ def triton_server(serving_build):
     with TritonServer(serving_build / "model_repository", model_control="explicit", load_models=models,
                       exit_timeout=3) as srv:
         yield srv
+
+
+# ---- NVIDIA's client scripts (tests/serving/test_nvidia_*.py): two builds, one server each ----------
+# Session-scoped: the five test files of those scripts share them (a server per file would start
+# seven where two do).
+
+@pytest.fixture(scope="session")
+def nd_build(build_bundle) -> Path:
+    """serving.decoupled=false (NVIDIA's decoupled_mode=false): HTTP infer and one-shot gRPC infer."""
+    root = Path(build_bundle(SERVING_CONFIG, [*SERVING_OVERRIDES, "serving.decoupled=false"])).parent
+    assert repository_names(root / "model_repository") == NAMES
+    return root
+
+
+@pytest.fixture(scope="session")
+def dec_build(serving_build) -> Path:
+    """The default build: decoupled (streaming) engine and bls models, NVIDIA's names."""
+    assert repository_names(serving_build / "model_repository") == NAMES
+    return serving_build
+
+
+def _server(build: Path):
+    from harness.serving_server import TritonServer
+    return TritonServer(build / "model_repository", model_control="explicit",
+                        load_models=tuple(NAMES.as_dict().values()), exit_timeout=3)
+
+
+@pytest.fixture(scope="session")
+def dec_server(dec_build):
+    with _server(dec_build) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def nd_server(nd_build):
+    with _server(nd_build) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def refs(dec_build):
+    from tests.serving.nvidia_clients import make_refs
+    return make_refs(dec_build)
