@@ -49,14 +49,18 @@ class TextTokenizer:
         return self.tokenizer.encode(text).ids
 
     def render_chat(self, user_text: str) -> str:
+        return self.render_messages([{"role": "user", "content": user_text}])
+
+    def render_messages(self, messages: list[dict[str, str]]) -> str:
+        """A whole conversation (``{"role", "content"}`` dicts, content as text) through the chat
+        template, ending with the assistant's turn (the OpenAI front door's chat requests)."""
         if not self.chat_template:
             raise ValueError("apply_chat_template: this engine's tokenizer has no chat_template")
         if self._template is None:
             import jinja2.sandbox  # only chat requests pay for it
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=[{"role": "user", "content": user_text}],
-                                     add_generation_prompt=True, **self.special)
+        return self._template.render(messages=messages, add_generation_prompt=True, **self.special)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

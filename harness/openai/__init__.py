@@ -1,0 +1,19 @@
+"""An OpenAI-compatible HTTP front door over a running Triton server (issue #19).
+
+    python -m harness.openai --triton-url 127.0.0.1:8001 \\
+        --model-repository build/smollm2-135m-fp8/model_repository
+
+It is a front door, not a second engine (docs: design.md): every generation is one gRPC stream to
+the repository's engine model (``tensorrt_llm``), fed token ids the front door tokenized with the
+bundle's own tokenizer, so usage counts are exact and prompts are checked against the engine's
+limits before anything is sent. One module per job:
+
+* ``served_model``   what is served: names, tokenizer, limits, read from the built repository
+* ``errors``         OpenAI's error body and the status each kind of failure gets
+* ``params``         request body -> checked sampling parameters (a mistake names its field)
+* ``prompts``        chat messages / completion prompts -> token ids
+* ``engine_client``  the gRPC stream to the engine model, cancelled when the caller goes away
+* ``responses``      OpenAI's response and stream-chunk objects
+* ``app``            the FastAPI routes, server-sent events, health and metrics
+* ``__main__``       the command line
+"""

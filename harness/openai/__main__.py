@@ -1,0 +1,76 @@
+"""python -m harness.openai: serve the OpenAI API in front of a running Triton server.
+
+    python -m harness.openai --triton-url 127.0.0.1:8001 \\
+        --model-repository build/smollm2-135m-fp8/model_repository [--host 127.0.0.1 --port 9000]
+
+Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (streamed as server-sent
+events with "stream": true), GET /health (200 once Triton's engine model is ready, else 503),
+GET /metrics (Triton's metrics text). Each request is one gRPC stream to the repository's engine
+model (tensorrt_llm); the prompt is tokenized here with the bundle's tokenizer. `make serve` starts
+this beside Triton on 127.0.0.1:9000.
+
+Try:
+  curl -s localhost:9000/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "<id from /v1/models>", "messages": [{"role": "user", "content": "Hi!"}]}'
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["main", "parse_args"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m harness.openai", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--triton-url", default="127.0.0.1:8001",
+                   help="Triton's gRPC address, host:port (default 127.0.0.1:8001)")
+    p.add_argument("--model-repository", required=True,
+                   help="the repository Triton serves (build/<stem>/model_repository): names the engine "
+                        "model and its bundle (tokenizer, limits)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=9000, help="port to bind (default 9000)")
+    p.add_argument("--metrics-url", default=None,
+                   help="Triton's metrics URL that GET /metrics passes on "
+                        "(default http://<triton host>:8002/metrics)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the bundle's config stem, e.g. smollm2-135m-fp8)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info logs one line per request)")
+    a = p.parse_args(argv)
+    if not 1 <= a.port <= 65535:
+        p.error(f"--port: {a.port}; allowed: 1..65535")
+    if ":" not in a.triton_url:
+        p.error(f"--triton-url: {a.triton_url!r}; expected host:port (Triton's gRPC port, e.g. 127.0.0.1:8001)")
+    if not Path(a.model_repository).is_dir():
+        p.error(f"--model-repository: {a.model_repository} not found; build it first: make build")
+    if a.metrics_url is None:
+        a.metrics_url = f"http://{a.triton_url.rsplit(':', 1)[0]}:8002/metrics"
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    import uvicorn
+
+    from harness.openai.app import create_app
+    from harness.openai.served_model import load_served_model
+
+    try:
+        model = load_served_model(a.model_repository, a.served_model_name)
+    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: backend.bundle.BundleError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(model, a.triton_url, a.metrics_url)
+    print(f"OpenAI API for model '{model.name}' on http://{a.host}:{a.port}/v1 "
+          f"(Triton gRPC {a.triton_url}, engine model '{model.engine_model}')", flush=True)
+    # timeout_graceful_shutdown: on SIGTERM/Ctrl-C open streams are given a moment, then closed,
+    # which cancels their engine requests (a stream can otherwise run for max_tokens)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=3)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""An OpenAI request body -> checked sampling parameters; a mistake names its field (400).
+
+OpenAI's sampling meets TensorRT-LLM's here. The engine model decodes GREEDILY when a request sets
+neither ``top_k`` nor ``top_p`` (its ``top_p`` 0 = off), whatever the temperature, while OpenAI
+samples at temperature 1 and top_p 1 by default; so ``top_p`` is always sent (``Sampling.top_p``),
+and greedy decoding is asked for with temperature 0, which is also what OpenAI's temperature 0 and
+top_p 0 mean.
+
+Fields OpenAI defines that Kiln cannot honour are refused unless they hold their neutral value (one
+sequence per request, no tools, no logit bias, no JSON-constrained output yet): a client must never
+get something other than what it asked for without knowing. Fields that do not change the output
+(``user``, ``metadata``, ``store``, ...) and unknown fields are ignored, as OpenAI-compatible servers
+usually do, so that clients adding new optional fields keep working.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from harness.openai.errors import bad_request
+
+__all__ = ["Sampling", "parse_sampling", "parse_stream", "check_unsupported", "MAX_STOP"]
+
+MAX_STOP = 4           # OpenAI's limit on stop sequences
+SEED_MOD = 1 << 63     # the engine's seed is INT64 with -1 = none: any integer is folded into 63 bits
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    max_tokens: int | None        # None: all the room the prompt leaves in max_seq_len
+    temperature: float
+    top_p: float
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False      # vLLM's extension (benchmark clients send it): min_tokens = max_tokens
+    logprobs: bool = False        # the chosen token's log-probability
+    top_logprobs: int = 0         # 0, or 1 on a greedy request (then the chosen token IS the top one)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_p == 0.0 or self.top_k == 1
+
+
+# ---- field readers: each refuses a wrong type or range with the field's name ---------------------
+
+def _int(body: Mapping[str, Any], name: str, lo: int | None = None, hi: int | None = None,
+         default: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(name, f"expected an integer, got {json_type(v)}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise bad_request(name, f"{v} is out of range; allowed: {_range(lo, hi)}")
+    return v
+
+
+def _num(body: Mapping[str, Any], name: str, lo: float, hi: float | None, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad_request(name, f"expected a finite number, got {json_type(v)} {v!r}"[:200])
+    if v < lo or (hi is not None and v > hi):
+        raise bad_request(name, f"{v} is out of range; allowed: {_range(lo, hi)}")
+    return float(v)
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(name, f"expected true or false, got {json_type(v)}")
+    return v
+
+
+def _range(lo, hi) -> str:
+    return f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+
+
+def json_type(v: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    words = [v] if isinstance(v, str) else v
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise bad_request("stop", f"expected a string or an array of strings, got {json_type(v)}")
+    if len(words) > MAX_STOP:
+        raise bad_request("stop", f"{len(words)} stop sequences; at most {MAX_STOP} are allowed")
+    return tuple(dict.fromkeys(w for w in words if w))  # "" stops nothing; duplicates once
+
+
+# ---- the request as a whole ----------------------------------------------------------------------
+
+def parse_max_tokens(body: Mapping[str, Any], default: int | None) -> int | None:
+    """``max_completion_tokens`` (chat's current name) or ``max_tokens``; both given must agree."""
+    a = _int(body, "max_completion_tokens", lo=1)
+    b = _int(body, "max_tokens", lo=1)
+    if a is not None and b is not None and a != b:
+        raise bad_request("max_completion_tokens", f"{a} differs from max_tokens={b}; send one of them")
+    return a if a is not None else b if b is not None else default
+
+
+def parse_sampling(body: Mapping[str, Any], *, chat: bool) -> Sampling:
+    """``chat``: chat's ``logprobs`` (bool) + ``top_logprobs``; else completions' ``logprobs`` (int)."""
+    temperature = _num(body, "temperature", 0.0, 2.0, 1.0)
+    top_p = _num(body, "top_p", 0.0, 1.0, 1.0)
+    top_k = _int(body, "top_k", lo=-1, default=0)      # vLLM's extension; -1 = off as there
+    if chat:
+        logprobs = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs", lo=0, hi=20, default=0)
+        top_name = "top_logprobs"
+        if top and not logprobs:
+            raise bad_request("top_logprobs", "needs logprobs: true")
+    else:
+        n = _int(body, "logprobs", lo=0, hi=5)
+        logprobs, top, top_name = n is not None, n or 0, "logprobs"
+    max_tokens = parse_max_tokens(body, None if chat else 16)  # 16: the completions API's default
+    min_tokens = _int(body, "min_tokens", lo=0, default=0)
+    ignore_eos = _bool(body, "ignore_eos")
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request("min_tokens", f"{min_tokens} exceeds max_tokens={max_tokens}")
+    seed = _int(body, "seed")
+    s = Sampling(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
+        seed=None if seed is None else seed % SEED_MOD, stop=_stop(body),
+        presence_penalty=_num(body, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=_num(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        repetition_penalty=_num(body, "repetition_penalty", 1e-6, None, 1.0),
+        min_tokens=min_tokens, ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top)
+    # The engine returns the chosen token's log-probability only (output_log_probs), no alternatives.
+    # On a greedy request without penalties the chosen token is the most likely one, so one
+    # alternative is exact; anything else would be made up.
+    if top > 1 or (top == 1 and not (s.greedy and _neutral_penalties(s))):
+        raise bad_request(top_name, f"{top} alternatives asked for; this engine returns only the chosen "
+                          "token's log-probability: use 0, or 1 with temperature 0 and no penalties",
+                          code="unsupported_value")
+    return s
+
+
+def _neutral_penalties(s: Sampling) -> bool:
+    return s.presence_penalty == 0.0 and s.frequency_penalty == 0.0 and s.repetition_penalty == 1.0
+
+
+def parse_stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise bad_request("stream_options", "only allowed when stream is true")
+    if not isinstance(opts, dict):
+        raise bad_request("stream_options", f"expected an object, got {json_type(opts)}")
+    return stream, _bool(opts, "include_usage")
+
+
+# field -> (is it at its neutral value?, why it is refused otherwise)
+_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "n": (lambda v: v in (None, 1), "only n=1 is supported (one sequence per request)"),
+    "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported (one sequence per request)"),
+    "echo": (lambda v: v in (None, False), "echo is not supported"),
+    "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported"),
+    "logit_bias": (lambda v: v in (None, {}), "logit_bias is not supported"),
+    "tools": (lambda v: v in (None, []), "tools are not supported"),
+    "functions": (lambda v: v in (None, []), "functions are not supported"),
+    "tool_choice": (lambda v: v in (None, "none"), "tools are not supported"),
+    "function_call": (lambda v: v in (None, "none"), "functions are not supported"),
+    "response_format": (lambda v: v is None or v == {"type": "text"},
+                        "only response_format {\"type\": \"text\"} is supported (structured output: issue #19)"),
+    "modalities": (lambda v: v in (None, ["text"]), "only the text modality is supported"),
+    "audio": (lambda v: v is None, "audio output is not supported"),
+    "prediction": (lambda v: v is None, "predicted outputs are not supported"),
+}
+
+
+def check_unsupported(body: Mapping[str, Any]) -> None:
+    for name, (neutral, why) in _UNSUPPORTED.items():
+        if name in body and not neutral(body[name]):
+            raise bad_request(name, f"{json_dumps_short(body[name])}: {why}", code="unsupported_value")
+
+
+def json_dumps_short(v: Any) -> str:
+    import json
+    try:
+        s = json.dumps(v)
+    except (TypeError, ValueError):
+        s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."

@@ -1,0 +1,99 @@
+"""Chat messages and completion prompts -> the token ids sent to the engine.
+
+Tokenizing here, with the bundle's own tokenizer, rather than in Triton's preprocessing model: the
+usage counts are then the engine's exact token counts, and a prompt over the engine's
+``max_input_len`` is refused before anything is sent, with OpenAI's ``context_length_exceeded``.
+A chat is rendered through the bundle's chat template (``TextTokenizer.render_messages``), which
+spells out the special tokens itself, so none are added when it is encoded (as the ensemble does
+for ``apply_chat_template``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from harness.openai.errors import ApiError, bad_request
+from harness.openai.params import json_type
+from harness.openai.served_model import ServedModel
+
+__all__ = ["chat_prompt_ids", "completion_prompt_ids", "check_length", "ROLES"]
+
+# OpenAI's roles a plain chat template can show; "developer" is OpenAI's newer name for "system"
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _content(i: int, msg: dict) -> str:
+    """A message's text: a string, or OpenAI's array of content parts, of which only text parts exist
+    for a text model (an image part is refused, not dropped)."""
+    c = msg.get("content")
+    where = f"messages[{i}].content"
+    if isinstance(c, str):
+        return c
+    if c is None and msg.get("role") == "assistant":
+        raise bad_request(where, "an assistant message without content (tool calls) is not supported")
+    if not isinstance(c, list):
+        raise bad_request(where, f"expected a string or an array of content parts, got {json_type(c)}")
+    texts = []
+    for j, part in enumerate(c):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else json_type(part)
+            raise bad_request(f"{where}[{j}]", f"content part of type {kind!r}: only text parts are supported")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def chat_prompt_ids(model: ServedModel, messages: Any) -> list[int]:
+    if messages is None:
+        raise bad_request("messages", "required", code="missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages", f"expected a non-empty array of messages, got {json_type(messages)}"
+                          + (" (empty)" if messages == [] else ""))
+    rendered = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise bad_request(f"messages[{i}]", f"expected an object, got {json_type(msg)}")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise bad_request(f"messages[{i}].role", f"{role!r} is not supported; allowed: "
+                              f"{', '.join(sorted(ROLES))} (tool messages need tools, which are not supported)")
+        rendered.append({"role": ROLES[role], "content": _content(i, msg)})
+    try:
+        text = model.tokenizer.render_messages(rendered)
+    except ValueError as e:  # the bundle has no chat template
+        raise bad_request("messages", f"{e}; use /v1/completions", code="unsupported_value") from None
+    except Exception as e:  # noqa: BLE001 - the template itself refused (e.g. raise_exception on role order)
+        raise bad_request("messages", f"the model's chat template refused the conversation: {e}") from None
+    ids = model.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+    return check_length(model, ids, "messages")
+
+
+def completion_prompt_ids(model: ServedModel, prompt: Any) -> list[int]:
+    """A string, or one prompt in an array (a string or token ids): one sequence per request."""
+    if prompt is None:
+        raise bad_request("prompt", "required", code="missing_required_parameter")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt = [prompt]  # one prompt given as token ids
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise bad_request("prompt", f"{len(prompt)} prompts; one prompt per request is supported "
+                              "(send the others as their own requests)")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = model.tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < model.vocab_size]
+        if bad:
+            raise bad_request("prompt", f"token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})")
+        ids = list(prompt)
+    else:
+        raise bad_request("prompt", f"expected a string or an array of token ids, got {json_type(prompt)}")
+    return check_length(model, ids, "prompt")
+
+
+def check_length(model: ServedModel, ids: list[int], param: str) -> list[int]:
+    if not ids:
+        raise bad_request(param, "the prompt is empty (0 tokens)")
+    if len(ids) > model.max_input_len:
+        raise ApiError(400, f"'{param}': the prompt has {len(ids)} tokens, more than this model's "
+                       f"max_input_len of {model.max_input_len} tokens; shorten it",
+                       param=param, code="context_length_exceeded")
+    return ids

@@ -1,0 +1,101 @@
+"""OpenAI's response objects: chat completions, legacy completions, their stream chunks, usage.
+
+Plain dicts in OpenAI's field order, built from the front door's own counts: ``prompt_tokens`` is
+the number of ids sent to the engine, ``completion_tokens`` the number of ids it generated (stop
+strings included: those tokens were generated even though their text is cut).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from backend.serving.tokenizer import TextTokenizer
+
+__all__ = ["Completion", "usage", "chat_logprobs", "completion_logprobs", "new_id"]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _token_text(tok: TextTokenizer, tid: int) -> str:
+    # a token alone; one that holds part of a UTF-8 character decodes to U+FFFD, as in OpenAI's
+    # own logprobs, whose ``bytes`` field is the way to join such tokens
+    return tok.tokenizer.decode([tid], skip_special_tokens=False)
+
+
+def chat_logprobs(tok: TextTokenizer, ids: list[int], lps: list[float], top: int) -> list[dict[str, Any]]:
+    """Chat's ``logprobs.content`` entries. ``top`` is 0 or 1 (1 only on greedy requests, where
+    the chosen token is the most likely one: params.parse_sampling)."""
+    out = []
+    for tid, lp in zip(ids, lps):
+        text = _token_text(tok, tid)
+        entry = {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        entry["top_logprobs"] = [dict(entry)] if top else []
+        out.append(entry)
+    return out
+
+
+def completion_logprobs(tok: TextTokenizer, ids: list[int], lps: list[float], top: int,
+                        offset: int) -> dict[str, Any]:
+    """Completions' ``logprobs`` object; ``offset`` is the text length before these tokens."""
+    tokens = [_token_text(tok, t) for t in ids]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": list(lps),
+            "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps)] if top else None,
+            "text_offset": offsets}
+
+
+class Completion:
+    """One answer's objects, chat or not: the full response, or its stream chunks."""
+
+    def __init__(self, model: str, chat: bool):
+        self.chat = chat
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+        self.model = model
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def response(self, text: str, finish_reason: str | None, logprobs: Any,
+                 use: dict[str, int]) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {**self._head(self.object), "choices": [choice], "usage": use}
+
+    def chunk(self, *, text: str | None = None, role: bool = False, finish_reason: str | None = None,
+              logprobs: Any = None, with_usage: bool = False) -> dict[str, Any]:
+        """A stream chunk of one choice. With ``stream_options.include_usage`` every chunk carries
+        ``usage: null`` and a last one (``usage_chunk``) the totals, as OpenAI streams them."""
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            out = {**self._head("text_completion"), "choices": [choice]}
+        if with_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": use}

@@ -1,0 +1,62 @@
+"""What the front door serves, read once from a built model repository (nothing from Triton).
+
+The repository's engine model names its bundle (``engine_dir`` in its config.pbtxt); from the bundle
+come the tokenizer (so prompts are tokenized here, exactly as the engine counts them) and the limits
+a request is checked against before it is sent (engine.json's ``max_input_len``, ``max_seq_len``).
+Reading files only means the front door starts, and answers 503, while Triton is still loading.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from backend import bundle
+from backend.serving.tokenizer import TextTokenizer, load_tokenizer
+from harness.model_names import repository_names
+
+__all__ = ["ServedModel", "load_served_model", "engine_dir_of"]
+
+_ENGINE_DIR = re.compile(r'key:\s*"engine_dir"\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    name: str               # the OpenAI model id clients send
+    engine_model: str       # the Triton model the requests go to (NVIDIA's "tensorrt_llm")
+    engine_dir: Path
+    tokenizer: TextTokenizer
+    max_input_len: int      # prompt tokens the engine accepts
+    max_seq_len: int        # prompt + generated tokens
+    vocab_size: int
+    created: int            # engine.json's modification time: a stable "created" for /v1/models
+
+
+def engine_dir_of(repo: Path, engine_model: str) -> Path:
+    """The bundle the engine model loads: its ``engine_dir`` parameter, a relative one taken from the
+    repository's root as the engine model itself does (backend/serving/model_args.py)."""
+    cfg = repo / engine_model / "config.pbtxt"
+    if not cfg.is_file():
+        raise FileNotFoundError(f"{cfg}: no engine model '{engine_model}' in {repo}; build it with: make build")
+    m = _ENGINE_DIR.search(cfg.read_text(encoding="utf-8"))
+    if not m:
+        raise ValueError(f"{cfg}: no engine_dir parameter; is this a Kiln repository? rebuild with: make build")
+    path = Path(m.group(1))
+    return path if path.is_absolute() else (repo / path).resolve()
+
+
+def load_served_model(repo: str | Path, name: str | None = None) -> ServedModel:
+    """``name`` overrides the model id; by default it is the config's stem (``smollm2-135m-fp8``),
+    which names the bundle wherever its build folder was moved."""
+    repo = Path(repo).resolve()
+    if not repo.is_dir():
+        raise FileNotFoundError(f"{repo}: model repository not found; build it with: make build")
+    engine_model = repository_names(repo).engine
+    edir = engine_dir_of(repo, engine_model)
+    manifest = bundle.read(edir)
+    if not name:
+        name = Path(manifest.config_file).stem if manifest.config_file else repo.parent.name
+    tok = load_tokenizer(edir)
+    return ServedModel(name=name, engine_model=engine_model, engine_dir=edir, tokenizer=tok,
+                       max_input_len=manifest.engine.max_input_len, max_seq_len=manifest.engine.max_seq_len,
+                       vocab_size=tok.vocab_size, created=int((edir / bundle.MANIFEST).stat().st_mtime))
