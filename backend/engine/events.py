@@ -19,6 +19,10 @@ class TokenEvent:
     # The executor's Request (its timestamps and KV block counts), for the per-request perf figures.
     # Read it only inside the event callback: that runs on the executor's thread, which owns it.
     request: Any = field(default=None, repr=False, compare=False)
+    # Host fp32 tensors, only for requests that asked (backend/engine/logits_out.py): the prompt's
+    # [prompt, vocab] with the first token, and [len(token_ids), vocab] for this event's tokens.
+    context_logits: Any = field(default=None, repr=False, compare=False)
+    generation_logits: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -30,6 +34,8 @@ class GenerationResult:
     logprobs: list | None = None
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    context_logits: Any = field(default=None, repr=False)      # [prompt, vocab] when asked for
+    generation_logits: Any = field(default=None, repr=False)   # [tokens, vocab] when asked for
 
 
 class RequestHandle:
@@ -68,14 +74,23 @@ class RequestHandle:
         """Block until finished and collect every event into one result."""
         tokens: list[int] = []
         logprobs: list = []
+        context, generation = None, []
         last = None
         for ev in self:
             tokens.extend(ev.token_ids)
             if ev.logprobs:
                 logprobs.extend(ev.logprobs)
+            if ev.context_logits is not None:
+                context = ev.context_logits
+            if ev.generation_logits is not None:
+                generation.append(ev.generation_logits)
             last = ev
+        gen = None
+        if generation:
+            import torch  # only requests that asked for logits get here
+            gen = torch.cat(generation)
         return GenerationResult(self.request_id, self.prompt_token_ids, tokens, last.finish_reason,
-                                logprobs or None, last.error)
+                                logprobs or None, last.error, context_logits=context, generation_logits=gen)
 
     def wait(self, timeout: float | None = None) -> bool:
         with self._cond:

@@ -30,6 +30,7 @@ import torch
 from backend.engine.events import GenerationResult, RequestHandle, TokenEvent
 from backend.engine.inputs import InputPreparer, StepInputs
 from backend.engine.kv_cache import BlockManager
+from backend.engine.logits_out import generation_rows, stash_context, take_context
 from backend.engine.request import FINISH_REASONS, Request, RequestStatus
 from backend.engine.sampler import Sampler, SampleRow, make_generator
 from backend.engine.sampling_params import SamplingParams
@@ -297,7 +298,12 @@ class Executor:
             spec.prepare(out, inputs)
         capture = spec.capture_hidden_layers if spec is not None else ()
         logits, captured = self.runner.execute(inputs.input_ids, inputs.meta, inputs.logits_indices, capture)
+        if inputs.context:
+            logits = stash_context(logits, inputs.context)
         sampling = [s.request for s in inputs.sample_seqs]
+        gen_rows = generation_rows(sampling, inputs.logits_counts)
+        gen = dict(zip((i for i, _ in gen_rows),
+                       logits[[r for _, r in gen_rows]].float().cpu())) if gen_rows else {}
         rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids,
                           self._generators.get(r.request_id)) for r in sampling]
         logprobs = None
@@ -324,13 +330,16 @@ class Executor:
             done = req.status.is_finished
             if done:
                 self._record_latency(req, now)
-            self._emit_tokens(req, new, lp, done)
+            self._emit_tokens(req, new, lp, done, gen[i].unsqueeze(0) if i in gen else None)
 
     # -- helpers ------------------------------------------------------------------------------
-    def _emit_tokens(self, req: Request, tokens: list[int], lp: list | None, done: bool) -> None:
+    def _emit_tokens(self, req: Request, tokens: list[int], lp: list | None, done: bool,
+                     generation_logits: torch.Tensor | None = None) -> None:
         rid = req.request_id
+        ctx = take_context(req) if req.context_logits else None
         self._emit(rid, TokenEvent(rid, tokens, lp, done, FINISH_REASONS.get(req.status) if done else None,
-                                   request=req), final=done)
+                                   request=req, context_logits=ctx, generation_logits=generation_logits),
+                   final=done)
 
     def _fail_requests(self, reqs: Sequence[Request], msg: str) -> None:
         """End these requests with an error event (a failed step). A request the scheduler already

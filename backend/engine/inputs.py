@@ -24,6 +24,7 @@ import torch
 
 from backend.ops.attention.metadata import AttentionMetadata
 from backend.engine.kv_cache import BlockManager
+from backend.engine.logits_out import context_rows
 from backend.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -38,6 +39,9 @@ class StepInputs:
     # Overlapped loop: input_ids[late_dst] must be set to previous_samples[late_src] on the device.
     late_dst: torch.Tensor | None = None
     late_src: torch.Tensor | None = None
+    # Context logits (``SamplingParams.return_context_logits``): (request, first prompt position,
+    # count) per prefill chunk that asks; their rows follow the sampling rows in ``logits_indices``.
+    context: list | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -230,6 +234,11 @@ class InputPreparer:
             keep[:num_prefills] = prefill_samples
             logits_idx = (qsl[1:] - 1)[keep]
 
+        context = context_rows(seqs[:num_prefills], qsl) if num_prefills else None
+        if context is not None:
+            context, ctx_idx = context
+            logits_idx = np.concatenate([logits_idx, ctx_idx])
+
         ids_np = np.frombuffer(array("q", ids), dtype=np.int64)
         groups = [ids_np, positions, slots, logits_idx]
         if late is not None:
@@ -257,7 +266,7 @@ class InputPreparer:
             num_decode_tokens=num_tokens - num_prefill_tokens,
             max_query_len=1 if uniform else int(counts_np.max()), max_seq_len=max_seq_len)
         self._flip ^= 1
-        return StepInputs(t_ids, meta, t_logits, sample_seqs, logits_counts, late_dst, late_src)
+        return StepInputs(t_ids, meta, t_logits, sample_seqs, logits_counts, late_dst, late_src, context)
 
     def _to_device(self, arrays: list[np.ndarray], np_dtype, torch_dtype) -> list[torch.Tensor]:
         """GPU: concatenate ``arrays`` into one pinned buffer, copy it in one transfer, return

@@ -118,8 +118,8 @@ class BlockManager:
         return hashes
 
     def _lookup_blocks(self, request: Request) -> list[int]:
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.params.return_context_logits:
+            return []            # context logits need every prompt position computed
         # Leave at least the last token to compute: its logits give the next token.
         max_blocks = (len(request.all_token_ids) - 1) // self.block_size
         hashes = self._compute_hashes(request, max_blocks)

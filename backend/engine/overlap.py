@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from backend.engine.late_tokens import PLACEHOLDER, LateRow, fill, late_rows
+from backend.engine.logits_out import generation_rows, stash_context
 from backend.engine.request import Request
 from backend.engine.sampler import DeviceSample, SampleRow, needs_history
 from backend.engine.scheduler import SchedulerOutput
@@ -78,6 +79,8 @@ class InFlight:
     copy: tuple
     needs_history: bool
     late: dict[str, int]             # request id -> sample row: the next step's device gather
+    # sample row -> its raw logits on the device, for requests with return_generation_logits
+    logits: dict[int, torch.Tensor] | None = None
 
     @property
     def requests(self) -> list[Request]:
@@ -141,7 +144,12 @@ class OverlapLoop:
             # Decode rows whose input token was sampled by the step still on the device.
             ids.index_copy_(0, inputs.late_dst, prev.sample.tokens.index_select(0, inputs.late_src))
         logits, _ = ex.runner.execute(ids, inputs.meta, inputs.logits_indices)
+        if inputs.context:
+            logits = stash_context(logits, inputs.context)   # rare; a synchronous copy
         sampling = [s.request for s in inputs.sample_seqs]
+        gen_rows = generation_rows(sampling, inputs.logits_counts)
+        # copies on the device, read once the step's event has fired (no extra host sync)
+        gen = {i: logits[r].float().clone() for i, r in gen_rows} if gen_rows else None
         rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids,
                           ex._generators.get(r.request_id)) for r in sampling]
         ds = ex.sampler.sample(logits, rows)
@@ -154,7 +162,7 @@ class OverlapLoop:
             ex.scheduler.update(out, [PLACEHOLDER] * len(sampling))
         lrows = late_rows(sampling, before)
         self.pending = InFlight(lrows, ds, copy, any(needs_history(r.request.params) for r in lrows),
-                                {r.request.request_id: r.index for r in lrows})
+                                {r.request.request_id: r.index for r in lrows}, gen)
 
     def _resolve_pending(self) -> None:
         """Read the step in flight's samples (waiting for its event), fill its placeholders, emit."""
@@ -175,7 +183,8 @@ class OverlapLoop:
             done = req.status.is_finished
             if done:
                 ex._record_latency(req, now)
-            ex._emit_tokens(req, [res.token_ids[i]], lp, done)
+            gen = prev.logits.get(i) if prev.logits else None
+            ex._emit_tokens(req, [res.token_ids[i]], lp, done, None if gen is None else gen.cpu().unsqueeze(0))
 
 
 __all__ = ["HostCopy", "InFlight", "OverlapLoop"]

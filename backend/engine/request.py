@@ -55,7 +55,7 @@ class Request:
         "spec_token_ids", "num_draft_tokens", "num_accepted_draft_tokens", "stop_ids",
         "first_scheduled_time", "first_token_time", "last_token_time", "finished_time",
         "num_preemptions", "error", "stop_token", "token_limit", "sched_seq", "num_new_blocks",
-        "num_reused_blocks",
+        "num_reused_blocks", "context_logits", "num_context_logits",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -101,6 +101,10 @@ class Request:
         self.num_preemptions = 0
         self.error: str | None = None
         self.stop_token: int | None = None  # the stop/eos token that ended generation, if any
+        # params.return_context_logits: host fp32 chunks [n, vocab] of prompt positions 0.. collected
+        # so far (a recompute after preemption does not collect them again), sent with the first token
+        self.context_logits: list | None = [] if params.return_context_logits else None
+        self.num_context_logits = 0
 
     # -- sizes ------------------------------------------------------------------------------
     @property

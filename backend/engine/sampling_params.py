@@ -21,7 +21,7 @@ PENALTY_RANGE = (-2.0, 2.0)
 _INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "logprobs", "priority")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
-_BOOL_FIELDS = ("ignore_eos", "speculative")
+_BOOL_FIELDS = ("ignore_eos", "speculative", "return_context_logits", "return_generation_logits")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,11 @@ class SamplingParams:
     logprobs: int = 0            # top-n log-probabilities per generated token (0 = none)
     priority: int = 0            # higher first (FCFS among equals)
     speculative: bool = True     # per-request opt-out of speculative decoding
+    # The raw model logits, as TensorRT-LLM returns them: at every prompt position ([prompt, vocab];
+    # the prompt is then computed in full, without the prefix cache) and for every generated token
+    # ([tokens, vocab]; no speculative drafts for the request). fp32, copied to the host.
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists (what JSON and Triton give) but store tuples: frozen means frozen.

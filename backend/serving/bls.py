@@ -66,6 +66,8 @@ MAX_IN_FLIGHT = 512  # requests streamed at once (one thread each; they mostly w
 _ENGINE_OUTPUTS = ["output_ids", "context_ids", "text_trim", "output_log_probs", "cum_log_probs", "finish_reason"]
 # return_perf_metrics: every perf output of the engine, passed through as tensorrtllm_backend's bls does
 _PERF = list(ACCEPTANCE_OUTPUTS) + list(PERF_OUTPUTS)
+# return_context_logits / return_generation_logits: asked of the engine and passed through only then
+_LOGITS = ["context_logits", "generation_logits"]
 _JOIN_S = 2.0        # finalize: how long to wait for request threads still running
 # A finished engine iterator is released by this model's threads no sooner than this after its end.
 # It holds the engine's responses (their tensors own NumPy arrays); the stub also keeps it in a map
@@ -213,7 +215,8 @@ class BlsHost:
         inner_id = new_inner_id()
         batch = len(preps)
         wanted = (_ENGINE_OUTPUTS + (["batch_index"] if batch > 1 else [])
-                  + (_PERF if any(p.values["return_perf_metrics"] for p in preps) else []))
+                  + (_PERF if any(p.values["return_perf_metrics"] for p in preps) else [])
+                  + [n for n in _LOGITS if any(p.values["return_" + n] for p in preps)])
         inner = pb.InferenceRequest(
             model_name=self.engine_model, requested_output_names=wanted, request_id=inner_id,
             inputs=[pb.Tensor(k, v) for k, v in stack_rows(
@@ -284,7 +287,7 @@ class BlsHost:
                    pb.Tensor("output_log_probs", get("output_log_probs").as_numpy().astype(np.float32)),
                    pb.Tensor("cum_log_probs", get("cum_log_probs").as_numpy().astype(np.float32))]
         # present exactly when the client set return_perf_metrics (the engine adds them then)
-        tensors += [pb.Tensor(n, t.as_numpy()) for n in _PERF if (t := get(n)) is not None]
+        tensors += [pb.Tensor(n, t.as_numpy()) for n in _PERF + _LOGITS if (t := get(n)) is not None]
         if reason:  # the engine fills finish_reason only on a row's last response
             state["rows_left"] -= 1
         if (b := get("batch_index")) is not None:  # a request of several rows: say which one

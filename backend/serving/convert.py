@@ -87,11 +87,9 @@ INPUTS: dict[str, InputSpec] = {
     "beam_width": InputSpec("int", 1, check=_only(1, "Kiln decodes one beam"), allowed="1"),
     "num_return_sequences": InputSpec("int", 1, check=_only(1, "Kiln returns one sequence per request"),
                                       allowed="1"),
-    # logits are not kept by Kiln's engine (it samples on the device and keeps the chosen ids)
-    "return_context_logits": InputSpec("bool", False, check=_only(False, "Kiln does not return logits"),
-                                       allowed="false"),
-    "return_generation_logits": InputSpec("bool", False, check=_only(False, "Kiln does not return logits"),
-                                          allowed="false"),
+    # the raw fp32 logits at every prompt position / of every generated token (logits_out.py)
+    "return_context_logits": InputSpec("bool", False),
+    "return_generation_logits": InputSpec("bool", False),
     # NVIDIA's logit bias by word: each word's tokens get its weight added to their logits (checked
     # in preprocess.py: the two lists go together)
     "embedding_bias_words": InputSpec("bytes", (), many=True, allowed="a list of UTF-8 strings"),

@@ -239,6 +239,7 @@ class EngineHost:
                 self.metrics.tokens(len(ev.token_ids))
                 if st.req.return_log_probs:
                     st.logprobs.extend(chosen_logprobs(ev))
+            st.keep_logits(ev)
             if getattr(ev, "error", None):
                 for_request(_LOG, st.rid).error("engine error: %s", ev.error)
                 self._finish(st, error=f"engine error: {ev.error}", kind="engine")
@@ -280,7 +281,8 @@ class EngineHost:
             extra.update(acceptance_tensors(*draft_counts(self.executor, st.rid)))
             extra.update(perf_tensors(st.engine_req))
         tensors = [self.pb.Tensor(k, v) for k, v in
-                   response_tensors(ids, context, trim, lp, st.cum_logprob, reason, extra, st.row).items()]
+                   response_tensors(ids, context, trim, lp, st.cum_logprob, reason, extra, st.row,
+                                    *st.take_logits()).items()]
         resp = self.pb.InferenceResponse(output_tensors=tensors)
         st.sent = True
         try:

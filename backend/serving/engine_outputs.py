@@ -16,6 +16,11 @@ Every response carries, batch dimension first (``max_batch_size`` > 0, one seque
 * Kiln's own, for its postprocessing: ``context_ids`` INT32 ``[1, c]`` (ids before ``output_ids``,
   to decode it as a continuation), ``text_trim`` INT32 ``[1, 1]`` (characters to cut for a stop
   string), ``finish_reason`` BYTES ``[1, 1]`` (non-empty exactly on the final response).
+* ``context_logits`` FP32 ``[1, prompt, vocab]`` (with ``return_context_logits``: on the first
+  response, the model's logits at every prompt position) and ``generation_logits`` FP32
+  ``[1, 1, g, vocab]`` (with ``return_generation_logits``: the raw logits of this response's
+  generated tokens). Always present, zero-sized when not asked for (``[1, 0, 0]``, ``[1, 1, 0, 0]``),
+  for the same reason as the log-probabilities.
 * With ``return_perf_metrics``: the acceptance and perf figures, each ``[1, 1]``.
 
 Numpy only: the Triton calls go through the ``pb`` (``triton_python_backend_utils``) a caller passes.
@@ -31,9 +36,15 @@ from backend.serving.batching import batched
 __all__ = ["response_tensors", "send_error", "send_empty_final"]
 
 
+_NO_CONTEXT_LOGITS = np.zeros((1, 0, 0), np.float32)
+_NO_GENERATION_LOGITS = np.zeros((1, 1, 0, 0), np.float32)
+
+
 def response_tensors(ids: Sequence[int], context: Sequence[int], trim: int, logprobs: Sequence[float],
                      cum_logprob: float, reason: str, extra: Mapping[str, np.ndarray] | None = None,
-                     row: int = 0) -> dict[str, np.ndarray]:
+                     row: int = 0, context_logits: np.ndarray | None = None,
+                     generation_logits: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """``context_logits`` ``[prompt, vocab]`` and ``generation_logits`` ``[g, vocab]`` (fp32), or None."""
     out = {
         "output_ids": np.asarray(ids, np.int32).reshape(1, 1, -1),
         "sequence_length": np.asarray([[len(ids)]], np.int32),
@@ -44,6 +55,10 @@ def response_tensors(ids: Sequence[int], context: Sequence[int], trim: int, logp
         "context_ids": batched(context, np.int32),
         "text_trim": np.asarray([[trim]], np.int32),
         "finish_reason": np.asarray([[reason.encode("utf-8")]], dtype=object),
+        "context_logits": (_NO_CONTEXT_LOGITS if context_logits is None
+                           else np.asarray(context_logits, np.float32)[None]),
+        "generation_logits": (_NO_GENERATION_LOGITS if generation_logits is None
+                              else np.asarray(generation_logits, np.float32)[None, None]),
     }
     for name, value in (extra or {}).items():
         out[name] = batched(value)

@@ -41,6 +41,8 @@ class EngineRequest:
     stop_ids: tuple[tuple[int, ...], ...] = ()  # NVIDIA's stop_words_list: token sequences, kept
     # NVIDIA's: a non-streamed output_ids holds the prompt's ids before the generated ones unless true
     exclude_input_in_output: bool = False
+    return_context_logits: bool = False     # context_logits [1, prompt, vocab] on the first response
+    return_generation_logits: bool = False  # generation_logits [1, 1, tokens, vocab] per response
 
 
 def _optional_id(v: int | None) -> int | None:
@@ -85,6 +87,9 @@ def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits
         raise InvalidRequest("input 'embedding_bias': values must be finite")
     if any(bias):  # added to the logits before sampling, as TensorRT-LLM adds it
         kw["logit_bias"] = tuple((i, x) for i, x in enumerate(bias) if x != 0.0)
+    ctx, gen = bool(v["return_context_logits"]), bool(v["return_generation_logits"])
+    kw.update(return_context_logits=ctx, return_generation_logits=gen)
     return EngineRequest(prompt, kw, bool(v["streaming"]), tuple(dict.fromkeys(s for s in v["stop_strings"] if s)),
                          bool(v["return_log_probs"]), bool(v["return_perf_metrics"]),
-                         tuple(dict.fromkeys(tuple(w) for w in stop_ids)), bool(v["exclude_input_in_output"]))
+                         tuple(dict.fromkeys(tuple(w) for w in stop_ids)), bool(v["exclude_input_in_output"]),
+                         ctx, gen)

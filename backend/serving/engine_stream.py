@@ -57,6 +57,8 @@ class Stream:
     ids: list[int] = dataclasses.field(default_factory=list)       # non-streaming: all sent ids
     logprobs: list[float] = dataclasses.field(default_factory=list)  # not yet sent
     cum_logprob: float = 0.0  # of every generated token so far (NVIDIA's cum_log_probs)
+    context_logits: Any = None  # [prompt, vocab] numpy, until the response that carries it
+    gen_logits: list = dataclasses.field(default_factory=list)  # [n, vocab] numpy chunks not yet sent
     trim: int = 0
     cancel_asked: bool = False
     cancel_by: str = ""     # "client" (went away), "stop" (a stop_request), "text" (a stop string)
@@ -67,6 +69,23 @@ class Stream:
     group: RowGroup | None = None  # the rows of a request with batch size > 1 (row_group.py)
     row: int = 0            # this stream's row in it (NVIDIA's batch_index)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def keep_logits(self, ev: Any) -> None:
+        """An executor event's logits (present only when the request asked), until they are sent."""
+        if getattr(ev, "generation_logits", None) is not None:
+            self.gen_logits.append(ev.generation_logits.numpy())
+        if getattr(ev, "context_logits", None) is not None:
+            self.context_logits = ev.context_logits.numpy()
+
+    def take_logits(self) -> tuple[Any, Any]:
+        """(context logits, generation logits) for the response going out: like the log-probs, it
+        takes every pending token's row (the detokenizer may have held tokens back)."""
+        ctx, self.context_logits = self.context_logits, None
+        gen = None
+        if self.gen_logits:
+            gen = self.gen_logits[0] if len(self.gen_logits) == 1 else np.concatenate(self.gen_logits)
+            self.gen_logits = []
+        return ctx, gen
 
 
 def inband_errors(request) -> bool:

@@ -22,7 +22,8 @@ from backend.serving.detok import Decoder, decode_piece
 __all__ = ["postprocess", "postprocess_tensors", "POSTPROCESSING_INPUTS"]
 
 POSTPROCESSING_INPUTS = ("TOKENS_BATCH", "SEQUENCE_LENGTH", "context_ids", "text_trim", "output_log_probs",
-                         "cum_log_probs", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
+                         "cum_log_probs", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
+                         "CONTEXT_LOGITS", "GENERATION_LOGITS")
 
 
 def postprocess(tok: Decoder, output_ids: list[int], context_ids: list[int], trim: int) -> str:
@@ -53,6 +54,10 @@ def _sequences(tokens: np.ndarray, lengths: np.ndarray | None) -> list[list[list
             for row, row_lens in zip(t, lens)]
 
 
+def _floats(arr: np.ndarray | None, empty: tuple[int, ...]) -> np.ndarray:
+    return np.zeros(empty, np.float32) if arr is None else np.asarray(arr, np.float32)
+
+
 def _per_row(arr: np.ndarray | None, b: int) -> list[np.ndarray | None]:
     return [None] * b if arr is None else [np.asarray(arr)[i] for i in range(b)]
 
@@ -72,6 +77,9 @@ def postprocess_tensors(tok: Decoder, t: Mapping[str, np.ndarray]) -> dict[str, 
         # passed through as the engine sent them (one response: [1, beams, ...])
         "OUT_OUTPUT_LOG_PROBS": np.zeros((b, 1, 0), np.float32) if lp is None else np.asarray(lp, np.float32),
         "OUT_CUM_LOG_PROBS": np.zeros((b, 1), np.float32) if cum is None else np.asarray(cum, np.float32),
+        # zero-sized unless the request asked for logits (NVIDIA's names; engine_outputs.py)
+        "OUT_CONTEXT_LOGITS": _floats(t.get("CONTEXT_LOGITS"), (b, 0, 0)),
+        "OUT_GENERATION_LOGITS": _floats(t.get("GENERATION_LOGITS"), (b, 1, 0, 0)),
     }
     # Always present: the ensemble forwards them and cannot answer while an output is missing.
     figures = read_acceptance(t)  # None only when a caller other than the ensemble sent none

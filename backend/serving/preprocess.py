@@ -82,6 +82,8 @@ class PreparedRequest:
             "return_log_probs": np.array([v["return_log_probs"]], dtype=bool),
             "return_perf_metrics": np.array([v["return_perf_metrics"]], dtype=bool),
             "exclude_input_in_output": np.array([self.exclude_input], dtype=bool),
+            "return_context_logits": np.array([v["return_context_logits"]], dtype=bool),
+            "return_generation_logits": np.array([v["return_generation_logits"]], dtype=bool),
             "stop_words_list": to_words_list(self.stop_words_ids),
             "bad_words_list": to_words_list(self.bad_words_ids),
             "embedding_bias": self.embedding_bias,

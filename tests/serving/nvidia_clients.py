@@ -155,7 +155,9 @@ def output_names(result) -> list[str]:
 
 def e2e_client_arrays(prompt: str, n: int, stream: bool, *, return_log_probs: bool = False,
                       stop_words: list[str] | None = None,
-                      embedding_bias: tuple[list[str], list[float]] | None = None) -> dict[str, np.ndarray]:
+                      embedding_bias: tuple[list[str], list[float]] | None = None,
+                      return_context_logits: bool = False,
+                      return_generation_logits: bool = False) -> dict[str, np.ndarray]:
     """What end_to_end_grpc_client.py's prepare_inputs sends by default (+ the flags given)."""
     arrays = {
         "text_input": np.array([[prompt]]).astype(object),
@@ -168,6 +170,10 @@ def e2e_client_arrays(prompt: str, n: int, stream: bool, *, return_log_probs: bo
         arrays["stop_words"] = np.array([stop_words], dtype=object)
     if return_log_probs:
         arrays["return_log_probs"] = np.array([[True]], dtype=bool)
+    if return_context_logits:   # --return-context-logits
+        arrays["return_context_logits"] = np.array([[True]], dtype=bool)
+    if return_generation_logits:  # --return-generation-logits
+        arrays["return_generation_logits"] = np.array([[True]], dtype=bool)
     if embedding_bias is not None:  # --embedding-bias-words W... --embedding-bias-weights X...
         arrays["embedding_bias_words"] = np.array([embedding_bias[0]], dtype=object)
         arrays["embedding_bias_weights"] = np.array([embedding_bias[1]], dtype=np.float32)
@@ -180,10 +186,17 @@ def e2e_client_inputs(prompt: str, n: int, stream: bool, **flags) -> list:
     return [tensor(grpcclient, k, v) for k, v in e2e_client_arrays(prompt, n, stream, **flags).items()]
 
 
-def e2e_client_outputs(return_log_probs: bool = False) -> list:
+def e2e_client_outputs(return_log_probs: bool = False, return_context_logits: bool = False,
+                       return_generation_logits: bool = False) -> list:
+    """The outputs the script names: text, then those of the flags it was given."""
     import tritonclient.grpc as grpcclient
-    names = ["text_output"] + (["cum_log_probs", "output_log_probs"] if return_log_probs else [])
+    names = (["text_output"] + (["cum_log_probs", "output_log_probs"] if return_log_probs else [])
+             + (["context_logits"] if return_context_logits else [])
+             + (["generation_logits"] if return_generation_logits else []))
     return [grpcclient.InferRequestedOutput(n) for n in names]
+
+
+_OUTPUT_FLAGS = ("return_log_probs", "return_context_logits", "return_generation_logits")
 
 
 def e2e_client(url: str, model: str, prompt: str, n: int, stream: bool, request_id: str = "1",
@@ -191,7 +204,7 @@ def e2e_client(url: str, model: str, prompt: str, n: int, stream: bool, request_
     """One prompt the way end_to_end_grpc_client.py sends it (a stream even when not streaming);
     fails on an error response. Returns the results in arrival order."""
     results = run_stream(url, [(model, e2e_client_inputs(prompt, n, stream, **flags),
-                                dict(outputs=e2e_client_outputs(flags.get("return_log_probs", False)),
+                                dict(outputs=e2e_client_outputs(**{k: v for k, v in flags.items() if k in _OUTPUT_FLAGS}),
                                      request_id=request_id))])
     assert not errors_of(results), errors_of(results)
     assert results, "no response"

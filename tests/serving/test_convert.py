@@ -293,9 +293,14 @@ def test_engine_accepts_nvidias_neutral_inputs_and_refuses_the_rest(text_tokeniz
                                               exclude_input_in_output=np.array([True])),
                                LIMITS, 49152, text_tokenizer)
     assert req.exclude_input_in_output and req.prompt_ids == [1, 2]
+    assert not req.return_context_logits and not _params(req).return_generation_logits
+    req = parse_engine_request(engine_tensors([1, 2], return_context_logits=np.array([True]),
+                                              return_generation_logits=np.array([True])), LIMITS, 49152, text_tokenizer)
+    assert req.return_context_logits and req.return_generation_logits
+    assert _params(req).return_context_logits and _params(req).return_generation_logits
     for extra, message in ((dict(embedding_bias=np.ones(4, np.float32)), "input 'embedding_bias': 4 values; NVIDIA's dense"),
-                           (dict(return_context_logits=np.array([True])), "input 'return_context_logits'"),
-                           (dict(return_generation_logits=np.array([True])), "Kiln does not return logits")):
+                           (dict(beam_width=i32(2)), "input 'beam_width'"),
+                           (dict(num_return_sequences=i32(3)), "Kiln returns one sequence per request")):
         with pytest.raises(InvalidRequest, match=message):
             parse_engine_request(engine_tensors([1, 2], **extra), LIMITS, 49152, text_tokenizer)
 

@@ -98,3 +98,30 @@ def test_end_to_end_grpc_client_embedding_bias(dec_server, refs, model):
     assert client_text(results, False) == refs.e2e.full_text
 
 
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize("model", TEXT_MODELS)
+def test_end_to_end_grpc_client_return_logits(dec_server, refs, model, stream):
+    """--return-context-logits --return-generation-logits: two BOOL [1,1] inputs; the script names
+    context_logits and generation_logits as outputs. Context logits [1, prompt, vocab] come once (the
+    first response), generation logits [1, 1, n, vocab] with each response's tokens: their argmax is
+    the greedy answer, and their log-softmax at each token is the engine's own log-probability."""
+    results = e2e_client(dec_server.grpc_url, model, E2E_PROMPT, E2E_N, stream,
+                         return_context_logits=True, return_generation_logits=True)
+    V, L, G = refs.vocab_size, len(refs.e2e.prompt_ids), len(refs.e2e.ids)
+    ctx = [r.as_numpy("context_logits") for r in results]
+    gen = [r.as_numpy("generation_logits") for r in results]
+    assert all(c is not None and c.dtype == np.float32 for c in ctx + gen)
+    assert ctx[0].shape == (1, L, V), ctx[0].shape
+    assert all(c.size == 0 for c in ctx[1:])          # sent once
+    assert all(g.ndim == 4 and g.shape[:2] == (1, 1) for g in gen), [g.shape for g in gen]
+    rows = np.concatenate([g[0, 0] for g in gen if g.size])
+    assert rows.shape == (G, V)
+    assert rows.argmax(-1).tolist() == refs.e2e.ids
+    z = rows.astype(np.float64)
+    logz = z.max(-1) + np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1))
+    np.testing.assert_allclose(z[np.arange(G), refs.e2e.ids] - logz, refs.e2e.logprobs, atol=1e-4, rtol=1e-4)
+    # the last prompt position predicts the first token: the same row in both
+    np.testing.assert_allclose(ctx[0][0, -1], rows[0], atol=1e-5, rtol=1e-5)
+    assert client_text(results, stream) == (refs.e2e.completion if stream else refs.e2e.full_text)

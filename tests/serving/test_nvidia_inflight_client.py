@@ -50,6 +50,29 @@ def test_inflight_batcher_client_non_streaming(nd_server, refs, return_log_probs
         assert float(cum[0, 0]) == pytest.approx(float(np.sum(olp, dtype=np.float64)), rel=1e-5, abs=1e-4)
 
 
+def test_inflight_batcher_client_return_logits(nd_server, refs):
+    """--return-context-logits --return-generation-logits, one-shot: context_logits FP32 [1, L, vocab]
+    and generation_logits FP32 [1, 1, n, vocab], whose argmax is the greedy answer."""
+    import tritonclient.grpc as grpcclient
+    ref = refs.ib
+    L, V = len(ref.prompt_ids), refs.vocab_size
+    flags = {"return_context_logits": np.array([[True]]), "return_generation_logits": np.array([[True]])}
+    with grpcclient.InferenceServerClient(nd_server.grpc_url) as client:
+        result = client.infer("tensorrt_llm", ib_inputs(ref.prompt_ids, IB_N, False, refs.eos, extra=flags),
+                              request_id="9", client_timeout=STREAM_TIMEOUT)
+    ctx, gen = result.as_numpy("context_logits"), result.as_numpy("generation_logits")
+    assert ctx.dtype == gen.dtype == np.float32
+    assert ctx.shape == (1, L, V) and gen.shape == (1, 1, IB_N, V), (ctx.shape, gen.shape)
+    assert gen[0, 0].argmax(-1).tolist() == ref.ids
+    assert list(result.as_numpy("output_ids")[0, 0]) == ref.prompt_ids + ref.ids
+    np.testing.assert_allclose(ctx[0, -1], gen[0, 0, 0], atol=1e-5, rtol=1e-5)
+    # a request that does not ask gets zero-sized tensors, not the logits
+    with grpcclient.InferenceServerClient(nd_server.grpc_url) as client:
+        plain = client.infer("tensorrt_llm", ib_inputs(ref.prompt_ids, 2, False, refs.eos),
+                             client_timeout=STREAM_TIMEOUT)
+    assert plain.as_numpy("context_logits").size == 0 and plain.as_numpy("generation_logits").size == 0
+
+
 def test_inflight_batcher_client_streaming(dec_server, refs):
     """-S: a stream; each response carries only its new tokens, appended after the prompt ids."""
     ref = refs.ib
