@@ -13,6 +13,7 @@ STEM       := $(basename $(notdir $(CONFIG)))
 OUT        ?= build/$(STEM)
 BUILD_ARGS ?=
 PYTEST_ARGS ?=
+OPENAI_PORT ?= 9000
 
 # Everything Kiln runs goes through the venv; its bin/ comes first on PATH so the Triton
 # Python backend stub (which runs the first python3 on PATH) sees the same packages.
@@ -50,8 +51,8 @@ validate: $(STAMP) ## Validate every config in configs/
 test: $(STAMP) ## Run the test suite (real SmolLM2, ModelOpt and Triton server; no GPU needed)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-serve: $(STAMP) ## Serve build/<stem>/model_repository with Triton on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002)
-	$(PY) -m harness.serve --model-repository $(OUT)/model_repository
+serve: $(STAMP) ## Serve build/<stem>/model_repository with Triton on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002) and the OpenAI API on OPENAI_PORT (9000; 0 = off)
+	$(PY) -m harness.serve --model-repository $(OUT)/model_repository --openai-port $(if $(OPENAI_PORT),$(OPENAI_PORT),0)
 
 bench: $(STAMP) ## Serving benchmark (concurrency sweep, Poisson mode); BENCH_ARGS="--start --baseline hf" runs it self-contained
 	$(PY) -m harness.bench.serving --model-repository $(OUT)/model_repository $(BENCH_ARGS)

@@ -8,6 +8,10 @@ ready, prints client examples, and on Ctrl-C / SIGTERM first has the engine end 
 request (each client gets a final response or an error; ``TritonServer.drain`` says why this must
 come before the server's own SIGTERM), then stops the server and its Python backend stubs and
 removes their shared-memory files.
+
+With ``--openai-port`` (``make serve`` passes 9000; 0 = off) it also starts the OpenAI-compatible
+front door (``harness.openai``) on that port once Triton is ready, stops it first on the way out
+(its open streams close, cancelling their engine requests), and stops everything when it dies.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from pathlib import Path
 
 from harness.serving_server import ServerError, TritonServer
 from harness.model_names import repository_names
+from harness.openai.process import OpenAIServer
 
 EXIT_MODEL_FAILED = 3  # the server or one of its model stubs died while serving
 
@@ -31,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--openai-port", type=int, default=0,
+                   help="also serve the OpenAI API (harness.openai) on this port; 0 = off (default; "
+                        "make serve passes 9000)")
     p.add_argument("--log-file", default=None, help="server log (default build/logs/tritonserver-*.log)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--verbose", type=int, default=0, help="tritonserver --log-verbose level")
@@ -41,13 +49,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')}: {v}; allowed: 1..65535")
     if len({a.http_port, a.grpc_port, a.metrics_port}) != 3:
         p.error("--http-port, --grpc-port and --metrics-port must differ")
+    if a.openai_port and not 1 <= a.openai_port <= 65535:
+        p.error(f"--openai-port: {a.openai_port}; allowed: 0 (off) or 1..65535")
+    if a.openai_port in (a.http_port, a.grpc_port, a.metrics_port):
+        p.error(f"--openai-port {a.openai_port} is one of Triton's ports")
     repo = Path(a.model_repository)
     if not repo.is_dir():
         p.error(f"--model-repository: {repo} not found; build it first: make build")
     return a
 
 
-def examples(srv: TritonServer) -> str:
+def openai_examples(oai: OpenAIServer | None, model: str) -> str:
+    if oai is None:
+        return ""
+    return f"""
+OpenAI API  {oai.base_url}   model "{model}"   (python -m harness.openai --help)
+  curl -s {oai.base_url}/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Tell me about Paris"}}], "max_tokens": 64}}'
+"""
+
+
+def examples(srv: TritonServer, oai: OpenAIServer | None = None, model: str = "") -> str:
     h, g = srv.http_url, srv.grpc_url
     names = repository_names(srv.repo)
     ens, bls = names.ensemble, names.bls
@@ -65,7 +87,7 @@ Try:
   curl -s -N -X POST http://{h}/v2/models/{ens}/generate_stream \\
        -d '{{"text_input": "Tell me about Paris", "max_tokens": 64, "stream": true}}'
   curl -s {srv.metrics_url} | grep kiln_
-
+{openai_examples(oai, model)}
 Ctrl-C stops the server.
 """
 
@@ -88,11 +110,24 @@ def main(argv: list[str] | None = None) -> int:
     except ServerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 130 if stop.is_set() else 1
+    oai = None
     try:
+        model = ""
+        if a.openai_port:
+            from harness.openai.served_model import load_served_model
+            model = load_served_model(srv.repo).name
+            oai = OpenAIServer(srv.repo, srv.grpc_url, srv.metrics_url, host=a.host, port=a.openai_port,
+                               log_file=srv.log_file.with_name(srv.log_file.stem + "-openai.log"))
+            try:
+                oai.start()
+            except RuntimeError as e:
+                oai = None
+                print(f"error: {e}", file=sys.stderr)
+                return 1
         srv.watch()
-        print(examples(srv), flush=True)
+        print(examples(srv, oai, model), flush=True)
         while not stop.wait(0.5):
-            failure = srv.failure()
+            failure = srv.failure() or (oai.failure() if oai is not None else None)
             if failure is not None:
                 # A dead engine stub leaves Triton answering "ready" while its requests hang: stop
                 # the whole server instead, so clients see their streams end and a supervisor
@@ -102,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                 return EXIT_MODEL_FAILED
     finally:
         print("stopping ...", flush=True)
+        if oai is not None:
+            oai.stop()
         code = srv.stop()
         print(f"stopped (tritonserver exit code {code})", flush=True)
     return 0

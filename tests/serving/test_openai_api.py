@@ -1,0 +1,333 @@
+"""The OpenAI front door (harness/openai) on the real stack: ``python -m harness.serve --openai-port``
+(what ``make serve`` runs) starts the real Triton server on the real SmolLM2 build and the front door
+beside it, ONCE for this module; the official ``openai`` package is the client. Answers are checked
+against the ensemble (greedy text), the tokenizer (prompt tokens) and the engine model itself
+(generated tokens); cancellation against Kiln's metrics.
+"""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import requests
+
+from harness.model_names import DEFAULT as NAMES
+from harness.serving_client import grpc_generate
+from harness.serving_server import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+
+MODEL = "smollm2-135m-bf16"   # the serving build's config stem: the model id the front door serves
+ASK = "Tell me about Paris"   # greedy answers run on for many tokens: finish_reason "length"
+SHORT = "What is the capital of France?"  # greedy answer ends with the end token in 8 tokens
+
+
+class Stack:
+    def __init__(self, proc, banner, ports):
+        self.proc, self.banner = proc, banner
+        self.http, self.grpc, self.metrics, self.openai = ports
+        self.base = f"http://127.0.0.1:{self.openai}/v1"
+        self.root = f"http://127.0.0.1:{self.openai}"
+        self.grpc_url = f"127.0.0.1:{self.grpc}"
+
+    def client(self, **kw):
+        import openai
+        return openai.OpenAI(base_url=self.base, api_key="unused", max_retries=0, timeout=120, **kw)
+
+    def metric(self, name: str, **labels) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5).read().decode()
+        want = {"model": NAMES.engine, **labels}
+        for line in text.splitlines():
+            m = re.match(rf"^{name}\{{([^}}]*)\}} (\S+)$", line)
+            if m and all(f'{k}="{v}"' in m.group(1) for k, v in want.items()):
+                return float(m.group(2))
+        raise AssertionError(f"{name} {want} not in Triton's metrics")
+
+
+@pytest.fixture(scope="module")
+def stack(serving_build):
+    ports = [free_port() for _ in range(4)]
+    assert len(set(ports)) == 4
+    proc = subprocess.Popen([sys.executable, "-m", "harness.serve", "--model-repository",
+                             str(serving_build / "model_repository"), "--http-port", str(ports[0]),
+                             "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
+                             "--openai-port", str(ports[3])],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Ctrl-C stops the server" in line:
+                break
+        assert "Ctrl-C stops the server" in "".join(lines), "".join(lines)
+        yield Stack(proc, "".join(lines), ports)
+        # make serve's Ctrl-C stops the front door too, and the whole thing exits cleanly
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, "".join(lines) + rest
+        with pytest.raises(requests.ConnectionError):
+            requests.get(f"http://127.0.0.1:{ports[3]}/health", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def ensemble_text(stack: Stack, prompt: str, max_tokens: int, chat: bool) -> str:
+    """The same prompt through Triton's ensemble, greedy (it sets neither top_k nor top_p)."""
+    res = grpc_generate(stack.grpc_url, NAMES.ensemble, prompt, max_tokens=max_tokens, apply_chat_template=chat)
+    assert res.error is None, res.error
+    return res.text
+
+
+def engine_token_count(stack: Stack, prompt_ids: list[int], max_tokens: int) -> int:
+    """Generated ids of a greedy request straight to the engine model (no front door)."""
+    import tritonclient.grpc as g
+    inputs = []
+    for name, arr, dt in [("input_ids", np.array([prompt_ids], np.int32), "INT32"),
+                          ("request_output_len", np.array([[max_tokens]], np.int32), "INT32"),
+                          ("streaming", np.array([[True]]), "BOOL")]:
+        inp = g.InferInput(name, list(arr.shape), dt)
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+    got, done = [], []
+    client = g.InferenceServerClient(stack.grpc_url)
+    client.start_stream(callback=lambda result, error: (got.append((result, error)), done.append(
+        error is not None or result.as_numpy("finish_reason").reshape(-1)[0] != b"")))
+    client.async_stream_infer(NAMES.engine, inputs)
+    client.stop_stream()  # waits for the stream's end
+    client.close()
+    assert all(e is None for _, e in got) and any(done), got
+    return sum(r.as_numpy("output_ids").size for r, _ in got)
+
+
+def sse_events(resp) -> list[str]:
+    return [line[5:].strip() for line in resp.iter_lines(decode_unicode=True) if line.startswith("data:")]
+
+
+# ---- what is served ------------------------------------------------------------------------------
+
+def test_serve_banner_models_health_metrics(stack):
+    assert stack.base in stack.banner and "/chat/completions" in stack.banner and f'"{MODEL}"' in stack.banner
+    models = stack.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert requests.get(f"{stack.base}/models/{MODEL}", timeout=10).json()["id"] == MODEL
+    h = requests.get(f"{stack.root}/health", timeout=10)
+    assert h.status_code == 200 and h.json()["engine_model"] == NAMES.engine
+    m = requests.get(f"{stack.root}/metrics", timeout=10)
+    assert m.status_code == 200 and "kiln_kv_blocks_used" in m.text
+
+
+# ---- answers -------------------------------------------------------------------------------------
+
+def test_chat_greedy_equals_ensemble_streamed_and_not(stack, text_tokenizer):
+    client, n = stack.client(), 12
+    want = ensemble_text(stack, ASK, n, chat=True)
+    assert want.strip()
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}],
+                                       max_tokens=n, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length"
+    prompt_tokens = len(text_tokenizer.encode(ASK, chat=True))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (prompt_tokens, n, prompt_tokens + n)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}],
+                                                 max_completion_tokens=n, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == r.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_greedy_equals_ensemble_with_logprobs(stack, text_tokenizer):
+    client, n = stack.client(), 10
+    prompt = "The capital of France is"
+    want = ensemble_text(stack, prompt, n, chat=False)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0, logprobs=1)
+    c = r.choices[0]
+    assert c.text == want and c.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(text_tokenizer.encode(prompt)) and r.usage.completion_tokens == n
+    # one log-probability per generated token, the chosen (= most likely, greedy) one as top-1
+    assert len(c.logprobs.tokens) == n and "".join(c.logprobs.tokens) == want
+    assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    assert c.logprobs.top_logprobs == [{t: lp} for t, lp in zip(c.logprobs.tokens, c.logprobs.token_logprobs)]
+    # streamed, and the prompt as token ids: the same text
+    ids = text_tokenizer.encode(prompt)
+    streamed = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=n, temperature=0, stream=True))
+    assert "".join(x.choices[0].text for x in streamed) == want
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_usage_counts_the_engines_tokens(stack, text_tokenizer):
+    """An answer that ends on the end token before max_tokens: completion_tokens is what the engine
+    model generates for the same ids, prompt_tokens what the tokenizer gives for the template."""
+    r = stack.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": SHORT}],
+                                               max_tokens=16, temperature=0)
+    ids = text_tokenizer.encode(SHORT, chat=True)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == engine_token_count(stack, ids, 16) < 16
+
+
+def test_conversation_renders_every_message(stack, text_tokenizer):
+    """system (as OpenAI's "developer"), user, assistant, user: the chat template's ChatML, spelled
+    out by hand here, is what the engine is given."""
+    msgs = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "Hi!"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]}]
+    chatml = ("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
+              "<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nName a colour.<|im_end|>\n"
+              "<|im_start|>assistant\n")
+    r = stack.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens == len(text_tokenizer.tokenizer.encode(chatml, add_special_tokens=False).ids)
+    assert r.usage.completion_tokens == 1
+
+
+def test_stop_strings_cut_the_text(stack):
+    client, n = stack.client(), 16
+    full = client.completions.create(model=MODEL, prompt=ASK, max_tokens=n, temperature=0).choices[0].text
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = words[2]
+    want = full[: full.index(stop)]
+    r = client.completions.create(model=MODEL, prompt=ASK, max_tokens=n, temperature=0, stop=[stop, "\x00never"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    assert r.usage.completion_tokens < n
+    streamed = list(client.completions.create(model=MODEL, prompt=ASK, max_tokens=n, temperature=0, stop=stop,
+                                              stream=True))
+    assert "".join(x.choices[0].text for x in streamed) == want
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_sampling_defaults_sample_and_seed_repeats(stack):
+    """OpenAI's defaults (temperature 1, top_p 1) must sample, not fall into the engine's greedy
+    default for requests without top_p; the same seed gives the same text."""
+    client, n = stack.client(), 8
+    greedy = client.completions.create(model=MODEL, prompt=ASK, max_tokens=n, temperature=0).choices[0].text
+    texts = [client.completions.create(model=MODEL, prompt=ASK, max_tokens=n, seed=s).choices[0].text for s in (1, 2, 3)]
+    assert any(t != greedy for t in texts), texts
+    again = client.completions.create(model=MODEL, prompt=ASK, max_tokens=n, seed=1).choices[0].text
+    assert again == texts[0]
+
+
+def test_raw_stream_ends_with_done_and_usage(stack):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": SHORT}], "max_tokens": 4,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    with requests.post(f"{stack.base}/chat/completions", json=body, stream=True, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+
+
+# ---- cancellation --------------------------------------------------------------------------------
+
+def _wait(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s: {what}")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_frees_its_kv_blocks(stack, stream):
+    """The request could run ~900 tokens (tens of seconds); the client leaves after a moment and the
+    engine cancels it: the KV blocks are back within seconds and the engine counts a cancellation."""
+    idle = stack.metric("kiln_kv_blocks_used")
+    cancelled = stack.metric("kiln_request_errors_total", kind="cancelled")
+    body = {"model": MODEL, "prompt": ASK, "max_tokens": 900, "ignore_eos": True, "stream": stream}
+    if stream:
+        with requests.post(f"{stack.base}/completions", json=body, stream=True, timeout=60) as r:
+            lines = r.iter_lines()
+            assert [next(lines) for _ in range(4)]  # a few events: the request runs in the engine
+            _wait(lambda: stack.metric("kiln_kv_blocks_used") > idle, 10, "the request holds KV blocks")
+    else:
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            requests.post(f"{stack.base}/completions", json=body, timeout=(5, 1.5))
+    _wait(lambda: stack.metric("kiln_kv_blocks_used") == idle, 10, "KV blocks back to their idle count")
+    assert stack.metric("kiln_request_errors_total", kind="cancelled") == cancelled + 1
+    # and the server goes on serving
+    r = stack.client().completions.create(model=MODEL, prompt=ASK, max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
+# ---- refusals ------------------------------------------------------------------------------------
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+LONG = " ".join(["Paris"] * 600)  # over the serving build's max_input_len=512
+
+MALFORMED = [  # (route, body, status, param, words in the message)
+    ("chat/completions", b"{not json", 400, None, "not valid JSON"),
+    ("chat/completions", {"messages": CHAT["messages"]}, 400, "model", "required"),
+    ("chat/completions", {"model": MODEL}, 400, "messages", "required"),
+    ("chat/completions", {**CHAT, "messages": []}, 400, "messages", "non-empty"),
+    ("chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "wizard"),
+    ("chat/completions", {**CHAT, "temperature": 3}, 400, "temperature", "out of range"),
+    ("chat/completions", {**CHAT, "top_p": "high"}, 400, "top_p", "finite number"),
+    ("chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens", "out of range"),
+    ("chat/completions", {**CHAT, "max_tokens": 5000}, 400, "max_tokens", "max_seq_len"),
+    ("chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
+    ("chat/completions", {**CHAT, "n": 2}, 400, "n", "n=1"),
+    ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 5}, 400, "top_logprobs", "chosen token"),
+    ("chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
+    ("completions", {"model": MODEL, "prompt": LONG}, 400, "prompt", "max_input_len"),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs", "chosen token"),
+    ("completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "one prompt"),
+    ("completions", {"model": "gpt-4o", "prompt": "x"}, 404, "model", "does not exist"),
+]
+
+
+def test_malformed_requests_are_refused_and_the_server_goes_on(stack):
+    failures = []
+    for route, body, status, param, words in MALFORMED:
+        kw = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+        r = requests.post(f"{stack.base}/{route}", timeout=30, **kw)
+        err = r.json().get("error", {}) if r.headers.get("content-type", "").startswith("application/json") else {}
+        if r.status_code != status or err.get("param") != param or words not in err.get("message", ""):
+            failures.append((route, str(body)[:80], r.status_code, r.text[:200]))
+    assert not failures, failures
+    r = stack.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": SHORT}],
+                                               max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3 and r.choices[0].message.content
+
+
+def test_the_official_client_sees_openai_errors(stack):
+    import openai
+    client = stack.client()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert e.value.code == "model_not_found" and "no-such-model" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=3)
+    assert e.value.param == "n" and e.value.status_code == 400
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=LONG, max_tokens=1)
+    assert e.value.code == "context_length_exceeded"
+
+
+def test_without_a_ready_engine_health_and_requests_answer_503(serving_build):
+    """A front door whose Triton is not there (not started yet, or gone): 503, and it keeps running."""
+    from harness.openai.process import OpenAIServer
+    with OpenAIServer(serving_build / "model_repository", f"127.0.0.1:{free_port()}", None,
+                      port=free_port()) as oai:
+        h = requests.get(f"http://127.0.0.1:{oai.port}/health", timeout=10)
+        assert h.status_code == 503 and h.json()["error"]["code"] == "engine_unavailable"
+        r = requests.post(f"{oai.base_url}/chat/completions", json=CHAT, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert requests.get(f"{oai.base_url}/models", timeout=10).json()["data"][0]["id"] == MODEL
