@@ -56,7 +56,7 @@ from backend.serving.convert import InvalidRequest
 from backend.serving.engine_host import INBAND_ERRORS
 from backend.serving.metrics import RequestErrors
 from backend.serving.postprocess import postprocess
-from backend.serving.preprocess import TEXT_INPUT_NAMES, Preprocessor
+from backend.serving.preprocess import TEXT_MODEL_INPUTS, Preprocessor
 
 __all__ = ["BlsHost", "MAX_IN_FLIGHT", "new_inner_id"]
 
@@ -68,6 +68,8 @@ _ENGINE_OUTPUTS = ["output_ids", "context_ids", "text_trim", "output_log_probs",
 _PERF = list(ACCEPTANCE_OUTPUTS) + list(PERF_OUTPUTS)
 # return_context_logits / return_generation_logits: asked of the engine and passed through only then
 _LOGITS = ["context_logits", "generation_logits"]
+# return_num_input_tokens / return_num_output_tokens: the engine's counts, only then
+_COUNTS = ["num_input_tokens", "num_output_tokens"]
 _JOIN_S = 2.0        # finalize: how long to wait for request threads still running
 # A finished engine iterator is released by this model's threads no sooner than this after its end.
 # It holds the engine's responses (their tensors own NumPy arrays); the stub also keeps it in a map
@@ -163,7 +165,7 @@ class BlsHost:
             # and the shared memory its tensors live in is reused (a thread reading them later saw
             # other requests' bytes)
             try:
-                tensors = {n: np.array(t.as_numpy(), copy=True) for n in TEXT_INPUT_NAMES
+                tensors = {n: np.array(t.as_numpy(), copy=True) for n in TEXT_MODEL_INPUTS
                            if (t := self.pb.get_input_tensor_by_name(request, n)) is not None}
             except Exception as e:  # noqa: BLE001 - a request that cannot be read still gets its final
                 self._slots.release()
@@ -216,12 +218,14 @@ class BlsHost:
         batch = len(preps)
         wanted = (_ENGINE_OUTPUTS + (["batch_index"] if batch > 1 else [])
                   + (_PERF if any(p.values["return_perf_metrics"] for p in preps) else [])
-                  + [n for n in _LOGITS if any(p.values["return_" + n] for p in preps)])
+                  + [n for n in _LOGITS + _COUNTS if any(p.values["return_" + n] for p in preps)])
+        engine_inputs = stack_rows([p.engine_tensors() for p in preps],
+                                   {"input_ids": 0, "stop_words_list": -1, "bad_words_list": -1})
+        for flag in ("return_" + n for n in _COUNTS):  # bls-only: not among the preprocessing outputs
+            engine_inputs[flag] = np.array([[p.values[flag]] for p in preps], dtype=bool)
         inner = pb.InferenceRequest(
             model_name=self.engine_model, requested_output_names=wanted, request_id=inner_id,
-            inputs=[pb.Tensor(k, v) for k, v in stack_rows(
-                [p.engine_tensors() for p in preps],
-                {"input_ids": 0, "stop_words_list": -1, "bad_words_list": -1}).items()],
+            inputs=[pb.Tensor(k, v) for k, v in engine_inputs.items()],
             parameters={INBAND_ERRORS: True})
         try:
             responses = inner.exec(decoupled=True) if self.decoupled else [inner.exec()]
@@ -287,7 +291,7 @@ class BlsHost:
                    pb.Tensor("output_log_probs", get("output_log_probs").as_numpy().astype(np.float32)),
                    pb.Tensor("cum_log_probs", get("cum_log_probs").as_numpy().astype(np.float32))]
         # present exactly when the client set return_perf_metrics (the engine adds them then)
-        tensors += [pb.Tensor(n, t.as_numpy()) for n in _PERF + _LOGITS if (t := get(n)) is not None]
+        tensors += [pb.Tensor(n, t.as_numpy()) for n in _PERF + _LOGITS + _COUNTS if (t := get(n)) is not None]
         if reason:  # the engine fills finish_reason only on a row's last response
             state["rows_left"] -= 1
         if (b := get("batch_index")) is not None:  # a request of several rows: say which one

@@ -90,6 +90,11 @@ INPUTS: dict[str, InputSpec] = {
     # the raw fp32 logits at every prompt position / of every generated token (logits_out.py)
     "return_context_logits": InputSpec("bool", False),
     "return_generation_logits": InputSpec("bool", False),
+    # NVIDIA's: outputs num_input_tokens (the prompt's) / num_output_tokens (generated, per response)
+    "return_num_input_tokens": InputSpec("bool", False),
+    "return_num_output_tokens": InputSpec("bool", False),
+    # NVIDIA's older engine-model name for min_tokens
+    "min_length": InputSpec("int", None, check=_ge(0), allowed=">= 0 and <= request_output_len"),
     # NVIDIA's logit bias by word: each word's tokens get its weight added to their logits (checked
     # in preprocess.py: the two lists go together)
     "embedding_bias_words": InputSpec("bytes", (), many=True, allowed="a list of UTF-8 strings"),

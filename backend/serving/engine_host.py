@@ -50,7 +50,7 @@ from backend.serving.detok import CONTEXT_TOKENS, StreamDetokenizer
 from backend.serving.engine_outputs import response_tensors, send_empty_final, send_error
 from backend.serving.engine_stream import INBAND_ERRORS, Stream, chosen_logprobs, inband_errors
 from backend.serving.row_group import RowGroup
-from backend.serving.engine_request import ENGINE_INPUT_NAMES, parse_engine_request
+from backend.serving.engine_request import ENGINE_READ_NAMES, parse_engine_request
 from backend.serving.metrics import ServingMetrics
 from backend.serving.perf_metrics import perf_tensors
 from backend.serving.serving_state import ServingState
@@ -134,7 +134,7 @@ class EngineHost:
     def _rows(self, request) -> list[dict[str, np.ndarray]]:
         """The request's inputs, one dict per row (NVIDIA's clients send B rows with --batch-inputs)."""
         out = {}
-        for name in ENGINE_INPUT_NAMES:
+        for name in ENGINE_READ_NAMES:
             t = self.pb.get_input_tensor_by_name(request, name)
             if t is not None:
                 out[name] = t.as_numpy()
@@ -277,6 +277,11 @@ class EngineHost:
         extra = {}
         if st.group is not None:  # the request ends (FINAL flag) with the response ending its last row
             final = final and (st.group.closed or st.group.row_finished())
+        if st.req.return_num_input_tokens:
+            extra["num_input_tokens"] = np.array([len(st.req.prompt_ids)], np.int32)
+        if st.req.return_num_output_tokens:  # generated ids only (a non-streamed output_ids starts with the prompt)
+            echoed = not st.req.streaming and not st.req.exclude_input_in_output
+            extra["num_output_tokens"] = np.array([len(ids) - (len(st.req.prompt_ids) if echoed else 0)], np.int32)
         if st.req.return_perf_metrics:  # cumulative on every response, as tensorrtllm_backend does
             extra.update(acceptance_tensors(*draft_counts(self.executor, st.rid)))
             extra.update(perf_tensors(st.engine_req))

@@ -14,8 +14,9 @@ import numpy as np
 from backend.serving.convert import (EngineLimits, InvalidRequest, check_prompt, from_words_list,
                                     read_inputs, sampling_kwargs)
 from backend.serving.detok import Decoder
+from backend.serving.neutral_inputs import ENGINE, check_neutral, neutral_names
 
-__all__ = ["ENGINE_INPUT_NAMES", "EngineRequest", "parse_engine_request"]
+__all__ = ["ENGINE_INPUT_NAMES", "ENGINE_READ_NAMES", "EngineRequest", "parse_engine_request"]
 
 ENGINE_INPUT_NAMES = (
     "input_ids", "input_lengths", "request_output_len", "streaming", "temperature", "top_k", "top_p",
@@ -24,10 +25,14 @@ ENGINE_INPUT_NAMES = (
     "stop_request", "stop", "return_perf_metrics", "pad_id", "runtime_top_k", "runtime_top_p", "random_seed",
     "beam_width", "num_return_sequences", "exclude_input_in_output", "return_context_logits",
     "return_generation_logits", "decoder_input_ids", "decoder_input_lengths", "embedding_bias",
+    "return_num_input_tokens", "return_num_output_tokens", "min_length",
 )
 
+# what the engine model reads: the above and NVIDIA's inputs Kiln cannot honour (neutral_inputs.py)
+ENGINE_READ_NAMES = ENGINE_INPUT_NAMES + neutral_names(ENGINE)
+
 # NVIDIA's engine-model name -> Kiln's (both accepted; giving both with different values is refused)
-ALIASES = {"runtime_top_k": "top_k", "runtime_top_p": "top_p", "random_seed": "seed"}
+ALIASES = {"runtime_top_k": "top_k", "runtime_top_p": "top_p", "random_seed": "seed", "min_length": "min_tokens"}
 
 
 @dataclasses.dataclass
@@ -43,6 +48,8 @@ class EngineRequest:
     exclude_input_in_output: bool = False
     return_context_logits: bool = False     # context_logits [1, prompt, vocab] on the first response
     return_generation_logits: bool = False  # generation_logits [1, 1, tokens, vocab] per response
+    return_num_input_tokens: bool = False   # num_input_tokens [1, 1]: the prompt's tokens
+    return_num_output_tokens: bool = False  # num_output_tokens [1, 1]: generated, in this response
 
 
 def _optional_id(v: int | None) -> int | None:
@@ -51,7 +58,7 @@ def _optional_id(v: int | None) -> int | None:
 
 def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits, vocab_size: int,
                          tok: Decoder) -> EngineRequest:
-    t = dict(tensors)
+    t = check_neutral(tensors, ENGINE)
     # -1 sentinels are legal at this level; hide them from the table's range checks
     for name in ("seed", "end_id"):
         if name in t and t[name] is not None and np.asarray(t[name]).size == 1 and int(np.asarray(t[name]).reshape(-1)[0]) < 0:
@@ -92,4 +99,4 @@ def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits
     return EngineRequest(prompt, kw, bool(v["streaming"]), tuple(dict.fromkeys(s for s in v["stop_strings"] if s)),
                          bool(v["return_log_probs"]), bool(v["return_perf_metrics"]),
                          tuple(dict.fromkeys(tuple(w) for w in stop_ids)), bool(v["exclude_input_in_output"]),
-                         ctx, gen)
+                         ctx, gen, bool(v["return_num_input_tokens"]), bool(v["return_num_output_tokens"]))

@@ -17,9 +17,10 @@ from backend import bundle
 from backend.serving.batching import stack_rows
 from backend.serving.convert import (EngineLimits, InvalidRequest, check_prompt, read_inputs,
                                     sampling_kwargs, to_words_list)
+from backend.serving.neutral_inputs import TEXT, check_neutral, neutral_names
 from backend.serving.tokenizer import TextTokenizer, load_tokenizer
 
-__all__ = ["TEXT_INPUT_NAMES", "NVIDIA_INPUTS", "PREPROCESSING_INPUTS", "PreparedRequest", "Preprocessor",
+__all__ = ["TEXT_INPUT_NAMES", "TEXT_MODEL_INPUTS", "NVIDIA_INPUTS", "PREPROCESSING_INPUTS", "PreparedRequest", "Preprocessor",
            "preprocessing_outputs"]
 
 TEXT_INPUT_NAMES = (
@@ -28,6 +29,7 @@ TEXT_INPUT_NAMES = (
     "bad_words", "return_log_probs", "exclude_input_in_output", "apply_chat_template",
     "return_perf_metrics", "beam_width", "num_return_sequences", "return_context_logits",
     "return_generation_logits", "embedding_bias_words", "embedding_bias_weights",
+    "return_num_input_tokens", "return_num_output_tokens",
 )
 
 # The preprocessing model's inputs under NVIDIA's names -> the text-level names above (the ensemble
@@ -37,7 +39,11 @@ NVIDIA_INPUTS = {
     "STOP_WORDS_DICT": "stop_words", "END_ID": "end_id", "PAD_ID": "pad_id",
     "EMBEDDING_BIAS_WORDS": "embedding_bias_words", "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights",
 }
-PREPROCESSING_INPUTS = tuple(NVIDIA_INPUTS) + tuple(n for n in TEXT_INPUT_NAMES if n not in NVIDIA_INPUTS.values())
+# what the text models (preprocessing, bls) read: the above, and NVIDIA's inputs Kiln cannot honour,
+# checked for their neutral value (neutral_inputs.py)
+TEXT_MODEL_INPUTS = TEXT_INPUT_NAMES + neutral_names(TEXT)
+PREPROCESSING_INPUTS = (tuple(NVIDIA_INPUTS) + tuple(n for n in TEXT_INPUT_NAMES if n not in NVIDIA_INPUTS.values())
+                        + neutral_names(TEXT))
 
 
 @dataclasses.dataclass
@@ -132,6 +138,7 @@ class Preprocessor:
         self.tokenizer = tokenizer or load_tokenizer(engine_dir)
 
     def prepare(self, tensors: Mapping[str, np.ndarray]) -> PreparedRequest:
+        tensors = check_neutral(tensors, TEXT)
         v = read_inputs(tensors, TEXT_INPUT_NAMES, required=("text_input",))
         try:
             prompt_ids = self.tokenizer.encode(v["text_input"], chat=v["apply_chat_template"])

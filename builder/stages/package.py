@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Mapping
 
+from backend.serving.neutral_inputs import ENGINE, TEXT, declarations, ensemble_input_maps
 from builder.stages.base import StageContext, StageError
 
 __all__ = ["TEMPLATE_ROOT", "MODELS", "RenderError", "render_text", "render_repository",
@@ -122,12 +123,19 @@ def template_values(serving, engine_dir: str, device: str = "auto", max_batch_si
         "engine_instances": serving.engine_instances,
         "preprocessing_instances": serving.preprocessing_instances,
         "postprocessing_instances": serving.postprocessing_instances,
+        # NVIDIA's inputs for features Kiln lacks, declared so that they are checked, not refused
+        # unread by Triton (backend/serving/neutral_inputs.py)
+        "neutral_engine_inputs": declarations(ENGINE),
+        "neutral_text_inputs": declarations(TEXT),
+        "neutral_ensemble_maps": ensemble_input_maps(),
     }
 
 
 def fingerprint(ctx: StageContext) -> str:
     """Templates are inputs too: editing one re-renders the repository on the next build."""
     h = hashlib.sha256()
+    # the neutral-input table renders into the templates (template_values)
+    h.update(declarations(ENGINE).encode() + declarations(TEXT).encode() + ensemble_input_maps().encode())
     for path in sorted(TEMPLATE_ROOT.rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts:
             h.update(str(path.relative_to(TEMPLATE_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import requests
 
-from harness.cancel_storm import cancel_storm, snapshot, wait_threads
+from harness.cancel_storm import cancel_storm, wait_threads
 from harness.model_names import DEFAULT as NAMES
 from harness.serving_server import TritonServer
 

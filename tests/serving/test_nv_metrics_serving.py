@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import queue
 import re
-import threading
 import time
 import uuid
 

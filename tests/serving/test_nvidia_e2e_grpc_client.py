@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.serving.nvidia_clients import (E2E_N, E2E_PROMPT, NO_SUCH_WORD, TEXT_MODELS, client_text, e2e_client, output_names)
+from tests.serving.nvidia_clients import (E2E_N, E2E_PROMPT, NO_SUCH_WORD, TEXT_MODELS, client_text, e2e_client,
+                                         e2e_client_arrays, e2e_client_outputs, errors_of, output_names, run_stream,
+                                         tensor)
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -125,3 +127,26 @@ def test_end_to_end_grpc_client_return_logits(dec_server, refs, model, stream):
     # the last prompt position predicts the first token: the same row in both
     np.testing.assert_allclose(ctx[0][0, -1], rows[0], atol=1e-5, rtol=1e-5)
     assert client_text(results, stream) == (refs.e2e.completion if stream else refs.e2e.full_text)
+
+
+@pytest.mark.parametrize("model", TEXT_MODELS)
+def test_inputs_kiln_cannot_honour_pass_when_neutral_and_are_refused_otherwise(dec_server, refs, model):
+    """NVIDIA's ensemble/bls inputs for LoRA, guided decoding, external drafts, beam search: declared
+    (Triton would otherwise answer "unexpected inference input"), neutral values change nothing, any
+    other value is an error naming the input and what Kiln lacks."""
+    import tritonclient.grpc as grpcclient
+    base = e2e_client_arrays(E2E_PROMPT, E2E_N, False)
+    neutral = {"length_penalty": np.array([[1.0]], np.float32), "num_draft_tokens": np.array([[0]], np.int32),
+               "guided_decoding_guide_type": np.array([[b""]], dtype=object),
+               "lora_weights": np.zeros((1, 0, 8), np.float16), "early_stopping": np.array([[True]])}
+    [(result, error)] = run_stream(dec_server.grpc_url, [(model, [tensor(grpcclient, k, v) for k, v in {**base, **neutral}.items()],
+                                                         dict(outputs=e2e_client_outputs()))])
+    assert error is None, str(error)
+    assert client_text([result], False) == refs.e2e.full_text
+    for name, value, why in (("lora_task_id", np.array([[5]], np.uint64), "Kiln serves no LoRA adapters"),
+                             ("guided_decoding_guide_type", np.array([[b"json"]], dtype=object), "guided decoding"),
+                             ("num_draft_tokens", np.array([[4]], np.int32), "EAGLE-3")):
+        results = run_stream(dec_server.grpc_url, [(model, [tensor(grpcclient, k, v) for k, v in {**base, name: value}.items()],
+                                                    dict(outputs=e2e_client_outputs()))])
+        errors = errors_of(results)
+        assert errors and f"input '{name}'" in errors[0] and why in errors[0], (name, errors)

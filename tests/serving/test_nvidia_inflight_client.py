@@ -73,6 +73,30 @@ def test_inflight_batcher_client_return_logits(nd_server, refs):
     assert plain.as_numpy("context_logits").size == 0 and plain.as_numpy("generation_logits").size == 0
 
 
+def test_engine_counts_aliases_and_inputs_it_cannot_honour(nd_server, refs):
+    """return_num_input_tokens / return_num_output_tokens add NVIDIA's counts; min_length is NVIDIA's
+    older name of min_tokens; LoRA and external-draft inputs pass when neutral, else are refused."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+    ref = refs.ib
+    extra = {"return_num_input_tokens": np.array([[True]]), "return_num_output_tokens": np.array([[True]]),
+             "min_length": np.array([[2]], np.int32), "lora_config": np.zeros((1, 0, 3), np.int32),
+             "draft_input_ids": np.zeros((1, 0), np.int32), "len_penalty": np.array([[0.5]], np.float32)}
+    with grpcclient.InferenceServerClient(nd_server.grpc_url) as client:
+        result = client.infer("tensorrt_llm", ib_inputs(ref.prompt_ids, IB_N, False, refs.eos, extra=extra),
+                              client_timeout=STREAM_TIMEOUT)
+        assert result.as_numpy("num_input_tokens").tolist() == [[len(ref.prompt_ids)]]
+        assert result.as_numpy("num_output_tokens").tolist() == [[IB_N]]   # the prompt echoed is not counted
+        assert list(result.as_numpy("output_ids")[0, 0]) == ref.prompt_ids + ref.ids
+        for bad, message in (({"min_length": np.array([[2]], np.int32), "min_tokens": np.array([[3]], np.int32)},
+                              "input 'min_length': 2 differs from 'min_tokens'=3"),
+                             ({"lora_task_id": np.array([[1]], np.uint64)}, "input 'lora_task_id'.*no LoRA adapters"),
+                             ({"draft_input_ids": np.array([[5, 6]], np.int32)}, "input 'draft_input_ids'.*EAGLE-3")):
+            with pytest.raises(InferenceServerException, match=message):
+                client.infer("tensorrt_llm", ib_inputs(ref.prompt_ids, 2, False, refs.eos, extra=bad),
+                             client_timeout=STREAM_TIMEOUT)
+
+
 def test_inflight_batcher_client_streaming(dec_server, refs):
     """-S: a stream; each response carries only its new tokens, appended after the prompt ids."""
     ref = refs.ib

@@ -11,7 +11,6 @@ import json
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -44,7 +43,7 @@ def test_the_readme_has_the_examples_this_test_runs():
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed on this machine")
-@pytest.mark.parametrize("cmd", readme_curl_commands())
+@pytest.mark.parametrize("cmd", [c for c in readme_curl_commands() if "localhost:9000" not in c])  # OpenAI's: test_openai_api.py
 def test_readme_curl_example_works_as_printed(triton_server, cmd):
     http_port, metrics_port = triton_server.http_url.rsplit(":", 1)[1], triton_server.metrics_url.split(":")[2].split("/")[0]
     local = cmd.replace("localhost:8000", f"127.0.0.1:{http_port}").replace("localhost:8002", f"127.0.0.1:{metrics_port}")
