@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,6 +117,10 @@ def sse_events(resp) -> list[str]:
     return [line[5:].strip() for line in resp.iter_lines(decode_unicode=True) if line.startswith("data:")]
 
 
+def sse_events_of(text: str) -> list[str]:
+    return [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
+
+
 # ---- what is served ------------------------------------------------------------------------------
 
 def test_serve_banner_models_health_metrics(stack):
@@ -136,9 +141,13 @@ def test_chat_greedy_equals_ensemble_streamed_and_not(stack, text_tokenizer):
     want = ensemble_text(stack, ASK, n, chat=True)
     assert want.strip()
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}],
-                                       max_tokens=n, temperature=0)
+                                       max_tokens=n, temperature=0, logprobs=True, top_logprobs=1)
     assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason == "length"
+    # the chosen token's log-probability per generated token; greedy, so it is also the top one
+    lps = r.choices[0].logprobs.content
+    assert len(lps) == n and "".join(e.token for e in lps) == want and all(e.logprob <= 0 for e in lps)
+    assert all([(t.token, t.logprob) for t in e.top_logprobs] == [(e.token, e.logprob)] for e in lps)
     prompt_tokens = len(text_tokenizer.encode(ASK, chat=True))
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (prompt_tokens, n, prompt_tokens + n)
 
@@ -223,6 +232,24 @@ def test_sampling_defaults_sample_and_seed_repeats(stack):
     assert again == texts[0]
 
 
+def test_penalties_and_vllm_extensions_reach_the_engine(stack):
+    """frequency_penalty changes a greedy answer; top_k 1 samples greedily; ignore_eos runs past the
+    end token to max_tokens."""
+    client, n = stack.client(), 16
+    count = "1, 2, 3, 4, 5,"  # greedy goes on " 6, 7, ...": the comma repeats, a penalty must change it
+    plain = client.completions.create(model=MODEL, prompt=count, max_tokens=n, temperature=0).choices[0].text
+    penalized = client.completions.create(model=MODEL, prompt=count, max_tokens=n, temperature=0,
+                                          frequency_penalty=2.0).choices[0].text
+    assert plain.startswith(" 6, 7,") and penalized != plain, (plain, penalized)
+    greedy = client.completions.create(model=MODEL, prompt=ASK, max_tokens=n, temperature=0).choices[0].text
+    top1 = client.completions.create(model=MODEL, prompt=ASK, max_tokens=n, temperature=1.0, seed=5,
+                                     extra_body={"top_k": 1}).choices[0].text
+    assert top1 == greedy
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": SHORT}], max_tokens=12,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (12, "length")
+
+
 def test_raw_stream_ends_with_done_and_usage(stack):
     body = {"model": MODEL, "messages": [{"role": "user", "content": SHORT}], "max_tokens": 4,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
@@ -232,6 +259,28 @@ def test_raw_stream_ends_with_done_and_usage(stack):
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed on this machine")
+def test_readme_openai_curl_examples_work_as_printed(stack):
+    """README "OpenAI API": its curl lines for port 9000, run with this stack's port and model id."""
+    from tests.serving.test_readme_examples import readme_curl_commands
+    cmds = [c for c in readme_curl_commands() if "localhost:9000" in c]
+    assert len(cmds) >= 3 and any("/v1/chat/completions" in c for c in cmds), cmds
+    for cmd in cmds:
+        local = cmd.replace("localhost:9000", f"127.0.0.1:{stack.openai}").replace('"smollm2-135m-fp8"', f'"{MODEL}"')
+        run = subprocess.run(["bash", "-o", "pipefail", "-c", local], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, (local, run.stderr[-1000:])
+        if '"stream":true' in cmd:
+            events = sse_events_of(run.stdout)
+            assert events[-1] == "[DONE]" and "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]).strip()
+            continue
+        body = json.loads(run.stdout)
+        assert "error" not in body, body
+        if cmd.rstrip().endswith("/v1/models"):
+            assert body["data"][0]["id"] == MODEL
+        else:
+            assert body["choices"][0]["message"]["content"].strip() and body["usage"]["completion_tokens"] > 0
 
 
 # ---- cancellation --------------------------------------------------------------------------------
@@ -286,6 +335,10 @@ MALFORMED = [  # (route, body, status, param, words in the message)
     ("chat/completions", {**CHAT, "n": 2}, 400, "n", "n=1"),
     ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 5}, 400, "top_logprobs", "chosen token"),
     ("chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
+    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages[0].content[0]", "only text"),
+    ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", "only response_format"),
+    ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
     ("completions", {"model": MODEL, "prompt": LONG}, 400, "prompt", "max_input_len"),
     ("completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs", "chosen token"),
     ("completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "one prompt"),
