@@ -19,7 +19,7 @@ OPENAI_PORT ?= 9000
 # Python backend stub (which runs the first python3 on PATH) sees the same packages.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup build test clean distclean serve bench bench-engine bench-overhead bench-kernels bench-eagle bench-eagle-cost gpu-check-prepare gpu-check bench-gpu mlperf run submission validate soak
+.PHONY: help setup build test clean distclean serve bench bench-openai bench-engine bench-overhead bench-kernels bench-eagle bench-eagle-cost gpu-check-prepare gpu-check bench-gpu mlperf run submission validate soak
 
 help: ## List the commands
 	@echo "Kiln: ahead-of-time LLM engine builder and Triton Inference Server backend"
@@ -56,6 +56,9 @@ serve: $(STAMP) ## Serve build/<stem>/model_repository with Triton on 127.0.0.1 
 
 bench: $(STAMP) ## Serving benchmark (concurrency sweep, Poisson mode); BENCH_ARGS="--start --baseline hf" runs it self-contained
 	$(PY) -m harness.bench.serving --model-repository $(OUT)/model_repository $(BENCH_ARGS)
+
+bench-openai: $(STAMP) ## NVIDIA AIPerf (own venv under build/) against the OpenAI API of OUT's repository -> docs/perf/openai-aiperf.json; BENCH_ENV="CONCURRENCY=8 REQUESTS=128"
+	env $(BENCH_ENV) harness/bench/openai_aiperf.sh $(OUT)/model_repository
 
 bench-engine: $(STAMP) ## Executor throughput vs Hugging Face generate on this CPU (same prompts, same run)
 	$(PY) -m harness.bench.engine --engine $(OUT)/engine $(BENCH_ARGS)
