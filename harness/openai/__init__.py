@@ -16,4 +16,5 @@ limits before anything is sent. One module per job:
 * ``responses``      OpenAI's response and stream-chunk objects
 * ``app``            the FastAPI routes, server-sent events, health and metrics
 * ``__main__``       the command line
+* ``process``        runs it as a child process beside Triton (``make serve``, tests, benchmarks)
 """
