@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -189,6 +190,14 @@ class TritonServer:
         # each stub would otherwise start one torch thread per core: 2 cores shared by many stubs
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2))))
         env[DRAIN_DIR_ENV] = str(self.drain_dir)  # the stubs inherit it
+        # The Python backend stub loads libpython3.X.so.1.0 from the library path: on these machines
+        # that is the system's (Debian 3.11.2), older than the venv's interpreter (pyenv 3.11.7), whose
+        # stdlib C modules then fail to load in the stub (_ssl: "undefined symbol: _PyModule_Add",
+        # imported by xgrammar's dependencies for structured output). The interpreter's own first.
+        libdir = sysconfig.get_config_var("LIBDIR")
+        lib = f"libpython{sysconfig.get_config_var('LDVERSION')}.so.1.0"
+        if libdir and (Path(libdir) / lib).is_file():
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH")) if p)
         return env
 
     # ---- lifecycle -----------------------------------------------------------------------------

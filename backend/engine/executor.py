@@ -116,6 +116,8 @@ class Executor:
         self._wake = threading.Condition(self._lock)
         self._handles: dict[str, RequestHandle] = {}
         self._generators: dict[str, torch.Generator] = {}
+        self._guides: dict = {}                  # request id -> guided.Guide (structured output)
+        self._guide_compiler = None
         self._cancels: deque[str] = deque()
         self._ids = itertools.count()
         self._stop = False
@@ -165,6 +167,8 @@ class Executor:
                              f"engine.max_input_len = {self.max_input_len}")
         params.validate(self.max_seq_len - len(prompt), self.vocab_size)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        # compiled here, on the caller's thread: a slow or bad grammar never stalls the loop
+        guide = self._new_guide(params.guide) if params.guide is not None else None
         req = Request(rid, prompt, params)
         handle = RequestHandle(rid, prompt, on_event)
         with self._lock:
@@ -174,10 +178,19 @@ class Executor:
                 raise RuntimeError("executor is shut down")
             self.scheduler.add(req)          # raises ValueError before anything is queued
             self._handles[rid] = handle
+            if guide is not None:
+                self._guides[rid] = guide
             if params.seed is not None:
                 self._generators[rid] = make_generator(params.seed, self.device)
             self._wake.notify()
         return handle
+
+    def _new_guide(self, guide: tuple[str, str]):
+        if self._guide_compiler is None:
+            from backend.engine.guided import GuideCompiler  # only engines that serve guided requests
+            self._guide_compiler = GuideCompiler(self.spec.path / "tokenizer" / "tokenizer.json",
+                                                 self.spec.model.eos_token_ids, self.vocab_size)
+        return self._guide_compiler.guide(*guide)
 
     def cancel(self, request_id: str) -> None:
         """Abort a request wherever it is; its final event says ``cancelled``. Unknown ids are ignored."""
@@ -304,8 +317,7 @@ class Executor:
         gen_rows = generation_rows(sampling, inputs.logits_counts)
         gen = dict(zip((i for i, _ in gen_rows),
                        logits[[r for _, r in gen_rows]].float().cpu())) if gen_rows else {}
-        rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids,
-                          self._generators.get(r.request_id)) for r in sampling]
+        rows = self._sample_rows(sampling)
         logprobs = None
         if spec is not None and out.num_spec_tokens:
             sampled: list = spec.verify(out, logits, rows, self.sampler)
@@ -333,9 +345,16 @@ class Executor:
             self._emit_tokens(req, new, lp, done, gen[i].unsqueeze(0) if i in gen else None)
 
     # -- helpers ------------------------------------------------------------------------------
+    def _sample_rows(self, sampling: Sequence[Request]) -> list[SampleRow]:
+        gens, guides = self._generators, self._guides
+        return [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids, gens.get(r.request_id),
+                          guides.get(r.request_id) if guides else None) for r in sampling]
+
     def _emit_tokens(self, req: Request, tokens: list[int], lp: list | None, done: bool,
                      generation_logits: torch.Tensor | None = None) -> None:
         rid = req.request_id
+        if self._guides and tokens and rid in self._guides:
+            self._guides[rid].accept(tokens)    # before the request's next mask is filled
         ctx = take_context(req) if req.context_logits else None
         self._emit(rid, TokenEvent(rid, tokens, lp, done, FINISH_REASONS.get(req.status) if done else None,
                                    request=req, context_logits=ctx, generation_logits=generation_logits),
@@ -372,6 +391,7 @@ class Executor:
         if final:
             self._handles.pop(rid, None)
             self._generators.pop(rid, None)
+            self._guides.pop(rid, None)
         try:
             handle._deliver(ev)
         except Exception:  # noqa: BLE001 - a consumer's callback bug must not stop the engine

@@ -30,7 +30,7 @@ import torch
 from backend.engine.late_tokens import PLACEHOLDER, LateRow, fill, late_rows
 from backend.engine.logits_out import generation_rows, stash_context
 from backend.engine.request import Request
-from backend.engine.sampler import DeviceSample, SampleRow, needs_history
+from backend.engine.sampler import DeviceSample, needs_history
 from backend.engine.scheduler import SchedulerOutput
 from backend.logs import get_logger
 
@@ -150,8 +150,7 @@ class OverlapLoop:
         gen_rows = generation_rows(sampling, inputs.logits_counts)
         # copies on the device, read once the step's event has fired (no extra host sync)
         gen = {i: logits[r].float().clone() for i, r in gen_rows} if gen_rows else None
-        rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids,
-                          ex._generators.get(r.request_id)) for r in sampling]
+        rows = ex._sample_rows(sampling)
         ds = ex.sampler.sample(logits, rows)
         copy = self.copy.start(ds.packed())
         # The device runs this step while the host finishes the previous one.

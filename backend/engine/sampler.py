@@ -38,6 +38,7 @@ class SampleRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None   # required when params.seed is set
+    guide: object | None = None                # backend.engine.guided.Guide when params.guide is set
 
 
 @dataclass
@@ -107,6 +108,7 @@ class Sampler:
         raw = logits
         logits = logits.float().clone() if self._needs_edit(rows) else logits.float()
         self._apply_bias(logits, rows)
+        self._apply_guides(logits, rows)
         self._apply_masks(logits, rows)
         self._apply_penalties(logits, rows)
 
@@ -126,7 +128,22 @@ class Sampler:
     # -- masks and penalties -----------------------------------------------------------------
     def _needs_edit(self, rows: Sequence[SampleRow]) -> bool:
         return any(self._has_mask(r) or _has_penalty(r.params) or r.params.temperature != 0.0
-                   for r in rows)
+                   or r.guide is not None for r in rows)
+
+    def _apply_guides(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
+        """Structured output: each guided row's grammar mask (filled on the host, one small copy)."""
+        idx = [i for i, r in enumerate(rows) if r.guide is not None]
+        if not idx:
+            return
+        from backend.engine.guided import apply_bitmask  # only engines that serve guided requests
+        words = rows[idx[0]].guide.new_bitmask(len(idx))
+        for j, i in enumerate(idx):
+            rows[i].guide.fill(words, j)
+        if len(idx) == len(rows):
+            apply_bitmask(logits, words.to(logits.device))
+        else:
+            sel = _to_device(idx, logits.device)
+            logits[sel] = apply_bitmask(logits[sel], words.to(logits.device))
 
     def _has_mask(self, r: SampleRow) -> bool:
         p = r.params
@@ -261,7 +278,7 @@ def _to_device(values: list, device: torch.device) -> torch.Tensor:
 def needs_history(p: SamplingParams) -> bool:
     """Rows that read the values of earlier output tokens (bad words, penalties): the overlapped loop
     resolves the previous step's tokens before sampling them (the host does not know them yet)."""
-    return bool(p.bad_token_ids) or _has_penalty(p)
+    return bool(p.bad_token_ids) or _has_penalty(p) or p.guide is not None
 
 
 def _has_penalty(p: SamplingParams) -> bool:

@@ -17,6 +17,8 @@ MAX_LOGPROBS = 20
 MAX_SEED = 2**64 - 1
 # Presence/frequency penalties: OpenAI's documented range.
 PENALTY_RANGE = (-2.0, 2.0)
+# Structured output (backend/engine/guided.py): NVIDIA's guided_decoding_guide_type values, and lark
+GUIDE_KINDS = ("json", "json_schema", "regex", "ebnf_grammar", "lark")
 
 _INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "logprobs", "priority")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -50,6 +52,9 @@ class SamplingParams:
     # ([tokens, vocab]; no speculative drafts for the request). fp32, copied to the host.
     return_context_logits: bool = False
     return_generation_logits: bool = False
+    # Structured output: (kind, guide), kind in GUIDE_KINDS ("json": any JSON, guide ignored); every
+    # token is drawn under the grammar's mask, and the grammar's end allows only the end tokens
+    guide: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (what JSON and Triton give) but store tuples: frozen means frozen.
@@ -61,6 +66,8 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(tuple(b) if _is_seq(b) else b for b in self.logit_bias))
         if not isinstance(self.stop_token_ids, tuple) and _is_seq(self.stop_token_ids):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.guide, list):
+            object.__setattr__(self, "guide", tuple(self.guide))
         if not isinstance(self.bad_token_ids, tuple) and _is_seq(self.bad_token_ids):
             object.__setattr__(self, "bad_token_ids", tuple(self.bad_token_ids))
         if isinstance(self.bad_token_ids, tuple) and any(
@@ -121,6 +128,17 @@ class SamplingParams:
         if not 0 <= self.logprobs <= logprobs_limit:
             _fail("logprobs", self.logprobs, f"allowed: 0..{logprobs_limit}")
 
+        if self.guide is not None:
+            if (not isinstance(self.guide, tuple) or len(self.guide) != 2
+                    or not all(isinstance(x, str) for x in self.guide)):
+                _fail("guide", self.guide, "must be a (kind, guide text) pair")
+            if self.guide[0] not in GUIDE_KINDS:
+                _fail("guide", self.guide[0], f"unknown kind; allowed: {', '.join(GUIDE_KINDS)}")
+            if self.guide[0] != "json" and not self.guide[1]:
+                _fail("guide", self.guide[0], "needs a guide (a schema, regex or grammar)")
+            if self.ignore_eos or self.min_tokens:
+                # both forbid the end token the grammar's end requires: every token would be masked
+                _fail("guide", self.guide[0], "cannot be combined with ignore_eos or min_tokens")
         if not isinstance(self.stop_token_ids, tuple):
             _fail("stop_token_ids", self.stop_token_ids, "must be a list of token ids")
         for tok in self.stop_token_ids:
@@ -176,4 +194,4 @@ def _fail(name: str, value, problem: str) -> None:
     raise ValueError(f"sampling.{name}: {value!r}: {problem}")
 
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams"]
+__all__ = ["GUIDE_KINDS", "MAX_LOGPROBS", "SamplingParams"]

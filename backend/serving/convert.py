@@ -52,6 +52,9 @@ def _top_p(v: float) -> str | None:
     return None if math.isfinite(v) and 0.0 <= v <= 1.0 else f"{v} is outside [0, 1]"
 
 
+_GUIDE_TYPES = ("", "json", "json_schema", "regex", "ebnf_grammar", "lark")
+
+
 def _only(value: int, why: str) -> Callable[[Any], str | None]:
     """An input Kiln accepts only with its neutral value (refused, never silently ignored)."""
     return lambda v: None if v == value else f"{v} is not supported ({why})"
@@ -93,6 +96,10 @@ INPUTS: dict[str, InputSpec] = {
     # NVIDIA's: outputs num_input_tokens (the prompt's) / num_output_tokens (generated, per response)
     "return_num_input_tokens": InputSpec("bool", False),
     "return_num_output_tokens": InputSpec("bool", False),
+    # NVIDIA's structured output: the engine masks every token with the grammar (backend/engine/guided.py)
+    "guided_decoding_guide_type": InputSpec("bytes", "", check=lambda v: None if v in _GUIDE_TYPES else (
+        f"{v!r} is not a guide type"), allowed="json, json_schema, regex, ebnf_grammar or lark (empty: none)"),
+    "guided_decoding_guide": InputSpec("bytes", "", allowed="the JSON schema, regex or grammar text"),
     # NVIDIA's older engine-model name for min_tokens
     "min_length": InputSpec("int", None, check=_ge(0), allowed=">= 0 and <= request_output_len"),
     # NVIDIA's logit bias by word: each word's tokens get its weight added to their logits (checked

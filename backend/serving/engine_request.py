@@ -26,6 +26,7 @@ ENGINE_INPUT_NAMES = (
     "beam_width", "num_return_sequences", "exclude_input_in_output", "return_context_logits",
     "return_generation_logits", "decoder_input_ids", "decoder_input_lengths", "embedding_bias",
     "return_num_input_tokens", "return_num_output_tokens", "min_length",
+    "guided_decoding_guide_type", "guided_decoding_guide",
 )
 
 # what the engine model reads: the above and NVIDIA's inputs Kiln cannot honour (neutral_inputs.py)
@@ -54,6 +55,19 @@ class EngineRequest:
 
 def _optional_id(v: int | None) -> int | None:
     return None if v is None or v < 0 else v  # -1 = "not given" (INT64 through the ensemble)
+
+
+def read_guide(v: Mapping[str, Any]) -> tuple[str, str] | None:
+    """NVIDIA's guided_decoding_guide_type / guided_decoding_guide -> SamplingParams.guide."""
+    kind, text = v["guided_decoding_guide_type"], v["guided_decoding_guide"]
+    if not kind:
+        if text:
+            raise InvalidRequest("input 'guided_decoding_guide': given without 'guided_decoding_guide_type'; "
+                                 "send the type too (json_schema, regex, ebnf_grammar, lark, or json)")
+        return None
+    if kind != "json" and not text:
+        raise InvalidRequest(f"input 'guided_decoding_guide': empty; a '{kind}' guide needs its text")
+    return kind, text
 
 
 def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits, vocab_size: int,
@@ -94,6 +108,9 @@ def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits
         raise InvalidRequest("input 'embedding_bias': values must be finite")
     if any(bias):  # added to the logits before sampling, as TensorRT-LLM adds it
         kw["logit_bias"] = tuple((i, x) for i, x in enumerate(bias) if x != 0.0)
+    guide = read_guide(v)
+    if guide is not None:
+        kw["guide"] = guide
     ctx, gen = bool(v["return_context_logits"]), bool(v["return_generation_logits"])
     kw.update(return_context_logits=ctx, return_generation_logits=gen)
     return EngineRequest(prompt, kw, bool(v["streaming"]), tuple(dict.fromkeys(s for s in v["stop_strings"] if s)),

@@ -1,8 +1,7 @@
 """NVIDIA inputs Kiln declares but cannot honour: accepted at their neutral value, refused otherwise.
 
 NVIDIA's ``inflight_batcher_llm`` models declare inputs for features Kiln does not have (LoRA, prompt
-tables, multimodal and encoder inputs, external draft tokens, lookahead decoding, guided decoding,
-top-p decay) and beam-search settings that do nothing at one beam. A client of NVIDIA's backend may
+tables, multimodal and encoder inputs, external draft tokens, lookahead decoding, top-p decay) and beam-search settings that do nothing at one beam. A client of NVIDIA's backend may
 send any of them; an undeclared input makes Triton answer "unexpected inference input", which does
 not say what to do. So every model declares them (``builder/stages/package.py`` renders the
 declarations from this table into the config templates) and the models check them here: absent or
@@ -59,7 +58,6 @@ _PROMPT = "Kiln has no prompt tables (p-tuning)"
 _MM = "Kiln serves text-only decoder models"
 _DRAFT = "Kiln drafts with the bundle's EAGLE-3 head; it takes no external draft tokens"
 _LOOKAHEAD = "Kiln has no lookahead decoding (it speculates with EAGLE-3)"
-_GUIDED = "guided decoding is not supported by this Kiln version"
 _BEAM = "beam search only: with one beam (Kiln's) it has no effect, as in TensorRT-LLM"
 _BOTH = (ENGINE, TEXT)
 
@@ -101,9 +99,6 @@ NEUTRAL_INPUTS: tuple[NeutralInput, ...] = (
     NeutralInput("lookahead_window_size", "TYPE_INT32", "[ 1 ]", _BOTH, "zero", _LOOKAHEAD),
     NeutralInput("lookahead_ngram_size", "TYPE_INT32", "[ 1 ]", _BOTH, "zero", _LOOKAHEAD),
     NeutralInput("lookahead_verification_set_size", "TYPE_INT32", "[ 1 ]", _BOTH, "zero", _LOOKAHEAD),
-    # guided decoding
-    NeutralInput("guided_decoding_guide_type", "TYPE_STRING", "[ 1 ]", _BOTH, "empty", _GUIDED),
-    NeutralInput("guided_decoding_guide", "TYPE_STRING", "[ 1 ]", _BOTH, "empty", _GUIDED),
     # per-request KV reuse figures
     NeutralInput("return_kv_cache_reuse_stats", "TYPE_BOOL", "[ 1 ]", _BOTH, "zero",
                  "ask return_perf_metrics for kv_cache_reused_blocks"),

@@ -17,6 +17,7 @@ from backend import bundle
 from backend.serving.batching import stack_rows
 from backend.serving.convert import (EngineLimits, InvalidRequest, check_prompt, read_inputs,
                                     sampling_kwargs, to_words_list)
+from backend.serving.engine_request import read_guide
 from backend.serving.neutral_inputs import TEXT, check_neutral, neutral_names
 from backend.serving.tokenizer import TextTokenizer, load_tokenizer
 
@@ -29,7 +30,7 @@ TEXT_INPUT_NAMES = (
     "bad_words", "return_log_probs", "exclude_input_in_output", "apply_chat_template",
     "return_perf_metrics", "beam_width", "num_return_sequences", "return_context_logits",
     "return_generation_logits", "embedding_bias_words", "embedding_bias_weights",
-    "return_num_input_tokens", "return_num_output_tokens",
+    "return_num_input_tokens", "return_num_output_tokens", "guided_decoding_guide_type", "guided_decoding_guide",
 )
 
 # The preprocessing model's inputs under NVIDIA's names -> the text-level names above (the ensemble
@@ -90,6 +91,8 @@ class PreparedRequest:
             "exclude_input_in_output": np.array([self.exclude_input], dtype=bool),
             "return_context_logits": np.array([v["return_context_logits"]], dtype=bool),
             "return_generation_logits": np.array([v["return_generation_logits"]], dtype=bool),
+            "guided_decoding_guide_type": np.array([v["guided_decoding_guide_type"].encode()], dtype=object),
+            "guided_decoding_guide": np.array([v["guided_decoding_guide"].encode()], dtype=object),
             "stop_words_list": to_words_list(self.stop_words_ids),
             "bad_words_list": to_words_list(self.bad_words_ids),
             "embedding_bias": self.embedding_bias,
@@ -146,6 +149,7 @@ class Preprocessor:
             raise InvalidRequest(f"input 'apply_chat_template': {e}") from None
         check_prompt(prompt_ids, self.limits)
         sampling_kwargs(v, len(prompt_ids), self.limits)  # range checks now, not in the engine
+        read_guide(v)  # a guide without its type (or the reverse); the engine compiles it
         bias = self._embedding_bias(v["embedding_bias_words"], v["embedding_bias_weights"])
         # not given: the tokenizer's end token, as NVIDIA's preprocessing fills OUT_END_ID / OUT_PAD_ID
         # (the engine stops on the model's own end tokens as well; Kiln never pads, pad_id only travels)

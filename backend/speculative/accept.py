@@ -28,7 +28,7 @@ def speculation_allowed(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a request may get draft tokens this step (see the module doc for why not)."""
     return (params.speculative and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0 and not params.bad_token_ids and not params.logit_bias
-            and params.logprobs == 0 and not params.return_generation_logits
+            and params.logprobs == 0 and not params.return_generation_logits and params.guide is None
             and num_output_tokens >= params.min_tokens)
 
 

@@ -131,22 +131,50 @@ def test_end_to_end_grpc_client_return_logits(dec_server, refs, model, stream):
 
 @pytest.mark.parametrize("model", TEXT_MODELS)
 def test_inputs_kiln_cannot_honour_pass_when_neutral_and_are_refused_otherwise(dec_server, refs, model):
-    """NVIDIA's ensemble/bls inputs for LoRA, guided decoding, external drafts, beam search: declared
+    """NVIDIA's ensemble/bls inputs for LoRA, prompt tables, external drafts, beam search: declared
     (Triton would otherwise answer "unexpected inference input"), neutral values change nothing, any
     other value is an error naming the input and what Kiln lacks."""
     import tritonclient.grpc as grpcclient
     base = e2e_client_arrays(E2E_PROMPT, E2E_N, False)
     neutral = {"length_penalty": np.array([[1.0]], np.float32), "num_draft_tokens": np.array([[0]], np.int32),
-               "guided_decoding_guide_type": np.array([[b""]], dtype=object),
+               "lookahead_window_size": np.array([[0]], np.int32),
                "lora_weights": np.zeros((1, 0, 8), np.float16), "early_stopping": np.array([[True]])}
     [(result, error)] = run_stream(dec_server.grpc_url, [(model, [tensor(grpcclient, k, v) for k, v in {**base, **neutral}.items()],
                                                          dict(outputs=e2e_client_outputs()))])
     assert error is None, str(error)
     assert client_text([result], False) == refs.e2e.full_text
     for name, value, why in (("lora_task_id", np.array([[5]], np.uint64), "Kiln serves no LoRA adapters"),
-                             ("guided_decoding_guide_type", np.array([[b"json"]], dtype=object), "guided decoding"),
+                             ("prompt_vocab_size", np.array([[8]], np.int32), "prompt tables"),
                              ("num_draft_tokens", np.array([[4]], np.int32), "EAGLE-3")):
         results = run_stream(dec_server.grpc_url, [(model, [tensor(grpcclient, k, v) for k, v in {**base, name: value}.items()],
                                                     dict(outputs=e2e_client_outputs()))])
         errors = errors_of(results)
         assert errors and f"input '{name}'" in errors[0] and why in errors[0], (name, errors)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize("model", TEXT_MODELS)
+def test_end_to_end_grpc_client_guided_decoding(dec_server, refs, model, stream):
+    """--guided-decoding-guide-type json_schema --guided-decoding-guide SCHEMA: two BYTES [1, 1]
+    inputs; the completion is JSON that validates against the schema. A guide that does not compile
+    is an error naming it."""
+    import json
+
+    import jsonschema
+    import tritonclient.grpc as grpcclient
+    from harness.bench.grammar_schemas import SCHEMAS
+    schema = SCHEMAS["person"]
+    arrays = {**e2e_client_arrays(E2E_PROMPT, 48, stream),
+              "guided_decoding_guide_type": np.array([[b"json_schema"]], dtype=object),
+              "guided_decoding_guide": np.array([[json.dumps(schema).encode()]], dtype=object)}
+    results = run_stream(dec_server.grpc_url, [(model, [tensor(grpcclient, k, v) for k, v in arrays.items()],
+                                                dict(outputs=e2e_client_outputs()))])
+    assert not errors_of(results), errors_of(results)
+    text = client_text([r for r, _ in results], stream)
+    completion = text if stream else text[len(E2E_PROMPT):]
+    assert stream or text.startswith(E2E_PROMPT)
+    jsonschema.validate(json.loads(completion), schema)
+    arrays["guided_decoding_guide"] = np.array([[b"{not json"]], dtype=object)
+    errors = errors_of(run_stream(dec_server.grpc_url, [(model, [tensor(grpcclient, k, v) for k, v in arrays.items()],
+                                                         dict(outputs=e2e_client_outputs()))]))
+    assert errors and "json_schema guide does not compile" in errors[0], errors

@@ -1,0 +1,182 @@
+"""Which grammar library Kiln's structured output uses, by measurement: xgrammar vs llguidance on the
+bundle's tokenizer, for the five test schemas (harness/bench/grammar_schemas.py).
+
+For each library and schema: the time to compile the schema (first time, then a cache hit where the
+library caches), and the time to compute the next-token mask at each token of a valid document
+(what a decode step pays per guided sequence), mean and p99; then the time to apply one mask to a
+``[1, vocab]`` fp32 logits row with torch. Writes ``docs/perf/grammar-mask.json``.
+
+    python -m harness.bench.grammar_mask --tokenizer build/smollm2-135m-fp8/engine/tokenizer/tokenizer.json \
+        --bundle build/smollm2-135m-fp8/engine
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+from harness.bench.grammar_schemas import EXAMPLES, SCHEMAS
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.array(xs), q)) if xs else 0.0
+
+
+def _summary(compile_s: list[float], recompile_s: list[float], mask_s: list[float]) -> dict:
+    return {"compile_ms_mean": 1e3 * statistics.mean(compile_s),
+            "compile_ms_max": 1e3 * max(compile_s),
+            "cached_compile_ms_mean": 1e3 * statistics.mean(recompile_s),
+            "mask_us_mean": 1e6 * statistics.mean(mask_s),
+            "mask_us_p99": 1e6 * _pct(mask_s, 99), "mask_samples": len(mask_s)}
+
+
+def bench_xgrammar(tok_json: dict, ids_of: dict[str, list[int]], eos: list[int]) -> dict:
+    import xgrammar as xgr
+    from backend.engine.guided import byte_level_vocab
+    vocab = byte_level_vocab(tok_json)
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.BYTE_LEVEL, vocab_size=len(vocab), stop_token_ids=eos)
+    compiler = xgr.GrammarCompiler(info, max_threads=2)
+    compile_s, recompile_s, mask_s = [], [], []
+    bitmask = xgr.allocate_token_bitmask(1, len(vocab))
+    for name, schema in SCHEMAS.items():
+        t0 = time.perf_counter()
+        cg = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        compile_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        recompile_s.append(time.perf_counter() - t0)
+        m = xgr.GrammarMatcher(cg)
+        for tok in ids_of[name]:
+            t0 = time.perf_counter()
+            m.fill_next_token_bitmask(bitmask, 0)
+            mask_s.append(time.perf_counter() - t0)
+            assert m.accept_token(tok), f"xgrammar refused token {tok} of the valid {name} document"
+    return _summary(compile_s, recompile_s, mask_s)
+
+
+class _Tokens:
+    """What llguidance's TokenizerWrapper reads: each token's bytes (its own transformers adapter
+    spelled this byte-level BPE's 'Ġ' as the two bytes of the character, not a space)."""
+
+    def __init__(self, tok_path: str, eos: list[int]) -> None:
+        from tokenizers import Tokenizer
+        from backend.engine.guided import token_bytes
+        self._tok = Tokenizer.from_file(tok_path)
+        self.tokens = token_bytes(json.loads(Path(tok_path).read_text(encoding="utf-8")))
+        self.eos_token_id = eos[0]
+        self.bos_token_id = None
+        self.special_token_ids = eos
+
+    def __call__(self, s: str) -> list[int]:
+        return self._tok.encode(s, add_special_tokens=False).ids
+
+
+def bench_llguidance(tok_path: str, ids_of: dict[str, list[int]], eos: list[int]) -> dict:
+    import llguidance
+    tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Tokens(tok_path, eos)))
+    compile_s, recompile_s, mask_s = [], [], []
+    for name, schema in SCHEMAS.items():
+        t0 = time.perf_counter()
+        m = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
+        compile_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
+        recompile_s.append(time.perf_counter() - t0)
+        assert not m.is_error(), m.get_error()
+        for t in ids_of[name]:
+            t0 = time.perf_counter()
+            m.compute_bitmask()
+            mask_s.append(time.perf_counter() - t0)
+            assert m.consume_token(t), f"llguidance refused token {t} of the valid {name} document"
+    return _summary(compile_s, recompile_s, mask_s)
+
+
+def bench_apply(vocab_size: int, repeats: int = 2000) -> dict:
+    import torch
+    from backend.engine.guided import apply_bitmask
+    logits = torch.randn(1, vocab_size)
+    words = torch.randint(-2**31, 2**31 - 1, (1, (vocab_size + 31) // 32), dtype=torch.int32)
+    apply_bitmask(logits.clone(), words)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        apply_bitmask(logits.clone(), words)
+    return {"apply_us_mean": 1e6 * (time.perf_counter() - t0) / repeats}
+
+
+def bench_engine_step(bundle: str, tok_path: str, batch: int = 16, steps: int = 24) -> dict:
+    """Decode-step wall time of the real engine on this CPU, ``batch`` sequences, every one guided
+    (json_schema, the schemas in turn) vs none: what the masks add to a step, fill and apply."""
+    from tokenizers import Tokenizer
+    from backend.engine.executor import Executor
+    from backend.engine.sampling_params import SamplingParams
+    from harness.bench.grammar_schemas import PROMPTS
+    tok = Tokenizer.from_file(tok_path)
+    names = list(SCHEMAS)
+    prompts = [tok.encode(PROMPTS[names[i % len(names)]]).ids for i in range(batch)]
+    out = {}
+    for label, guided in (("unguided", False), ("guided", True)):
+        ex = Executor(bundle, start=False, verify_hashes=False, speculative=False)
+        params = [SamplingParams(max_tokens=steps + 8, temperature=0.0,
+                                 guide=("json_schema", json.dumps(SCHEMAS[names[i % len(names)]])) if guided else None)
+                  for i in range(batch)]
+        for p, sp in zip(prompts, params):
+            ex.submit(p, sp)
+        ex.step()                                   # the prefill
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            n = ex.step()
+            times.append(time.perf_counter() - t0)
+            if n < batch:                           # a sequence ended: the batch is no longer full
+                break
+        ex.shutdown()
+        out[label] = {"decode_step_ms_median": 1e3 * statistics.median(times), "steps": len(times)}
+    out["batch"] = batch
+    out["added_ms_per_step"] = out["guided"]["decode_step_ms_median"] - out["unguided"]["decode_step_ms_median"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.bench.grammar_mask", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokenizer", required=True, help="the bundle's tokenizer.json")
+    p.add_argument("--bundle", default=None, help="an engine bundle: also time decode steps with and without masks")
+    p.add_argument("--out", default="docs/perf/grammar-mask.json")
+    a = p.parse_args(argv)
+    from tokenizers import Tokenizer
+    text = Path(a.tokenizer).read_text(encoding="utf-8")
+    tok = Tokenizer.from_str(text)
+    ids_of = {name: tok.encode(doc, add_special_tokens=False).ids for name, doc in EXAMPLES.items()}
+    eos = [tok.token_to_id("<|endoftext|>")] if tok.token_to_id("<|endoftext|>") is not None else []
+    load = os.getloadavg()
+    results = {"xgrammar": bench_xgrammar(json.loads(text), ids_of, eos), "llguidance": bench_llguidance(a.tokenizer, ids_of, eos)}
+    results["apply"] = bench_apply(tok.get_vocab_size())
+    if a.bundle:
+        results["engine_step"] = bench_engine_step(a.bundle, a.tokenizer)
+    import llguidance
+    import xgrammar
+    out = {
+        "what": "structured-output mask cost per guided sequence and decode step, SmolLM2 tokenizer (49,152 tokens)",
+        "command": "python -m harness.bench.grammar_mask --tokenizer " + a.tokenizer
+                   + (f" --bundle {a.bundle}" if a.bundle else ""),
+        "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(), "load_before": load,
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "versions": {"xgrammar": getattr(xgrammar, "__version__", "0.2.8"), "llguidance": llguidance.get_version()},
+        "results": results,
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
