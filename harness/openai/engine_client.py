@@ -78,6 +78,9 @@ def engine_inputs(prompt_ids: list[int], max_tokens: int, s: Sampling) -> list:
         add("stop_strings", [w.encode("utf-8") for w in s.stop], "BYTES", object)
     if s.logprobs:
         add("return_log_probs", True, "BOOL", bool)
+    if s.guide is not None:  # structured output: NVIDIA's two inputs, [1, 1] strings
+        add("guided_decoding_guide_type", s.guide.kind.encode("utf-8"), "BYTES", object)
+        add("guided_decoding_guide", s.guide.text.encode("utf-8"), "BYTES", object)
     return out
 
 
@@ -96,6 +99,8 @@ class EngineCall:
                  sampling: Sampling, request_id: str | None = None):
         self.client, self.model = client, model
         self.inputs = engine_inputs(prompt_ids, max_tokens, sampling)
+        # a guide the engine cannot compile is the client's: a 400 naming the field it came from
+        self.guide_param = sampling.guide.param if sampling.guide is not None else None
         # unguessable, like bls's: the engine honours a stop_request only for ids this long
         self.request_id = request_id or uuid.uuid4().hex
         self._it = None
@@ -121,10 +126,11 @@ class EngineCall:
                     if e.code() == grpc.StatusCode.UNAVAILABLE:
                         raise ApiError(503, f"the Triton server is not reachable: {e.details()}",
                                        type="service_unavailable", code="engine_unavailable") from None
-                    raise engine_error(e.details() or str(e.code()), sent) from None
+                    raise engine_error(e.details() or str(e.code()), sent, self.guide_param) from None
                 if err is not None:  # an error response is final; read on to the stream's end
                     self.done = True
-                    error = error or engine_error(err.message() if hasattr(err, "message") else str(err), sent)
+                    error = error or engine_error(err.message() if hasattr(err, "message") else str(err), sent,
+                                                 self.guide_param)
                     continue
                 piece = self._piece(result)
                 if piece is None:
@@ -153,7 +159,7 @@ class EngineCall:
         reason = reason_arr[0].decode("utf-8") if reason_arr.size else ""
         if reason.startswith("error"):  # in-band error (bls's requests only): final, read on to the end
             self.done = True
-            self._error = engine_error(reason.partition(":")[2].strip() or reason, True)
+            self._error = engine_error(reason.partition(":")[2].strip() or reason, True, self.guide_param)
             return None
         logprobs = [float(x) for x in _flat(result, "output_log_probs")]
         text = postprocess(self.model.tokenizer, ids, context, trim) if ids else ""

@@ -38,11 +38,20 @@ def bad_request(param: str, message: str, code: str | None = "invalid_value") ->
 _UNAVAILABLE = ("shutting down", "not serving", "unavailable", "not ready", "is not found", "unknown model")
 
 
-def engine_error(message: str, sent_anything: bool) -> ApiError:
+# What the engine's refusal of a structured-output guide names: NVIDIA's inputs
+# (backend.serving.convert.InvalidRequest) or the engine's own sampling field (SamplingParams)
+_GUIDE_WORDS = ("guided_decoding_guide", "sampling.guide")
+
+
+def engine_error(message: str, sent_anything: bool, guide_param: str | None = None) -> ApiError:
     """An error the engine model (or Triton) answered with. The front door checks every parameter
-    first, so a refusal here is rare: an input the engine checks more strictly, or a server that is
-    stopping."""
+    first, so a refusal here is rare: an input the engine checks more strictly, a guide that does not
+    compile (a 400 naming ``guide_param``, the request field the guide came from; the engine's
+    message kept), or a server that is stopping."""
     low = message.lower()
+    if guide_param and not sent_anything and any(w in low for w in _GUIDE_WORDS):
+        return ApiError(400, f"'{guide_param}': the engine refused it: {message}", param=guide_param,
+                        code="invalid_value")
     if any(s in low for s in _UNAVAILABLE):
         return ApiError(503, f"the engine is not available: {message}", type="service_unavailable",
                         code="engine_unavailable")

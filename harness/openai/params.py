@@ -6,24 +6,39 @@ samples at temperature 1 and top_p 1 by default; so ``top_p`` is always sent (``
 and greedy decoding is asked for with temperature 0, which is also what OpenAI's temperature 0 and
 top_p 0 mean.
 
+Structured output (``parse_guide``): OpenAI's ``response_format`` (``json_object``, ``json_schema``) and
+vLLM's ``guided_json`` / ``guided_regex`` / ``guided_grammar`` become the engine's guide, NVIDIA's
+``guided_decoding_guide_type`` + ``guided_decoding_guide``; the engine masks every token with it.
+
 Fields OpenAI defines that Kiln cannot honour are refused unless they hold their neutral value (one
-sequence per request, no tools, no logit bias, no JSON-constrained output yet): a client must never
-get something other than what it asked for without knowing. Fields that do not change the output
+sequence per request, no tools, no logit bias): a client must never get something other than what it
+asked for without knowing. Fields that do not change the output
 (``user``, ``metadata``, ``store``, ...) and unknown fields are ignored, as OpenAI-compatible servers
 usually do, so that clients adding new optional fields keep working.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any, Mapping
 
 from harness.openai.errors import bad_request
 
-__all__ = ["Sampling", "parse_sampling", "parse_stream", "check_unsupported", "MAX_STOP"]
+__all__ = ["Sampling", "Guide", "parse_sampling", "parse_guide", "parse_stream", "check_unsupported",
+           "MAX_STOP", "GUIDE_FIELDS"]
 
 MAX_STOP = 4           # OpenAI's limit on stop sequences
 SEED_MOD = 1 << 63     # the engine's seed is INT64 with -1 = none: any integer is folded into 63 bits
+
+
+@dataclasses.dataclass(frozen=True)
+class Guide:
+    """A structured-output constraint as the engine takes it, and the request field it came from
+    (what a 400 names, the engine's refusal of a guide that does not compile included)."""
+    kind: str     # guided_decoding_guide_type: "json_schema", "regex" or "ebnf_grammar"
+    text: str     # guided_decoding_guide: the schema (JSON text), the regex, the grammar
+    param: str    # "response_format", "guided_json", "guided_regex" or "guided_grammar"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +56,7 @@ class Sampling:
     ignore_eos: bool = False      # vLLM's extension (benchmark clients send it): min_tokens = max_tokens
     logprobs: bool = False        # the chosen token's log-probability
     top_logprobs: int = 0         # 0, or 1 on a greedy request (then the chosen token IS the top one)
+    guide: Guide | None = None    # structured output (parse_guide)
 
     @property
     def greedy(self) -> bool:
@@ -133,13 +149,20 @@ def parse_sampling(body: Mapping[str, Any], *, chat: bool) -> Sampling:
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad_request("min_tokens", f"{min_tokens} exceeds max_tokens={max_tokens}")
     seed = _int(body, "seed")
+    guide = parse_guide(body)
+    if guide is not None:
+        # the grammar's end allows only the end token, which both of these forbid until later
+        for name, on in (("ignore_eos", ignore_eos), ("min_tokens", min_tokens > 0)):
+            if on:
+                raise bad_request(name, f"cannot be combined with {guide.param}: the constrained output ends "
+                                  "with the end token as soon as it is complete", code="unsupported_value")
     s = Sampling(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
         seed=None if seed is None else seed % SEED_MOD, stop=_stop(body),
         presence_penalty=_num(body, "presence_penalty", -2.0, 2.0, 0.0),
         frequency_penalty=_num(body, "frequency_penalty", -2.0, 2.0, 0.0),
         repetition_penalty=_num(body, "repetition_penalty", 1e-6, None, 1.0),
-        min_tokens=min_tokens, ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top)
+        min_tokens=min_tokens, ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top, guide=guide)
     # The engine returns the chosen token's log-probability only (output_log_probs), no alternatives.
     # On a greedy request without penalties the chosen token is the most likely one, so one
     # alternative is exact; anything else would be made up.
@@ -152,6 +175,74 @@ def parse_sampling(body: Mapping[str, Any], *, chat: bool) -> Sampling:
 
 def _neutral_penalties(s: Sampling) -> bool:
     return s.presence_penalty == 0.0 and s.frequency_penalty == 0.0 and s.repetition_penalty == 1.0
+
+
+# ---- structured output --------------------------------------------------------------------------
+
+GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar")
+_RESPONSE_TYPES = ("text", "json_object", "json_schema")
+ANY_OBJECT = '{"type": "object"}'   # json_object: any JSON object
+
+
+def _response_format(v: Any) -> Guide | None:
+    """OpenAI's ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``,
+    or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``."""
+    def bad(why: str) -> Exception:
+        return bad_request("response_format", why)
+    if not isinstance(v, dict):
+        raise bad(f"expected an object such as {{\"type\": \"json_object\"}}, got {json_type(v)}")
+    kind = v.get("type")
+    if kind not in _RESPONSE_TYPES:
+        raise bad(f"type {json_dumps_short(kind)} is not supported; allowed: {', '.join(_RESPONSE_TYPES)}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Guide("json_schema", ANY_OBJECT, "response_format")
+    js = v.get("json_schema")
+    if not isinstance(js, dict):
+        raise bad(f"type json_schema needs a json_schema object ({{\"name\": ..., \"schema\": {{...}}}}), "
+                  f"got {json_type(js)}")
+    if not isinstance(js.get("name"), str) or not js["name"]:
+        raise bad(f"json_schema.name: expected a non-empty string, got {json_type(js.get('name'))}")
+    if not isinstance(js.get("schema"), dict):
+        raise bad(f"json_schema.schema: expected a JSON Schema object, got {json_type(js.get('schema'))}")
+    if js.get("strict") is not None and not isinstance(js["strict"], bool):
+        raise bad(f"json_schema.strict: expected true, false or null, got {json_type(js['strict'])}")
+    # strict or not, every token is masked with the schema: the output always validates
+    return Guide("json_schema", json.dumps(js["schema"]), "response_format")
+
+
+def _guided_json(v: Any) -> Guide:
+    """vLLM's ``guided_json``: a JSON Schema, as an object or as its JSON text."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError as e:
+            raise bad_request("guided_json", f"the schema text is not valid JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise bad_request("guided_json", f"expected a JSON Schema object (or its JSON text), got {json_type(v)}")
+    return Guide("json_schema", json.dumps(v), "guided_json")
+
+
+def _guide_text(name: str, v: Any, kind: str) -> Guide:
+    if not isinstance(v, str) or not v:
+        raise bad_request(name, f"expected a non-empty string, got {json_type(v)}" + (" (empty)" if v == "" else ""))
+    return Guide(kind, v, name)
+
+
+def parse_guide(body: Mapping[str, Any]) -> Guide | None:
+    """The request's one structured-output constraint, or None. Two of them (``response_format``
+    other than text counts) are refused: the engine applies one grammar per request."""
+    readers = {"response_format": _response_format, "guided_json": _guided_json,
+               "guided_regex": lambda v: _guide_text("guided_regex", v, "regex"),
+               "guided_grammar": lambda v: _guide_text("guided_grammar", v, "ebnf_grammar")}
+    guides = [g for name in GUIDE_FIELDS if body.get(name) is not None
+              for g in [readers[name](body[name])] if g is not None]
+    if len(guides) > 1:
+        names = [g.param for g in guides]
+        raise bad_request(names[1], f"{' and '.join(names)} both constrain the output; send at most one of "
+                          f"{', '.join(GUIDE_FIELDS)}", code="unsupported_value")
+    return guides[0] if guides else None
 
 
 def parse_stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -178,8 +269,13 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "functions": (lambda v: v in (None, []), "functions are not supported"),
     "tool_choice": (lambda v: v in (None, "none"), "tools are not supported"),
     "function_call": (lambda v: v in (None, "none"), "functions are not supported"),
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        "only response_format {\"type\": \"text\"} is supported (structured output: issue #19)"),
+    # vLLM's other structured-output fields: a constraint must never be dropped silently
+    "guided_choice": (lambda v: v is None, "guided_choice is not supported; use guided_regex "
+                      "(the choices joined with |) or guided_grammar"),
+    "guided_whitespace_pattern": (lambda v: v is None, "the engine writes compact JSON (no free whitespace); "
+                                  "a whitespace pattern is not supported"),
+    "structured_outputs": (lambda v: v is None, "structured_outputs is not supported; use response_format, "
+                           "guided_json, guided_regex or guided_grammar"),
     "modalities": (lambda v: v in (None, ["text"]), "only the text modality is supported"),
     "audio": (lambda v: v is None, "audio output is not supported"),
     "prediction": (lambda v: v is None, "predicted outputs are not supported"),
@@ -193,7 +289,6 @@ def check_unsupported(body: Mapping[str, Any]) -> None:
 
 
 def json_dumps_short(v: Any) -> str:
-    import json
     try:
         s = json.dumps(v)
     except (TypeError, ValueError):

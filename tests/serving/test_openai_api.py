@@ -281,6 +281,123 @@ def test_readme_openai_curl_examples_work_as_printed(stack):
             assert body["data"][0]["id"] == MODEL
         else:
             assert body["choices"][0]["message"]["content"].strip() and body["usage"]["completion_tokens"] > 0
+        if "response_format" in cmd:  # the structured-output example: its schema holds
+            import jsonschema
+            schema = json.loads(cmd.split("-d '", 1)[1].rsplit("'", 1)[0])["response_format"]["json_schema"]["schema"]
+            jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
+            assert body["choices"][0]["finish_reason"] == "stop"
+    assert any("response_format" in c for c in cmds), "README 'OpenAI API' lost its structured-output example"
+
+
+# ---- structured output (response_format, vLLM's guided_*) -----------------------------------------
+# The engine masks every token with the grammar, so a sampled (temperature 1) answer of a 135M model
+# still parses and validates; without the mask these answers are prose. Bounded strings and numbers
+# keep every answer short: each must end on its own ("stop"), not at max_tokens.
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 16},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "sunny", "celsius"],
+           "properties": {"city": {"enum": ["Paris", "Lyon", "Nice"]}, "sunny": {"type": "boolean"},
+                          "celsius": {"type": "integer", "minimum": -20, "maximum": 45}}}
+TAGS = {"type": "object", "additionalProperties": False, "required": ["tags"],
+        "properties": {"tags": {"type": "array", "minItems": 1, "maxItems": 3,
+                                "items": {"enum": ["red", "green", "blue"]}}}}
+
+
+def _schema_format(name: str, schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def test_json_schema_answers_validate_sampled_streamed_and_not(stack):
+    import jsonschema
+    client, n = stack.client(), 96
+    answers = []  # (schema, text, finish_reason)
+    for seed in (1, 2):  # chat, not streamed
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Invent a person; answer in JSON."}], max_tokens=n,
+            temperature=1.0, seed=seed, response_format=_schema_format("person", PERSON))
+        answers.append((PERSON, r.choices[0].message.content, r.choices[0].finish_reason))
+        assert r.usage.completion_tokens < n
+    chunks = list(client.chat.completions.create(  # chat, streamed
+        model=MODEL, messages=[{"role": "user", "content": "The weather in France today, as JSON."}], max_tokens=n,
+        temperature=1.0, seed=3, stream=True, response_format=_schema_format("weather", WEATHER)))
+    answers.append((WEATHER, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+                    [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][-1]))
+    # completions (vLLM accepts response_format there too), streamed; and vLLM's guided_json as text
+    pieces = list(client.completions.create(model=MODEL, prompt="Some colours as JSON:", max_tokens=n, temperature=1.0,
+                                            seed=4, stream=True, extra_body={"response_format": _schema_format("tags", TAGS)}))
+    answers.append((TAGS, "".join(p.choices[0].text for p in pieces), pieces[-1].choices[0].finish_reason))
+    r = client.completions.create(model=MODEL, prompt="A person as JSON:", max_tokens=n, temperature=1.0, seed=5,
+                                  extra_body={"guided_json": json.dumps(PERSON)})
+    answers.append((PERSON, r.choices[0].text, r.choices[0].finish_reason))
+    for schema, text, finish in answers:
+        assert finish == "stop", (text, finish)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_regex_and_grammar_constrain_the_text(stack):
+    client = stack.client()
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe Paris as a JSON object with its country."}],
+        max_tokens=96, temperature=0, response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(text), dict), text
+    regex = r"[A-Z][a-z]{1,9}( [a-z]{1,9}){1,3}\."
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me about Paris"}],
+                                       max_tokens=48, temperature=1.0, seed=6, extra_body={"guided_regex": regex})
+    assert r.choices[0].finish_reason == "stop" and re.fullmatch(regex, r.choices[0].message.content), r
+    pieces = list(client.completions.create(model=MODEL, prompt="The first three numbers:", max_tokens=24,
+                                            temperature=1.0, seed=7, stream=True,
+                                            extra_body={"guided_regex": r" [0-9]{1,2}(, [0-9]{1,2}){2}"}))
+    text = "".join(p.choices[0].text for p in pieces)
+    assert re.fullmatch(r" [0-9]{1,2}(, [0-9]{1,2}){2}", text) and pieces[-1].choices[0].finish_reason == "stop", text
+    r = client.completions.create(model=MODEL, prompt="Is Paris in France? Answer:", max_tokens=8, temperature=1.0,
+                                  seed=8, extra_body={"guided_grammar": 'root ::= " yes" | " no"'})
+    assert r.choices[0].text in (" yes", " no") and r.choices[0].finish_reason == "stop", r
+
+
+def test_a_guide_the_engine_cannot_compile_is_a_400_naming_its_field(stack):
+    import openai
+    client = stack.client()
+    msgs = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8,
+                                       response_format=_schema_format("bad", {"type": "bogus"}))
+    assert e.value.param == "response_format" and "bogus" in e.value.message, e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body={"guided_regex": "(a"})
+    assert e.value.param == "guided_regex" and "not closed" in e.value.message, e.value.message  # xgrammar's words
+    # streamed: still a real 400 (the engine refuses before the first token, before the headers)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True, "guided_json": {"type": "bogus"}}
+    r = requests.post(f"{stack.base}/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json", r.text
+    # and the server goes on serving constrained requests
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body={"guided_regex": "ab"})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == ("ab", "stop")
+
+
+def test_conflicting_constraints_are_refused(stack):
+    import openai
+    client = stack.client()
+    msgs = [{"role": "user", "content": "Hi"}]
+    cases = [  # (extra fields, param, words)
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex",
+         "response_format and guided_regex both constrain"),
+        ({"guided_json": PERSON, "guided_grammar": 'root ::= "a"'}, "guided_grammar", "guided_json and guided_grammar"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "response_format"),
+        ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens", "guided_regex"),
+    ]
+    for extra, param, words in cases:
+        for create in (lambda **kw: client.chat.completions.create(messages=msgs, **kw),
+                       lambda **kw: client.completions.create(prompt="x", **kw)):
+            with pytest.raises(openai.BadRequestError) as e:
+                create(model=MODEL, max_tokens=4, extra_body=extra)
+            assert e.value.param == param and words in e.value.message, (extra, e.value.message)
+    # text is no constraint: with one guide it is fine
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=4,
+                                  extra_body={"response_format": {"type": "text"}, "guided_regex": "ab"})
+    assert r.choices[0].text == "ab"
 
 
 # ---- cancellation --------------------------------------------------------------------------------
@@ -337,7 +454,14 @@ MALFORMED = [  # (route, body, status, param, words in the message)
     ("chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages[0].content[0]", "only text"),
-    ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", "only response_format"),
+    ("chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400, "response_format", "allowed: text, json_object"),
+    ("chat/completions", {**CHAT, "response_format": "json"}, 400, "response_format", "expected an object"),
+    ("chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format", "json_schema object"),
+    ("chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "response_format", "json_schema.schema"),
+    ("completions", {"model": MODEL, "prompt": "x", "guided_json": "{not json"}, 400, "guided_json", "not valid JSON"),
+    ("completions", {"model": MODEL, "prompt": "x", "guided_regex": ""}, 400, "guided_regex", "non-empty string"),
+    ("completions", {"model": MODEL, "prompt": "x", "guided_choice": ["a", "b"]}, 400, "guided_choice", "guided_regex"),
     ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
     ("completions", {"model": MODEL, "prompt": LONG}, 400, "prompt", "max_input_len"),
     ("completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs", "chosen token"),
