@@ -90,6 +90,30 @@ class Guide:
         """Write the next-token mask into ``words[row]`` (int32, CPU)."""
         self._m.fill_next_token_bitmask(words, row)
 
+    def tree_masks(self, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Speculative decoding: the mask of every node of a draft tree (node 0 = the last token the
+        request emitted, already accepted here; ``parents`` topologically ordered), each for the
+        grammar's state after the node's path. A node the grammar forbids at its parent can never be
+        accepted (its parent's row masks it), so its subtree's rows stay all-allowed. The matcher
+        ends where it started (every token taken along a path is rolled back)."""
+        words = self.new_bitmask(len(tokens))
+        children: list[list[int]] = [[] for _ in tokens]
+        for i in range(1, len(tokens)):
+            children[parents[i]].append(i)
+        m = self._m
+
+        def visit(i: int) -> None:
+            if m.is_terminated():
+                return               # after an end token nothing follows: the row is never used
+            m.fill_next_token_bitmask(words, i)
+            for c in children[i]:
+                if m.accept_token(int(tokens[c])):
+                    visit(c)
+                    m.rollback(1)
+
+        visit(0)
+        return words
+
     def accept(self, tokens: Sequence[int]) -> None:
         for t in tokens:
             if self._m.is_terminated():

@@ -12,7 +12,10 @@ chi-square test.
 ``target_probs`` reproduces the sampler's distribution (temperature, top-k, top-p, min-p); requests
 whose distribution depends on the tokens being decided (penalties, bad words, min_tokens) or that
 carry a logit bias (which ``target_probs`` does not add) are not given drafts
-(``speculation_allowed``), so their probabilities never need the path's tokens.
+(``speculation_allowed``), so their probabilities never need the path's tokens. Guided requests
+(structured output) do speculate: the verifier masks each tree node's logits row with the grammar's
+state after that node's path (``backend/engine/guided.py`` ``Guide.tree_masks``) before acceptance,
+so a draft the grammar forbids is never accepted and the bonus token follows the grammar too.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ def speculation_allowed(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a request may get draft tokens this step (see the module doc for why not)."""
     return (params.speculative and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0 and not params.bad_token_ids and not params.logit_bias
-            and params.logprobs == 0 and not params.return_generation_logits and params.guide is None
+            and params.logprobs == 0 and not params.return_generation_logits
             and num_output_tokens >= params.min_tokens)
 
 

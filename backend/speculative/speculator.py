@@ -191,8 +191,12 @@ class EagleSpeculator:
             rid = s.request.request_id
             tree = self._trees.pop(rid)
             n = tree.num_nodes
-            path, bonus = accept_tree(tree, logits[starts[j]:starts[j] + n], rows[j].params,
-                                      rows[j].generator)
+            block = logits[starts[j]:starts[j] + n]
+            if rows[j].guide is not None:   # structured output: each node under the grammar's mask
+                from backend.engine.guided import apply_bitmask
+                block = apply_bitmask(block.float().clone(),
+                                      rows[j].guide.tree_masks(tree.tokens, tree.parents).to(block.device))
+            path, bonus = accept_tree(tree, block, rows[j].params, rows[j].generator)
             if path != list(range(len(path))):
                 self._compact_kv(self._slots[rid], path)
             self._paths[rid] = path

@@ -86,5 +86,36 @@ def test_bad_guides_are_refused_before_anything_is_queued(make_executor, tokeniz
     assert not ex.scheduler.has_unfinished() and not ex._guides
 
 
-def test_guided_requests_get_no_drafts():
-    assert not speculation_allowed(SamplingParams(guide=("json", "")), 0)
+def test_guided_requests_may_speculate():
+    # their drafts are checked against the grammar (tests/eagle/test_spec_e2e.py)
+    assert speculation_allowed(SamplingParams(guide=("json", "")), 0)
+
+
+def test_tree_masks_are_each_nodes_grammar_state(smollm2_bundle, tokenizer):
+    """Guide.tree_masks (speculative verification): row i is the mask after node i's path, a node the
+    grammar forbids leaves its subtree all-allowed, and the matcher ends where it started."""
+    import torch
+    from backend.engine.guided import GuideCompiler
+    spec = json.loads((smollm2_bundle / "engine.json").read_text())["model"]
+    comp = GuideCompiler(smollm2_bundle / "tokenizer" / "tokenizer.json", spec["eos_token_ids"], spec["vocab_size"])
+    schema = ("json_schema", json.dumps(SCHEMAS["person"]))
+    doc = tokenizer.encode('{"name": "Ada", "age": 3', add_special_tokens=False).ids
+    bad = tokenizer.encode("hello", add_special_tokens=False).ids[0]
+    g = comp.guide(*schema)
+    g.accept(doc[:1])                                  # the root: the last emitted token
+    # a chain along the document, with a forbidden sibling (and its child) at depth 1
+    tokens = [doc[0], doc[1], bad, doc[2], doc[3], doc[3]]
+    parents = [-1, 0, 0, 1, 3, 2]
+    before = g.new_bitmask(1)
+    g.fill(before, 0)
+    got = g.tree_masks(tokens, parents)
+    for node, path in ((0, doc[:1]), (1, doc[:2]), (3, doc[:3]), (4, doc[:4])):
+        ref = comp.guide(*schema)
+        ref.accept(path)
+        want = ref.new_bitmask(1)
+        ref.fill(want, 0)
+        assert torch.equal(got[node], want[0]), node
+    assert bool((got[2] == -1).all()) and bool((got[5] == -1).all())   # unreachable: never used
+    after = g.new_bitmask(1)
+    g.fill(after, 0)
+    assert torch.equal(before, after)
