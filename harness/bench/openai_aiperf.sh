@@ -49,6 +49,7 @@ if [[ -z ${URL:-} ]]; then
     curl -sf "$URL/health" > /dev/null || { echo "error: $URL/health never answered 200" >&2; exit 1; }
 fi
 
+LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)   # recorded with the result: benchmark an idle machine
 "$VENV/bin/aiperf" profile --model "$MODEL" --tokenizer "$TOKENIZER" --url "$URL" \
     --endpoint-type "$ENDPOINT" --streaming \
     --synthetic-input-tokens-mean "$ISL" --synthetic-input-tokens-stddev 0 \
@@ -57,12 +58,15 @@ fi
     --artifact-dir "$ARTIFACTS"
 
 # the summary, with what was measured where, into docs/perf/
-"$PY" - "$ARTIFACTS" "$OUT" "$MODEL" "$URL" <<'EOF'
-import json, pathlib, platform, subprocess, sys
+"$PY" - "$ARTIFACTS" "$OUT" "$MODEL" "$URL" "$LOAD_BEFORE" \
+    "CONCURRENCY=$CONCURRENCY REQUESTS=$REQUESTS ISL=$ISL OSL=$OSL ENDPOINT=$ENDPOINT $0 $REPO" <<'EOF'
+import json, pathlib, platform, subprocess, sys, time
 art, out, model, url = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+load, command = sys.argv[5], sys.argv[6]
 summary = next(art.rglob("profile_export_aiperf.json"))
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-report = {"tool": "aiperf", "model": model, "url": url, "commit": commit, "machine": platform.machine(),
+report = {"tool": "aiperf", "model": model, "url": url, "commit": commit, "date": time.strftime("%Y-%m-%d"),
+          "command": command, "load_before": load, "machine": platform.machine(),
           "cpus": __import__("os").cpu_count(), "artifacts": str(art), "aiperf": json.loads(summary.read_text())}
 out.write_text(json.dumps(report, indent=1) + "\n")
 print(f"wrote {out}")

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from harness.openai.engine_client import EngineCall, Piece
 from harness.openai.errors import ApiError, bad_request, error_body
-from harness.openai.params import Sampling, check_unsupported, parse_sampling, parse_stream
+from harness.openai.params import Sampling, check_logit_bias, check_unsupported, parse_sampling, parse_stream
 from harness.openai.prompts import chat_prompt_ids, completion_prompt_ids
 from harness.openai.responses import Completion, chat_logprobs, completion_logprobs, usage
 from harness.openai.served_model import ServedModel
@@ -170,6 +170,7 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None) -> 
         check_unsupported(body)
         stream, include_usage = parse_stream(body)
         sampling = parse_sampling(body, chat=chat)
+        check_logit_bias(sampling, model.vocab_size)
         ids = (chat_prompt_ids(model, body.get("messages")) if chat
                else completion_prompt_ids(model, body.get("prompt")))
         room = model.max_seq_len - len(ids)

@@ -44,7 +44,7 @@ def openai_finish_reason(engine_reason: str) -> str:
     return "length" if engine_reason == "length" else "stop"
 
 
-def engine_inputs(prompt_ids: list[int], max_tokens: int, s: Sampling) -> list:
+def engine_inputs(prompt_ids: list[int], max_tokens: int, s: Sampling, vocab_size: int = 0) -> list:
     """The engine model's inputs, batch dimension first (``[1, 1]`` scalars, ``[1, L]`` lists)."""
     import tritonclient.grpc as g
 
@@ -78,6 +78,11 @@ def engine_inputs(prompt_ids: list[int], max_tokens: int, s: Sampling) -> list:
         add("stop_strings", [w.encode("utf-8") for w in s.stop], "BYTES", object)
     if s.logprobs:
         add("return_log_probs", True, "BOOL", bool)
+    if s.logit_bias:  # NVIDIA's dense embedding_bias: one value per vocabulary entry
+        bias = np.zeros(vocab_size, np.float32)
+        for tok, value in s.logit_bias:
+            bias[tok] += value
+        add("embedding_bias", bias.tolist(), "FP32", np.float32)
     if s.guide is not None:  # structured output: NVIDIA's two inputs, [1, 1] strings
         add("guided_decoding_guide_type", s.guide.kind.encode("utf-8"), "BYTES", object)
         add("guided_decoding_guide", s.guide.text.encode("utf-8"), "BYTES", object)
@@ -98,7 +103,7 @@ class EngineCall:
     def __init__(self, client: Any, model: ServedModel, prompt_ids: list[int], max_tokens: int,
                  sampling: Sampling, request_id: str | None = None):
         self.client, self.model = client, model
-        self.inputs = engine_inputs(prompt_ids, max_tokens, sampling)
+        self.inputs = engine_inputs(prompt_ids, max_tokens, sampling, model.vocab_size)
         # a guide the engine cannot compile is the client's: a 400 naming the field it came from
         self.guide_param = sampling.guide.param if sampling.guide is not None else None
         # unguessable, like bls's: the engine honours a stop_request only for ids this long

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from harness.openai.errors import bad_request
 
-__all__ = ["Sampling", "Guide", "parse_sampling", "parse_guide", "parse_stream", "check_unsupported",
+__all__ = ["Sampling", "Guide", "check_logit_bias", "parse_sampling", "parse_guide", "parse_stream", "check_unsupported",
            "MAX_STOP", "GUIDE_FIELDS"]
 
 MAX_STOP = 4           # OpenAI's limit on stop sequences
@@ -57,6 +57,7 @@ class Sampling:
     logprobs: bool = False        # the chosen token's log-probability
     top_logprobs: int = 0         # 0, or 1 on a greedy request (then the chosen token IS the top one)
     guide: Guide | None = None    # structured output (parse_guide)
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) added to the logits
 
     @property
     def greedy(self) -> bool:
@@ -162,7 +163,8 @@ def parse_sampling(body: Mapping[str, Any], *, chat: bool) -> Sampling:
         presence_penalty=_num(body, "presence_penalty", -2.0, 2.0, 0.0),
         frequency_penalty=_num(body, "frequency_penalty", -2.0, 2.0, 0.0),
         repetition_penalty=_num(body, "repetition_penalty", 1e-6, None, 1.0),
-        min_tokens=min_tokens, ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top, guide=guide)
+        min_tokens=min_tokens, ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top, guide=guide,
+        logit_bias=_logit_bias(body))
     # The engine returns the chosen token's log-probability only (output_log_probs), no alternatives.
     # On a greedy request without penalties the chosen token is the most likely one, so one
     # alternative is exact; anything else would be made up.
@@ -171,6 +173,34 @@ def parse_sampling(body: Mapping[str, Any], *, chat: bool) -> Sampling:
                           "token's log-probability: use 0, or 1 with temperature 0 and no penalties",
                           code="unsupported_value")
     return s
+
+
+def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: ``{"<token id>": bias}``, each bias in [-100, 100] added to that token's
+    logit before sampling (-100 in effect bans it, 100 all but forces it). The ids are checked
+    against the vocabulary by ``check_logit_bias`` (the model is needed)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise bad_request("logit_bias", f"expected an object mapping token ids to biases, got {json_type(v)}")
+    out = []
+    for key, bias in v.items():
+        try:
+            tok = int(key)
+        except (TypeError, ValueError):
+            raise bad_request("logit_bias", f"key {json_dumps_short(key)} is not a token id") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad_request("logit_bias", f"bias {json_dumps_short(bias)} for token {tok} is out of range; "
+                              "allowed: a number in [-100, 100]")
+        out.append((tok, float(bias)))
+    return tuple(out)
+
+
+def check_logit_bias(s: Sampling, vocab_size: int) -> None:
+    bad = [t for t, _ in s.logit_bias if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request("logit_bias", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
 def _neutral_penalties(s: Sampling) -> bool:
@@ -264,7 +294,6 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported (one sequence per request)"),
     "echo": (lambda v: v in (None, False), "echo is not supported"),
     "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported"),
-    "logit_bias": (lambda v: v in (None, {}), "logit_bias is not supported"),
     "tools": (lambda v: v in (None, []), "tools are not supported"),
     "functions": (lambda v: v in (None, []), "functions are not supported"),
     "tool_choice": (lambda v: v in (None, "none"), "tools are not supported"),

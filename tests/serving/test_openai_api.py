@@ -250,6 +250,24 @@ def test_penalties_and_vllm_extensions_reach_the_engine(stack):
     assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (12, "length")
 
 
+def test_logit_bias_reaches_the_engine(stack, text_tokenizer):
+    """logit_bias -100 on the greedy answer's first token makes it start otherwise; +100 on another
+    token makes the answer start with it (through the engine's embedding_bias)."""
+    client, n = stack.client(), 6
+    count = "1, 2, 3, 4, 5,"
+    enc = lambda text: text_tokenizer.tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+    first_token = lambda answer: enc(count + answer)[len(enc(count))]  # noqa: E731
+    plain = client.completions.create(model=MODEL, prompt=count, max_tokens=n, temperature=0).choices[0].text
+    first = first_token(plain)
+    banned = client.completions.create(model=MODEL, prompt=count, max_tokens=n, temperature=0,
+                                       logit_bias={str(first): -100}).choices[0].text
+    assert banned and first_token(banned) != first, (plain, banned)
+    forced = text_tokenizer.tokenizer.encode(" banana", add_special_tokens=False).ids[0]
+    pushed = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": SHORT}], max_tokens=n,
+                                            temperature=0, logit_bias={str(forced): 100})
+    assert pushed.choices[0].message.content.lstrip().startswith("banana"), pushed
+
+
 def test_raw_stream_ends_with_done_and_usage(stack):
     body = {"model": MODEL, "messages": [{"role": "user", "content": SHORT}], "max_tokens": 4,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
@@ -465,6 +483,9 @@ MALFORMED = [  # (route, body, status, param, words in the message)
     ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
     ("completions", {"model": MODEL, "prompt": LONG}, 400, "prompt", "max_input_len"),
     ("completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs", "chosen token"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"50": 101}}, 400, "logit_bias", "[-100, 100]"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"hello": 1}}, 400, "logit_bias", "not a token id"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias", "outside the vocabulary"),
     ("completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "one prompt"),
     ("completions", {"model": "gpt-4o", "prompt": "x"}, 404, "model", "does not exist"),
 ]
