@@ -23,7 +23,7 @@ __all__ = ["postprocess", "postprocess_tensors", "POSTPROCESSING_INPUTS"]
 
 POSTPROCESSING_INPUTS = ("TOKENS_BATCH", "SEQUENCE_LENGTH", "context_ids", "text_trim", "output_log_probs",
                          "cum_log_probs", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
-                         "CONTEXT_LOGITS", "GENERATION_LOGITS")
+                         "CONTEXT_LOGITS", "GENERATION_LOGITS", "OUTPUT_LOG_PROBS", "CUM_LOG_PROBS", "BATCH_INDEX")
 
 
 def postprocess(tok: Decoder, output_ids: list[int], context_ids: list[int], trim: int) -> str:
@@ -69,8 +69,10 @@ def postprocess_tensors(tok: Decoder, t: Mapping[str, np.ndarray]) -> dict[str, 
     contexts, trims = _per_row(t.get("context_ids"), len(seqs)), _per_row(t.get("text_trim"), len(seqs))
     texts = [postprocess(tok, ids, _ids(ctx), int(trim.reshape(-1)[0]) if trim is not None else 0)
              for row, ctx, trim in zip(seqs, contexts, trims) for ids in row]
-    lp = t.get("output_log_probs")
-    cum = t.get("cum_log_probs")
+    # Kiln's ensemble sends the lower-case names; NVIDIA's postprocessing takes the upper-case ones
+    lp = t.get("output_log_probs", t.get("OUTPUT_LOG_PROBS"))
+    cum = t.get("cum_log_probs", t.get("CUM_LOG_PROBS"))
+    row = t.get("BATCH_INDEX")
     b = len(seqs)
     out = {
         "OUTPUT": np.array([x.encode("utf-8") for x in texts], dtype=object),
@@ -80,6 +82,7 @@ def postprocess_tensors(tok: Decoder, t: Mapping[str, np.ndarray]) -> dict[str, 
         # zero-sized unless the request asked for logits (NVIDIA's names; engine_outputs.py)
         "OUT_CONTEXT_LOGITS": _floats(t.get("CONTEXT_LOGITS"), (b, 0, 0)),
         "OUT_GENERATION_LOGITS": _floats(t.get("GENERATION_LOGITS"), (b, 1, 0, 0)),
+        "OUT_BATCH_INDEX": np.zeros((b, 1), np.int32) if row is None else np.asarray(row, np.int32).reshape(b, 1),
     }
     # Always present: the ensemble forwards them and cannot answer while an output is missing.
     figures = read_acceptance(t)  # None only when a caller other than the ensemble sent none

@@ -71,6 +71,16 @@ def test_end_to_end_test_functionality(nd_server, refs, protocol):
         ], request_id="0")
         output0 = post.as_numpy("OUTPUT")
         assert one_text(output0, "OUTPUT") == ref.full_text
+        # NVIDIA's postprocessing also takes the engine's log-probs and row under upper-case names
+        # and passes them through as OUT_*
+        post = client.infer("postprocessing", [
+            tensor(mod, "TOKENS_BATCH", output_ids), tensor(mod, "SEQUENCE_LENGTH", sequence_length),
+            tensor(mod, "OUTPUT_LOG_PROBS", output_log_probs), tensor(mod, "CUM_LOG_PROBS", cum_log_probs),
+            tensor(mod, "BATCH_INDEX", np.array([[0]], np.int32))])
+        assert one_text(post.as_numpy("OUTPUT"), "OUTPUT") == ref.full_text
+        assert (post.as_numpy("OUT_OUTPUT_LOG_PROBS") == output_log_probs).all()
+        assert (post.as_numpy("OUT_CUM_LOG_PROBS") == cum_log_probs).all()
+        assert post.as_numpy("OUT_BATCH_INDEX").tolist() == [[0]]
 
         # 4. ensemble, 5. tensorrt_llm_bls (--test-bls): the same inputs and requested outputs
         text_inputs = [
