@@ -100,6 +100,9 @@ INPUTS: dict[str, InputSpec] = {
     "guided_decoding_guide_type": InputSpec("bytes", "", check=lambda v: None if v in _GUIDE_TYPES else (
         f"{v!r} is not a guide type"), allowed="json, json_schema, regex, ebnf_grammar or lark (empty: none)"),
     "guided_decoding_guide": InputSpec("bytes", "", allowed="the JSON schema, regex or grammar text"),
+    # Kiln extension (engine): the n most likely tokens and their log-probabilities at each step
+    "top_logprobs": InputSpec("int", 0, check=lambda v: None if 0 <= v <= 20 else f"{v} is outside 0..20",
+                              allowed="0..20 (0 = none)"),
     # NVIDIA's older engine-model name for min_tokens
     "min_length": InputSpec("int", None, check=_ge(0), allowed=">= 0 and <= request_output_len"),
     # NVIDIA's logit bias by word: each word's tokens get its weight added to their logits (checked

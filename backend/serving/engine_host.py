@@ -239,6 +239,8 @@ class EngineHost:
                 self.metrics.tokens(len(ev.token_ids))
                 if st.req.return_log_probs:
                     st.logprobs.extend(chosen_logprobs(ev))
+                if st.req.top_logprobs:
+                    st.keep_top(ev)
             st.keep_logits(ev)
             if getattr(ev, "error", None):
                 for_request(_LOG, st.rid).error("engine error: %s", ev.error)
@@ -277,6 +279,8 @@ class EngineHost:
         extra = {}
         if st.group is not None:  # the request ends (FINAL flag) with the response ending its last row
             final = final and (st.group.closed or st.group.row_finished())
+        if st.req.top_logprobs:
+            extra.update(st.take_top())
         if st.req.return_num_input_tokens:
             extra["num_input_tokens"] = np.array([len(st.req.prompt_ids)], np.int32)
         if st.req.return_num_output_tokens:  # generated ids only (a non-streamed output_ids starts with the prompt)

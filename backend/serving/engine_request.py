@@ -26,7 +26,7 @@ ENGINE_INPUT_NAMES = (
     "beam_width", "num_return_sequences", "exclude_input_in_output", "return_context_logits",
     "return_generation_logits", "decoder_input_ids", "decoder_input_lengths", "embedding_bias",
     "return_num_input_tokens", "return_num_output_tokens", "min_length",
-    "guided_decoding_guide_type", "guided_decoding_guide",
+    "guided_decoding_guide_type", "guided_decoding_guide", "top_logprobs",
 )
 
 # what the engine model reads: the above and NVIDIA's inputs Kiln cannot honour (neutral_inputs.py)
@@ -51,6 +51,7 @@ class EngineRequest:
     return_generation_logits: bool = False  # generation_logits [1, 1, tokens, vocab] per response
     return_num_input_tokens: bool = False   # num_input_tokens [1, 1]: the prompt's tokens
     return_num_output_tokens: bool = False  # num_output_tokens [1, 1]: generated, in this response
+    top_logprobs: int = 0  # output_top_ids / output_top_logprobs [1, 1, n, top_logprobs] per response
 
 
 def _optional_id(v: int | None) -> int | None:
@@ -111,9 +112,12 @@ def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits
     guide = read_guide(v)
     if guide is not None:
         kw["guide"] = guide
+    if v["top_logprobs"]:  # the sampler returns the chosen token's and the top-n alternatives
+        kw["logprobs"] = max(kw.get("logprobs", 0), v["top_logprobs"])
     ctx, gen = bool(v["return_context_logits"]), bool(v["return_generation_logits"])
     kw.update(return_context_logits=ctx, return_generation_logits=gen)
     return EngineRequest(prompt, kw, bool(v["streaming"]), tuple(dict.fromkeys(s for s in v["stop_strings"] if s)),
                          bool(v["return_log_probs"]), bool(v["return_perf_metrics"]),
                          tuple(dict.fromkeys(tuple(w) for w in stop_ids)), bool(v["exclude_input_in_output"]),
-                         ctx, gen, bool(v["return_num_input_tokens"]), bool(v["return_num_output_tokens"]))
+                         ctx, gen, bool(v["return_num_input_tokens"]), bool(v["return_num_output_tokens"]),
+                         v["top_logprobs"])

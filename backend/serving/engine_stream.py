@@ -59,6 +59,7 @@ class Stream:
     cum_logprob: float = 0.0  # of every generated token so far (NVIDIA's cum_log_probs)
     context_logits: Any = None  # [prompt, vocab] numpy, until the response that carries it
     gen_logits: list = dataclasses.field(default_factory=list)  # [n, vocab] numpy chunks not yet sent
+    top: list = dataclasses.field(default_factory=list)  # per token not yet sent: [(id, logprob)] * k
     trim: int = 0
     cancel_asked: bool = False
     cancel_by: str = ""     # "client" (went away), "stop" (a stop_request), "text" (a stop string)
@@ -69,6 +70,21 @@ class Stream:
     group: RowGroup | None = None  # the rows of a request with batch size > 1 (row_group.py)
     row: int = 0            # this stream's row in it (NVIDIA's batch_index)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def keep_top(self, ev: Any) -> None:
+        """The top alternatives of each token of an event (``top_logprobs`` requests)."""
+        k = self.req.top_logprobs
+        for lp in (getattr(ev, "logprobs", None) or [None] * len(ev.token_ids)):
+            alts = lp[1] if isinstance(lp, (list, tuple)) and len(lp) == 2 and isinstance(lp[1], list) else []
+            self.top.append(list(alts[:k]) + [(-1, float("-inf"))] * (k - len(alts[:k])))
+
+    def take_top(self) -> dict[str, np.ndarray]:
+        """``output_top_ids`` INT32 / ``output_top_logprobs`` FP32, ``[1, n, k]`` (batch added later)."""
+        k = self.req.top_logprobs
+        top, self.top = self.top, []
+        ids = np.array([[t for t, _ in row] for row in top], np.int32).reshape(1, len(top), k)
+        vals = np.array([[v for _, v in row] for row in top], np.float32).reshape(1, len(top), k)
+        return {"output_top_ids": ids, "output_top_logprobs": vals}
 
     def keep_logits(self, ev: Any) -> None:
         """An executor event's logits (present only when the request asked), until they are sent."""

@@ -88,8 +88,8 @@ class _Answer:
             return None
         tok = self.model.tokenizer
         if self.chat:
-            return {"content": chat_logprobs(tok, p.ids, p.logprobs, self.s.top_logprobs)}
-        return completion_logprobs(tok, p.ids, p.logprobs, self.s.top_logprobs, len(self.text))
+            return {"content": chat_logprobs(tok, p.ids, p.logprobs, self.s.top_logprobs, p.tops)}
+        return completion_logprobs(tok, p.ids, p.logprobs, self.s.top_logprobs, len(self.text), p.tops)
 
     def add(self, p: Piece) -> Any:
         lp = self.logprobs_of(p)

@@ -35,6 +35,8 @@ class Piece:
     text: str
     logprobs: list[float]
     finish_reason: str | None = None   # OpenAI's, on the last piece only
+    # per generated token, its most likely alternatives [(id, logprob)] (top_logprobs requests)
+    tops: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
 
 
 def openai_finish_reason(engine_reason: str) -> str:
@@ -78,6 +80,8 @@ def engine_inputs(prompt_ids: list[int], max_tokens: int, s: Sampling, vocab_siz
         add("stop_strings", [w.encode("utf-8") for w in s.stop], "BYTES", object)
     if s.logprobs:
         add("return_log_probs", True, "BOOL", bool)
+    if s.top_logprobs:  # Kiln's engine extension: the k most likely tokens at each step
+        add("top_logprobs", s.top_logprobs, "INT32", np.int32)
     if s.logit_bias:  # NVIDIA's dense embedding_bias: one value per vocabulary entry
         bias = np.zeros(vocab_size, np.float32)
         for tok, value in s.logit_bias:
@@ -87,6 +91,15 @@ def engine_inputs(prompt_ids: list[int], max_tokens: int, s: Sampling, vocab_siz
         add("guided_decoding_guide_type", s.guide.kind.encode("utf-8"), "BYTES", object)
         add("guided_decoding_guide", s.guide.text.encode("utf-8"), "BYTES", object)
     return out
+
+
+def _tops(result: Any) -> list[list[tuple[int, float]]]:
+    """``output_top_ids`` / ``output_top_logprobs`` ``[1, 1, n, k]`` -> per token [(id, logprob)]."""
+    ids, vals = result.as_numpy("output_top_ids"), result.as_numpy("output_top_logprobs")
+    if ids is None or vals is None:
+        return []
+    ids, vals = ids.reshape(-1, ids.shape[-1]), vals.reshape(-1, vals.shape[-1])
+    return [[(int(t), float(v)) for t, v in zip(ri, rv) if t >= 0] for ri, rv in zip(ids, vals)]
 
 
 def _flat(result: Any, name: str) -> np.ndarray:
@@ -171,4 +184,4 @@ class EngineCall:
         finish = openai_finish_reason(reason) if reason else None
         if not ids and finish is None:
             return None
-        return Piece(ids, text, logprobs, finish)
+        return Piece(ids, text, logprobs, finish, _tops(result))

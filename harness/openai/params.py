@@ -55,7 +55,7 @@ class Sampling:
     min_tokens: int = 0
     ignore_eos: bool = False      # vLLM's extension (benchmark clients send it): min_tokens = max_tokens
     logprobs: bool = False        # the chosen token's log-probability
-    top_logprobs: int = 0         # 0, or 1 on a greedy request (then the chosen token IS the top one)
+    top_logprobs: int = 0         # alternatives per token (the engine's top_logprobs extension)
     guide: Guide | None = None    # structured output (parse_guide)
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) added to the logits
 
@@ -138,12 +138,11 @@ def parse_sampling(body: Mapping[str, Any], *, chat: bool) -> Sampling:
     if chat:
         logprobs = _bool(body, "logprobs")
         top = _int(body, "top_logprobs", lo=0, hi=20, default=0)
-        top_name = "top_logprobs"
         if top and not logprobs:
             raise bad_request("top_logprobs", "needs logprobs: true")
     else:
         n = _int(body, "logprobs", lo=0, hi=5)
-        logprobs, top, top_name = n is not None, n or 0, "logprobs"
+        logprobs, top = n is not None, n or 0
     max_tokens = parse_max_tokens(body, None if chat else 16)  # 16: the completions API's default
     min_tokens = _int(body, "min_tokens", lo=0, default=0)
     ignore_eos = _bool(body, "ignore_eos")
@@ -165,13 +164,6 @@ def parse_sampling(body: Mapping[str, Any], *, chat: bool) -> Sampling:
         repetition_penalty=_num(body, "repetition_penalty", 1e-6, None, 1.0),
         min_tokens=min_tokens, ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top, guide=guide,
         logit_bias=_logit_bias(body))
-    # The engine returns the chosen token's log-probability only (output_log_probs), no alternatives.
-    # On a greedy request without penalties the chosen token is the most likely one, so one
-    # alternative is exact; anything else would be made up.
-    if top > 1 or (top == 1 and not (s.greedy and _neutral_penalties(s))):
-        raise bad_request(top_name, f"{top} alternatives asked for; this engine returns only the chosen "
-                          "token's log-probability: use 0, or 1 with temperature 0 and no penalties",
-                          code="unsupported_value")
     return s
 
 
@@ -201,10 +193,6 @@ def check_logit_bias(s: Sampling, vocab_size: int) -> None:
     bad = [t for t, _ in s.logit_bias if not 0 <= t < vocab_size]
     if bad:
         raise bad_request("logit_bias", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-
-
-def _neutral_penalties(s: Sampling) -> bool:
-    return s.presence_penalty == 0.0 and s.frequency_penalty == 0.0 and s.repetition_penalty == 1.0
 
 
 # ---- structured output --------------------------------------------------------------------------

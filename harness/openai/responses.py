@@ -30,20 +30,26 @@ def _token_text(tok: TextTokenizer, tid: int) -> str:
     return tok.tokenizer.decode([tid], skip_special_tokens=False)
 
 
-def chat_logprobs(tok: TextTokenizer, ids: list[int], lps: list[float], top: int) -> list[dict[str, Any]]:
-    """Chat's ``logprobs.content`` entries. ``top`` is 0 or 1 (1 only on greedy requests, where
-    the chosen token is the most likely one: params.parse_sampling)."""
+def _entry(tok: TextTokenizer, tid: int, lp: float) -> dict[str, Any]:
+    text = _token_text(tok, tid)
+    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tok: TextTokenizer, ids: list[int], lps: list[float], top: int,
+                  tops: list[list[tuple[int, float]]]) -> list[dict[str, Any]]:
+    """Chat's ``logprobs.content`` entries; ``tops``: each token's most likely alternatives (the
+    engine's, most likely first), of which the first ``top`` are listed."""
     out = []
-    for tid, lp in zip(ids, lps):
-        text = _token_text(tok, tid)
-        entry = {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-        entry["top_logprobs"] = [dict(entry)] if top else []
+    for i, (tid, lp) in enumerate(zip(ids, lps)):
+        entry = _entry(tok, tid, lp)
+        alts = tops[i][:top] if top and i < len(tops) else []
+        entry["top_logprobs"] = [_entry(tok, t, v) for t, v in alts]
         out.append(entry)
     return out
 
 
 def completion_logprobs(tok: TextTokenizer, ids: list[int], lps: list[float], top: int,
-                        offset: int) -> dict[str, Any]:
+                        offset: int, tops: list[list[tuple[int, float]]]) -> dict[str, Any]:
     """Completions' ``logprobs`` object; ``offset`` is the text length before these tokens."""
     tokens = [_token_text(tok, t) for t in ids]
     offsets = []
@@ -51,7 +57,8 @@ def completion_logprobs(tok: TextTokenizer, ids: list[int], lps: list[float], to
         offsets.append(offset)
         offset += len(t)
     return {"tokens": tokens, "token_logprobs": list(lps),
-            "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps)] if top else None,
+            "top_logprobs": [{_token_text(tok, t): v for t, v in (tops[i][:top] if i < len(tops) else [])}
+                             for i in range(len(tokens))] if top else None,
             "text_offset": offsets}
 
 

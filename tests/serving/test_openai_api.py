@@ -180,6 +180,29 @@ def test_completion_greedy_equals_ensemble_with_logprobs(stack, text_tokenizer):
     assert streamed[-1].choices[0].finish_reason == "length"
 
 
+def test_top_logprobs_are_the_engines_alternatives(stack):
+    """Sampled chat with top_logprobs 5 and completions with logprobs 3: each token lists that many
+    distinct alternatives, most likely first; the chosen token, when among them, has the same
+    log-probability, and none is above the most likely one (the engine's top_logprobs extension)."""
+    client, n = stack.client(), 8
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=n,
+                                       temperature=1.0, seed=11, logprobs=True, top_logprobs=5)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == n
+    for e in entries:
+        alts = [(a.token, a.logprob) for a in e.top_logprobs]
+        assert len(alts) == 5 and len({t for t, _ in alts}) == 5, alts
+        assert [v for _, v in alts] == sorted((v for _, v in alts), reverse=True)
+        assert e.logprob <= alts[0][1] + 1e-6
+        same = [v for t, v in alts if t == e.token]
+        assert not same or abs(same[0] - e.logprob) < 1e-5, (e.token, e.logprob, alts)
+    c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=n, temperature=0,
+                                  logprobs=3).choices[0]
+    assert len(c.logprobs.top_logprobs) == n
+    for tok, lp, alts in zip(c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs):
+        assert len(alts) == 3 and max(alts.values()) == alts.get(tok) == lp   # greedy: the chosen is the top
+
+
 def test_usage_counts_the_engines_tokens(stack, text_tokenizer):
     """An answer that ends on the end token before max_tokens: completion_tokens is what the engine
     model generates for the same ids, prompt_tokens what the tokenizer gives for the template."""
@@ -468,7 +491,7 @@ MALFORMED = [  # (route, body, status, param, words in the message)
     ("chat/completions", {**CHAT, "max_tokens": 5000}, 400, "max_tokens", "max_seq_len"),
     ("chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
     ("chat/completions", {**CHAT, "n": 2}, 400, "n", "n=1"),
-    ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 5}, 400, "top_logprobs", "chosen token"),
+    ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "allowed: [0, 20]"),
     ("chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages[0].content[0]", "only text"),
@@ -482,7 +505,7 @@ MALFORMED = [  # (route, body, status, param, words in the message)
     ("completions", {"model": MODEL, "prompt": "x", "guided_choice": ["a", "b"]}, 400, "guided_choice", "guided_regex"),
     ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
     ("completions", {"model": MODEL, "prompt": LONG}, 400, "prompt", "max_input_len"),
-    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs", "chosen token"),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 6}, 400, "logprobs", "allowed: [0, 5]"),
     ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"50": 101}}, 400, "logit_bias", "[-100, 100]"),
     ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"hello": 1}}, 400, "logit_bias", "not a token id"),
     ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias", "outside the vocabulary"),
