@@ -100,3 +100,11 @@ def nd_server(nd_build):
 def refs(dec_build):
     from tests.serving.nvidia_clients import make_refs
     return make_refs(dec_build)
+
+
+@pytest.fixture(scope="package")
+def stack(serving_build):
+    """The OpenAI front door and Triton (``harness.serve --openai-port``), ONCE for the
+    tests/serving/test_openai_*.py modules (tests/serving/openai_stack.py)."""
+    from tests.serving.openai_stack import run_stack
+    yield from run_stack(serving_build)
