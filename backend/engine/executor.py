@@ -31,6 +31,7 @@ from backend.engine.events import GenerationResult, RequestHandle, TokenEvent
 from backend.engine.inputs import InputPreparer, StepInputs
 from backend.engine.kv_cache import BlockManager
 from backend.engine.logits_out import generation_rows, stash_context, take_context
+from backend.engine.overlap import overlap_loop
 from backend.engine.request import FINISH_REASONS, Request, RequestStatus
 from backend.engine.sampler import Sampler, SampleRow, make_generator
 from backend.engine.sampling_params import SamplingParams
@@ -96,8 +97,8 @@ class Executor:
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
         self.sampler = Sampler(cfg.eos_token_ids)
-        self.speculator = speculator
         self.device = self.runner.device
+        self.speculator = speculator
         draft = self.spec.manifest.speculative
         if speculator is None and speculative and draft is not None and draft.method == "eagle3":
             from backend.speculative.speculator import attach  # lazy: draft-less bundles never import it
@@ -107,10 +108,7 @@ class Executor:
         # Given the block manager, the preparer refreshes only block-table rows that changed.
         self.inputs = InputPreparer(self.runner.block_size, max_blocks, self.device,
                                     block_manager=self.block_manager)
-        self.overlap = None
-        if self._overlap_wanted(eng.overlap_scheduling):
-            from backend.engine.overlap import OverlapLoop
-            self.overlap = OverlapLoop(self)
+        self.overlap = overlap_loop(self, self.speculator)
 
         self._lock = threading.Lock()            # guards the scheduler between threads
         self._wake = threading.Condition(self._lock)
@@ -131,19 +129,21 @@ class Executor:
         if start:
             self.start()
 
-    def _overlap_wanted(self, want) -> bool:
-        """engine.overlap_scheduling: "auto" = on for a CUDA device unless speculation is on; true
-        runs the overlapped loop on any device (on CPU only its structure: ops are synchronous)."""
-        if want not in ("auto", True, False):
-            raise EngineError(f"engine.overlap_scheduling: {want!r}; allowed: auto, true, false")
-        if self.speculator is not None:
-            # Drafts for step n+1 come from step n's accepted tokens on the host: nothing to overlap.
-            if want is True:
-                raise EngineError("engine.overlap_scheduling: true cannot run with speculative decoding "
-                                  "(the next drafts need this step's tokens on the host); allowed: auto, "
-                                  "false, or Executor(speculative=False)")
-            return False
-        return want is True or (want == "auto" and self.device.type == "cuda")
+    @property
+    def speculator(self) -> Speculator | None:
+        return self._speculator
+
+    @speculator.setter
+    def speculator(self, spec: Speculator | None) -> None:
+        """Attach or drop a speculator (``attach``, benchmarks, tests) while no step runs. The loop is
+        chosen again: the overlapped one cannot serve a speculator, so attaching one after
+        construction must not leave it running (it would bypass the speculator: no drafts at all)."""
+        if "overlap" in self.__dict__:           # after construction (the constructor chooses once)
+            loop = overlap_loop(self, spec)       # raises (nothing changed) when true was asked for
+            if self.overlap is not None:
+                self.overlap.drain()
+            self.overlap = loop
+        self._speculator = spec
 
     # -- public API ---------------------------------------------------------------------------
     def start(self) -> None:

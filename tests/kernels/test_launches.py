@@ -11,9 +11,10 @@ from harness.bench import launches
 COMMITTED = Path(__file__).resolve().parents[2] / "docs" / "perf" / "launches.json"
 
 
-def test_launches_per_layer_do_not_grow():
+def test_launches_per_layer_do_not_grow(device):
+    """Counted where the kernel tests run: the interpreter here, the real GPU under KILN_KERNEL_TESTS_ON_GPU."""
     committed = json.loads(COMMITTED.read_text())
-    res = launches.measure("cpu", context=committed["context"])
+    res = launches.measure(device, context=committed["context"])
     got = res["per_layer"]
     assert got["total"] <= committed["per_layer"]["total"], (
         f"{got['total']} launches per decoder layer > {committed['per_layer']['total']} committed in "

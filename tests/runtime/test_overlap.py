@@ -6,6 +6,7 @@ checks the loop's logic, not its speed."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from backend.engine.sampling_params import SamplingParams
 from backend.model.runner import EngineError
@@ -51,6 +52,25 @@ def test_speculation_keeps_the_synchronous_loop(make_executor):
     assert _executor(make_executor, speculator=_Drafter()).overlap is None
     with pytest.raises(EngineError, match="overlap_scheduling: true cannot run with speculative decoding"):
         _executor(make_executor, speculator=_Drafter(), overlap_scheduling=True)
+
+
+def test_a_speculator_attached_later_chooses_the_loop_again(make_executor):
+    """`attach`, the benchmarks and tests set ``executor.speculator`` after construction. On a GPU the
+    "auto" loop is the overlapped one, which never calls a speculator: left running, it silently
+    decoded without drafts (seen on an H100: EAGLE-3 k=4 cost exactly a plain pass, 0 drafts)."""
+    ex = _executor(make_executor)
+    ex.device = torch.device("cuda")      # only the loop choice reads it here; nothing runs on it
+    ex.speculator = None
+    assert ex.overlap is not None         # auto on a CUDA device: overlapped
+    ex.speculator = _Drafter()
+    assert ex.overlap is None             # ... and synchronous once a speculator is attached
+    ex.speculator = None
+    assert ex.overlap is not None
+    forced = _executor(make_executor, overlap_scheduling=True)
+    loop = forced.overlap
+    with pytest.raises(EngineError, match="overlap_scheduling: true cannot run with speculative decoding"):
+        forced.speculator = _Drafter()
+    assert forced.speculator is None and forced.overlap is loop     # refused: nothing changed
 
 
 def test_same_tokens_logprobs_and_stops_as_the_synchronous_loop(make_executor, varied_prompts):
