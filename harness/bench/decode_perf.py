@@ -4,7 +4,7 @@ bandwidth floor measured in the same run: `python -m harness.bench.decode_perf [
 In one run (part `perf` of harness/gpucheck/device.sh, sized for its 9-minute call):
   1. the fused-kernel tests on the GPU (tests/kernels/test_fused_layer.py, interpreter off);
   2. device-to-device copy bandwidth and the floor = bytes of weights read per token / bandwidth;
-  3. for batch 1 and 64 (``--batches``), contexts of ``--context`` tokens: one decode step
+  3. for batch 1, 64 and 512 (``--batches``), contexts of ``--context`` tokens: one decode step
      (``ModelRunner.execute``) with the fused layer (``model.fused = True``: norm+quant, rope+KV write,
      attention writing the O projection's fp8 input, silu*up+quant) and the unfused one (the plain
      PyTorch ops around the same GEMMs and attention kernels), each eager and replayed as a CUDA
@@ -134,7 +134,7 @@ def run_fused_tests() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.bench.decode_perf", description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 512])
     ap.add_argument("--context", type=int, default=1024, help="cached tokens per sequence (default 1024)")
     ap.add_argument("--iters", type=int, default=30, help="timed steps per configuration (median)")
     ap.add_argument("--top", type=int, default=25, help="kernels kept in each profile")
@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     weights = bench_gpu.synthetic_fp8_weights(m, device=device.type)
     wbytes = bench_gpu.weight_bytes_per_token(weights)
     res["weights_gib"] = wbytes / 2**30
+    kv_bytes = a.context * m["num_layers"] * 2 * m["num_kv_heads"] * m["head_dim"]   # fp8 KV: 1 byte each
+    res["kv_gib_per_sequence"] = kv_bytes / 2**30
     if "copy_gbs" in res:
         res["floor_ms_per_token"] = wbytes / (res["copy_gbs"] * 1e9) * 1e3
         print(f"copy {res['copy_gbs']:.0f} GB/s, weights {res['weights_gib']:.2f} GiB -> floor "
@@ -193,10 +195,16 @@ def main(argv: list[str] | None = None) -> int:
                 r = time_step(runner, b, a.context, a.iters)
                 if "floor_ms_per_token" in res and "graph_ms" in r:
                     r["graph_vs_floor"] = r["graph_ms"] / res["floor_ms_per_token"]
+                    # a large batch also reads every sequence's KV: the step's own floor counts both
+                    r["step_floor_ms"] = (wbytes + b * kv_bytes) / (res["copy_gbs"] * 1e9) * 1e3
+                    r["graph_vs_step_floor"] = r["graph_ms"] / r["step_floor_ms"]
                 res[f"{mode}_b{b}"] = r
                 print(f"{mode} batch {b}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
             res[f"profile_{mode}_b1"] = profile_step(runner, 1, a.context, a.top)
         runner.model.fused = True
+        # where a throughput run's time goes: the fused step at the largest batch, kernel by kernel
+        if max(a.batches) > 1:
+            res[f"profile_fused_b{max(a.batches)}"] = profile_step(runner, max(a.batches), a.context, a.top)
         for b in a.batches:
             f, u = res[f"fused_b{b}"], res[f"unfused_b{b}"]
             key = "graph_ms" if "graph_ms" in f else "eager_ms"

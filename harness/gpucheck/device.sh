@@ -18,7 +18,7 @@
 #                         throughput run (KV pool 0.95 of free memory, concurrency bounded by KV) cut
 #                         to the part's limit (--budget-s): partial, and the result says so
 #   spec    180 s ->  70  harness.bench.eagle_cost: EAGLE-3 pass cost at k = 0, 4 (SPEC_ARGS)
-#   perf    360 s -> 100  harness.bench.decode_perf (fused vs unfused decode step, 1 and 64) + the launch
+#   perf    360 s -> 100  harness.bench.decode_perf (fused vs unfused decode step, 1, 64, 512) + the launch
 #                         count on the real GPU (30 s of it); the fused-kernel tests are skipped when
 #                         part kernels ran (they are among its tests)
 # (old limit -> the default now: together 530 s). Which to run together:
@@ -86,7 +86,7 @@ if want perf; then
   L=$(cap "$(( ${T_PERF:-100} - T_LAUNCHES ))")
   SKIP=""
   want kernels && SKIP="--skip-tests"
-  part decode-perf "$L" decode-perf.log $PY -m harness.bench.decode_perf --batches 1 64 ${PERF_ARGS:-$SKIP} \
+  part decode-perf "$L" decode-perf.log $PY -m harness.bench.decode_perf --batches 1 64 512 ${PERF_ARGS:-$SKIP} \
     --out "$OUT/decode-perf.json"
   L=$(cap "$T_LAUNCHES")
   part launches "$L" launches-gpu.log $PY -m harness.bench.launches --device cuda --out "$OUT/launches-gpu.json"

@@ -20,4 +20,4 @@ def test_dry_run(tmp_path):
     assert decode_perf.main(["--dry-run", "--out", str(out)]) == 0
     import json
     res = json.loads(out.read_text())
-    assert {"fused_b1", "unfused_b1", "speedup_b1", "profile_fused_b1"} <= set(res)
+    assert {"fused_b1", "unfused_b1", "speedup_b1", "profile_fused_b1", "profile_fused_b2"} <= set(res)
