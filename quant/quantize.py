@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from quant.calibration import build_calibration_set, load_texts
-from quant.recipes import (KV_RECIPES, QuantConfigError, check_exclude, check_group_size, check_kv_cache,
-                           get_recipe, modelopt_config)
+from quant.recipes import (KV_RECIPES, RECIPES, QuantConfigError, check_exclude, check_group_size,
+                           check_kv_cache, get_recipe, modelopt_config)
 
 # progress(phase, done, total): called as calibration batches and export steps complete
 Progress = Callable[[str, int, int], None]
@@ -187,14 +187,90 @@ def _copy_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
+# Above this many bytes of fp32 weights (what the whole-model path holds on a CPU) the stream is
+# chosen: it costs ~1 s of ModelOpt set-up per layer, more than loading a small model whole.
+STREAM_ABOVE_BYTES = 2 << 30
+PATHS = ("auto", "whole", "streamed")
+
+
+def choose_path(fmt: str, hf_dir: Path, path: str = "auto") -> str:
+    """"whole" or "streamed" for `fmt` (the recipe table says which formats can stream)."""
+    recipe = get_recipe(fmt)
+    if path not in PATHS:
+        raise QuantConfigError(f"quantize path: {path!r}; allowed: {' | '.join(PATHS)}")
+    if path == "streamed" and not recipe.streamable:
+        raise QuantConfigError(f"quantization.format: {fmt} cannot be calibrated layer by layer (its ModelOpt "
+                               f"algorithm searches over quantized forwards of the whole model); allowed for "
+                               f"streaming: {' | '.join(n for n, r in RECIPES.items() if r.streamable)}")
+    if path != "auto":
+        return path
+    if not recipe.streamable:
+        return "whole"
+    return "streamed" if fp32_weight_bytes(hf_dir) > STREAM_ABOVE_BYTES else "whole"
+
+
+def fp32_weight_bytes(hf_dir: Path) -> int:
+    """The checkpoint's weights in fp32 (from the shard headers: nothing is read)."""
+    from quant.stream import Shards  # noqa: PLC0415
+
+    return Shards(hf_dir).numel() * 4
+
+
+def _whole_model(hf_dir: Path, tmp: Path, settings: QuantSettings, cfg: dict, device: str,
+                 progress: Progress, timings: dict) -> tuple[dict, Any, list, int]:
+    import torch  # noqa: PLC0415
+    from modelopt.torch.export import export_hf_checkpoint  # noqa: PLC0415
+
+    t = time.perf_counter()
+    model, tokenizer = _load_model(hf_dir, device)
+    timings["load_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    calib = build_calibration_set(tokenizer, settings.dataset, settings.num_samples, settings.max_seq_len)
+    batches = calib.batches(settings.max_batch_tokens)
+    model, passes = _calibrate(model, cfg, batches, device, progress)
+    timings["calibrate_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    progress("export", 0, 1)
+    export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=str(tmp))
+    _bf16_export(tmp)
+    progress("export", 1, 1)
+    timings["export_s"] = time.perf_counter() - t
+    hf_quant = json.loads((tmp / "hf_quant_config.json").read_text())["quantization"]
+    return hf_quant, calib, batches, passes
+
+
+def _streamed(hf_dir: Path, tmp: Path, settings: QuantSettings, cfg: dict, device: str,
+              progress: Progress, timings: dict) -> tuple[dict, Any, list, int]:
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    from quant.stream import streamed_export  # noqa: PLC0415
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    calib = build_calibration_set(tokenizer, settings.dataset, settings.num_samples, settings.max_seq_len)
+    batches = calib.batches(settings.max_batch_tokens)
+    t = time.perf_counter()
+    # calibration and export interleave (layer by layer): one figure for both
+    hf_quant, passes = streamed_export(hf_dir, tmp, cfg, batches, progress, FP32_SUFFIXES)
+    timings["calibrate_export_s"] = time.perf_counter() - t
+    return hf_quant, calib, batches, passes
+
+
+# "whole": the model loaded at once, ModelOpt's own calibration and export (every format).
+# "streamed": one decoder layer at a time (quant/stream.py), for formats whose recipe allows it.
+RUNNERS = {"whole": _whole_model, "streamed": _streamed}
+
+
 def quantize_checkpoint(hf_dir: str | Path, out_dir: str | Path, qcfg: Any,
-                        progress: Progress | None = None) -> dict:
+                        progress: Progress | None = None, path: str = "auto") -> dict:
     """Quantize `hf_dir` per `qcfg` and write the ModelOpt unified HF checkpoint to `out_dir`.
 
+    `path` picks the whole-model or the streamed (layer by layer, bounded memory) calibration;
+    "auto" streams formats that allow it when the fp32 weights exceed STREAM_ABOVE_BYTES. Both
+    write the same tensors (docs/contracts.md); the streamed export is sharded per layer.
     Returns (and writes to `out_dir/kiln_quant.json`) the format, kv_cache, group_size, exclude
-    patterns, ModelOpt's `quant_algo`/`exclude_modules`, tool versions, device, calibration stats
-    and the seconds per phase. Raises QuantConfigError / CalibrationDataError (ValueError) with one
-    line on a user mistake; `out_dir` is untouched unless the export completed.
+    patterns, ModelOpt's `quant_algo`/`exclude_modules`, tool versions, device, path, calibration
+    stats and the seconds per phase. Raises QuantConfigError / CalibrationDataError (ValueError)
+    with one line on a user mistake; `out_dir` is untouched unless the export completed.
     """
     import torch  # noqa: PLC0415
 
@@ -202,7 +278,6 @@ def quantize_checkpoint(hf_dir: str | Path, out_dir: str | Path, qcfg: Any,
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     progress = progress or _tqdm_progress()
     recipe = get_recipe(settings.format)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     timings: dict[str, float] = {}
 
     # Every check a user can fail runs before the weights are read or anything is written
@@ -211,35 +286,21 @@ def quantize_checkpoint(hf_dir: str | Path, out_dir: str | Path, qcfg: Any,
     exclude = check_exclude(settings.exclude, [n for n, _ in skeleton.named_modules() if n])
     group_size = check_group_size(settings.format, settings.group_size, _quantized_linears(skeleton, exclude))
     del skeleton
-
-    t = time.perf_counter()
-    model, tokenizer = _load_model(hf_dir, device)
-    timings["load_s"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    calib = build_calibration_set(tokenizer, settings.dataset, settings.num_samples, settings.max_seq_len)
+    chosen = choose_path(settings.format, hf_dir, path)
+    # The stream runs on the CPU for now: layers on the GPU are the next step of issue #22
+    device = "cuda" if torch.cuda.is_available() and chosen == "whole" else "cpu"
     cfg = modelopt_config(settings.format, settings.kv_cache, group_size, exclude)
-    batches = calib.batches(settings.max_batch_tokens)
-    model, passes = _calibrate(model, cfg, batches, device, progress)
-    timings["calibrate_s"] = time.perf_counter() - t
 
-    t = time.perf_counter()
     tmp = out_dir.parent / f"{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        from modelopt.torch.export import export_hf_checkpoint  # noqa: PLC0415
-
-        progress("export", 0, 1)
-        export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=str(tmp))
-        _bf16_export(tmp)
-        progress("export", 1, 1)
+        hf_quant, calib, batches, passes = RUNNERS[chosen](hf_dir, tmp, settings, cfg, device, progress, timings)
         _copy_side_files(hf_dir, tmp)
-        hf_quant = json.loads((tmp / "hf_quant_config.json").read_text())["quantization"]
         # The compile stage picks the packing from quant_algo: a mismatch here would mis-pack silently
         assert hf_quant.get("quant_algo") == recipe.export_algo, (hf_quant.get("quant_algo"), recipe.export_algo)
-        timings["export_s"] = time.perf_counter() - t
         info = _info(settings, group_size, exclude, hf_quant, calib.stats(batches), passes, device, timings)
+        info["path"] = chosen
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)

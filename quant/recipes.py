@@ -25,22 +25,26 @@ class Recipe:
     export_algo: str | None  # `quant_algo` ModelOpt writes into hf_quant_config.json
     grouped: bool  # int4 weights in blocks of `group_size` along the input features
     fixed_block: int | None  # block size fixed by the format itself (NVFP4: 16)
+    # Calibrated by ModelOpt's `max` algorithm (quantizers only observe during the forward loop), so
+    # layer-by-layer calibration gives the whole-model ranges (quant/stream.py). AWQ and SmoothQuant
+    # search over quantized forwards and rescale weights: whole-model only.
+    streamable: bool
     summary: str
 
 
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
-        Recipe("none", None, None, False, None, "weights stay in the model dtype"),
-        Recipe("fp8", "FP8_DEFAULT_CFG", "FP8", False, None,
+        Recipe("none", None, None, False, None, True, "weights stay in the model dtype"),
+        Recipe("fp8", "FP8_DEFAULT_CFG", "FP8", False, None, True,
                "fp8 e4m3 weights (per-tensor scale) and activations (static per-tensor scale)"),
-        Recipe("nvfp4", "NVFP4_DEFAULT_CFG", "NVFP4", False, 16,
+        Recipe("nvfp4", "NVFP4_DEFAULT_CFG", "NVFP4", False, 16, True,
                "e2m1 weights and activations, fp8 scale per 16 elements + fp32 global scale"),
-        Recipe("int4_awq", "INT4_AWQ_CFG", "W4A16_AWQ", True, None,
+        Recipe("int4_awq", "INT4_AWQ_CFG", "W4A16_AWQ", True, None, False,
                "int4 weights per group of `group_size` inputs, AWQ-lite smoothing, 16-bit activations"),
-        Recipe("int8_sq", "INT8_SMOOTHQUANT_CFG", "W8A8_SQ_PER_CHANNEL", False, None,
+        Recipe("int8_sq", "INT8_SMOOTHQUANT_CFG", "W8A8_SQ_PER_CHANNEL", False, None, False,
                "int8 per-channel weights and per-tensor activations after SmoothQuant"),
-        Recipe("w4a8_awq", "W4A8_AWQ_BETA_CFG", "W4A8_AWQ", True, None,
+        Recipe("w4a8_awq", "W4A8_AWQ_BETA_CFG", "W4A8_AWQ", True, None, False,
                "int4 AWQ weights per group with fp8 activations"),
     )
 }
