@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true", help="rebuild every stage even if it is up to date")
     b.add_argument("--until", metavar="STAGE", help="stop after this stage (import, quantize, draft, compile, "
                    "verify, package)")
+    b.add_argument("--memory-limit", type=float, metavar="GIB",
+                   help="host memory a stage may use; a stage whose estimate exceeds it refuses to start "
+                        "(default: the memory available when the stage starts)")
     b.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
 
     v = sub.add_parser("validate", help="check config files without building",
@@ -90,7 +93,8 @@ def cmd_build(args) -> int:
     console.print(f"Building {cfg.file} -> {cfg.output_dir(args.output)}")
     result = run_pipeline(cfg, args.output, force=args.force, until=args.until, log=console.print,
                           progress_factory=report.progress_factory(console),
-                          stage_done=lambda r: console.print(report.stage_line(r)))
+                          stage_done=lambda r: console.print(report.stage_line(r)),
+                          memory_limit=None if args.memory_limit is None else int(args.memory_limit * 2**30))
     report.print_summary(console, result.root, result.results, time.perf_counter() - t0)
     return 0
 

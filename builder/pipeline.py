@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 
 from backend.bundle import BundleError, rewrite
 from backend.logs import get_logger
+from builder import memory
 from builder.config import BuildConfig
 from builder.stages import STAGES, StageSpec
 from builder.stages.base import StageContext, StageError, StageResult
@@ -46,15 +47,17 @@ class BuildResult:
 def run_pipeline(cfg: BuildConfig, output: str | Path | None = None, *, force: bool = False,
                  until: str | None = None, log: Callable[[str], None] = _LOG.info,
                  progress_factory: Callable[..., Any] | None = None,
-                 stage_done: Callable[[StageResult], None] | None = None) -> BuildResult:
-    """Build ``cfg`` into its output folder; ``until`` stops after that stage (inclusive)."""
+                 stage_done: Callable[[StageResult], None] | None = None,
+                 memory_limit: int | None = None) -> BuildResult:
+    """Build ``cfg`` into its output folder; ``until`` stops after that stage (inclusive).
+    ``memory_limit``: host bytes a stage may need (builder/memory.py); None = MemAvailable."""
     root = Path(cfg.output_dir(output)).absolute()
     _check_writable(root, cfg)
     results: dict[str, StageResult] = {}
     with _build_lock(root, log):
         _remove_stale(root, log)
         for spec in STAGES:
-            result = _run_stage(spec, cfg, root, results, force, log, progress_factory)
+            result = _run_stage(spec, cfg, root, results, force, log, progress_factory, memory_limit)
             results[spec.name] = result
             if stage_done is not None:
                 stage_done(result)
@@ -126,7 +129,8 @@ def read_stage_file(dest: Path) -> dict | None:
 
 
 def _run_stage(spec: StageSpec, cfg: BuildConfig, root: Path, results: dict[str, StageResult],
-               force: bool, log: Callable[[str], None], progress_factory) -> StageResult:
+               force: bool, log: Callable[[str], None], progress_factory,
+               memory_limit: int | None = None) -> StageResult:
     module = importlib.import_module(spec.module)
     dest = root / spec.dest
     ctx = StageContext(cfg, spec.name, root, dest, results, force, log, progress_factory)
@@ -142,12 +146,27 @@ def _run_stage(spec: StageSpec, cfg: BuildConfig, root: Path, results: dict[str,
         result = StageResult(spec.name, "cached", dest, key, previous.get("info", {}),
                              seconds=previous.get("seconds", 0.0))
     else:
+        _check_memory(spec, module, ctx, log, memory_limit)
         result = _build(spec, module, ctx, dest, key)
     if hasattr(module, "validate"):
         module.validate(ctx, result.info)
     if spec.engine_json_key:
         _record_in_engine_json(results, spec.engine_json_key, result.info)
     return result
+
+
+def _check_memory(spec: StageSpec, module, ctx: StageContext, log: Callable[[str], None],
+                  limit: int | None) -> None:
+    """Print the stage's peak-memory estimate; refuse before any work when it cannot fit."""
+    if not hasattr(module, "memory_estimate"):
+        return
+    est = module.memory_estimate(ctx)
+    source = "--memory-limit" if limit is not None else "available now (MemAvailable)"
+    limit = memory.available_host_bytes() if limit is None else limit
+    log(memory.describe(spec.name, est, limit, source))
+    error = memory.refusal(spec.name, est, limit, source)
+    if error:
+        raise StageError(error)
 
 
 def _build(spec: StageSpec, module, ctx: StageContext, dest: Path, key: str) -> StageResult:

@@ -19,6 +19,10 @@ and may provide::
     def validate(ctx: StageContext, info: dict) -> None:
         '''Checks to run whether the stage ran or was cached (e.g. config vs model shape).'''
 
+    def memory_estimate(ctx: StageContext) -> builder.memory.MemoryEstimate:
+        '''Peak host (and GPU) bytes run() will need, from config and checkpoint headers only:
+        printed before run(), which is refused at once when it exceeds the memory limit.'''
+
     STAGE_VERSION = 1   # bump when the stage's code changes what it writes: cached outputs rebuild
 
 Rules the pipeline (``builder/pipeline.py``) enforces so that stages stay simple:

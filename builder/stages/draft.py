@@ -33,12 +33,23 @@ import tempfile
 import time
 from pathlib import Path
 
+from builder.memory import RUNTIME_BASE, MemoryEstimate, checkpoint_params
 from builder.stages.base import StageContext, StageError
 from builder.stages.draft_data import draft_logits, draft_vocab, load_prompts, prompts_path, resolve, target_data
 
 DRAFT_VOCAB = 8192          # rows of the draft lm_head (SmolLM2: 49152 -> 6x cheaper drafting)
 BATCH = 4                   # training sequences per step
 TTT_STEPS = 3               # ModelOpt's train-time-test depth (draft fed its own outputs)
+
+
+def memory_estimate(ctx: StageContext) -> MemoryEstimate:
+    """Training loads the target in fp32 (4 bytes/parameter) to record its hidden states."""
+    if ctx.config.speculative.draft != "train":
+        return MemoryEstimate(RUNTIME_BASE, 0, "an imported draft head")
+    params = checkpoint_params(ctx.results["import"].path)
+    return MemoryEstimate(RUNTIME_BASE + 4 * params, 0, f"target in fp32: {params / 1e9:.2f} B parameters",
+                          "speculative.draft=<path to a trained EAGLE-3 checkpoint> (imported, not trained), "
+                          "or speculative.method=none")
 
 
 def skip_reason(ctx: StageContext) -> str | None:

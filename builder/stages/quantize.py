@@ -6,7 +6,9 @@ the config section.
 """
 from __future__ import annotations
 
+from builder.memory import MemoryEstimate
 from builder.stages.base import StageContext, StageError
+from quant.memory import quantize_memory
 from quant.quantize import quantize_checkpoint
 
 
@@ -18,6 +20,20 @@ def skip_reason(ctx: StageContext) -> str | None:
     if q.format == "none" and q.kv_cache == "none":
         return "quantization.format and quantization.kv_cache are none"
     return None
+
+
+def memory_estimate(ctx: StageContext) -> MemoryEstimate:
+    import torch  # noqa: PLC0415
+
+    try:
+        m = quantize_memory(ctx.results["import"].path, ctx.config.quantization, cuda=torch.cuda.is_available())
+    except ValueError as e:
+        raise StageError(f"{ctx.config.file}: quantization: {e}") from None
+    advice = ("fewer calibration tokens (quantization.calibration.num_samples / max_seq_len)"
+              if m.path == "streamed" else
+              "quantization.format fp8 or nvfp4 (calibrated layer by layer above 2 GiB of fp32 weights), "
+              "fewer calibration tokens (quantization.calibration.num_samples / max_seq_len), or a GPU")
+    return MemoryEstimate(m.host_bytes, m.gpu_bytes, m.detail, advice)
 
 
 def run(ctx: StageContext) -> dict:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from backend.model.runner import prefill_logits  # the one teacher-forced pass (verify and gpucheck)
+from builder.memory import RUNTIME_BASE, MemoryEstimate, checkpoint_params
 from builder.stages.base import StageContext, StageError
 
 HELDOUT = Path(__file__).resolve().parents[2] / "quant" / "data" / "heldout.jsonl"
@@ -48,6 +49,14 @@ DEFAULT_THRESHOLDS: dict[str, tuple[float, float]] = {
     "w4a8_awq": (0.55, 0.80),   # provisional
     "nvfp4": (0.55, 0.80),
 }
+
+
+def memory_estimate(ctx: StageContext) -> MemoryEstimate:
+    """The unquantized reference in fp32 (4 bytes/parameter) beside the bundle run in fp32 (4 more)."""
+    params = checkpoint_params(ctx.results["import"].path)
+    return MemoryEstimate(RUNTIME_BASE + 8 * params, 0,
+                          f"reference and bundle: {params / 1e9:.2f} B parameters, both in fp32",
+                          "verify.enabled=false (verify layer by layer is not built yet: issue #22)")
 
 
 def skip_reason(ctx: StageContext) -> str | None:
