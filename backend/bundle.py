@@ -87,6 +87,8 @@ class EngineSettings:
     cuda_graphs: str | bool = field(default="auto", metadata=OMIT)
     # engine.overlap_scheduling of the config (auto = on for CUDA without speculation); omitted while auto
     overlap_scheduling: str | bool = field(default="auto", metadata=OMIT)
+    # engine.cpu_dtype of the config (backend/model/cpu_dtype.py: auto = measured at load); omitted while auto
+    cpu_dtype: str = field(default="auto", metadata=OMIT)
 
     def resolved(self, model: ModelConfig, quantization: Quantization) -> "EngineSettings":
         """These settings with every model-dependent default (None) filled in."""

@@ -4,9 +4,11 @@
         [--prompt ...] [--max-tokens N] [--temperature T] [--seed S] [--chat] [--json]
 
 All prompts run as one in-flight batch. ``--json`` prints one JSON object per prompt (``prompt``,
-``token_ids``, ``text``, ``finish_reason``, and with an EAGLE draft ``draft_tokens_proposed`` /
-``draft_tokens_accepted``); otherwise the generated text of each prompt. ``--no-spec`` leaves a
-bundle's draft unused.
+``token_ids``, ``text``, ``finish_reason``, ``compute_dtype`` (what the engine computed in, why, and
+on a CPU with ``engine.cpu_dtype: auto`` the timings it chose by: backend/model/cpu_dtype.py), and
+with an EAGLE draft ``draft_tokens_proposed`` / ``draft_tokens_accepted``); otherwise the generated
+text of each prompt. ``--no-spec`` leaves a bundle's draft unused; ``--cpu-dtype`` overrides the
+bundle's ``engine.cpu_dtype``.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--no-spec", action="store_true",
                    help="do not use the bundle's EAGLE draft (speculative decoding off)")
+    p.add_argument("--cpu-dtype", default=None, help="override engine.cpu_dtype: auto | float32 | bfloat16")
     return p.parse_args(argv)
 
 
@@ -48,9 +51,11 @@ def main(argv: list[str] | None = None) -> int:
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         # Field checks before paying for the model load; the executor re-checks against the engine.
         params.validate(max(args.max_tokens, 1))
-        with Executor(args.engine, device=args.device, speculative=not args.no_spec) as ex:
+        overrides = {"cpu_dtype": args.cpu_dtype} if args.cpu_dtype is not None else {}
+        with Executor(args.engine, device=args.device, speculative=not args.no_spec, **overrides) as ex:
             results = ex.generate(prompts, params)
         spec = ex.speculator
+        dtype = ex.runner.dtype_choice.as_dict()
     except (EngineError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -58,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         out = tok.decode(res.token_ids)
         if args.json:
             doc = {"prompt": text, "token_ids": res.token_ids, "text": out,
-                   "finish_reason": res.finish_reason}
+                   "finish_reason": res.finish_reason, "compute_dtype": dtype}
             if spec is not None:  # EAGLE: this request's draft tokens scored / kept
                 doc.update(spec.request_stats(res.request_id))
             print(json.dumps(doc, ensure_ascii=False))

@@ -136,6 +136,9 @@ class EngineConfig:
     # the host schedules step n+1 while the device runs step n: auto = on a GPU unless speculative
     # decoding is on (its drafts need each step's tokens on the host); true on CPU = same loop, no gain
     overlap_scheduling: str | bool = opt("auto", choices=("auto", True, False), allowed="auto | true | false")
+    # compute dtype on a CPU: auto = bf16 where the CPU has bf16 instructions AND one decoder layer
+    # measured faster in it at load, else fp32 (backend/model/cpu_dtype.py); ignored on a GPU
+    cpu_dtype: str = opt("auto", choices=("auto", "float32", "bfloat16"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +199,7 @@ class OutputConfig:
 _UNHASHED_SECTIONS = ("output",)
 # Keys added after bundles were built, left out of the hashes while they hold their default: every
 # existing build (and test cache) keeps its hash, a non-default value still rebuilds what it changes.
-_HASH_NEUTRAL_DEFAULTS = {("engine", "overlap_scheduling"): "auto"}
+_HASH_NEUTRAL_DEFAULTS = {("engine", "overlap_scheduling"): "auto", ("engine", "cpu_dtype"): "auto"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,44 @@ class DecoderLayer:
     v_scale: torch.Tensor | None
 
 
+def build_layer(weights: dict[str, torch.Tensor], i: int, quant_format: str, dtype: torch.dtype,
+                device: torch.device, aot=None) -> DecoderLayer:
+    """Layer ``i`` from the bundle's tensors, its linears in the storage their kernels want
+    (the model builds every layer so; ``layer_probe`` builds one to time it)."""
+    p = f"layers.{i}"
+    lin = {name: make_linear(quant_format, _linear_tensors(weights, f"{p}.{name}"), dtype, device,
+                             where=f"{p}.{name}", aot=aot)
+           for name in ("qkv", "o", "gate_up", "down")}
+    ks, vs = weights.get(f"{p}.attn.k_scale"), weights.get(f"{p}.attn.v_scale")
+    return DecoderLayer(
+        input_norm=_tensor(weights, f"{p}.input_norm.weight").to(device=device, dtype=dtype),
+        post_attn_norm=_tensor(weights, f"{p}.post_attn_norm.weight").to(device=device, dtype=dtype),
+        k_scale=ks.to(device).float().reshape(()) if ks is not None else None,
+        v_scale=vs.to(device).float().reshape(()) if vs is not None else None, **lin)
+
+
+def decoder_layer(c: ModelConfig, layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, attention: AttentionBackend, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                  meta, scale: float) -> torch.Tensor:
+    """One layer on plain ops (the torch attention backend): ``hidden [T, H]`` -> ``[T, H]``; writes
+    the step's keys and values into ``kv_cache``."""
+    t = hidden.shape[0]
+    # Attention block.
+    x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
+    qkv = layer.qkv(x)
+    q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)
+    q = apply_rope(q.view(t, c.num_heads, c.head_dim), cos, sin)
+    k = apply_rope(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
+    v = v.view(t, c.num_kv_heads, c.head_dim)
+    k_cache, v_cache = kv_cache
+    attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale)
+    attn = attention.forward(q, k_cache, v_cache, meta, scale, layer.k_scale, layer.v_scale)
+    hidden = hidden + layer.o(attn.reshape(t, c.q_size))
+    # MLP block.
+    x = rms_norm(hidden, layer.post_attn_norm, c.rms_norm_eps)
+    return hidden + layer.down(silu_and_mul(layer.gate_up(x)))
+
+
 class LlamaModel:
     """``forward(input_ids [T], meta, kv_caches, capture_hidden_layers) -> (hidden [T, H], captured)``.
 
@@ -72,19 +110,8 @@ class LlamaModel:
         # On CPU the logits matmul wants its own storage (backend/ops/cpu_matmul.py: fp16-packed or
         # column-major); a tied head then becomes a second copy, since the embedding gather needs rows.
         self.lm_head = cpu_matmul.prepare(lm_head)
-        self.layers: list[DecoderLayer] = []
         aot = getattr(attention, "aot", None)   # the bundle's cubins (GPU) serve the 4-bit GEMMs too
-        for i in range(config.num_layers):
-            p = f"layers.{i}"
-            lin = {name: make_linear(quant_format, _linear_tensors(weights, f"{p}.{name}"), dt, dev,
-                                     where=f"{p}.{name}", aot=aot)
-                   for name in ("qkv", "o", "gate_up", "down")}
-            ks, vs = weights.get(f"{p}.attn.k_scale"), weights.get(f"{p}.attn.v_scale")
-            self.layers.append(DecoderLayer(
-                input_norm=dense(f"{p}.input_norm.weight"),
-                post_attn_norm=dense(f"{p}.post_attn_norm.weight"),
-                k_scale=ks.to(dev).float().reshape(()) if ks is not None else None,
-                v_scale=vs.to(dev).float().reshape(()) if vs is not None else None, **lin))
+        self.layers = [build_layer(weights, i, quant_format, dt, dev, aot) for i in range(config.num_layers)]
         self._check_shapes()
         self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                     config.rope_scaling, dev)
@@ -124,25 +151,11 @@ class LlamaModel:
         if self.fused:
             return self._forward_fused(input_ids, meta, kv_caches, capture_hidden_layers)
         c = self.config
-        t = input_ids.shape[0]
         cos, sin = self.rope.tables(meta.positions, self.dtype)
         captured: dict[int, torch.Tensor] = {}
         hidden = F.embedding(input_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
-            # Attention block.
-            x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
-            qkv = layer.qkv(x)
-            q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)
-            q = apply_rope(q.view(t, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
-            v = v.view(t, c.num_kv_heads, c.head_dim)
-            k_cache, v_cache = kv_caches[i]
-            self.attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale)
-            attn = self.attention.forward(q, k_cache, v_cache, meta, self.scale, layer.k_scale, layer.v_scale)
-            hidden = hidden + layer.o(attn.reshape(t, c.q_size))
-            # MLP block.
-            x = rms_norm(hidden, layer.post_attn_norm, c.rms_norm_eps)
-            hidden = hidden + layer.down(silu_and_mul(layer.gate_up(x)))
+            hidden = decoder_layer(c, layer, hidden, cos, sin, self.attention, kv_caches[i], meta, self.scale)
             if i in capture_hidden_layers:
                 captured[i] = hidden
         return rms_norm(hidden, self.norm, c.rms_norm_eps), captured

@@ -17,6 +17,7 @@ from backend.ops.attention import get_backend, resolve_backend_name
 from backend.bundle import Bundle, BundleError, EngineSettings, Manifest, as_dict, load_bundle
 from backend.engine.kv_capacity import kv_bytes_per_token, kv_capacity_blocks
 from backend.logs import get_logger
+from backend.model import cpu_dtype, layer_probe
 from backend.model.config import ModelConfig
 from backend.model.llama import LlamaModel
 
@@ -29,21 +30,6 @@ KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3
 MODEL_CLASSES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel}
 # On CPU the KV pool comes from RAM shared with everything else; a tenth is plenty for serving.
 CPU_RAM_FRACTION = 0.1
-
-
-def cpu_has_native_bf16() -> bool:
-    """bf16 matmuls are only fast on CPUs with AVX512-BF16 or AMX; elsewhere (AVX2) PyTorch converts
-    element by element and a bf16 linear is several times SLOWER than fp32 (measured: 10x at M=1)."""
-    cap = torch.backends.cpu.get_cpu_capability()
-    return "BF16" in cap or "AMX" in cap
-
-
-def compute_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype the runner computes in when the caller does not choose: the bundle's, except on a
-    CPU without native bf16/fp16 math, where upcasting to fp32 is exact for the weights and faster."""
-    if device.type == "cpu" and model_dtype in (torch.bfloat16, torch.float16) and not cpu_has_native_bf16():
-        return torch.float32
-    return model_dtype
 
 
 class EngineError(ValueError):
@@ -106,7 +92,10 @@ class ModelRunner:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise EngineError("device 'cuda' requested but no CUDA GPU is visible; allowed here: cpu")
         cfg = spec.model
-        self.dtype = dtype or compute_dtype(cfg.torch_dtype, self.device)
+        try:
+            cpu_dtype.check(spec.engine.cpu_dtype)   # refused on every device, before any weight is read
+        except cpu_dtype.CpuDtypeError as exc:
+            raise EngineError(str(exc)) from exc
         backend_name = resolve_backend_name(spec.engine.attention_backend, str(self.device))
         self.attention = get_backend(backend_name, str(self.device))
         if self.device.type == "cuda" and spec.manifest.kernels and hasattr(self.attention, "load_aot"):
@@ -124,6 +113,9 @@ class ModelRunner:
                               f"which this runtime does not implement; allowed: at most {window}")
         cls = MODEL_CLASSES[cfg.architecture]
         weights = weights if weights is not None else load_weights(spec.path, self.device)
+        # what the model computes in, why, and the timings behind it (generate --json, /metrics)
+        self.dtype_choice = self._choose_dtype(dtype, weights, backend_name)
+        self.dtype = self.dtype_choice.dtype
         self.model = cls(cfg, weights, spec.quant_format, self.attention, self.device, self.dtype)
         del weights
 
@@ -150,6 +142,23 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.kv_storage_dtype, device=self.device))
                           for _ in range(cfg.num_layers)]
         self.graphs = self._decode_graphs(backend_name, max_seq)
+
+    def _choose_dtype(self, dtype: torch.dtype | None, weights: dict[str, torch.Tensor],
+                      backend_name: str) -> cpu_dtype.DtypeChoice:
+        """The caller's ``dtype`` when given (tests pin float32 for parity), else engine.cpu_dtype:
+        on a CPU, ``auto`` times one layer of this model in each candidate (backend/model/cpu_dtype.py)."""
+        if dtype is not None:
+            return cpu_dtype.DtypeChoice(dtype, "dtype=", "the caller's dtype argument")
+        kv_fp8 = KV_DTYPES.get(self.spec.kv_cache_dtype) == torch.float8_e4m3fn
+
+        def probe(dtypes):
+            return layer_probe.time_layers(self.spec, weights, dtypes, kv_fp8=kv_fp8)
+        # the probe runs the torch attention backend's ops: it says nothing of another backend's
+        choice = cpu_dtype.choose(self.spec.engine.cpu_dtype, self.spec.model.torch_dtype, self.device,
+                                  probe if backend_name == "torch" else None)
+        _LOG.info("compute dtype %s (engine.cpu_dtype %s): %s%s", choice.dtype, choice.asked, choice.reason,
+                  f"; decode-step estimates, ms: {choice.timings_ms}" if choice.timings_ms else "")
+        return choice
 
     def _decode_graphs(self, backend_name: str, max_seq: int):
         """engine.cuda_graphs: "auto" (default) = on for a CUDA device with the triton attention backend;

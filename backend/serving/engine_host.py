@@ -108,6 +108,9 @@ class EngineHost:
         # model runs several instances, so their executors' series stay apart)
         self.model_name = model_name
         self.metrics = ServingMetrics(pb, model_name, instance, version=version, nv_instance=nv_instance)
+        choice = getattr(getattr(self.executor, "runner", None), "dtype_choice", None)
+        if choice is not None:   # what this engine computes in and why (a stand-in executor has none)
+            self.metrics.compute_dtype(choice.as_dict())
         self._metrics_lock = threading.Lock()
         self._ids = itertools.count()
         self._prefix = f"{model_name}-{instance}-{os.getpid()}-"

@@ -13,6 +13,11 @@ in ``kiln_request_errors_total{model, instance, kind}`` (``RequestErrors``; the 
 loop died or a step hung) and follows the executor's ``preemptions`` and ``step_errors`` totals.
 Several stubs may create the same family: Triton keeps one family per name and every stub adds its
 own labelled series to it.
+
+What the engine computes in is exported once at load (``compute_dtype``):
+``kiln_engine_compute_dtype{dtype, asked} 1`` (the runner's dtype and ``engine.cpu_dtype``, or
+``dtype=``/``device``) and, when ``auto`` timed the candidates on a CPU,
+``kiln_engine_cpu_dtype_step_ms{dtype, shape}`` (the decode-step estimates it chose by).
 """
 from __future__ import annotations
 
@@ -144,6 +149,7 @@ class ServingMetrics:
         """``version`` given: also export tensorrtllm_backend's ``nv_trt_llm_*`` families
         (``nv_metrics.NvMetrics``, labelled model/version, plus ``nv_instance`` when given)."""
         labels = {"model": model, "instance": instance}
+        self.pb, self.labels = pb, labels
         mf = pb.MetricFamily
         # families must stay referenced: a metric is dropped when its family is collected
         self._families: list[Any] = []
@@ -186,6 +192,29 @@ class ServingMetrics:
                     self._counters[name].increment(total - last)
                 self._totals[name] = total
 
+    def compute_dtype(self, choice: Mapping[str, Any]) -> None:
+        """Export a ``DtypeChoice.as_dict()`` (backend/model/cpu_dtype.py); called once, at load."""
+        with _LOCK:
+            if self.closed:
+                return
+            mf = self.pb.MetricFamily
+            info = self._make(mf, "kiln_engine_compute_dtype", "What the engine computes in (value 1): dtype, "
+                              "and asked = engine.cpu_dtype (auto: measured at load), dtype= or device",
+                              mf.GAUGE, {**self.labels, "dtype": choice["dtype"], "asked": choice["asked"]})
+            info.set(1.0)
+            self._dtype_series = [info]   # a series lives while its Python object does
+            timed = choice.get("timings_ms") or {}
+            if timed:
+                fam = mf(name="kiln_engine_cpu_dtype_step_ms", kind=mf.GAUGE,
+                         description="engine.cpu_dtype auto: estimated decode-step ms of each candidate dtype "
+                                     "(one layer timed at load x layers + the logits matmul), by step shape")
+                self._families.append(fam)
+                for dtype, shapes in timed.items():
+                    for shape, ms in shapes.items():
+                        m = fam.Metric(labels={**self.labels, "dtype": dtype, "shape": shape})
+                        m.set(float(ms))
+                        self._dtype_series.append(m)
+
     def tokens(self, n: int) -> None:
         with _LOCK:
             if n and not self.closed:
@@ -211,7 +240,7 @@ class ServingMetrics:
         with _LOCK:
             self.closed = True
             self.errors.close()
-            self._gauges, self._counters = {}, {}
+            self._gauges, self._counters, self._dtype_series = {}, {}, []
             if self.nv is not None:
                 self.nv.close()
                 self.nv = None

@@ -131,7 +131,7 @@ def _engine_section(cfg) -> dict:
         "kv_block_size": e.kv_block_size,
         "kv_cache_dtype": bundle.default_kv_cache_dtype(cfg.quantization.kv_cache, cfg.model.dtype),
         "kv_cache_free_mem_fraction": e.kv_cache_free_mem_fraction, "max_kv_tokens": e.max_kv_tokens,
-        "cuda_graphs": e.cuda_graphs, "overlap_scheduling": e.overlap_scheduling,
+        "cuda_graphs": e.cuda_graphs, "overlap_scheduling": e.overlap_scheduling, "cpu_dtype": e.cpu_dtype,
         "enable_prefix_caching": e.enable_prefix_caching, "enable_chunked_prefill": e.enable_chunked_prefill,
         "scheduler_policy": e.scheduler_policy, "tp_size": e.tp_size, "attention_backend": e.attention_backend,
     }

@@ -120,7 +120,9 @@ def run(ctx: StageContext) -> dict:
     tok = load_tokenizer(bundle_dir)
     prompts = [tok.encode(t)[:MAX_PROMPT_TOKENS] for t in texts]
 
-    runner = ModelRunner(spec, device="cpu")
+    # fp32 like the reference: this measures what quantization costs, and the thresholds were set on
+    # fp32 compute; engine.cpu_dtype auto could pick bf16 on another CPU and add its rounding
+    runner = ModelRunner(spec, device="cpu", dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     agree = positions = 0
     kl_sum = 0.0

@@ -329,6 +329,7 @@ def test_overlap_scheduling_default_keeps_existing_build_hashes():
     base = BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-fp8.yaml")
     d = base.to_dict()
     del d["engine"]["overlap_scheduling"]
+    del d["engine"]["cpu_dtype"]   # the other key added since, neutral the same way
     from builder.config import _sha256_json
     assert base.section_hash("engine") == _sha256_json(d["engine"])
     on = BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-fp8.yaml", ["engine.overlap_scheduling=false"])
@@ -340,3 +341,18 @@ def test_overlap_scheduling_refuses_other_values_and_speculation():
         BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-fp8.yaml", ["engine.overlap_scheduling=maybe"])
     with pytest.raises(ConfigError, match=r"engine\.overlap_scheduling: true cannot run with speculative"):
         BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-bf16-eagle3.yaml", ["engine.overlap_scheduling=true"])
+
+
+@pytest.mark.parametrize("value", ["auto", "float32", "bfloat16"])
+def test_cpu_dtype_is_a_config_key_written_into_the_bundle(value):
+    from builder.stages.compile import _engine_section
+    cfg = BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-fp8.yaml", [f"engine.cpu_dtype={value}"])
+    assert cfg.engine.cpu_dtype == value and _engine_section(cfg)["cpu_dtype"] == value
+    base = BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-fp8.yaml")
+    # auto keeps every existing build's hash; a pinned dtype is another engine
+    assert (cfg.config_hash() == base.config_hash()) == (value == "auto")
+
+
+def test_cpu_dtype_refuses_other_values():
+    with pytest.raises(ConfigError, match=r"engine\.cpu_dtype: invalid value 'fp16'; allowed: auto \| float32 \| bfloat16"):
+        BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-fp8.yaml", ["engine.cpu_dtype=fp16"])

@@ -24,8 +24,10 @@ def eagle_overrides(verify: bool) -> list[str]:
         data.parent.mkdir(parents=True, exist_ok=True)
         data.write_text(text)
     # min_draft_prob 0: a draft trained this briefly is rarely confident, and the tests need drafts.
+    # cpu_dtype pinned: the serving tests compare the server's output with an executor of their own
+    # process, which under auto could each choose another dtype by timing at load.
     out = ["speculative.train.steps=24", "speculative.train.seq_len=64", f"speculative.train.dataset={data}",
-           "speculative.min_draft_prob=0"]
+           "speculative.min_draft_prob=0", "engine.cpu_dtype=float32"]
     return out + (["verify.num_prompts=2"] if verify else ["verify.enabled=false"])
 
 

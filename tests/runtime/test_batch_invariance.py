@@ -43,8 +43,11 @@ FORMATS = {
 
 
 def _executor(bundle: Path, weights, **overrides) -> Executor:
+    # cpu_dtype pinned: under auto each executor times its candidates at load, and the three of one
+    # case could choose differently on a busy machine (a "batch" difference that is not one)
     return Executor(bundle, weights=weights, start=False, verify_hashes=False,
-                    **{"max_kv_tokens": 16384, "max_batch_size": 64, "enable_prefix_caching": False, **overrides})
+                    **{"max_kv_tokens": 16384, "max_batch_size": 64, "enable_prefix_caching": False,
+                       "cpu_dtype": "float32", **overrides})
 
 
 def _generate(ex: Executor, prompts) -> list[tuple[list[int], list[float]]]:

@@ -9,7 +9,7 @@ import torch
 from backend.bundle import EngineSettings, Manifest, Quantization
 from backend.model.config import ModelConfig, ModelConfigError
 from backend.model.layers import RotaryEmbedding, rope_type
-from backend.model.runner import EngineError, EngineSpec, ModelRunner, compute_dtype
+from backend.model.runner import EngineError, EngineSpec, ModelRunner
 
 SMOL = {"architecture": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_layers": 30,
         "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "vocab_size": 49152, "rms_norm_eps": 1e-5,
@@ -55,9 +55,3 @@ def test_runner_refuses_sliding_window_beyond_max_seq_len():
     with pytest.raises(EngineError, match="engine.max_seq_len: 2048 exceeds the model's sliding_window"):
         ModelRunner(spec)
 
-
-def test_cpu_compute_dtype_policy():
-    cpu = torch.device("cpu")
-    assert compute_dtype(torch.float32, cpu) == torch.float32
-    native = "BF16" in torch.backends.cpu.get_cpu_capability() or "AMX" in torch.backends.cpu.get_cpu_capability()
-    assert compute_dtype(torch.bfloat16, cpu) == (torch.bfloat16 if native else torch.float32)

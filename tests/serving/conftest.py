@@ -33,10 +33,13 @@ def text_tokenizer(tokenizer_dir):
 
 
 # A small engine: a KV pool of 4096 tokens (256 blocks) so "all blocks free again" is meaningful and
-# 64 concurrent streams really compete for it; bf16 (faster than fp32 on CPU).
+# 64 concurrent streams really compete for it; a bf16 bundle (no quantize stage to build). Computed in
+# fp32 (engine.cpu_dtype): the tests compare the server's greedy text with an executor of this
+# process, and under auto each of the two would time its candidates at load and might choose apart.
 SERVING_CONFIG = "smollm2-135m-bf16"
 SERVING_OVERRIDES = ["engine.max_kv_tokens=4096", "engine.max_seq_len=1024", "engine.max_input_len=512",
-                     "engine.max_batch_size=64", "engine.max_num_tokens=1024", "verify.enabled=false"]
+                     "engine.max_batch_size=64", "engine.max_num_tokens=1024", "verify.enabled=false",
+                     "engine.cpu_dtype=float32"]
 
 
 @pytest.fixture(scope="session")

@@ -81,3 +81,19 @@ def test_request_errors_of_another_model_are_their_own_series():
     pre.count("invalid_request")
     got = {(dict(k)["model"], dict(k)["kind"]): v for k, v in _series("kiln_request_errors_total").items() if v}
     assert got == {("bls", "cancelled"): 1.0, ("preprocessing", "invalid_request"): 1.0}
+
+
+def test_compute_dtype_is_exported_with_the_timings_it_was_chosen_by():
+    _Family.made = []
+    pb = types.SimpleNamespace(MetricFamily=_Family)
+    sm = ServingMetrics(pb, "engine", "0")
+    sm.compute_dtype({"dtype": "float32", "asked": "auto", "reason": "r", "probe_s": 0.5,
+                      "timings_ms": {"float32": {"1 seq x 256 ctx": 40.0}, "bfloat16": {"1 seq x 256 ctx": 60.0}}})
+    info = _series("kiln_engine_compute_dtype")
+    assert info == {(("asked", "auto"), ("dtype", "float32"), ("instance", "0"), ("model", "engine")): 1.0}
+    step = {(dict(k)["dtype"], dict(k)["shape"]): v for k, v in _series("kiln_engine_cpu_dtype_step_ms").items()}
+    assert step == {("float32", "1 seq x 256 ctx"): 40.0, ("bfloat16", "1 seq x 256 ctx"): 60.0}
+    _Family.made = []
+    ServingMetrics(pb, "engine", "1").compute_dtype({"dtype": "bfloat16", "asked": "bfloat16", "timings_ms": {}})
+    assert list(_series("kiln_engine_compute_dtype").values()) == [1.0]
+    assert not _series("kiln_engine_cpu_dtype_step_ms")   # nothing timed: no series
