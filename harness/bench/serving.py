@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = _machine()
     try:
         out = run(a, url, tok)
+        if srv is not None:
+            out["engine_compute_dtype"] = engine_compute_dtype(srv.metrics_url)
     finally:
         if srv is not None:
             srv.stop()
@@ -178,25 +180,52 @@ def main(argv: list[str] | None = None) -> int:
     stem.parent.mkdir(parents=True, exist_ok=True)
     _write(report, out["rows"], stem, machine, started)  # kept even if the baseline is interrupted
     if a.baseline == "hf":
-        from harness.bench.hf_baseline import hf_throughput
+        from harness.bench.hf_baseline import hf_throughput, in_each_dtype
         prompts = load_prompts(a.prompts)
         n = max(a.baseline_batch * 2, 16)
         prompts = [prompts[i % len(prompts)] for i in range(n)]
-        print("running HF transformers generate baseline ...", flush=True)
-        hf = hf_throughput(prompts, a.max_tokens, a.baseline_batch, chat=True,
-                           checkpoint=repo.parent / "work" / "import")
+
+        def hf_run(dtype: str) -> dict[str, Any]:
+            print(f"running HF transformers generate baseline in {dtype} ...", flush=True)
+            return hf_throughput(prompts, a.max_tokens, a.baseline_batch, chat=True,
+                                 checkpoint=repo.parent / "work" / "import", dtype=dtype)
+        hf = in_each_dtype(hf_run, "output_token_throughput")
         report["baseline_hf"] = hf
-        ref = [r for r in out["rows"] if r["mode"] == "concurrency" and r["concurrency"] == a.baseline_batch]
-        if ref:
-            ratio = ref[0]["output_token_throughput"] / hf["output_token_throughput"]
-            report["ratio_vs_hf"] = {"kiln_model": ref[0]["model"], "concurrency": a.baseline_batch,
-                                     "kiln_tok_s": ref[0]["output_token_throughput"],
-                                     "hf_tok_s": hf["output_token_throughput"], "ratio": ratio}
-            print(f"Kiln ({ref[0]['model']}, {a.baseline_batch} streams) {ref[0]['output_token_throughput']:.1f} "
-                  f"tok/s vs HF generate (batch {a.baseline_batch}) {hf['output_token_throughput']:.1f} tok/s: "
-                  f"{ratio:.2f}x", flush=True)
+        ratio = ratio_vs_hf(out["rows"], hf, a.baseline_batch)
+        if ratio is not None:
+            report["ratio_vs_hf"] = ratio
+            print(f"Kiln ({ratio['kiln_model']}, {a.baseline_batch} streams) {ratio['kiln_tok_s']:.1f} tok/s vs "
+                  f"HF generate (batch {a.baseline_batch}, the faster: {hf['best']}) {ratio['hf_tok_s']:.1f} "
+                  f"tok/s: {ratio['ratio']:.2f}x ({', '.join(f'{k} {v:.2f}x' for k, v in ratio['ratio_each'].items())})",
+                  flush=True)
         _write(report, out["rows"], stem, machine, started)
     return 0
+
+
+def engine_compute_dtype(metrics_url: str) -> list[dict[str, str]]:
+    """What each engine instance computed in (engine.cpu_dtype's choice), from the server's
+    ``kiln_engine_compute_dtype`` series: one label set per instance."""
+    import re
+    import urllib.request
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError as exc:
+        return [{"error": str(exc)}]
+    return [dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            for m in re.finditer(r"^kiln_engine_compute_dtype\{([^}]*)\}", text, re.MULTILINE)]
+
+
+def ratio_vs_hf(rows: list[dict[str, Any]], hf: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
+    """Kiln's first model at ``concurrency`` streams against HF generate at that batch size: the ratio
+    to the faster of HF's dtypes (what a user comparing the two would pick), and to each."""
+    ref = [r for r in rows if r["mode"] == "concurrency" and r["concurrency"] == concurrency]
+    if not ref:
+        return None
+    kiln = ref[0]["output_token_throughput"]
+    return {"kiln_model": ref[0]["model"], "concurrency": concurrency, "kiln_tok_s": kiln,
+            "hf_dtype": hf["best"], "hf_tok_s": hf["best_tok_s"], "ratio": kiln / hf["best_tok_s"],
+            "ratio_each": {dt: kiln / r["output_token_throughput"] for dt, r in hf["runs"].items()}}
 
 
 def _write(report: dict[str, Any], rows: list[dict[str, Any]], stem: Path, machine: dict[str, Any],
