@@ -287,6 +287,8 @@ def test_custom_metrics_are_exported(triton_server):
                  "kiln_kv_blocks_cached", "kiln_prefix_cache_hit_rate", "kiln_generated_tokens_total",
                  "kiln_time_to_first_token_seconds_bucket", "kiln_time_per_output_token_seconds_count"):
         assert name + "{" in exported, name
+    # what the engine computes in, set at load: this build pins engine.cpu_dtype=float32
+    assert 'kiln_engine_compute_dtype{asked="float32",dtype="float32",' in exported
     assert {name: metric(triton_server, name) - before[name] for name in grown} == dict.fromkeys(grown, 1.0)
     assert metric(triton_server, "kiln_generated_tokens_total") > before["kiln_generated_tokens_total"]
 
