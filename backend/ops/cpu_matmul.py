@@ -29,9 +29,10 @@ the column-major path no longer hands 33 rows and more to MKL, as it did where M
 on an AVX2 machine: a decode step of more than 32 sequences gave each of them other logits than a
 smaller one. On the development VM oneDNN is faster than MKL at every row count measured (above).
 
-Only float32 compute: it is what CPUs without native bf16 compute in (``runner.compute_dtype``) and
-the only dtype measured here. Elsewhere (GPU, bf16) ``prepare`` returns the weight unchanged and
-``linear`` is ``F.linear``.
+Only float32 compute: what a CPU computes in unless ``engine.cpu_dtype`` chose bf16
+(backend/model/cpu_dtype.py, which times these float32 kernels against oneDNN's bf16 ``F.linear``
+on the model's own layer), and the only dtype measured here. Elsewhere (GPU, bf16) ``prepare``
+returns the weight unchanged and ``linear`` is ``F.linear``.
 """
 from __future__ import annotations
 
