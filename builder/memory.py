@@ -49,6 +49,13 @@ def checkpoint_params(hf_dir: Path) -> int:
     return Shards(hf_dir).numel()
 
 
+def largest_tensor(hf_dir: Path) -> int:
+    """Elements of the checkpoint's largest tensor, from its safetensors headers."""
+    from quant.stream import Shards  # noqa: PLC0415
+
+    return Shards(hf_dir).largest()
+
+
 def describe(stage: str, est: MemoryEstimate, limit: int, limit_source: str) -> str:
     gpu = f", GPU {gib(est.gpu_bytes)}" if est.gpu_bytes else ""
     return (f"[{stage}] estimated peak memory: host {gib(est.host_bytes)}{gpu} ({est.detail}); "

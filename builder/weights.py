@@ -41,7 +41,6 @@ class Checkpoint:
             with safe_open(str(shard), "pt") as f:
                 for name in f.keys():
                     self._where[name] = shard
-        self._handles: dict[Path, object] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -50,10 +49,10 @@ class Checkpoint:
         return list(self._where)
 
     def get(self, name: str) -> torch.Tensor:
-        shard = self._where[name]
-        if shard not in self._handles:
-            self._handles[shard] = safe_open(str(shard), "pt")
-        return self._handles[shard].get_tensor(name)
+        # Open per tensor: a handle kept open keeps every page read through its memory map resident,
+        # so packing grew by the whole checkpoint's size (issue #22, docs/perf/build-memory.json)
+        with safe_open(str(self._where[name]), "pt") as f:
+            return f.get_tensor(name)
 
     def quant_format(self) -> tuple[str, str | None, int | None]:
         """(weight format, kv cache algo, group size) from hf_quant_config.json, if any."""

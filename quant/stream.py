@@ -67,6 +67,14 @@ class Shards:
                         total += math.prod(f.get_slice(name).get_shape())
         return total
 
+    def largest(self) -> int:
+        """Elements of the largest tensor (the embedding, in a language model), from the headers."""
+        biggest = 0
+        for shard in sorted(set(self._where.values())):
+            with self._open(str(shard), "pt") as f:
+                biggest = max([biggest] + [math.prod(f.get_slice(n).get_shape()) for n in f.keys()])
+        return biggest
+
     def get(self, name: str):
         with self._open(str(self._where[name]), "pt") as f:
             return f.get_tensor(name)

@@ -19,3 +19,17 @@ def test_quantize_refuses_over_the_limit_and_says_what_to_change(tiny_llama_dir,
     assert any(line.startswith("[quantize] estimated peak memory: host ") for line in lines)
     assert not (tmp_path / "out" / "work" / "quantize").exists()
     assert (tmp_path / "out" / "work" / "import" / "stage.json").is_file()  # import has no model to hold
+
+
+def test_estimates_are_printed_and_a_fitting_build_runs(tiny_llama_dir, tmp_path):
+    cfg = BuildConfig.from_yaml("configs/smollm2-135m-fp8.yaml", [
+        f"model.source={tiny_llama_dir}", "quantization.calibration.num_samples=2",
+        "quantization.calibration.max_seq_len=32", "verify.enabled=false"])
+    lines: list[str] = []
+    result = run_pipeline(cfg, tmp_path / "out", until="compile", log=lines.append, memory_limit=64 << 30)
+    for stage in ("quantize", "compile"):
+        assert any(line.startswith(f"[{stage}] estimated peak memory: host ") and "--memory-limit 64.0 GiB" in line
+                   for line in lines), stage
+    from backend.bundle import load_bundle
+
+    assert load_bundle(result.bundle).manifest.quantization.format == "fp8"
