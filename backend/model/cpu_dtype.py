@@ -129,7 +129,11 @@ def choose(asked: str, model_dtype: torch.dtype, device: torch.device,
     if time_layers is None:
         return DtypeChoice(torch.float32, asked, f"{', '.join(native)} present; nothing timed: float32")
     start = time.perf_counter()
-    timings = time_layers((torch.float32, torch.bfloat16))
+    try:
+        timings = time_layers((torch.float32, torch.bfloat16))
+    except Exception as exc:  # noqa: BLE001 - a failed measurement must cost speed, never the engine
+        return DtypeChoice(torch.float32, asked, f"{', '.join(native)}; timing failed "
+                                                 f"({type(exc).__name__}: {exc}): float32")
     name, why = pick(timings)
     return DtypeChoice(CPU_DTYPES[name], asked, f"{', '.join(native)}; {why}", timings,
                        round(time.perf_counter() - start, 3))

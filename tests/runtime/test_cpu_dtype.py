@@ -21,7 +21,11 @@ def _timings(fp32_ms: float, bf16_ms: float):
     return time_layers
 
 
+TIMED: list = []
+
+
 def _never(dtypes):
+    TIMED.append(dtypes)   # choose() catches a failed timing: the tests look at this list
     raise AssertionError("nothing should be timed here")
 
 
@@ -43,6 +47,12 @@ def test_auto_times_both_on_a_bf16_cpu_and_takes_bf16_only_beyond_the_margin():
     assert lost.dtype == torch.float32 and set(lost.as_dict()["timings_ms"]) == {"float32", "bfloat16"}
 
 
+def test_a_failed_timing_keeps_fp32_and_says_why():
+    choice = cpu_dtype.choose("auto", torch.bfloat16, CPU, _never, BF16_CPU)
+    assert choice.dtype == torch.float32 and "timing failed (AssertionError: nothing should be timed" in choice.reason
+    TIMED.clear()
+
+
 def test_auto_times_nothing_where_bf16_is_not_a_candidate():
     no_bf16 = cpu_dtype.choose("auto", torch.bfloat16, CPU, _never, AVX2_CPU)
     assert no_bf16.dtype == torch.float32 and "no avx512_bf16" in no_bf16.reason and not no_bf16.timings_ms
@@ -52,6 +62,7 @@ def test_auto_times_nothing_where_bf16_is_not_a_candidate():
     # the GPU computes in the model dtype, whatever the CPU key says
     gpu = cpu_dtype.choose("float32", torch.bfloat16, torch.device("cuda"), _never, BF16_CPU)
     assert gpu.dtype == torch.bfloat16 and gpu.asked == "device"
+    assert not TIMED
 
 
 @pytest.mark.parametrize("asked, dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16)])
@@ -59,6 +70,7 @@ def test_explicit_values_override_without_timing(asked, dtype):
     for flags in (BF16_CPU, AVX2_CPU):
         choice = cpu_dtype.choose(asked, torch.bfloat16, CPU, _never, flags)
         assert (choice.dtype, choice.asked, choice.timings_ms) == (dtype, asked, {})
+    assert not TIMED
 
 
 def test_unknown_values_are_refused_with_the_allowed_list():
