@@ -35,8 +35,9 @@ def test_greedy_tokens_equal_torch_backend(device, build_bundle):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     results = {}
     for name in ("torch", "triton"):
-        ex = Executor(bundle, device=device, weights=weights, start=False, attention_backend=name,
-                      max_batch_size=4, kv_block_size=16, max_kv_tokens=1024)
+        # dtype pinned: engine.cpu_dtype auto would time bf16 vs fp32 for the torch backend only
+        ex = Executor(bundle, device=device, dtype=torch.float32, weights=weights, start=False,
+                      attention_backend=name, max_batch_size=4, kv_block_size=16, max_kv_tokens=1024)
         try:
             assert ex.runner.attention.name == name
             results[name] = [r.token_ids for r in ex.generate(prompts, params)]
