@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import io
 import json
 import math
@@ -250,6 +251,9 @@ def streamed_export(hf_dir: Path, out_dir: Path, cfg: dict, batches: list, progr
                                                         keep_outputs=i + 1 < n_layers)
         del tensors
         hidden = hidden_next
+        # The shell, its ModelOpt quantizers and the layer's fp32 weights form reference cycles:
+        # collect them now, or a layer or two of weights may linger until the cyclic collector runs
+        gc.collect()
         exported = {}
         for shard in sorted(work.glob("*.safetensors")):
             for n, t in load_file(str(shard)).items():
