@@ -385,6 +385,11 @@ def check_against_model(cfg: BuildConfig, model: dict[str, Any]) -> None:
         ok = [t for t in (1, 2, 4, 8) if kv % t == 0 and heads % t == 0]
         raise ConfigError(f, "engine.tp_size", f"{e.tp_size} does not divide the model's {kv} KV heads "
                           f"and {heads} attention heads", " | ".join(map(str, ok)))
+    if e.tp_size > 1:
+        # Refused rather than recorded: the runtime does not shard yet (issue #20), so such a bundle
+        # would load whole onto one GPU, which is not what the key says.
+        raise ConfigError(f, "engine.tp_size", f"{e.tp_size}: tensor parallelism is not implemented yet "
+                          f"(the runtime would load the whole model onto one GPU)", "1")
     mpe = model.get("max_position_embeddings")
     if mpe and e.max_seq_len > mpe:
         raise ConfigError(f, "engine.max_seq_len", f"{e.max_seq_len} exceeds the model's context of "

@@ -164,6 +164,9 @@ def test_config_is_frozen():
 
 @pytest.mark.parametrize("overrides, model, key, fragment", [
     (["engine.tp_size=2"], {}, "engine.tp_size", "does not divide the model's 3 KV heads"),
+    # a size that divides the heads is still refused while the runtime cannot shard (issue #20)
+    (["engine.tp_size=2"], {"num_kv_heads": 4, "num_heads": 8}, "engine.tp_size",
+     "2: tensor parallelism is not implemented yet"),
     (["engine.max_seq_len=9000", "engine.max_num_tokens=9000"], {}, "engine.max_seq_len", "exceeds the model's context of 8192"),
     (["quantization.format=int4_awq", "quantization.group_size=128"], {}, "quantization.group_size",
      "does not divide the model's hidden_size"),
