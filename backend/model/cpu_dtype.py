@@ -14,7 +14,9 @@ decides by evidence, in two steps:
    backend) and the logits matmul are timed at load in each candidate (``layer_probe``: a decode
    step estimated at 1 and 16 sequences, interleaved, median of several repetitions), and bf16 is
    chosen only when it is faster by ``MARGIN``: fp32 is the exact upcast of a bf16 checkpoint and the
-   numerics every parity test pins, so a tie keeps it.
+   numerics every parity test pins, so a tie keeps it. And only while bf16 keeps the batch
+   invariance contract, which it does not yet (``BF16_KEEPS_BATCH_INVARIANCE``): until then auto
+   reports what bf16 would gain here and computes in float32.
 
 Only bf16 checkpoints (and quantized ones whose model dtype is bf16) are candidates for bf16 under
 ``auto``: computing an fp32 or fp16 model in bf16 would lose precision the user did not ask to
@@ -39,6 +41,13 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # bf16 must take at most this share of fp32's time to be chosen (noise on a shared machine is
 # several percent between interleaved repetitions; a tie keeps the exact fp32 numerics)
 MARGIN = 0.9
+# bf16 compute does not keep docs/contracts.md's batch invariance yet: tests/runtime/test_batch_invariance.py
+# run on the bf16 bundle with engine.cpu_dtype=bfloat16 changed a request's logprobs with its batch
+# (2026-11-27, from the 5th generated token; each bf16 linear of SmolLM2's shapes and bf16 SDPA alone
+# gave the same rows at every batch size tried, and attention upcast to fp32 did not fix it, so the
+# cause is still to find). Until that test passes in bf16, auto measures and reports but keeps
+# float32; engine.cpu_dtype: bfloat16 runs bf16 anyway, without that guarantee.
+BF16_KEEPS_BATCH_INVARIANCE = False
 CPUINFO = Path("/proc/cpuinfo")
 
 
@@ -110,10 +119,11 @@ def pick(timings_ms: Mapping[str, Mapping[str, float]], margin: float = MARGIN) 
 
 def choose(asked: str, model_dtype: torch.dtype, device: torch.device,
            time_layers: Callable[[tuple[torch.dtype, ...]], dict[str, dict[str, float]]] | None = None,
-           flags: frozenset[str] | None = None) -> DtypeChoice:
+           flags: frozenset[str] | None = None, bf16_invariant: bool = BF16_KEEPS_BATCH_INVARIANCE) -> DtypeChoice:
     """The compute dtype for ``engine.cpu_dtype = asked``. ``time_layers(dtypes)`` -> {dtype name:
     {shape: median ms}} of one decoder layer in each (``layer_probe.time_layers``; tests inject
-    timings); ``flags``: the CPU's (default: ``/proc/cpuinfo``). On a GPU: the model dtype."""
+    timings); ``flags``: the CPU's (default: ``/proc/cpuinfo``); ``bf16_invariant``: whether auto
+    may take bf16 (``BF16_KEEPS_BATCH_INVARIANCE``). On a GPU: the model dtype."""
     pinned = check(asked)
     if device.type != "cpu":
         return DtypeChoice(model_dtype, "device", f"{device.type}: the model dtype (engine.cpu_dtype is for CPUs)")
@@ -135,6 +145,9 @@ def choose(asked: str, model_dtype: torch.dtype, device: torch.device,
         return DtypeChoice(torch.float32, asked, f"{', '.join(native)}; timing failed "
                                                  f"({type(exc).__name__}: {exc}): float32")
     name, why = pick(timings)
+    if name == "bfloat16" and not bf16_invariant:
+        name, why = "float32", (f"{why}, but bf16 compute does not keep batch invariance yet: float32 "
+                                f"(engine.cpu_dtype: bfloat16 runs it anyway)")
     return DtypeChoice(CPU_DTYPES[name], asked, f"{', '.join(native)}; {why}", timings,
                        round(time.perf_counter() - start, 3))
 

@@ -38,13 +38,20 @@ def test_cpu_flags_come_from_cpuinfo_text():
 
 
 def test_auto_times_both_on_a_bf16_cpu_and_takes_bf16_only_beyond_the_margin():
-    won = cpu_dtype.choose("auto", torch.bfloat16, CPU, _timings(10.0, 8.0), BF16_CPU)
+    won = cpu_dtype.choose("auto", torch.bfloat16, CPU, _timings(10.0, 8.0), BF16_CPU, bf16_invariant=True)
     assert won.dtype == torch.bfloat16 and won.asked == "auto" and "0.80x" in won.reason
     assert won.timings_ms["bfloat16"] == {"1 seq": 8.0, "16 seq": 16.0}
-    tie = cpu_dtype.choose("auto", torch.bfloat16, CPU, _timings(10.0, 9.5), BF16_CPU)
+    tie = cpu_dtype.choose("auto", torch.bfloat16, CPU, _timings(10.0, 9.5), BF16_CPU, bf16_invariant=True)
     assert tie.dtype == torch.float32 and "0.95x" in tie.reason   # a near tie keeps fp32's numerics
-    lost = cpu_dtype.choose("auto", torch.bfloat16, CPU, _timings(10.0, 13.0), BF16_CPU)
+    lost = cpu_dtype.choose("auto", torch.bfloat16, CPU, _timings(10.0, 13.0), BF16_CPU, bf16_invariant=True)
     assert lost.dtype == torch.float32 and set(lost.as_dict()["timings_ms"]) == {"float32", "bfloat16"}
+
+
+def test_auto_keeps_fp32_while_bf16_breaks_batch_invariance():
+    assert cpu_dtype.BF16_KEEPS_BATCH_INVARIANCE is False   # measured: see the constant's comment
+    faster = cpu_dtype.choose("auto", torch.bfloat16, CPU, _timings(10.0, 5.0), BF16_CPU)
+    assert faster.dtype == torch.float32 and "0.50x" in faster.reason and "batch invariance" in faster.reason
+    assert faster.timings_ms["bfloat16"]["1 seq"] == 5.0   # what bf16 would gain here is still reported
 
 
 def test_a_failed_timing_keeps_fp32_and_says_why():
@@ -109,8 +116,10 @@ def test_runner_computes_in_the_chosen_dtype_and_dtype_argument_wins(smollm2_bun
     assert r.dtype == r.model.dtype == torch.float32 and r.dtype_choice.asked == "dtype="
     auto = runner().dtype_choice          # whatever this machine measures, the runner follows it
     assert auto.asked == "auto" and auto.dtype in (torch.float32, torch.bfloat16)
-    if auto.timings_ms:
+    if auto.timings_ms and cpu_dtype.BF16_KEEPS_BATCH_INVARIANCE:
         assert cpu_dtype.pick(auto.timings_ms)[0] == str(auto.dtype).removeprefix("torch.")
+    elif not cpu_dtype.BF16_KEEPS_BATCH_INVARIANCE:
+        assert auto.dtype == torch.float32
     del r
     with pytest.raises(EngineError, match="engine.cpu_dtype: 'half'; allowed: auto, float32, bfloat16"):
         runner(cpu_dtype="half")
