@@ -1,6 +1,6 @@
 """Streamed quantization: one decoder layer resident at a time, exported shard by shard.
 
-    streamed_export(hf_dir, tmp_dir, cfg, batches, progress) -> (hf_quant, passes)
+    streamed_export(hf_dir, out_dir, cfg, batches, progress, fp32_suffixes) -> (hf_quant, passes)
 
 Why it gives the whole-model path's tensors: ModelOpt's `max` calibration (FP8, NVFP4, KV-only)
 runs the forward loop with every quantizer collecting ranges and NOT quantizing, so the input of
@@ -58,23 +58,20 @@ class Shards:
     def names(self) -> list[str]:
         return list(self._where)
 
-    def numel(self, prefix: str = "") -> int:
-        """Elements of the tensors whose names start with `prefix`, from the shard headers only."""
-        total = 0
+    def _sizes(self):
+        """(name, elements) of every tensor, from the shard headers only."""
         for shard in sorted(set(self._where.values())):
             with self._open(str(shard), "pt") as f:
                 for name in f.keys():
-                    if name.startswith(prefix):
-                        total += math.prod(f.get_slice(name).get_shape())
-        return total
+                    yield name, math.prod(f.get_slice(name).get_shape())
+
+    def numel(self, prefix: str = "") -> int:
+        """Elements of the tensors whose names start with `prefix`."""
+        return sum(n for name, n in self._sizes() if name.startswith(prefix))
 
     def largest(self) -> int:
-        """Elements of the largest tensor (the embedding, in a language model), from the headers."""
-        biggest = 0
-        for shard in sorted(set(self._where.values())):
-            with self._open(str(shard), "pt") as f:
-                biggest = max([biggest] + [math.prod(f.get_slice(n).get_shape()) for n in f.keys()])
-        return biggest
+        """Elements of the largest tensor (the embedding, in a language model)."""
+        return max(n for _, n in self._sizes())
 
     def get(self, name: str):
         with self._open(str(self._where[name]), "pt") as f:
@@ -87,18 +84,17 @@ class _Captured(Exception):
         self.kwargs = kwargs
 
 
-class _Capture:
-    """Stands in for layer 0: records what the model passes a decoder layer, then stops the pass."""
+def _capture():
+    import torch  # noqa: PLC0415
 
-    def __new__(cls):
-        import torch  # noqa: PLC0415
+    class Capture(torch.nn.Module):
+        """Stands in for layer 0: records what the model passes a decoder layer, then stops the pass."""
 
-        class Capture(torch.nn.Module):
-            def forward(self, hidden_states, *args, **kwargs):
-                assert not args, "decoder layers take everything but the hidden states by keyword"
-                raise _Captured(kwargs)
+        def forward(self, hidden_states, *args, **kwargs):
+            assert not args, "decoder layers take everything but the hidden states by keyword"
+            raise _Captured(kwargs)
 
-        return Capture()
+    return Capture()
 
 
 def _pass_through():
@@ -136,16 +132,18 @@ def _meta_model(config):
     return model
 
 
-def _layer_inputs(shards: Shards, config, batches: list) -> tuple[list, dict]:
-    """(hidden states per batch in fp32, the keyword arguments the model gives every layer)."""
+def _layer_inputs(shards: Shards, config, batches: list) -> tuple[list, list[dict]]:
+    """(hidden states per batch in fp32, per batch the keyword arguments the model gives a layer:
+    mask, position ids and rotary tables, computed by the model's own forward)."""
     import torch  # noqa: PLC0415
 
     embed = shards.get("model.embed_tokens.weight")
-    # an fp32 lookup of bf16 rows = the whole-model path's lookup in its upcast fp32 table
+    # Llama, Mistral and Qwen2 (Kiln's architectures) embed by a plain lookup, no scale; an fp32
+    # lookup of bf16 rows = the whole-model path's lookup in its upcast fp32 table
     hidden = [embed[ids].float() for ids in batches]
     del embed
     model = _meta_model(config)
-    model.model.layers = torch.nn.ModuleList([_Capture()])
+    model.model.layers = torch.nn.ModuleList([_capture()])
     kwargs = []
     for h in hidden:
         try:
