@@ -101,6 +101,19 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(exact):
         assert torch.equal(cpu_matmul.linear(batch, p)[rows // 2], alone[0]), rows
 
 
+def test_bf16_rows_do_not_depend_on_the_other_rows():
+    """bf16 compute (engine.cpu_dtype: bfloat16) goes through F.linear, whose single-row kernel sums
+    in another order for some inputs (here: 1 of 20 seeds at SmolLM2's down projection shape, and the
+    real activations of a decode step): ``linear`` runs one row as two."""
+    g = torch.Generator().manual_seed(0)
+    for seed in range(20):
+        x = torch.randn(9, 1536, generator=g).bfloat16()
+        w = (torch.randn(576, 1536, generator=g) * 0.02).bfloat16()
+        full = cpu_matmul.linear(x, w)
+        assert torch.equal(cpu_matmul.linear(x[:1], w), full[:1]), seed
+        assert torch.equal(cpu_matmul.linear(x[0], w), full[0]), seed   # a 1-D row too
+
+
 @needs_fbgemm
 def test_model_linears_take_the_storage_their_values_allow():
     w = fp16_exact(32, 16)
