@@ -136,9 +136,8 @@ class EngineConfig:
     # the host schedules step n+1 while the device runs step n: auto = on a GPU unless speculative
     # decoding is on (its drafts need each step's tokens on the host); true on CPU = same loop, no gain
     overlap_scheduling: str | bool = opt("auto", choices=("auto", True, False), allowed="auto | true | false")
-    # compute dtype on a CPU: auto = bf16 where the CPU has bf16 instructions, one decoder layer
-    # measured faster in it at load, and bf16 keeps batch invariance (not yet: auto = fp32 today),
-    # else fp32 (backend/model/cpu_dtype.py); ignored on a GPU
+    # compute dtype on a CPU: auto = bf16 where the CPU has bf16 instructions and one decoder layer
+    # measured faster in it at load, else fp32 (backend/model/cpu_dtype.py); ignored on a GPU
     cpu_dtype: str = opt("auto", choices=("auto", "float32", "bfloat16"))
 
 

@@ -15,8 +15,7 @@ decides by evidence, in two steps:
    step estimated at 1 and 16 sequences, interleaved, median of several repetitions), and bf16 is
    chosen only when it is faster by ``MARGIN``: fp32 is the exact upcast of a bf16 checkpoint and the
    numerics every parity test pins, so a tie keeps it. And only while bf16 keeps the batch
-   invariance contract, which it does not yet (``BF16_KEEPS_BATCH_INVARIANCE``): until then auto
-   reports what bf16 would gain here and computes in float32.
+   invariance contract (``BF16_KEEPS_BATCH_INVARIANCE``, tested).
 
 Only bf16 checkpoints (and quantized ones whose model dtype is bf16) are candidates for bf16 under
 ``auto``: computing an fp32 or fp16 model in bf16 would lose precision the user did not ask to
@@ -41,13 +40,12 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # bf16 must take at most this share of fp32's time to be chosen (noise on a shared machine is
 # several percent between interleaved repetitions; a tie keeps the exact fp32 numerics)
 MARGIN = 0.9
-# bf16 compute does not keep docs/contracts.md's batch invariance yet: tests/runtime/test_batch_invariance.py
-# run on the bf16 bundle with engine.cpu_dtype=bfloat16 changed a request's logprobs with its batch
-# (2026-11-27, from the 5th generated token; each bf16 linear of SmolLM2's shapes and bf16 SDPA alone
-# gave the same rows at every batch size tried, and attention upcast to fp32 did not fix it, so the
-# cause is still to find). Until that test passes in bf16, auto measures and reports but keeps
-# float32; engine.cpu_dtype: bfloat16 runs bf16 anyway, without that guarantee.
-BF16_KEEPS_BATCH_INVARIANCE = False
+# Whether bf16 compute keeps docs/contracts.md's batch invariance, so that auto may choose it. It did
+# not at first (a lone decode row got other bits from bf16 F.linear's one-row kernel; cpu_matmul
+# now runs one row as two); since then tests/runtime/test_batch_invariance.py passes with
+# engine.cpu_dtype=bfloat16 for all five formats (2026-11-27; its fp8 bf16 case runs in CI). Set it
+# False if that case fails: auto then measures and reports but computes in float32.
+BF16_KEEPS_BATCH_INVARIANCE = True
 CPUINFO = Path("/proc/cpuinfo")
 
 
@@ -146,7 +144,7 @@ def choose(asked: str, model_dtype: torch.dtype, device: torch.device,
                                                  f"({type(exc).__name__}: {exc}): float32")
     name, why = pick(timings)
     if name == "bfloat16" and not bf16_invariant:
-        name, why = "float32", (f"{why}, but bf16 compute does not keep batch invariance yet: float32 "
+        name, why = "float32", (f"{why}, but bf16 compute does not keep batch invariance: float32 "
                                 f"(engine.cpu_dtype: bfloat16 runs it anyway)")
     return DtypeChoice(CPU_DTYPES[name], asked, f"{', '.join(native)}; {why}", timings,
                        round(time.perf_counter() - start, 3))

@@ -47,11 +47,13 @@ def test_auto_times_both_on_a_bf16_cpu_and_takes_bf16_only_beyond_the_margin():
     assert lost.dtype == torch.float32 and set(lost.as_dict()["timings_ms"]) == {"float32", "bfloat16"}
 
 
-def test_auto_keeps_fp32_while_bf16_breaks_batch_invariance():
-    assert cpu_dtype.BF16_KEEPS_BATCH_INVARIANCE is False   # measured: see the constant's comment
-    faster = cpu_dtype.choose("auto", torch.bfloat16, CPU, _timings(10.0, 5.0), BF16_CPU)
+def test_auto_keeps_fp32_where_bf16_would_break_batch_invariance():
+    faster = cpu_dtype.choose("auto", torch.bfloat16, CPU, _timings(10.0, 5.0), BF16_CPU, bf16_invariant=False)
     assert faster.dtype == torch.float32 and "0.50x" in faster.reason and "batch invariance" in faster.reason
     assert faster.timings_ms["bfloat16"]["1 seq"] == 5.0   # what bf16 would gain here is still reported
+    # tests/runtime/test_batch_invariance.py's bf16-compute case is what allows the default
+    default = cpu_dtype.choose("auto", torch.bfloat16, CPU, _timings(10.0, 5.0), BF16_CPU)
+    assert default.dtype == (torch.bfloat16 if cpu_dtype.BF16_KEEPS_BATCH_INVARIANCE else torch.float32)
 
 
 def test_a_failed_timing_keeps_fp32_and_says_why():
