@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -19,6 +16,7 @@ import requests
 from harness.model_names import DEFAULT as NAMES
 from harness.serving_client import grpc_generate
 from harness.serving_server import free_port
+from tests.serving.serve_process import READY, start_serve
 
 MODEL = "smollm2-135m-bf16"   # the serving build's config stem: the model id the front door serves
 ASK = "Tell me about Paris"   # greedy answers run on for many tokens: finish_reason "length"
@@ -52,22 +50,9 @@ def run_stack(serving_build: Path):
     """Generator behind the ``stack`` fixture: start, yield the Stack, stop with make serve's Ctrl-C."""
     ports = [free_port() for _ in range(4)]
     assert len(set(ports)) == 4
-    proc = subprocess.Popen([sys.executable, "-m", "harness.serve", "--model-repository",
-                             str(serving_build / "model_repository"), "--http-port", str(ports[0]),
-                             "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-                             "--openai-port", str(ports[3])],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
+    proc, lines = start_serve(serving_build / "model_repository", ports)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C stops the server" in line:
-                break
-        assert "Ctrl-C stops the server" in "".join(lines), "".join(lines)
+        assert READY in "".join(lines), "".join(lines)
         yield Stack(proc, "".join(lines), ports)
         # make serve's Ctrl-C stops the front door too, and the whole thing exits cleanly
         proc.send_signal(signal.SIGINT)

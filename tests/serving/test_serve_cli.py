@@ -2,10 +2,7 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -13,6 +10,7 @@ import pytest
 from harness.serving_client import http_generate
 from harness.model_names import DEFAULT as NAMES
 from harness.serving_server import free_port, stub_processes
+from tests.serving.serve_process import server_pid, start_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -34,23 +32,9 @@ def _group_members(pgid: int) -> list[int]:
 def test_serve_starts_answers_and_stops_cleanly(serving_build, sig):
     ports = [free_port() for _ in range(3)]
     assert len(set(ports)) == 3
-    proc = subprocess.Popen([sys.executable, "-m", "harness.serve", "--model-repository",
-                             str(serving_build / "model_repository"), "--http-port", str(ports[0]),
-                             "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, pid = [], None
+    proc, lines = start_serve(serving_build / "model_repository", ports)
+    pid = server_pid(lines)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"pid\s+(\d+)", line)
-            if m:
-                pid = int(m.group(1))
-            if "Ctrl-C stops the server" in line:
-                break
         out = "".join(lines)
         assert pid is not None, out
         assert f"127.0.0.1:{ports[0]}" in out and "harness.client" in out and "generate_stream" in out
@@ -79,21 +63,8 @@ def test_serve_starts_answers_and_stops_cleanly(serving_build, sig):
 
 def _start_serve(serving_build, repo=None):
     ports = [free_port() for _ in range(3)]
-    proc = subprocess.Popen([sys.executable, "-m", "harness.serve", "--model-repository",
-                             str(repo or serving_build / "model_repository"), "--http-port", str(ports[0]),
-                             "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, pid = [], None
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"pid\s+(\d+)", line)
-        pid = int(m.group(1)) if m and pid is None else pid
-        if "Ctrl-C stops the server" in line:
-            break
+    proc, lines = start_serve(repo or serving_build / "model_repository", ports)
+    pid = server_pid(lines)
     assert pid is not None, "".join(lines)
     return proc, pid, ports
 
