@@ -10,6 +10,9 @@ Read from config.json and the safetensors headers only. Bytes per parameter of e
   copies: 10), the calibration activations twice (a layer's inputs and outputs), one batch's MLP
   activations; or, when larger, the embedding (mapped pages + the copy read out: 4), read to embed
   the calibration rows and again to write it.
+* streamed, GPU: the GPU holds one layer in bf16 with ModelOpt's and the export's copies (4 x 2),
+  the activations twice in bf16 and one batch's MLP activations; the host the layer's mapped pages
+  and its export read back (2 + 2), or the embedding phase.
 Constants checked against docs/perf/build-memory.json (peak RSS measured per stage).
 """
 from __future__ import annotations
@@ -53,10 +56,15 @@ def quantize_memory(hf_dir: str | Path, qcfg: Any, path: str = "auto", cuda: boo
         act = batch * (vocab + 4 * inter + 8 * hidden) * 4
         return QuantMemory(chosen, BASE_BYTES + 8 * params + act, 0,
                            f"whole model: {params / 1e9:.2f} B parameters in fp32 + export")
+    embed_phase = 4 * vocab * hidden
+    if cuda:
+        gpu = 8 * layer + 2 * tokens * hidden * 2 + batch * (4 * inter + 8 * hidden) * 2
+        return QuantMemory(chosen, BASE_BYTES + max(4 * layer, embed_phase), gpu,
+                           f"streamed on the GPU: one layer of {layer / 1e6:.0f} M parameters in bf16, "
+                           f"{tokens} calibration tokens")
     acts = 2 * tokens * hidden * 4
     layer_phase = 10 * layer + batch * (4 * inter + 8 * hidden) * 4
     # the embedding (the largest non-layer tensor): its mapped shard pages plus the copy read out
-    embed_phase = 4 * vocab * hidden
     return QuantMemory(chosen, BASE_BYTES + acts + max(layer_phase, embed_phase), 0,
                        f"streamed: one layer of {layer / 1e6:.0f} M parameters in fp32, "
                        f"{tokens} calibration tokens")

@@ -118,14 +118,21 @@ def _skeleton(hf_dir: Path):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(hf_dir)))
 
 
-def _load_model(hf_dir: Path, device: str):
+def _compute_dtype(device: str):
+    """Calibrate in bf16 on a GPU (the checkpoint's own dtype: half the memory, tensor-core
+    speed); on a CPU in fp32, which upcasts the bf16 weights exactly and runs ModelOpt's
+    fake-quantization about twice as fast (CPUs lack fast bf16 elementwise kernels). Both paths
+    use it, so the streamed export matches the whole-model one on the same device. The export is
+    written in bf16 either way."""
     import torch  # noqa: PLC0415
+
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def _load_model(hf_dir: Path, device: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
-    # Calibrate in bf16 on a GPU; on a CPU in fp32, which upcasts the bf16 weights exactly and runs
-    # ModelOpt's fake-quantization about twice as fast (CPUs lack fast bf16 elementwise kernels).
-    # The export is written in bf16 either way.
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = _compute_dtype(device)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     # export_hf_checkpoint iterates config.architectures; a checkpoint converted from GGUF has None
@@ -250,7 +257,8 @@ def _streamed(hf_dir: Path, tmp: Path, settings: QuantSettings, cfg: dict, devic
     batches = calib.batches(settings.max_batch_tokens)
     t = time.perf_counter()
     # calibration and export interleave (layer by layer): one figure for both
-    hf_quant, passes = streamed_export(hf_dir, tmp, cfg, batches, progress, FP32_SUFFIXES)
+    hf_quant, passes = streamed_export(hf_dir, tmp, cfg, batches, progress, FP32_SUFFIXES, device=device,
+                                       dtype=_compute_dtype(device))
     timings["calibrate_export_s"] = time.perf_counter() - t
     return hf_quant, calib, batches, passes
 
@@ -261,12 +269,13 @@ RUNNERS = {"whole": _whole_model, "streamed": _streamed}
 
 
 def quantize_checkpoint(hf_dir: str | Path, out_dir: str | Path, qcfg: Any,
-                        progress: Progress | None = None, path: str = "auto") -> dict:
+                        progress: Progress | None = None, path: str = "auto", device: str | None = None) -> dict:
     """Quantize `hf_dir` per `qcfg` and write the ModelOpt unified HF checkpoint to `out_dir`.
 
     `path` picks the whole-model or the streamed (layer by layer, bounded memory) calibration;
     "auto" streams formats that allow it when the fp32 weights exceed STREAM_ABOVE_BYTES. Both
     write the same tensors (docs/contracts.md); the streamed export is sharded per layer.
+    `device` ("cuda", "cpu"; None: the GPU when there is one) is where either path calibrates.
     Returns (and writes to `out_dir/kiln_quant.json`) the format, kv_cache, group_size, exclude
     patterns, ModelOpt's `quant_algo`/`exclude_modules`, tool versions, device, path, calibration
     stats and the seconds per phase. Raises QuantConfigError / CalibrationDataError (ValueError)
@@ -287,8 +296,7 @@ def quantize_checkpoint(hf_dir: str | Path, out_dir: str | Path, qcfg: Any,
     group_size = check_group_size(settings.format, settings.group_size, _quantized_linears(skeleton, exclude))
     del skeleton
     chosen = choose_path(settings.format, hf_dir, path)
-    # The stream runs on the CPU for now: layers on the GPU are the next step of issue #22
-    device = "cuda" if torch.cuda.is_available() and chosen == "whole" else "cpu"
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = modelopt_config(settings.format, settings.kv_cache, group_size, exclude)
 
     tmp = out_dir.parent / f"{out_dir.name}.tmp-{os.getpid()}"
@@ -329,6 +337,7 @@ def _info(settings: QuantSettings, group_size, exclude, hf_quant: dict, calib: d
         "tools": {"modelopt": modelopt.__version__, "torch": torch.__version__,
                   "transformers": transformers.__version__},
         "device": device,
+        "dtype": str(_compute_dtype(device)).removeprefix("torch."),
         "calibration": dict(calib, passes=passes),
         "timings": {k: round(v, 3) for k, v in timings.items()},
     }

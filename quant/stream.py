@@ -1,6 +1,7 @@
 """Streamed quantization: one decoder layer resident at a time, exported shard by shard.
 
-    streamed_export(hf_dir, out_dir, cfg, batches, progress, fp32_suffixes) -> (hf_quant, passes)
+    streamed_export(hf_dir, out_dir, cfg, batches, progress, fp32_suffixes, device="cpu", dtype=None)
+        -> (hf_quant, passes)
 
 Why it gives the whole-model path's tensors: ModelOpt's `max` calibration (FP8, NVFP4, KV-only)
 runs the forward loop with every quantizer collecting ranges and NOT quantizing, so the input of
@@ -14,7 +15,13 @@ vocabulary cut to 2 (the shell's embedding and head are throw-aways). Algorithms
 weights or search over quantized forwards (AWQ, SmoothQuant) see different activations per layer
 than a whole-model pass: `quant.recipes.Recipe.streamable` keeps them on the whole-model path.
 
-Host memory: one layer in fp32 plus its export, the embedding in the checkpoint dtype while the
+On a GPU (`device="cuda"`, `dtype=torch.bfloat16`: what the whole-model GPU path calibrates in)
+one layer's weights are copied to the device as it is reached, the captured activations stay there
+when two copies fit beside a layer (else in host memory, each batch copied over for its forward),
+and each layer's export comes back to the host through the files ModelOpt writes. The same code
+runs with `device="cpu"`; in fp32 it is today's CPU path, bit for bit.
+
+Host memory (CPU): one layer in fp32 plus its export, the embedding in the checkpoint dtype while the
 calibration inputs are embedded, and two copies of the calibration activations (tokens x hidden x
 4 bytes each): see `quant.memory`.
 """
@@ -118,7 +125,7 @@ def _config(hf_dir: Path):
     return config
 
 
-def _meta_model(config):
+def _meta_model(config, device: str = "cpu"):
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
@@ -127,28 +134,46 @@ def _meta_model(config):
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
         raise StreamUnsupported(f"{type(model).__name__}: no model.layers / model.rotary_emb to stream")
-    # rotary tables are computed, not stored: rebuild them on the CPU
-    inner.rotary_emb = type(inner.rotary_emb)(config=config, device="cpu")
+    # rotary tables are computed, not stored: rebuild them where the layers run
+    inner.rotary_emb = type(inner.rotary_emb)(config=config, device=device)
     return model
 
 
-def _layer_inputs(shards: Shards, config, batches: list) -> tuple[list, list[dict]]:
-    """(hidden states per batch in fp32, per batch the keyword arguments the model gives a layer:
-    mask, position ids and rotary tables, computed by the model's own forward)."""
+def activation_device(device: str, activation_bytes: int, layer_bytes: int, free_bytes: int | None = None) -> str:
+    """Where the calibration activations live: on `device` when two copies of them (a layer's
+    inputs and outputs) fit with room for a layer being quantized (its weights, ModelOpt's
+    quantized copy and the export's: 4x) in 90% of the device's free memory; else on the host."""
+    import torch  # noqa: PLC0415
+
+    if torch.device(device).type == "cpu":
+        return "cpu"
+    if free_bytes is None:
+        free_bytes = torch.cuda.mem_get_info(torch.device(device))[0]
+    return device if 2 * activation_bytes + 4 * layer_bytes <= 0.9 * free_bytes else "cpu"
+
+
+def _layer_inputs(shards: Shards, config, batches: list, device: str, dtype) -> tuple[list, list[dict]]:
+    """(hidden states per batch in `dtype`, on `device` or the host per `activation_device`; per
+    batch the keyword arguments the model gives a layer (mask, position ids and rotary tables,
+    computed by the model's own forward, on `device`)."""
     import torch  # noqa: PLC0415
 
     embed = shards.get("model.embed_tokens.weight")
     # Llama, Mistral and Qwen2 (Kiln's architectures) embed by a plain lookup, no scale; an fp32
-    # lookup of bf16 rows = the whole-model path's lookup in its upcast fp32 table
-    hidden = [embed[ids].float() for ids in batches]
+    # lookup of bf16 rows = the whole-model path's lookup in its upcast fp32 table (in bf16: its
+    # lookup in the bf16 table)
+    hidden = [embed[ids].to(dtype) for ids in batches]
     del embed
-    model = _meta_model(config)
+    layer_bytes = shards.numel(f"{LAYER_PREFIX}0.") * dtype.itemsize
+    store = activation_device(device, sum(h.numel() * h.element_size() for h in hidden), layer_bytes)
+    hidden = [h.to(store) for h in hidden]
+    model = _meta_model(config, device)
     model.model.layers = torch.nn.ModuleList([_capture()])
     kwargs = []
     for h in hidden:
         try:
             with torch.no_grad():
-                model.model(inputs_embeds=h, use_cache=False)
+                model.model(inputs_embeds=h.to(device), use_cache=False)
         except _Captured as c:
             kwargs.append(c.kwargs)
         else:
@@ -156,15 +181,16 @@ def _layer_inputs(shards: Shards, config, batches: list) -> tuple[list, list[dic
     return hidden, kwargs
 
 
-def _shell(config, index: int, layer_tensors: dict):
-    """The model class with layer `index` real (fp32 weights), the layers before it pass-throughs."""
+def _shell(config, index: int, layer_tensors: dict, device: str, dtype):
+    """The model class with layer `index` real (its weights as given), the layers before it
+    pass-throughs, the throw-away embedding, norm and head on `device` in `dtype`."""
     import torch  # noqa: PLC0415
 
     shell_cfg = copy.deepcopy(config)
     shell_cfg.vocab_size = 2
     # special token ids must index the 2-row embedding
     shell_cfg.pad_token_id = shell_cfg.bos_token_id = shell_cfg.eos_token_id = None
-    model = _meta_model(shell_cfg)
+    model = _meta_model(shell_cfg, device)
     inner = model.model
     layer = inner.layers[index]
     missing, unexpected = layer.load_state_dict(layer_tensors, strict=False, assign=True)
@@ -172,9 +198,9 @@ def _shell(config, index: int, layer_tensors: dict):
         raise StreamUnsupported(f"layer {index}: missing {missing[:4]}, unexpected {unexpected[:4]} tensors")
     inner.layers = torch.nn.ModuleList([_pass_through() for _ in range(index)] + [layer])
     hidden = config.hidden_size
-    inner.embed_tokens = torch.nn.Embedding(2, hidden)
-    inner.norm = type(inner.norm)(hidden, eps=getattr(config, "rms_norm_eps", 1e-6))
-    model.lm_head = torch.nn.Linear(hidden, 2, bias=False)
+    inner.embed_tokens = torch.nn.Embedding(2, hidden, device=device, dtype=dtype)
+    inner.norm = type(inner.norm)(hidden, eps=getattr(config, "rms_norm_eps", 1e-6)).to(device=device, dtype=dtype)
+    model.lm_head = torch.nn.Linear(hidden, 2, bias=False, device=device, dtype=dtype)
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = inner.embed_tokens.weight  # the export checks declared ties
     model.config.architectures = list(config.architectures or [type(model).__name__])
@@ -184,13 +210,14 @@ def _shell(config, index: int, layer_tensors: dict):
 
 
 def _quantize_layer(config, index: int, tensors: dict, cfg: dict, inputs: list, kwargs: list,
-                    out_dir: Path, keep_outputs: bool) -> tuple[list, dict, int]:
-    """Calibrate and export layer `index`; returns (its outputs per batch, hf_quant, passes)."""
+                    out_dir: Path, keep_outputs: bool, device: str, dtype) -> tuple[list, dict, int]:
+    """Calibrate and export layer `index` (its `tensors` already on `device` in `dtype`); returns
+    (its outputs per batch, each where its input was kept, hf_quant, passes)."""
     import modelopt.torch.quantization as mtq  # noqa: PLC0415
     import torch  # noqa: PLC0415
     from modelopt.torch.export import export_hf_checkpoint  # noqa: PLC0415
 
-    model, layer = _shell(config, index, tensors)
+    model, layer = _shell(config, index, tensors, device, dtype)
     outputs: list = []
     passes = [0]
 
@@ -198,12 +225,12 @@ def _quantize_layer(config, index: int, tensors: dict, cfg: dict, inputs: list, 
         passes[0] += 1
         with torch.no_grad():
             for h, kw in zip(inputs, kwargs):
-                out = layer(h, **kw)
+                out = layer(h.to(device), **kw)
                 out = out[0] if isinstance(out, tuple) else out
                 # `max` calibration runs once with quantizers only observing: these are the
                 # unquantized outputs the whole-model pass would feed to the next layer
                 if keep_outputs and passes[0] == 1:
-                    outputs.append(out)
+                    outputs.append(out.to(h.device))
 
     # ModelOpt prints its config and quantizer count per call: once (layer 0) says it all
     quiet = contextlib.redirect_stdout(io.StringIO()) if index else contextlib.nullcontext()
@@ -224,10 +251,11 @@ def _bf16(t):
 
 
 def streamed_export(hf_dir: Path, out_dir: Path, cfg: dict, batches: list, progress: Progress,
-                    fp32_suffixes: tuple[str, ...]) -> tuple[dict, int]:
+                    fp32_suffixes: tuple[str, ...], device: str = "cpu", dtype=None) -> tuple[dict, int]:
     """Write the unified HF checkpoint of `hf_dir` quantized per `cfg` into `out_dir` (which
     exists and is empty): one safetensors shard per decoder layer and one per other tensor, an index,
-    config.json and hf_quant_config.json. Returns (hf_quant_config's "quantization", passes)."""
+    config.json and hf_quant_config.json. Layers are calibrated on `device` in `dtype` (fp32 when
+    None). Returns (hf_quant_config's "quantization", passes)."""
     import torch  # noqa: PLC0415
     from safetensors.torch import load_file, save_file  # noqa: PLC0415
 
@@ -235,7 +263,8 @@ def streamed_export(hf_dir: Path, out_dir: Path, cfg: dict, batches: list, progr
     config = _config(hf_dir)
     n_layers = config.num_hidden_layers
     names = shards.names()
-    hidden, kwargs = _layer_inputs(shards, config, batches)
+    dtype = dtype or torch.float32
+    hidden, kwargs = _layer_inputs(shards, config, batches, device, dtype)
     weight_map: dict[str, str] = {}
     exclude_modules: set[str] = set()
     hf_quant: dict = {}
@@ -243,10 +272,11 @@ def streamed_export(hf_dir: Path, out_dir: Path, cfg: dict, batches: list, progr
     work = out_dir / ".layer-export"
     for i in range(n_layers):
         prefix = f"{LAYER_PREFIX}{i}."
-        tensors = {n[len(prefix):]: shards.get(n).float() for n in names if n.startswith(prefix)}
+        tensors = {n[len(prefix):]: shards.get(n).to(device=device, dtype=dtype) for n in names
+                   if n.startswith(prefix)}
         shutil.rmtree(work, ignore_errors=True)
         hidden_next, hf_quant, passes = _quantize_layer(config, i, tensors, cfg, hidden, kwargs, work,
-                                                        keep_outputs=i + 1 < n_layers)
+                                                        i + 1 < n_layers, device, dtype)
         del tensors
         hidden = hidden_next
         # The shell, its ModelOpt quantizers and the layer's fp32 weights form reference cycles:

@@ -94,3 +94,24 @@ def test_streamed_estimate_is_below_whole_model(tiny_llama):
     streamed = quantize_memory(tiny_llama, _settings("fp8"), path="streamed")
     assert (whole.path, streamed.path) == ("whole", "streamed")
     assert streamed.host_bytes < whole.host_bytes
+
+
+def test_bf16_streamed_equals_whole_model(tiny_llama, tmp_path, monkeypatch):
+    """The GPU path's arithmetic (bf16 layers and activations, the throw-away modules in bf16),
+    run on the CPU: the stream must still write what the whole-model path writes in bf16."""
+    monkeypatch.setattr(qz, "_compute_dtype", lambda device: torch.bfloat16)
+    for path in ("whole", "streamed"):
+        info = quantize_checkpoint(tiny_llama, tmp_path / path, _settings("fp8"), path=path, device="cpu", **QUIET)
+        assert (info["path"], info["dtype"]) == (path, "bfloat16")
+    assert_same_export(tmp_path / "whole", tmp_path / "streamed")
+
+
+def test_activations_leave_the_gpu_only_when_they_do_not_fit():
+    from quant.stream import activation_device
+
+    gib = 1 << 30
+    assert activation_device("cpu", 1, 1) == "cpu"
+    # an 8B layer (0.44 GB in bf16) beside 2x 16 MB of activations on an 80 GB card
+    assert activation_device("cuda", 16 << 20, int(0.44 * gib), free_bytes=78 * gib) == "cuda"
+    # a 70B calibration set of 1M tokens x 8192 x bf16 (16 GiB, twice) beside a 1.7 GB layer
+    assert activation_device("cuda", 16 * gib, int(1.7 * gib), free_bytes=30 * gib) == "cpu"
