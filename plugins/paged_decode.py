@@ -33,6 +33,26 @@ def _cfg(fp8: bool) -> dict:
 
 
 @triton.jit
+def _decode_store(acc, m_i, l_i, cols, q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, out_scale_ptr, b, qh, gmask,
+                  sp, num_splits, stride_ob, stride_oh, WRITE_ML: tl.constexpr,
+                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr):
+    """Write output columns `cols` of the program's heads: the split's partials (acc, and m/l once:
+    WRITE_ML) or the normalized output, as fp8 codes of the O projection's input with OUT_FP8."""
+    if SPLIT:
+        base = (b * NUM_HEADS + qh) * num_splits + sp
+        tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + cols[None, :], acc, mask=gmask[:, None])
+        if WRITE_ML:
+            tl.store(part_ml_ptr + base * 2, m_i, mask=gmask)
+            tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=gmask)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # an empty sequence yields zeros
+        if OUT_FP8:   # the O projection's input: rounded to the activation dtype first, as the unfused model does
+            out = round_to_e4m3(tl.math.div_rn(out.to(q_ptr.dtype.element_ty).to(tl.float32), tl.load(out_scale_ptr)))
+        tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + cols[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+
+
+@triton.jit
 def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
                         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                         k_scale_ptr, v_scale_ptr, out_scale_ptr, sm_scale,
@@ -40,9 +60,17 @@ def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
                         tokens_per_split, num_splits,
                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                        KV_FP8: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+                        KV_FP8: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr,
+                        DOT_F16: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
+                        V_U16: tl.constexpr = False):
+    # HEADS_FIRST: the KV heads of one sequence are neighbours in launch order, so the programs running
+    # together read adjacent 128-byte pieces of the same cache rows (one row = all heads of a token)
+    if HEADS_FIRST:
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
     sp = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     start = sp * tokens_per_split
@@ -53,13 +81,34 @@ def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
     qh = kvh * GROUP + g
     gmask = g < GROUP
     q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
-    # fold the fp8 K scale into the softmax scale: one multiply per score instead of per element
-    qk_scale = sm_scale * tl.load(k_scale_ptr)
+    # fold the fp8 K scale into the softmax scale: one multiply per score instead of per element, and
+    # log2(e) too, so the softmax runs on exp2 (what the hardware computes; exp is exp2 of a product)
+    qk_scale = sm_scale * tl.load(k_scale_ptr) * 1.4426950408889634
+    if DOT_F16:
+        # e4m3 -> fp16 is one instruction per two codes; e4m3 -> bf16 goes through fp16 and adds one
+        # conversion per code (the kernel's largest instruction count in its sm_90 SASS). The dots
+        # then run in fp16: q is scaled by sm_scale first (|q| * sm_scale stays far inside fp16's range),
+        # K and V codes are exact in fp16, and P in [0, 1] is finer in fp16 than in bf16.
+        q = (q.to(tl.float32) * sm_scale).to(tl.float16)
+        qk_scale = tl.load(k_scale_ptr) * 1.4426950408889634
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     row = NUM_KV_HEADS * HEAD_DIM
+    HALF: tl.constexpr = HEAD_DIM // 2
+    if V_U16:
+        # V read as 16-bit words (two e4m3 codes: dims 2j and 2j+1) and multiplied as two halves, even and
+        # odd dims: the P.V product contracts over tokens, the strided axis, and Triton transposes 8-bit
+        # tiles in shared memory one byte per load (LDS.U8, one per element); 16-bit words transpose with
+        # ldmatrix. Each code c becomes the fp16 with bits (c & 0x80) << 8 | (c & 0x7f) << 7, which is
+        # exactly c / 256 (e4m3's exponent bias is 7, fp16's 15; subnormals land on fp16 subnormals), so
+        # the 256 joins V's scale after the loop.
+        vw_ptr = v_cache_ptr.to(tl.pointer_type(tl.uint16))
+        j = tl.arange(0, HALF)
+        acc_e = tl.zeros([GROUP_PAD, HALF], tl.float32)
+        acc_o = tl.zeros([GROUP_PAD, HALF], tl.float32)
+    else:
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     for t0 in range(start, end, TILE):
         tok = t0 + tl.arange(0, TILE)
         tmask = tok < end
@@ -67,10 +116,8 @@ def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
         slot = page.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
         off = slot[:, None] * row + kvh * HEAD_DIM + d[None, :]
         k = tl.load(k_cache_ptr + off, mask=tmask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + off, mask=tmask[:, None], other=0.0)
-        if KV_FP8:   # e4m3 -> q's dtype in registers (exact); the scales come once, outside this loop
+        if KV_FP8:   # e4m3 -> the dot's dtype in registers (exact); the scales come once, outside this loop
             k = k.to(q.dtype)
-            v = v.to(q.dtype)
         # fp32 engines (used to check against references) keep IEEE fp32 dots instead of tf32
         if q.dtype == tl.float32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
@@ -78,27 +125,37 @@ def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
             s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)   # scores are in log2 units (qk_scale holds log2(e))
+        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if v.dtype == tl.float32:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        if V_U16:
+            w = tl.load(vw_ptr + slot[:, None] * (row // 2) + kvh * HALF + j[None, :], mask=tmask[:, None], other=0)
+            v_even = (((w << 7) & 0x3F80) | ((w << 8) & 0x8000)).to(tl.float16, bitcast=True)
+            v_odd = (((w >> 1) & 0x3F80) | (w & 0x8000)).to(tl.float16, bitcast=True)
+            p16 = p.to(tl.float16)
+            acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_even)
+            acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_odd)
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            v = tl.load(v_cache_ptr + off, mask=tmask[:, None], other=0.0)
+            if KV_FP8:
+                v = v.to(q.dtype)
+            if v.dtype == tl.float32:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    acc = acc * tl.load(v_scale_ptr)   # V's scale: once per output element (sum_t p_t * vs * v_t = vs * sum_t p_t * v_t)
-
-    if SPLIT:
-        base = (b * (NUM_KV_HEADS * GROUP) + qh) * num_splits + sp
-        tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
-        tl.store(part_ml_ptr + base * 2, m_i, mask=gmask)
-        tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=gmask)
+    # V's scale: once per output element (sum_t p_t * vs * v_t = vs * sum_t p_t * v_t)
+    if V_U16:
+        vs = tl.load(v_scale_ptr) * 256.0
+        _decode_store(acc_e * vs, m_i, l_i, 2 * j, q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, out_scale_ptr, b, qh,
+                      gmask, sp, num_splits, stride_ob, stride_oh, True, NUM_KV_HEADS * GROUP, HEAD_DIM, SPLIT, OUT_FP8)
+        _decode_store(acc_o * vs, m_i, l_i, 2 * j + 1, q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, out_scale_ptr, b,
+                      qh, gmask, sp, num_splits, stride_ob, stride_oh, False, NUM_KV_HEADS * GROUP, HEAD_DIM, SPLIT,
+                      OUT_FP8)
     else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # an empty sequence yields zeros
-        if OUT_FP8:   # the O projection's input: rounded to q's dtype first, as the unfused model does
-            out = round_to_e4m3(tl.math.div_rn(out.to(q.dtype).to(tl.float32), tl.load(out_scale_ptr)))
-        tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+        _decode_store(acc * tl.load(v_scale_ptr), m_i, l_i, d, q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                      out_scale_ptr, b, qh, gmask, sp, num_splits, stride_ob, stride_oh, True,
+                      NUM_KV_HEADS * GROUP, HEAD_DIM, SPLIT, OUT_FP8)
 
 
 @triton.jit
@@ -127,7 +184,7 @@ def paged_decode_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, act_ptr, out_
         base = row + s
         m = tl.load(part_ml_ptr + base * 2, mask=smask, other=float("-inf"))
         l = tl.load(part_ml_ptr + base * 2 + 1, mask=smask, other=0.0)
-        w = tl.where(m > float("-inf"), tl.exp(m - m_ref), 0.0)
+        w = tl.where(m > float("-inf"), tl.exp2(m - m_ref), 0.0)   # maxima are in log2 units
         acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
         num += tl.sum(acc * w[:, None], 0)
         den += tl.sum(l * w, 0)
@@ -224,8 +281,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     args = (out, part_acc, part_ml, q, k_cache, v_cache, block_tables, seq_lens,
             ks, scale_tensor(v_scale, q.device), os_, float(scale),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), per, num_splits)
-    launch(paged_decode_kernel, (B, Hkv, num_splits), args, _constexprs(Hkv, group, D, bs, fp8, split, tile, out_fp8),
-           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aot=aot)
+    cx = _constexprs(Hkv, group, D, bs, fp8, split, tile, out_fp8, _dot_f16(cfg, fp8, q.dtype), cfg["heads_first"],
+                     _v_u16(cfg, fp8, q.dtype, D))
+    grid = (Hkv, B, num_splits) if cfg["heads_first"] else (B, Hkv, num_splits)
+    launch(paged_decode_kernel, grid, args, cx, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aot=aot)
     if split:
         launch(paged_decode_reduce_kernel, (B, Hq),
                (out, part_acc, part_ml, q, os_, out.stride(0), out.stride(1), num_splits),
@@ -233,9 +292,23 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
-def _constexprs(hkv, group, head_dim, block_size, fp8, split, tile, out_fp8=False) -> dict:
+def _dot_f16(cfg: dict, fp8: bool, act) -> bool:
+    """fp16 dots for an FP8 cache under bf16 activations (tuning "dot_f16"); fp16 activations already
+    dot in fp16 and fp32 engines keep their IEEE fp32 dots (they check against references)."""
+    return bool(cfg.get("dot_f16", 0)) and fp8 and act in (torch.bfloat16, "bf16")
+
+
+def _v_u16(cfg: dict, fp8: bool, act, head_dim: int) -> bool:
+    """V read as 16-bit words (tuning "v_u16"): with fp16 dots only (its codes become fp16), and a half
+    head of at least 16 dims (tl.dot's smallest N)."""
+    return bool(cfg.get("v_u16", 0)) and _dot_f16(cfg, fp8, act) and head_dim >= 32
+
+
+def _constexprs(hkv, group, head_dim, block_size, fp8, split, tile, out_fp8=False, dot_f16=False,
+                heads_first=False, v_u16=False) -> dict:
     return dict(NUM_KV_HEADS=hkv, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
-                BLOCK_SIZE=block_size, TILE=tile, KV_FP8=fp8, SPLIT=split, OUT_FP8=out_fp8)
+                BLOCK_SIZE=block_size, TILE=tile, KV_FP8=fp8, SPLIT=split, OUT_FP8=out_fp8,
+                DOT_F16=bool(dot_f16), HEADS_FIRST=bool(heads_first), V_U16=bool(v_u16))
 
 
 def _reduce_constexprs(heads, head_dim, out_fp8=False) -> dict:
@@ -268,8 +341,10 @@ def aot_variants(e) -> list[Variant]:
             t = dict(types)
             if not split:   # the unused partial buffers are the output tensor itself
                 t.update(part_acc_ptr=o, part_ml_ptr=o)
-            out.append(Variant(paged_decode_kernel, t, _constexprs(e.num_kv_heads, group, e.head_dim, e.block_size,
-                                                                    e.kv == "fp8e4nv", split, cfg["tile"], out_fp8),
+            fp8 = e.kv == "fp8e4nv"
+            cx = _constexprs(e.num_kv_heads, group, e.head_dim, e.block_size, fp8, split, cfg["tile"], out_fp8,
+                             _dot_f16(cfg, fp8, e.act), cfg["heads_first"], _v_u16(cfg, fp8, e.act, e.head_dim))
+            out.append(Variant(paged_decode_kernel, t, cx,
                                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible=DIVISIBLE))
         rtypes = dict(out_ptr=o, part_acc_ptr="*fp32", part_ml_ptr="*fp32", act_ptr=f"*{e.act}",
                       out_scale_ptr="*fp32", stride_ob="i32", stride_oh="i32", num_splits="i32")

@@ -19,10 +19,15 @@ GPU: dict[str, dict[str, int]] = {
     # batch, long context) the sequence is split to reach this many programs per SM, up to
     # paged_decode.MAX_SPLITS. NOT yet measured (4 is a starting point for the sweep's candidates 2/4/8 at
     # b1 ctx8192); batch 64 at ctx 2048 is unsplit either way.
-    "paged_decode": {"tile": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "split_programs_per_sm": 4},
+    # heads_first: launch order (KV head, sequence) instead of (sequence, KV head); NOT yet measured
+    "paged_decode": {"tile": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "split_programs_per_sm": 4,
+                     "heads_first": 0},
     # fp8 KV: a wider tile amortizes the fp8 -> bf16 conversions (0.191 ms vs 0.198 ms at tile 64)
+    # dot_f16: fp16 dots under bf16 activations (one conversion instruction per two e4m3 codes instead of
+    # three per two); v_u16 (with dot_f16): V read as 16-bit words, no byte-wise transpose in shared
+    # memory (plugins/paged_decode.py); NOT yet measured on a GPU
     "paged_decode_fp8": {"tile": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2,
-                         "split_programs_per_sm": 4},
+                         "split_programs_per_sm": 4, "heads_first": 0, "dot_f16": 0, "v_u16": 0},
     # rows = query tokens x padded GQA group per program; tile_n = keys per inner step (0.702 vs 0.738 ms)
     "paged_prefill": {"rows": 128, "tile_n": 64, "num_warps": 4, "num_stages": 3},
     # W4A16 GEMM for decode-sized M (<= 16): plugins/gemm_w4a16_small.py, the weight as the MMA's wide
@@ -47,6 +52,33 @@ GPU: dict[str, dict[str, int]] = {
     "fp8_gemv": {"enabled": 0, "block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4,
                  "max_splits": 8},
 }
+
+
+def apply_env(env: dict | None = None) -> None:
+    """KILN_TUNING='{"paged_decode_fp8": {"dot_f16": 1}}' replaces table values for this process: how a
+    benchmark on a lent GPU runs a sweep's winner without editing this file (a bundle compiles what is
+    in effect when it is built). Unknown kernels or keys are refused, naming the allowed ones."""
+    import json
+    import os
+    text = (os.environ if env is None else env).get("KILN_TUNING", "").strip()
+    if not text:
+        return
+    try:
+        values = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"KILN_TUNING: not JSON ({exc})") from None
+    if not isinstance(values, dict):
+        raise ValueError("KILN_TUNING: expected a JSON object {kernel: {key: value}}")
+    for name, vals in values.items():
+        if name not in GPU:
+            raise ValueError(f"KILN_TUNING: no kernel {name!r}; allowed: {', '.join(GPU)}")
+        unknown = set(vals) - set(GPU[name]) if isinstance(vals, dict) else {"(not an object)"}
+        if unknown:
+            raise ValueError(f"KILN_TUNING: {name} has no {', '.join(sorted(unknown))}; allowed: {', '.join(GPU[name])}")
+        GPU[name].update({k: int(v) for k, v in vals.items()})
+
+
+apply_env()
 
 
 def get(name: str) -> dict[str, int]:

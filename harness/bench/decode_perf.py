@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1024, help="cached tokens per sequence (default 1024)")
     ap.add_argument("--iters", type=int, default=30, help="timed steps per configuration (median)")
     ap.add_argument("--top", type=int, default=25, help="kernels kept in each profile")
+    ap.add_argument("--modes", nargs="+", choices=["fused", "unfused"], default=["fused", "unfused"],
+                    help="decoder layers to time (default both; the speedup needs both)")
     ap.add_argument("--skip-tests", action="store_true", help="do not run the fused-kernel tests first")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: tiny model, Triton interpreter, 1 iteration (checks the script, times nothing)")
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
            "command": " ".join(["python -m harness.bench.decode_perf"] + (sys.argv[1:] if argv is None else argv)),
            "commit": git_commit(), "host": platform.node(), "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
-           "context": a.context, "batches": a.batches}
+           "context": a.context, "batches": a.batches, "kiln_tuning": os.environ.get("KILN_TUNING") or None}
     if not a.skip_tests:
         res["tests"] = run_fused_tests()
         print(f"fused kernel tests on the GPU: {res['tests']['summary']}", flush=True)
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = ModelRunner(load_engine_spec(path), device, torch.bfloat16, weights=weights)
         del weights
         assert runner.model.fused, "the triton attention backend runs the fused layer"
-        for mode in ("fused", "unfused"):
+        for mode in a.modes:
             runner.model.fused = mode == "fused"
             for b in a.batches:
                 r = time_step(runner, b, a.context, a.iters)
@@ -203,9 +205,9 @@ def main(argv: list[str] | None = None) -> int:
             res[f"profile_{mode}_b1"] = profile_step(runner, 1, a.context, a.top)
         runner.model.fused = True
         # where a throughput run's time goes: the fused step at the largest batch, kernel by kernel
-        if max(a.batches) > 1:
+        if max(a.batches) > 1 and "fused" in a.modes:
             res[f"profile_fused_b{max(a.batches)}"] = profile_step(runner, max(a.batches), a.context, a.top)
-        for b in a.batches:
+        for b in a.batches if len(a.modes) == 2 else ():
             f, u = res[f"fused_b{b}"], res[f"unfused_b{b}"]
             key = "graph_ms" if "graph_ms" in f else "eager_ms"
             res[f"speedup_b{b}"] = u[key] / f[key]

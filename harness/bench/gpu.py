@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -175,7 +176,9 @@ def _cpu_header(module: str) -> dict:
     return {"gpu": None, "device": "cpu", "host": platform.node(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python -m", module] + sys.argv[1:]), "commit": git_commit(),
-            "torch": torch.__version__}
+            "torch": torch.__version__,
+            # launch configurations replaced for this run (plugins/tuning.py apply_env), if any
+            "kiln_tuning": os.environ.get("KILN_TUNING") or None}
 
 
 def kv_summary(runner, isl: int, osl: int, fraction: float | None) -> dict:

@@ -23,7 +23,10 @@ def _grid(**axes) -> list[dict]:
 CANDIDATES = {
     "paged_decode": _grid(tile=[64, 128], num_warps=[4, 8], num_stages=[2, 3], programs_per_sm=[2]),
     "paged_prefill": _grid(rows=[64, 128], tile_n=[64, 128], num_warps=[4, 8], num_stages=[2, 3]),
-    "paged_decode_fp8": _grid(tile=[64, 128], num_warps=[4, 8], num_stages=[2, 3], programs_per_sm=[2]),
+    # the dot dtypes (plugins/paged_decode.py): bf16, fp16 (dot_f16), fp16 with V read as 16-bit words
+    "paged_decode_fp8": [dict(c, **m) for m in ({"dot_f16": 0, "v_u16": 0}, {"dot_f16": 1, "v_u16": 0},
+                                                {"dot_f16": 1, "v_u16": 1})
+                         for c in _grid(tile=[64, 128], num_warps=[4, 8], num_stages=[2, 3], programs_per_sm=[2])],
     "w4a16_small_m": _grid(block_n=[32, 64, 128], block_k=[128, 256], num_warps=[4], num_stages=[3, 4],
                            programs_per_sm=[2], max_splits=[8]),
     "w4a16_gemv": _grid(enabled=[1], block_n=[8, 16, 32], block_k=[256, 512], num_warps=[4], num_stages=[1, 3],
@@ -38,7 +41,8 @@ CANDIDATES = {
 # runtime-only knobs swept at the winner of the compiled ones (no recompiles)
 EXTRA = {"paged_decode": _grid(programs_per_sm=[1, 4]),
          # split_programs_per_sm only matters where the batch leaves SMs idle (the b1 ctx8192 variant)
-         "paged_decode_fp8": _grid(programs_per_sm=[1, 4]) + _grid(split_programs_per_sm=[2, 8]),
+         # heads_first: the (KV head, sequence) launch order, at the winner
+         "paged_decode_fp8": _grid(heads_first=[1]) + _grid(programs_per_sm=[1, 4]) + _grid(split_programs_per_sm=[2, 8]),
          "w4a16_small_m": _grid(programs_per_sm=[1, 4], max_splits=[4, 16]),
          "w4a16_gemv": _grid(programs_per_sm=[2, 8]),
          "fp8_small_m": _grid(programs_per_sm=[1, 4], max_splits=[4, 16]),
@@ -69,7 +73,10 @@ def _case(name: str, variant: str):
     return bench.w4a16_case(256, 4096, 4096, variant)
 
 
-VARIANTS = {"paged_decode": ("bf16",), "paged_decode_fp8": ("fp8", "fp8-b1-ctx8192"), "paged_prefill": ("bf16",),
+# FP8 KV: a throughput run's decode step (533 sequences at 1000-2000 tokens on an H100, KV-bound) and the
+# issue's b64 ctx2048 goal, both graphed over cache copies
+VARIANTS = {"paged_decode": ("bf16",), "paged_decode_fp8": ("fp8-b512-ctx1536", "fp8-b64-ctx2048"),
+            "paged_prefill": ("bf16",),
             "w4a16_small_m": ("int4_awq-m1", "nvfp4-m1", "nvfp4-m16"), "w4a16_gemv": ("int4_awq-m1", "nvfp4-m1"),
             "w4a16_large": ("int4_awq",), "fp8_small_m": ("m1-4096x4096", "m16-4096x4096", "m4-14336x4096"),
             "fp8_gemv": ("m1-4096x4096", "m1-14336x4096")}
@@ -124,3 +131,36 @@ def sweep(names: list[str] | None = None, workers: int | None = None) -> dict:
                 print(f"  sweep {n}/{v}: best {best['ms']:.4f} ms with "
                       f"{ {k: best[k] for k in CANDIDATES[n][0]} }", flush=True)
     return out
+
+
+def winner(result: dict, key: str) -> dict:
+    """{kernel: values} of the fastest candidate of sweep entry `key` ("<kernel>/<variant>"), as
+    KILN_TUNING takes it (plugins/tuning.py): a lent GPU's benchmark runs the winner in the same call."""
+    if key not in result:
+        raise KeyError(f"sweep has no {key!r}; it has: {', '.join(result)}")
+    best = result[key]["best"]
+    if best is None:
+        raise ValueError(f"sweep {key}: every candidate failed")
+    name = key.split("/")[0]
+    return {name: {k: v for k, v in best.items() if k in tuning.get(name)}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import sys
+    ap = argparse.ArgumentParser(prog="python -m harness.bench.kernel_sweep",
+                                 description="Print a sweep's winner as KILN_TUNING JSON.")
+    ap.add_argument("result", help="a JSON written by `harness.bench.kernels --sweep-only` (its \"sweep\")")
+    ap.add_argument("key", help="<kernel>/<variant>, e.g. paged_decode_fp8/fp8-b512-ctx1536")
+    a = ap.parse_args(argv)
+    try:
+        print(json.dumps(winner(json.loads(open(a.result).read())["sweep"], a.key)))
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"kernel_sweep: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

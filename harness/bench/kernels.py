@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-tests", action="store_true", help="skip the kernel test suite on the GPU")
     ap.add_argument("--sweep", action="store_true",
                     help="also time every candidate launch configuration of plugins.tuning (minutes)")
+    ap.add_argument("--sweep-only", nargs="+", metavar="KERNEL",
+                    help="time only these plugins.tuning entries' candidates (no tests, no other sections)")
     ap.add_argument("--out", help="result JSON (default docs/perf/kernels-<gpu>.json)")
     ap.add_argument("--dry-run", action="store_true",
                     help="on CPU: run the graphed decode / small-M W4A16 cases once at toy sizes (interpreter)")
@@ -202,6 +204,20 @@ def main(argv: list[str] | None = None) -> int:
 
     def save():   # after each part: a run cut short by its time limit keeps what it measured
         out.write_text(json.dumps(res, indent=1) + "\n")
+    if a.sweep_only:   # a lent GPU's minutes go to the one question asked
+        from harness.bench.kernel_sweep import sweep
+        unknown = sorted(set(a.sweep_only) - set(tuning.GPU))
+        if unknown:
+            print(f"bench-kernels: --sweep-only {' '.join(unknown)}: not a plugins.tuning entry; allowed: "
+                  f"{', '.join(tuning.GPU)}", file=sys.stderr)
+            return 2
+        res["copy_gbs"] = copy_bandwidth_gbs()
+        res["tuning"] = {k: dict(v) for k, v in tuning.GPU.items()}
+        res["sweep"] = sweep(a.sweep_only)
+        res["complete"] = True
+        save()
+        print(f"  written: {out}")
+        return 0
     res["tests"] = {"passed": None, "summary": "skipped"} if a.skip_tests else run_kernel_tests()
     res["copy_gbs"] = copy_bandwidth_gbs()
     save()

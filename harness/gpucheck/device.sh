@@ -8,12 +8,16 @@
 # with room for start-up and the transfers). Each part runs under its own limit T_<PART>, cut to what
 # is left of T_TOTAL, and is skipped (said so in the output) when less than MIN_PART_S (20) is left,
 # so one slow or hung part cannot take the others' time and the whole call ends within T_TOTAL.
-# PARTS picks which run, in this order (default all five):
+# PARTS picks which run, in this order (default all five; sweep and ncu only when named):
 #   check   170 s -> 100  harness.gpucheck run: tiny bundles of every format (AOT cubins, no JIT, vs CPU)
 #   kernels 210 s -> 120  harness.bench.kernels: kernel tests on the GPU, decode/prefill/W4A16 bandwidth,
 #                         small-M FP8 GEMM vs torch._scaled_mm and small-M W4A16 vs bf16 (M = 1, 4, 16),
 #                         graphed FP8-KV decode at b1 ctx8192 / b64 ctx2048, AOT without JIT (the JSON is
 #                         written after each section, "complete": false until the end)
+#   dtests         60     tests/kernels/test_paged_decode.py on the GPU (a failure keeps SWEEP_APPLY off)
+#   sweep         150     harness.bench.kernels --sweep-only SWEEP_KERNELS (default paged_decode_fp8);
+#                         SWEEP_APPLY=<kernel>/<variant> runs the later parts with its winner (KILN_TUNING)
+#   ncu            60     Nsight Compute on the FP8-KV decode (NCU_CASE, NCU_CFGS: ';'-separated JSON)
 #   bench   200 s -> 140  harness.bench.gpu: 8B-shaped FP8 engine, single stream (graphs) and the 1000/1000
 #                         throughput run (KV pool 0.95 of free memory, concurrency bounded by KV) cut
 #                         to the part's limit (--budget-s): partial, and the result says so
@@ -62,6 +66,42 @@ fi
 if want kernels; then
   L=$(cap "${T_KERNELS:-120}")
   part bench-kernels "$L" bench-kernels.log $PY -m harness.bench.kernels --out "$OUT/kernels.json" ${KERNEL_ARGS:-}
+fi
+DTESTS_RC=0
+if want dtests; then
+  # the decode attention's tests on this GPU (every tuning knob of the sweep below, against the reference)
+  L=$(cap "${T_DTESTS:-60}")
+  part dtests "$L" dtests.log env KILN_KERNEL_TESTS_ON_GPU=1 TRITON_INTERPRET=0 $PY -m pytest \
+    tests/kernels/test_paged_decode.py -q -p no:cacheprovider -n 8
+  DTESTS_RC=$(grep -q " passed" "$OUT/dtests.log" && ! grep -q -E "[0-9]+ (failed|error)" "$OUT/dtests.log"; echo $?)
+  tail -1 "$OUT/dtests.log"
+fi
+if want sweep; then
+  # a lean sweep: only SWEEP_KERNELS' candidates (default the FP8-KV decode attention), no tests
+  L=$(cap "${T_SWEEP:-150}")
+  part sweep "$L" sweep.log $PY -m harness.bench.kernels --sweep-only ${SWEEP_KERNELS:-paged_decode_fp8} \
+    --out "$OUT/sweep.json"
+  # SWEEP_APPLY=<kernel>/<variant>: the later parts of this call run that entry's winner (KILN_TUNING)
+  if [[ -n "${SWEEP_APPLY:-}" && "$DTESTS_RC" != 0 ]]; then
+    echo "sweep winner NOT applied: the decode tests failed on this GPU (dtests.log)"
+  elif [[ -n "${SWEEP_APPLY:-}" ]]; then
+    if W=$($PY -m harness.bench.kernel_sweep "$OUT/sweep.json" "$SWEEP_APPLY"); then
+      export KILN_TUNING="$W"
+    fi
+    echo "sweep winner of $SWEEP_APPLY: KILN_TUNING=${KILN_TUNING:-unset (no winner)}"
+  fi
+fi
+if want ncu; then
+  # Nsight Compute on one decode launch per NCU_CFGS entry (JSON tuning values, ';'-separated):
+  # DRAM throughput, occupancy, warp stall reasons; text report in OUT/ncu.txt
+  L=$(cap "${T_NCU:-60}")
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  ARGS=()
+  IFS=';' read -ra CFGS <<< "${NCU_CFGS:-{\}}"
+  for c in "${CFGS[@]}"; do ARGS+=(--cfg "$c"); done
+  part ncu "$L" ncu.txt "$NCU" -k regex:paged_decode_kernel --launch-skip 3 \
+    --launch-count "${#CFGS[@]}" --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section MemoryWorkloadAnalysis $PY -m harness.bench.decode_ncu --case "${NCU_CASE:-fp8-b512-ctx1536}" "${ARGS[@]}"
 fi
 if want bench; then
   # --budget-s: the throughput run ends in time for the result to be written inside the part's limit

@@ -33,3 +33,29 @@ def test_sweep_cases_name_tuned_kernels():
             assert set(extra) <= set(tuning.get(name)), (name, extra)
     for name, cands in kernel_sweep.CANDIDATES.items():
         assert set(cands[0]) <= set(tuning.get(name)), name
+
+
+def test_kiln_tuning_env_replaces_values_and_refuses_unknown_keys():
+    """KILN_TUNING (how a lent GPU's benchmark runs a sweep's winner) changes only what it names, and a
+    typo is an error naming the allowed keys, never silently ignored."""
+    import copy
+
+    from harness.bench import kernel_sweep
+    from plugins import tuning
+    saved = copy.deepcopy(tuning.GPU)
+    try:
+        tuning.apply_env({"KILN_TUNING": '{"paged_decode_fp8": {"dot_f16": 1, "tile": 64}}'})
+        assert tuning.get("paged_decode_fp8")["dot_f16"] == 1 and tuning.get("paged_decode_fp8")["tile"] == 64
+        assert tuning.get("paged_decode") == saved["paged_decode"]
+        with pytest.raises(ValueError, match="allowed: tile, num_warps"):
+            tuning.apply_env({"KILN_TUNING": '{"paged_decode_fp8": {"dotf16": 1}}'})
+        with pytest.raises(ValueError, match="no kernel 'paged'"):
+            tuning.apply_env({"KILN_TUNING": '{"paged": {}}'})
+    finally:
+        tuning.GPU.clear()
+        tuning.GPU.update(saved)
+    # the sweep's winner in that form: the fastest candidate's tuning keys, not its time
+    res = {"paged_decode_fp8/fp8-b512-ctx1536": {"best": {"tile": 64, "dot_f16": 1, "ms": 0.5}}}
+    assert kernel_sweep.winner(res, "paged_decode_fp8/fp8-b512-ctx1536") == {"paged_decode_fp8": {"tile": 64, "dot_f16": 1}}
+    with pytest.raises(KeyError, match="sweep has no"):
+        kernel_sweep.winner(res, "paged_decode_fp8/other")
