@@ -26,7 +26,11 @@ CANDIDATES = {
     # the dot dtypes (plugins/paged_decode.py): bf16, fp16 (dot_f16), fp16 with V read as 16-bit words
     "paged_decode_fp8": [dict(c, **m) for m in ({"dot_f16": 0, "v_u16": 0}, {"dot_f16": 1, "v_u16": 0},
                                                 {"dot_f16": 1, "v_u16": 1})
-                         for c in _grid(tile=[64, 128], num_warps=[4, 8], num_stages=[2, 3], programs_per_sm=[2])],
+                         # the H200 sweep's four best launch shapes (docs/perf/kernels-sweep-h200.json): a lent
+                         # GPU's minutes go to the dot dtypes
+                         for c in ({"tile": 64, "num_warps": 4, "num_stages": 2}, {"tile": 128, "num_warps": 4, "num_stages": 2},
+                                   {"tile": 128, "num_warps": 4, "num_stages": 3}, {"tile": 128, "num_warps": 8, "num_stages": 2})
+                         for c in [dict(c, programs_per_sm=2)]],
     "w4a16_small_m": _grid(block_n=[32, 64, 128], block_k=[128, 256], num_warps=[4], num_stages=[3, 4],
                            programs_per_sm=[2], max_splits=[8]),
     "w4a16_gemv": _grid(enabled=[1], block_n=[8, 16, 32], block_k=[256, 512], num_warps=[4], num_stages=[1, 3],
