@@ -147,6 +147,9 @@ class VerifyConfig:
     num_prompts: int = opt(8, min=1, max=1024)
     min_top1_agreement: float | None = opt(None, min=0.0, max=1.0)
     max_mean_kl: float | None = opt(None, min=0.0)
+    # whole: both models loaded (fast on a small model); streamed: one decoder layer at a time, memory
+    # flat in depth; auto: streamed above builder/stages/verify.py's STREAM_ABOVE_BYTES
+    path: str = opt("auto", choices=("auto", "whole", "streamed"))
 
 
 def _model_name_moved(v: str) -> str | None:
@@ -199,7 +202,8 @@ class OutputConfig:
 _UNHASHED_SECTIONS = ("output",)
 # Keys added after bundles were built, left out of the hashes while they hold their default: every
 # existing build (and test cache) keeps its hash, a non-default value still rebuilds what it changes.
-_HASH_NEUTRAL_DEFAULTS = {("engine", "overlap_scheduling"): "auto", ("engine", "cpu_dtype"): "auto"}
+_HASH_NEUTRAL_DEFAULTS = {("engine", "overlap_scheduling"): "auto", ("engine", "cpu_dtype"): "auto",
+                          ("verify", "path"): "auto"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,6 +82,30 @@ def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
     return load_file(str(f), device=str(device) if device.type != "cuda" else f"cuda:{device.index or 0}")
 
 
+FP8_KV_NEEDS_SCALES = ("engine.json: kv_cache_dtype fp8 needs layers.{i}.attn.k_scale/v_scale in "
+                       "weights.safetensors; rebuild with quantization.kv_cache=fp8")
+
+
+def kv_cache_dtypes(spec: EngineSpec, dtype: torch.dtype, device: torch.device,
+                    attention) -> tuple[torch.dtype, torch.dtype]:
+    """(what the KV cache holds, what its tensors store) for a model computing in ``dtype``; sets
+    ``attention.fp8_as_float`` when the two differ. One function for every runner of a bundle
+    (``ModelRunner``, ``backend.model.layerwise``), so they cache the same numbers."""
+    kv_name = spec.kv_cache_dtype
+    if kv_name not in KV_DTYPES:
+        raise EngineError(f"engine.kv_cache_dtype: {kv_name!r}; allowed: {', '.join(KV_DTYPES)}")
+    kv_dtype = KV_DTYPES[kv_name] if kv_name != spec.model.dtype else dtype
+    # What the cache tensors hold: kv_dtype, except an fp8 cache on CPU with the torch backend,
+    # which stores the fp8 values already scaled, in the compute dtype (same numbers: see
+    # TorchAttentionBackend.fp8_as_float). PyTorch has no fast fp8 conversion on CPU, and a step
+    # converted every sequence's whole context in every layer (0.7 s of a 1.4 s step at 64
+    # sequences, SmolLM2); RAM, not bandwidth, is what a CPU has plenty of.
+    if kv_dtype == torch.float8_e4m3fn and device.type == "cpu" and attention.name == "torch":
+        attention.fp8_as_float = True
+        return kv_dtype, dtype
+    return kv_dtype, kv_dtype
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors and ``execute`` for one step."""
 
@@ -119,22 +143,9 @@ class ModelRunner:
         self.model = cls(cfg, weights, spec.quant_format, self.attention, self.device, self.dtype)
         del weights
 
-        kv_name = spec.kv_cache_dtype
-        if kv_name not in KV_DTYPES:
-            raise EngineError(f"engine.kv_cache_dtype: {kv_name!r}; allowed: {', '.join(KV_DTYPES)}")
-        self.kv_dtype = KV_DTYPES[kv_name] if kv_name != cfg.dtype else self.dtype
+        self.kv_dtype, self.kv_storage_dtype = kv_cache_dtypes(spec, self.dtype, self.device, self.attention)
         if self.kv_dtype == torch.float8_e4m3fn and any(k is None for k, _ in self.model.kv_cache_scales):
-            raise EngineError("engine.json: kv_cache_dtype fp8 needs layers.{i}.attn.k_scale/v_scale in "
-                              "weights.safetensors; rebuild with quantization.kv_cache=fp8")
-        # What the cache tensors hold: kv_dtype, except an fp8 cache on CPU with the torch backend,
-        # which stores the fp8 values already scaled, in the compute dtype (same numbers: see
-        # TorchAttentionBackend.fp8_as_float). PyTorch has no fast fp8 conversion on CPU, and a step
-        # converted every sequence's whole context in every layer (0.7 s of a 1.4 s step at 64
-        # sequences, SmolLM2); RAM, not bandwidth, is what a CPU has plenty of.
-        self.kv_storage_dtype = self.kv_dtype
-        if self.kv_dtype == torch.float8_e4m3fn and self.device.type == "cpu" and self.attention.name == "torch":
-            self.kv_storage_dtype = self.dtype
-            self.attention.fp8_as_float = True
+            raise EngineError(FP8_KV_NEEDS_SCALES)
         self.block_size = spec.engine.kv_block_size
         self.num_blocks = self._plan_kv_blocks()
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -219,19 +230,25 @@ class ModelRunner:
 def prefill_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     """All-position next-token logits of one prompt (one prefill step into blocks 0.. of an otherwise
     unused runner): the teacher-forced comparisons of the verify stage and the GPU checks."""
-    from backend.ops.attention.metadata import AttentionMetadata
     t, bs = len(ids), runner.block_size
     nblk = -(-t // bs)
     if nblk > runner.num_blocks:
         raise EngineError(f"prefill_logits: {t} tokens need {nblk} KV blocks; the pool has {runner.num_blocks}")
-    i32 = torch.int32
     dev = runner.device
-    meta = AttentionMetadata(
-        positions=torch.arange(t, device=dev), slot_mapping=torch.arange(t, device=dev),
-        block_tables=torch.arange(nblk, dtype=i32, device=dev).view(1, -1),
-        seq_lens=torch.tensor([t], dtype=i32, device=dev),
-        query_start_loc=torch.tensor([0, t], dtype=i32, device=dev),
-        context_lens=torch.zeros(1, dtype=i32, device=dev), num_prefills=1, num_prefill_tokens=t,
-        num_decode_tokens=0, max_query_len=t, max_seq_len=t)
+    meta = prefill_meta(t, bs, dev)
     logits, _ = runner.execute(torch.tensor(ids, device=dev), meta, torch.arange(t, device=dev))
     return logits.float().cpu()
+
+
+def prefill_meta(t: int, block_size: int, device: torch.device):
+    """The ``AttentionMetadata`` of one sequence's whole prefill of ``t`` tokens into blocks 0.. ."""
+    from backend.ops.attention.metadata import AttentionMetadata
+    i32 = torch.int32
+    nblk = -(-t // block_size)
+    return AttentionMetadata(
+        positions=torch.arange(t, device=device), slot_mapping=torch.arange(t, device=device),
+        block_tables=torch.arange(nblk, dtype=i32, device=device).view(1, -1),
+        seq_lens=torch.tensor([t], dtype=i32, device=device),
+        query_start_loc=torch.tensor([0, t], dtype=i32, device=device),
+        context_lens=torch.zeros(1, dtype=i32, device=device), num_prefills=1, num_prefill_tokens=t,
+        num_decode_tokens=0, max_query_len=t, max_seq_len=t)

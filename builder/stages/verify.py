@@ -6,6 +6,11 @@ fp32; the candidate is the bundle run by OUR runtime (``backend.model.runner.Mod
 linear formats, KV-cache dtype and attention code that serve it). For every prompt position we
 compare next-token distributions: top-1 agreement and mean KL(reference || bundle).
 
+Two paths, the same figures (``verify.path``): ``whole`` loads both models whole (the fastest on a
+small model; about 10 bytes per parameter), ``streamed`` runs each one decoder layer at a time over
+all prompts (``verify_stream.py``: one layer resident, memory flat in depth); ``auto`` streams above
+``STREAM_ABOVE_BYTES`` of fp32 weights, quantize's threshold, so a build streams both or neither.
+
 The build fails (``passed: False``; the pipeline records it in engine.json and stops) when the
 agreement is below ``verify.min_top1_agreement`` or the KL above ``verify.max_mean_kl``; ``null``
 takes the per-format default below, chosen from measurements on SmolLM2-135M (see the table's
@@ -33,6 +38,9 @@ HELDOUT = Path(__file__).resolve().parents[2] / "quant" / "data" / "heldout.json
 MAX_PROMPT_TOKENS = 256
 ACCEPT_TOKENS = 48          # tokens generated per held-out prompt for the draft's acceptance figures
 STAGE_VERSION = 1           # 1: acceptance figures of an EAGLE-3 draft
+# Above this many bytes of fp32 weights verify streams (quant.quantize.STREAM_ABOVE_BYTES's value:
+# measured there, and below it the whole path's ~10 bytes per parameter fit any build machine)
+STREAM_ABOVE_BYTES = 2 << 30
 
 # format -> (min top-1 agreement, max mean KL in nats), for SmolLM2-135M-sized models on the 8
 # default held-out prompts (138 positions, so one position is 0.7 points). Measured 2026-11-25:
@@ -51,14 +59,57 @@ DEFAULT_THRESHOLDS: dict[str, tuple[float, float]] = {
 }
 
 
+def choose_path(ctx: StageContext) -> str:
+    """``verify.path``, with ``auto`` resolved by the imported checkpoint's size (headers only)."""
+    asked = ctx.config.verify.path
+    if asked != "auto":
+        return asked
+    return "streamed" if 4 * checkpoint_params(ctx.results["import"].path) > STREAM_ABOVE_BYTES else "whole"
+
+
 def memory_estimate(ctx: StageContext) -> MemoryEstimate:
-    """The unquantized reference in fp32 (4 bytes/parameter) beside the bundle run in fp32 (4 more),
-    plus load-time copies: measured 8.9-9.0 bytes/parameter above the runtime at 12 and 24 layers
-    (docs/perf/build-memory-verify.json), so 10."""
-    params = checkpoint_params(ctx.results["import"].path)
-    return MemoryEstimate(RUNTIME_BASE + 10 * params, 0,
-                          f"reference and bundle: {params / 1e9:.2f} B parameters, both in fp32",
-                          "verify.enabled=false (verify layer by layer is not built yet: issue #22)")
+    """whole: the unquantized reference in fp32 (4 bytes/parameter) beside the bundle run in fp32
+    (4 more), plus load-time copies: measured 8.9-9.0 bytes/parameter above the runtime at 12 and 24
+    layers (docs/perf/build-memory-verify.json before streaming), so 10.
+    streamed: see ``streamed_bytes``."""
+    hf_dir = ctx.results["import"].path
+    path = choose_path(ctx)
+    if path == "whole":
+        params = checkpoint_params(hf_dir)
+        return MemoryEstimate(RUNTIME_BASE + 10 * params, 0,
+                              f"whole: reference and bundle, {params / 1e9:.2f} B parameters, both in fp32",
+                              "verify.path=streamed (one decoder layer at a time) or verify.enabled=false")
+    host, detail = streamed_bytes(hf_dir, ctx.config.verify.num_prompts)
+    return MemoryEstimate(host, 0, detail, "verify.num_prompts smaller, or verify.enabled=false")
+
+
+def streamed_bytes(hf_dir, num_prompts: int) -> tuple[int, str]:
+    """(peak host bytes, what dominates) of the streamed comparison: the runtime, one model's hidden
+    states and the reference logits (tokens x (hidden + vocabulary) x 4, tokens at most
+    num_prompts x MAX_PROMPT_TOKENS), the rope tables, and the larger of
+    * one decoder layer: the reference's fp32 copy (4 bytes/parameter) with the bf16 pages it is read
+      from (2), or the bundle's packed layer (fp32 compute storage, 4) with its read tensors (<= 2);
+      plus the layer's own activations for one prompt (the MLP's, and attention scores);
+    * one head (vocabulary x hidden): the bundle's read in bf16 (2), its fp32 copy (4), the packed
+      copy cpu_matmul makes (<= 4) and the checks behind it (2): 12."""
+    import json
+
+    from quant.stream import LAYER_PREFIX, Shards
+
+    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    layer = Shards(Path(hf_dir)).numel(f"{LAYER_PREFIX}0.")
+    tokens = num_prompts * MAX_PROMPT_TOKENS
+    t = MAX_PROMPT_TOKENS
+    per_prompt = (4 * t * inter + heads * t * t + 6 * t * hidden) * 4
+    layer_phase = 6 * layer + per_prompt
+    head_phase = 12 * vocab * hidden
+    rope = 4 * cfg.get("max_position_embeddings", 4096) * head_dim * 4
+    host = RUNTIME_BASE + tokens * (hidden + vocab) * 4 + rope + max(layer_phase, head_phase)
+    return host, (f"streamed: one layer of {layer / 1e6:.0f} M parameters in fp32, a head of "
+                  f"{vocab * hidden / 1e6:.0f} M, {num_prompts} prompts' logits")
 
 
 def skip_reason(ctx: StageContext) -> str | None:
@@ -107,10 +158,29 @@ def compare(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[int, float,
     return agree, kl, ref_logits.shape[0]
 
 
-def run(ctx: StageContext) -> dict:
+def whole_compare(ref_dir: Path, spec, prompts: list[list[int]], progress) -> tuple[int, float, int]:
+    """(agreeing positions, summed KL, positions): both models loaded whole, one prompt at a time."""
     from transformers import AutoModelForCausalLM
 
-    from backend.model.runner import ModelRunner, load_engine_spec
+    from backend.model.runner import ModelRunner
+
+    # fp32 like the reference: this measures what quantization costs, and the thresholds were set on
+    # fp32 compute; engine.cpu_dtype auto could pick bf16 on another CPU and add its rounding
+    runner = ModelRunner(spec, device="cpu", dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    agree = positions = 0
+    kl_sum = 0.0
+    with progress("verify: bundle vs unquantized model", len(prompts)) as advance, torch.inference_mode():
+        for ids in prompts:
+            ref_logits = ref(torch.tensor([ids])).logits[0]
+            a, k, n = compare(ref_logits, prefill_logits(runner, ids))
+            agree, kl_sum, positions = agree + a, kl_sum + k, positions + n
+            advance(1)
+    return agree, kl_sum, positions
+
+
+def run(ctx: StageContext) -> dict:
+    from backend.model.runner import load_engine_spec
     from backend.serving.tokenizer import load_tokenizer
 
     bundle_dir = ctx.results["compile"].path
@@ -121,32 +191,29 @@ def run(ctx: StageContext) -> dict:
     texts = load_prompts(ctx.config.verify.num_prompts)
     tok = load_tokenizer(bundle_dir)
     prompts = [tok.encode(t)[:MAX_PROMPT_TOKENS] for t in texts]
-
-    # fp32 like the reference: this measures what quantization costs, and the thresholds were set on
-    # fp32 compute; engine.cpu_dtype auto could pick bf16 on another CPU and add its rounding
-    runner = ModelRunner(spec, device="cpu", dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
-    agree = positions = 0
-    kl_sum = 0.0
-    with ctx.progress("verify: bundle vs unquantized model", len(prompts)) as advance, torch.inference_mode():
-        for ids in prompts:
-            ref_logits = ref(torch.tensor([ids])).logits[0]
-            a, k, n = compare(ref_logits, prefill_logits(runner, ids))
-            agree, kl_sum, positions = agree + a, kl_sum + k, positions + n
-            advance(1)
+    path = choose_path(ctx)
+    if path == "streamed":
+        from backend.model.runner import EngineError
+        from builder.stages.verify_stream import streamed_compare
+        try:
+            agree, kl_sum, positions = streamed_compare(ref_dir, spec, prompts, ctx.progress)
+        except EngineError as e:
+            raise StageError(f"verify: {e} (verify.path streamed)") from None
+    else:
+        agree, kl_sum, positions = whole_compare(ref_dir, spec, prompts, ctx.progress)
     top1, mean_kl = agree / positions, kl_sum / positions
     passed = top1 >= min_top1 and mean_kl <= max_kl
     ctx.log(f"verify: {fmt} top-1 agreement {top1:.4f} (min {min_top1}), mean KL {mean_kl:.5f} "
-            f"(max {max_kl}) over {positions} positions of {len(prompts)} prompts: "
+            f"(max {max_kl}) over {positions} positions of {len(prompts)} prompts ({path}): "
             f"{'passed' if passed else 'FAILED'}")
     result = {"top1_agreement": round(top1, 5), "mean_kl": round(mean_kl, 6), "num_prompts": len(prompts),
               "num_positions": positions, "format": fmt, "kv_cache_dtype": spec.kv_cache_dtype,
               "min_top1_agreement": min_top1, "max_mean_kl": max_kl, "passed": passed}
-    del runner, ref
     accept = draft_acceptance(ctx, bundle_dir, texts, spec.manifest.speculative)
     if accept is not None:
         result["speculative"] = accept
-    (ctx.out_dir / "verify.json").write_text(json.dumps(result, indent=1))
+    # which path ran goes to verify.json only: engine.json's verify section is the bundle format's
+    (ctx.out_dir / "verify.json").write_text(json.dumps(dict(result, path=path), indent=1))
     return result
 
 
