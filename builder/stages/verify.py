@@ -85,13 +85,18 @@ def memory_estimate(ctx: StageContext) -> MemoryEstimate:
 
 def streamed_bytes(hf_dir, num_prompts: int) -> tuple[int, str]:
     """(peak host bytes, what dominates) of the streamed comparison: the runtime, one model's hidden
-    states and the reference logits (tokens x (hidden + vocabulary) x 4, tokens at most
-    num_prompts x MAX_PROMPT_TOKENS), the rope tables, and the larger of
-    * one decoder layer: the reference's fp32 copy (4 bytes/parameter) with the bf16 pages it is read
-      from (2), or the bundle's packed layer (fp32 compute storage, 4) with its read tensors (<= 2);
+    states and the reference logits (tokens x (hidden + vocabulary) x 4, tokens bounded by
+    num_prompts x MAX_PROMPT_TOKENS: the prompts are not tokenized here), the rope tables, and the
+    larger of
+    * one decoder layer: the reference's fp32 copy (4 bytes/parameter) with the bf16 tensor being
+      read (2), or the bundle's packed layer (fp32 compute storage, 4) with its read tensors (<= 2)
+      and the fp16-exactness checks on its largest matrix (~7 per parameter of that matrix): 9;
       plus the layer's own activations for one prompt (the MLP's, and attention scores);
-    * one head (vocabulary x hidden): the bundle's read in bf16 (2), its fp32 copy (4), the packed
-      copy cpu_matmul makes (<= 4) and the checks behind it (2): 12."""
+    * one head (vocabulary x hidden): the bundle's fp32 copy (4), cpu_matmul's fp16-exactness check
+      (an fp16 and an fp32 round trip and a mask: 7) then its packed copy: 11.
+    Measured (docs/perf/build-memory-verify.json, hidden 2048, vocabulary 49152, 8 prompts): 1.68 GiB
+    at 12 layers and 1.73 GiB at 24 against this 2.33 GiB (the head phase; the token bound counts
+    2048 tokens of logits where the held-out prompts have 138)."""
     import json
 
     from quant.stream import LAYER_PREFIX, Shards
@@ -104,8 +109,8 @@ def streamed_bytes(hf_dir, num_prompts: int) -> tuple[int, str]:
     tokens = num_prompts * MAX_PROMPT_TOKENS
     t = MAX_PROMPT_TOKENS
     per_prompt = (4 * t * inter + heads * t * t + 6 * t * hidden) * 4
-    layer_phase = 6 * layer + per_prompt
-    head_phase = 12 * vocab * hidden
+    layer_phase = 9 * layer + per_prompt
+    head_phase = 11 * vocab * hidden
     rope = 4 * cfg.get("max_position_embeddings", 4096) * head_dim * 4
     host = RUNTIME_BASE + tokens * (hidden + vocab) * 4 + rope + max(layer_phase, head_phase)
     return host, (f"streamed: one layer of {layer / 1e6:.0f} M parameters in fp32, a head of "
