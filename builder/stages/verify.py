@@ -94,8 +94,8 @@ def streamed_bytes(hf_dir, num_prompts: int) -> tuple[int, str]:
       plus the layer's own activations for one prompt (the MLP's, and attention scores);
     * one head (vocabulary x hidden): the bundle's fp32 copy (4), cpu_matmul's fp16-exactness check
       (an fp16 and an fp32 round trip and a mask: 7) then its packed copy: 11.
-    Measured (docs/perf/build-memory-verify.json, hidden 2048, vocabulary 49152, 8 prompts): 1.68 GiB
-    at 12 layers and 1.73 GiB at 24 against this 2.33 GiB (the head phase; the token bound counts
+    Measured (docs/perf/build-memory-verify.json, hidden 2048, vocabulary 49152, 8 prompts): 1.74 GiB
+    at 12 layers and at 24 against this 2.33 GiB (the head phase; the token bound counts
     2048 tokens of logits where the held-out prompts have 138)."""
     import json
 
