@@ -140,12 +140,15 @@ def throughput(ex, vocab: int, n: int, isl: int, osl: int, time_limit: float | N
     handles = [ex.submit(p, params) for p in prompts]
     deadline = t0 + time_limit if time_limit is not None else math.inf
     pending = handles
+    samples = [(0.0, before)]
     while pending:
         left = deadline - time.perf_counter()
         if left <= 0:
             break
         pending[0].wait(min(poll_s, left))
         pending = [h for h in pending if not h.finished]
+        if time.perf_counter() - t0 - samples[-1][0] >= 1.0:
+            samples.append((time.perf_counter() - t0, ex.stats()))
     elapsed = time.perf_counter() - t0
     done = sum(h.finished for h in handles)
     after = ex.stats()
@@ -157,7 +160,26 @@ def throughput(ex, vocab: int, n: int, isl: int, osl: int, time_limit: float | N
             "complete": done == n, "elapsed_s": elapsed, "output_tokens": generated,
             "output_tok_s": generated / elapsed, "completed_output_tok_s": done * osl / elapsed,
             # most sequences in one step of the engine's life (the single-stream run before has 1)
-            "peak_running": after["peak_scheduled"], "preemptions": after["preemptions"] - before["preemptions"]}
+            "peak_running": after["peak_scheduled"], "preemptions": after["preemptions"] - before["preemptions"],
+            "where_time_went": time_split(samples + [(elapsed, after)])}
+
+
+def time_split(samples: list[tuple[float, dict]]) -> dict:
+    """Seconds, engine steps and ms per step of the run's one-second intervals that computed prompt
+    tokens (prefill, maybe with decodes) and of those that only decoded, from the scheduler's counters
+    sampled along the run: where a throughput run's time goes, without timing inside the engine."""
+    out = {k: {"seconds": 0.0, "steps": 0, "prefill_tokens": 0, "decode_tokens": 0} for k in ("with_prefill", "decode_only")}
+    for (t0, a), (t1, b) in zip(samples, samples[1:]):
+        d = {k: b[k] - a[k] for k in ("steps", "prefill_tokens_computed", "decode_tokens_computed")}
+        o = out["with_prefill" if d["prefill_tokens_computed"] else "decode_only"]
+        o["seconds"] += t1 - t0
+        o["steps"] += d["steps"]
+        o["prefill_tokens"] += d["prefill_tokens_computed"]
+        o["decode_tokens"] += d["decode_tokens_computed"]
+    for o in out.values():
+        o["ms_per_step"] = 1e3 * o["seconds"] / o["steps"] if o["steps"] else None
+        o["decode_tokens_per_step"] = o["decode_tokens"] / o["steps"] if o["steps"] else None
+    return out
 
 
 # The dry run's model: Llama-shaped, tiny (tests/runtime/test_bench_gpu.py uses the same)
@@ -176,9 +198,7 @@ def _cpu_header(module: str) -> dict:
     return {"gpu": None, "device": "cpu", "host": platform.node(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python -m", module] + sys.argv[1:]), "commit": git_commit(),
-            "torch": torch.__version__,
-            # launch configurations replaced for this run (plugins/tuning.py apply_env), if any
-            "kiln_tuning": os.environ.get("KILN_TUNING") or None}
+            "torch": torch.__version__}
 
 
 def kv_summary(runner, isl: int, osl: int, fraction: float | None) -> dict:
@@ -238,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         res, m, device = header(torch, "harness.bench.gpu"), dict(LLAMA31_8B), "cuda"
         res["model"] = "Llama-3.1-8B shape, random FP8 weights (per-row), FP8 KV, lm_head bf16"
         res["copy_gbs"] = copy_bandwidth_gbs()
+    # launch configurations replaced for this run (plugins/tuning.py apply_env), if any
+    res["kiln_tuning"] = os.environ.get("KILN_TUNING") or None
     seq = a.isl + a.osl
     engine = {"max_batch_size": a.max_batch_size, "max_num_tokens": max(a.max_num_tokens, a.max_batch_size),
               "max_seq_len": seq, "max_input_len": a.isl, "kv_block_size": 16, "kv_cache_dtype": "fp8_e4m3",
@@ -293,6 +315,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"throughput {a.num_requests} x {a.isl}/{a.osl}: {tp['output_tok_s']:.0f} output tok/s over "
                       f"{tp['elapsed_s']:.0f} s ({state}); peak running {tp['peak_running']} "
                       f"(KV bound {tp['kv_requests_at_once']}), preemptions {tp['preemptions']}", flush=True)
+                for kind, w in tp["where_time_went"].items():
+                    if w["steps"]:
+                        print(f"  {kind}: {w['seconds']:.0f} s, {w['steps']} steps, {w['ms_per_step']:.1f} ms/step, "
+                              f"{w['decode_tokens_per_step']:.0f} decodes + {w['prefill_tokens'] / w['steps']:.0f} "
+                              "prompt tokens per step", flush=True)
             res["cuda_graphs"] = (graphs.failed or {"captured": len(graphs.graphs),
                                                     "largest_bucket": graphs.captured_batch}) if graphs is not None else "off"
             if device == "cuda":
