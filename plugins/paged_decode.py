@@ -299,9 +299,10 @@ def _dot_f16(cfg: dict, fp8: bool, act) -> bool:
 
 
 def _v_u16(cfg: dict, fp8: bool, act, head_dim: int) -> bool:
-    """V read as 16-bit words (tuning "v_u16"): with fp16 dots only (its codes become fp16), and a half
-    head of at least 16 dims (tl.dot's smallest N)."""
-    return bool(cfg.get("v_u16", 0)) and _dot_f16(cfg, fp8, act) and head_dim >= 32
+    """V read as 16-bit words (tuning "v_u16"): where the dots run in fp16 (its codes become fp16: fp16
+    activations, or bf16 ones with dot_f16), and a half head of at least 16 dims (tl.dot's smallest N)."""
+    f16 = act in (torch.float16, "fp16") or _dot_f16(cfg, fp8, act)
+    return bool(cfg.get("v_u16", 0)) and fp8 and f16 and head_dim >= 32
 
 
 def _constexprs(hkv, group, head_dim, block_size, fp8, split, tile, out_fp8=False, dot_f16=False,

@@ -22,12 +22,14 @@ GPU: dict[str, dict[str, int]] = {
     # heads_first: launch order (KV head, sequence) instead of (sequence, KV head); NOT yet measured
     "paged_decode": {"tile": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "split_programs_per_sm": 4,
                      "heads_first": 0},
-    # fp8 KV: a wider tile amortizes the fp8 -> bf16 conversions (0.191 ms vs 0.198 ms at tile 64)
-    # dot_f16: fp16 dots under bf16 activations (one conversion instruction per two e4m3 codes instead of
-    # three per two); v_u16 (with dot_f16): V read as 16-bit words, no byte-wise transpose in shared
-    # memory (plugins/paged_decode.py); NOT yet measured on a GPU
-    "paged_decode_fp8": {"tile": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2,
-                         "split_programs_per_sm": 4, "heads_first": 0, "dot_f16": 0, "v_u16": 0},
+    # fp8 KV, H100 sweep (2026-11-27, docs/perf/decode-attention-h100.json): dot_f16 (fp16 dots under bf16
+    # activations: one conversion per two e4m3 codes instead of three), v_u16 (V read as 16-bit words: no
+    # byte-wise transpose in shared memory) and heads_first (KV heads of a sequence adjacent in launch
+    # order) together, tile 128 and 3 stages: b512 ctx1536 (a 1000/1000 throughput run's step) 0.575 ms
+    # per call = 95% of copy bandwidth, was 0.734 ms (75%); b64 ctx2048 78% (was 61%); b1 ctx8192 33% (31%).
+    # Tile 64 / 2 stages gives b64 85% but b512 92%: the throughput shape decides
+    "paged_decode_fp8": {"tile": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2,
+                         "split_programs_per_sm": 4, "heads_first": 1, "dot_f16": 1, "v_u16": 1},
     # rows = query tokens x padded GQA group per program; tile_n = keys per inner step (0.702 vs 0.738 ms)
     "paged_prefill": {"rows": 128, "tile_n": 64, "num_warps": 4, "num_stages": 3},
     # W4A16 GEMM for decode-sized M (<= 16): plugins/gemm_w4a16_small.py, the weight as the MMA's wide
