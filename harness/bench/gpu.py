@@ -124,9 +124,10 @@ def overlap_ab(ex, vocab: int, *stream_args) -> dict:
 
 
 def throughput(ex, vocab: int, n: int, isl: int, osl: int, time_limit: float | None = None,
-               poll_s: float = 0.05) -> dict:
+               poll_s: float = 0.05, window=None) -> dict:
     """``n`` requests of ``isl`` random prompt tokens and exactly ``osl`` output tokens, submitted at
-    once; stops at ``time_limit`` seconds (None: when all finish) and cancels what is left."""
+    once; stops at ``time_limit`` seconds (None: when all finish) and cancels what is left. ``window``
+    (harness.bench.step_profile.ProfileWindow) profiles a few seconds of the run."""
     import math
     import random
 
@@ -149,6 +150,10 @@ def throughput(ex, vocab: int, n: int, isl: int, osl: int, time_limit: float | N
         pending = [h for h in pending if not h.finished]
         if time.perf_counter() - t0 - samples[-1][0] >= 1.0:
             samples.append((time.perf_counter() - t0, ex.stats()))
+        if window is not None:
+            window.tick(time.perf_counter() - t0, ex.stats())
+    if window is not None:
+        window.close(ex.stats())
     elapsed = time.perf_counter() - t0
     done = sum(h.finished for h in handles)
     after = ex.stats()
@@ -161,7 +166,8 @@ def throughput(ex, vocab: int, n: int, isl: int, osl: int, time_limit: float | N
             "output_tok_s": generated / elapsed, "completed_output_tok_s": done * osl / elapsed,
             # most sequences in one step of the engine's life (the single-stream run before has 1)
             "peak_running": after["peak_scheduled"], "preemptions": after["preemptions"] - before["preemptions"],
-            "where_time_went": time_split(samples + [(elapsed, after)])}
+            "where_time_went": time_split(samples + [(elapsed, after)]),
+            "profile_window": window.result() if window is not None else None}
 
 
 def time_split(samples: list[tuple[float, dict]]) -> dict:
@@ -232,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
                     choices=("guaranteed_no_evict", "max_utilization"),
                     help="engine.scheduler_policy (default guaranteed_no_evict, TensorRT-LLM's default)")
     ap.add_argument("--max-num-tokens", type=int, default=8192, help="token budget of one step")
+    ap.add_argument("--profile-at", type=float, default=None, metavar="S",
+                    help="torch.profiler over --profile-s seconds of the throughput run, starting S s in: GPU busy "
+                         "fraction, kernels and host ops per step (harness/bench/step_profile.py)")
+    ap.add_argument("--profile-s", type=float, default=3.0)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-eager", action="store_true", help="single stream with CUDA graphs only")
     ap.add_argument("--skip-overlap-ab", action="store_true",
@@ -306,7 +316,11 @@ def main(argv: list[str] | None = None) -> int:
                     left = a.budget_s - (time.perf_counter() - t_start) - RESERVE_S
                     if limit is None or left < limit:
                         limit, source = max(0.0, left), "--budget-s"
-                tp = throughput(ex, m["vocab_size"], a.num_requests, a.isl, a.osl, limit)
+                window = None
+                if a.profile_at is not None:
+                    from harness.bench.step_profile import ProfileWindow
+                    window = ProfileWindow(a.profile_at, a.profile_s)
+                tp = throughput(ex, m["vocab_size"], a.num_requests, a.isl, a.osl, limit, window=window)
                 tp["time_limit_from"] = source
                 tp["kv_requests_at_once"] = res["kv"]["requests_at_once"]
                 res["throughput"] = tp
@@ -315,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"throughput {a.num_requests} x {a.isl}/{a.osl}: {tp['output_tok_s']:.0f} output tok/s over "
                       f"{tp['elapsed_s']:.0f} s ({state}); peak running {tp['peak_running']} "
                       f"(KV bound {tp['kv_requests_at_once']}), preemptions {tp['preemptions']}", flush=True)
+                pw = tp["profile_window"]
+                if pw is not None:
+                    print(f"  profile window at {pw['start_s']:.0f} s: {pw['steps']} steps in {pw['wall_s']:.2f} s "
+                          f"({pw['ms_per_step']} ms/step), GPU kernels busy {pw['gpu_busy']} of the time; top kernels: "
+                          + ", ".join(f"{k['name'][:40]} {k['gpu_us'] / 1e3:.1f} ms" for k in pw["kernels"][:5]),
+                          flush=True)
                 for kind, w in tp["where_time_went"].items():
                     if w["steps"]:
                         print(f"  {kind}: {w['seconds']:.0f} s, {w['steps']} steps, {w['ms_per_step']:.1f} ms/step, "

@@ -28,7 +28,8 @@
 # (old limit -> the default now: together 530 s). Which to run together:
 #   * one 9-minute call, everything at once: the defaults (PARTS unset);
 #   * a complete 3000-request throughput run: PARTS=bench T_BENCH=560 T_TOTAL=570 (the run stops at the
-#     limit if it has not finished: TIME_LIMIT=S states a shorter one);
+#     limit if it has not finished: TIME_LIMIT=S states a shorter one); BENCH_ARGS="--profile-at 120"
+#     adds 3 s of torch.profiler inside it (GPU busy fraction and kernels of the engine's real steps);
 #   * kernel work (tuning, the FP8 GEMM sweep): PARTS="kernels perf" T_KERNELS=300, or
 #     PARTS=kernels KERNEL_ARGS=--sweep T_KERNELS=560;
 #   * EAGLE-3 cost in full: PARTS=spec T_SPEC=300 SPEC_ARGS="--draft-lens 0,1,2,3,4,6 --reps 3 --breakdown".

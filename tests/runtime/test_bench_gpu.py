@@ -65,3 +65,21 @@ def test_dry_run_budget_cuts_the_time_limit_and_says_so(tmp_path):
                            "--out", str(out)]) == 0
     tp = json.loads(out.read_text())["throughput"]
     assert tp["time_limit_from"] == "--budget-s" and tp["time_limit_s"] == 0.0 and not tp["complete"]
+
+
+def test_throughput_says_where_its_time_went_and_profiles_a_window(executor):
+    """The step-kind split adds up to the run's steps and tokens, and a profiler window (opened at once,
+    closed at the end if the run is shorter) counts the steps and tokens it held (its kernel table and
+    GPU busy fraction need a GPU: none here, so the table is empty and the fraction 0)."""
+    from harness.bench.step_profile import ProfileWindow
+    before = executor.stats()
+    tp = bench_gpu.throughput(executor, TINY["vocab_size"], n=4, isl=40, osl=30, time_limit=120,
+                              window=ProfileWindow(0.0, seconds=60.0))
+    after = executor.stats()
+    split = tp["where_time_went"]
+    assert sum(w["steps"] for w in split.values()) == after["steps"] - before["steps"]
+    assert split["with_prefill"]["prefill_tokens"] == 4 * 40 and split["with_prefill"]["steps"] >= 1
+    assert sum(w["decode_tokens"] for w in split.values()) == after["decode_tokens_computed"] - before["decode_tokens_computed"]
+    pw = tp["profile_window"]
+    assert pw is not None and 1 <= pw["steps"] <= after["steps"] - before["steps"]
+    assert pw["decode_tokens"] > 0 and pw["kernels"] == [] and pw["gpu_busy"] == 0
