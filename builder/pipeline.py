@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 from backend.bundle import BundleError, rewrite
 from backend.logs import get_logger
-from builder import memory
+from builder import estimates, memory
 from builder.config import BuildConfig
 from builder.stages import STAGES, StageSpec
 from builder.stages.base import StageContext, StageError, StageResult
@@ -155,15 +155,28 @@ def _run_stage(spec: StageSpec, cfg: BuildConfig, root: Path, results: dict[str,
     return result
 
 
+def _time_note(name: str, ctx: StageContext) -> str:
+    """The stage's time estimate for its log line. A guide only: an input it cannot read leaves the
+    stage to report that input itself, so this never stops a build."""
+    try:
+        est = estimates.stage_time(name, ctx)
+    except (OSError, ValueError, KeyError) as e:
+        return f"time not estimated ({type(e).__name__})"
+    return estimates.describe(est) if est is not None else "time not estimated for this stage"
+
+
 def _check_memory(spec: StageSpec, module, ctx: StageContext, log: Callable[[str], None],
                   limit: int | None) -> None:
-    """Print the stage's peak-memory estimate; refuse before any work when it cannot fit."""
+    """Print the stage's peak-memory and time estimates; refuse before any work when its memory
+    cannot fit (time never refuses)."""
+    time_note = _time_note(spec.name, ctx)
     if not hasattr(module, "memory_estimate"):
+        log(f"[{spec.name}] estimated {time_note}")
         return
     est = module.memory_estimate(ctx)
     source = "--memory-limit" if limit is not None else "available now (MemAvailable)"
     limit = memory.available_host_bytes() if limit is None else limit
-    log(memory.describe(spec.name, est, limit, source))
+    log(f"{memory.describe(spec.name, est, limit, source)}; {time_note}")
     error = memory.refusal(spec.name, est, limit, source)
     if error:
         raise StageError(error)

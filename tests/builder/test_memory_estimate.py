@@ -28,8 +28,8 @@ def test_estimates_are_printed_and_a_fitting_build_runs(tiny_llama_dir, tmp_path
     lines: list[str] = []
     result = run_pipeline(cfg, tmp_path / "out", until="compile", log=lines.append, memory_limit=64 << 30)
     for stage in ("quantize", "compile"):
-        assert any(line.startswith(f"[{stage}] estimated peak memory: host ") and "--memory-limit 64.0 GiB" in line
-                   for line in lines), stage
+        assert any(line.startswith(f"[{stage}] estimated peak memory: host ") and "--memory-limit 64.0 GiB; time ~"
+                   in line and " on cpu (" in line for line in lines), stage
     from backend.bundle import load_bundle
 
     assert load_bundle(result.bundle).manifest.quantization.format == "fp8"
