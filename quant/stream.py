@@ -116,7 +116,7 @@ def _pass_through():
     return PassThrough()
 
 
-def _config(hf_dir: Path):
+def hf_config(hf_dir: Path):
     from transformers import AutoConfig  # noqa: PLC0415
 
     config = AutoConfig.from_pretrained(str(hf_dir))
@@ -125,7 +125,7 @@ def _config(hf_dir: Path):
     return config
 
 
-def _meta_model(config, device: str = "cpu"):
+def meta_model(config, device: str = "cpu"):
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
@@ -152,7 +152,7 @@ def activation_device(device: str, activation_bytes: int, layer_bytes: int, free
     return device if 2 * activation_bytes + 4 * layer_bytes <= 0.9 * free_bytes else "cpu"
 
 
-def _layer_inputs(shards: Shards, config, batches: list, device: str, dtype) -> tuple[list, list[dict]]:
+def layer_inputs(shards: Shards, config, batches: list, device: str, dtype) -> tuple[list, list[dict]]:
     """(hidden states per batch in `dtype`, on `device` or the host per `activation_device`; per
     batch the keyword arguments the model gives a layer (mask, position ids and rotary tables,
     computed by the model's own forward, on `device`)."""
@@ -167,7 +167,7 @@ def _layer_inputs(shards: Shards, config, batches: list, device: str, dtype) -> 
     layer_bytes = shards.numel(f"{LAYER_PREFIX}0.") * dtype.itemsize
     store = activation_device(device, sum(h.numel() * h.element_size() for h in hidden), layer_bytes)
     hidden = [h.to(store) for h in hidden]
-    model = _meta_model(config, device)
+    model = meta_model(config, device)
     model.model.layers = torch.nn.ModuleList([_capture()])
     kwargs = []
     for h in hidden:
@@ -190,7 +190,7 @@ def _shell(config, index: int, layer_tensors: dict, device: str, dtype):
     shell_cfg.vocab_size = 2
     # special token ids must index the 2-row embedding
     shell_cfg.pad_token_id = shell_cfg.bos_token_id = shell_cfg.eos_token_id = None
-    model = _meta_model(shell_cfg, device)
+    model = meta_model(shell_cfg, device)
     inner = model.model
     layer = inner.layers[index]
     missing, unexpected = layer.load_state_dict(layer_tensors, strict=False, assign=True)
@@ -260,11 +260,11 @@ def streamed_export(hf_dir: Path, out_dir: Path, cfg: dict, batches: list, progr
     from safetensors.torch import load_file, save_file  # noqa: PLC0415
 
     shards = Shards(hf_dir)
-    config = _config(hf_dir)
+    config = hf_config(hf_dir)
     n_layers = config.num_hidden_layers
     names = shards.names()
     dtype = dtype or torch.float32
-    hidden, kwargs = _layer_inputs(shards, config, batches, device, dtype)
+    hidden, kwargs = layer_inputs(shards, config, batches, device, dtype)
     weight_map: dict[str, str] = {}
     exclude_modules: set[str] = set()
     hf_quant: dict = {}

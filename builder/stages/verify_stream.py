@@ -34,13 +34,13 @@ def reference_logits(hf_dir: Path, prompts: list[list[int]], advance: Advance) -
     layer by layer (``advance(1)`` after each layer and after the head)."""
     # quant.stream owns the meta-device model and the capture of a layer's inputs (one copy of that
     # logic for quantize and verify); these are its module-private helpers, imported, not copied
-    from quant.stream import LAYER_PREFIX, Shards, StreamUnsupported, _config, _layer_inputs, _meta_model
+    from quant.stream import LAYER_PREFIX, Shards, StreamUnsupported, hf_config, layer_inputs, meta_model
 
     shards = Shards(hf_dir)
-    config = _config(hf_dir)
+    config = hf_config(hf_dir)
     batches = [torch.tensor([ids]) for ids in prompts]
-    hidden, kwargs = _layer_inputs(shards, config, batches, device="cpu", dtype=torch.float32)
-    model = _meta_model(config)
+    hidden, kwargs = layer_inputs(shards, config, batches, device="cpu", dtype=torch.float32)
+    model = meta_model(config)
     layers, norm = list(model.model.layers), model.model.norm
     del model
     names = shards.names()
