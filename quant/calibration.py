@@ -63,6 +63,19 @@ def load_texts(dataset: str) -> tuple[Path, list[str]]:
     return path, read_jsonl_texts(path)
 
 
+def token_upper_bound(dataset: str, num_samples: int, max_seq_len: int) -> int:
+    """At most how many tokens the calibration set holds, without a tokenizer: a byte-level BPE token
+    covers at least one UTF-8 byte, plus two special tokens, each text truncated to `max_seq_len`.
+    num_samples x max_seq_len when the file cannot be read (its stage reports that itself). For
+    memory estimates, which must not undercount: the builtin set's texts are short, and the plain
+    product counted 524k tokens for a 70B config whose 85 texts tokenize to about 2.3k."""
+    try:
+        _, texts = load_texts(dataset)
+    except (OSError, ValueError):
+        return num_samples * max_seq_len
+    return sum(min(max_seq_len, len(t.encode("utf-8")) + 2) for t in texts[:num_samples])
+
+
 def dataset_fingerprint(dataset: str) -> str:
     """sha256 of the calibration file's bytes, for a build stage's cache key (a changed file must
     re-run calibration). Raises CalibrationDataError when the file is missing."""

@@ -24,6 +24,9 @@ from typing import Any
 
 # RSS with torch, transformers and ModelOpt imported, before any weights (docs/perf/build-memory.json)
 BASE_BYTES = int(0.9 * (1 << 30))
+# CUDA's libraries and context mapped into a process that uses the GPU: the H100's streamed quantize
+# of the 8B shape peaked at 2.38 GiB of host RSS where the CPU base gave 1.71 (docs/perf/quant-gpu-h100.json)
+CUDA_HOST_BYTES = int(0.7 * (1 << 30))
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class QuantMemory:
 
 
 def quantize_memory(hf_dir: str | Path, qcfg: Any, path: str = "auto", cuda: bool = False) -> QuantMemory:
+    from quant.calibration import token_upper_bound  # noqa: PLC0415
     from quant.quantize import QuantSettings, choose_path  # noqa: PLC0415
     from quant.stream import LAYER_PREFIX, Shards  # noqa: PLC0415
 
@@ -46,11 +50,11 @@ def quantize_memory(hf_dir: str | Path, qcfg: Any, path: str = "auto", cuda: boo
     shards = Shards(hf_dir)
     params = shards.numel()
     layer = shards.numel(f"{LAYER_PREFIX}0.")
-    tokens = settings.num_samples * settings.max_seq_len  # upper bound: samples are truncated to it
+    tokens = token_upper_bound(settings.dataset, settings.num_samples, settings.max_seq_len)
     batch = min(tokens, settings.max_batch_tokens)
     if chosen == "whole" and cuda:
         act = batch * (vocab + 4 * inter + 8 * hidden) * 2
-        return QuantMemory(chosen, BASE_BYTES + 2 * params, 2 * params + act,
+        return QuantMemory(chosen, BASE_BYTES + CUDA_HOST_BYTES + 2 * params, 2 * params + act,
                            f"whole model: {params / 1e9:.2f} B parameters in bf16 on the GPU")
     if chosen == "whole":
         act = batch * (vocab + 4 * inter + 8 * hidden) * 4
@@ -59,7 +63,7 @@ def quantize_memory(hf_dir: str | Path, qcfg: Any, path: str = "auto", cuda: boo
     embed_phase = 4 * vocab * hidden
     if cuda:
         gpu = 8 * layer + 2 * tokens * hidden * 2 + batch * (4 * inter + 8 * hidden) * 2
-        return QuantMemory(chosen, BASE_BYTES + max(4 * layer, embed_phase), gpu,
+        return QuantMemory(chosen, BASE_BYTES + CUDA_HOST_BYTES + max(4 * layer, embed_phase), gpu,
                            f"streamed on the GPU: one layer of {layer / 1e6:.0f} M parameters in bf16, "
                            f"{tokens} calibration tokens")
     acts = 2 * tokens * hidden * 4

@@ -155,3 +155,16 @@ def test_calibration_batches_are_packed_without_padding():
     # fewer tokens than one row: a single shorter row, nothing dropped
     small = C.CalibrationSet(samples[:2], "test", "x", 2, 256)
     assert [tuple(b.shape) for b in small.batches()] == [(1, 14)]
+
+
+def test_calibration_token_bound_holds_and_is_tight_for_short_texts(smollm2_hf_dir):
+    """quant.memory's calibration-token count bounds what the real tokenizer produces (a memory
+    estimate must not undercount) while staying near it for the builtin set's short texts, where
+    num_samples x max_seq_len counted 200x too many for a 70B config."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(smollm2_hf_dir))
+    for n, limit in ((8, 256), (85, 4096), (3, 8)):
+        real = sum(int(s.shape[-1]) for s in C.build_calibration_set(tok, "builtin", n, limit).samples)
+        bound = C.token_upper_bound("builtin", n, limit)
+        assert real <= bound <= 6 * real, (n, limit, real, bound)
+    assert C.token_upper_bound("/nonexistent.jsonl", 4, 100) == 400
