@@ -12,7 +12,8 @@ from backend.ops.attention.metadata import AttentionMetadata
 BS, HKV, HQ, D = 4, 2, 6, 16
 
 
-def _setup(ctx, qlens, num_prefills, kv_dtype=torch.float32, scale=None, tree=None, seed=0, fp8_as_float=False):
+def _setup(ctx, qlens, num_prefills, kv_dtype=torch.float32, scale=None, tree=None, seed=0, fp8_as_float=False,
+           hq=HQ, hkv=HKV, d=D):
     g = torch.Generator().manual_seed(seed)
     nb_per = [-(-(c + n) // BS) for c, n in zip(ctx, qlens)]
     tables, nxt = [], 1  # block 0 stays unused: padding in tables points at it
@@ -20,10 +21,10 @@ def _setup(ctx, qlens, num_prefills, kv_dtype=torch.float32, scale=None, tree=No
         tables.append(list(range(nxt + n - 1, nxt - 1, -1)))  # reversed: tables really matter
         nxt += n
     width = max(nb_per)
-    kc = torch.zeros(nxt, BS, HKV, D, dtype=kv_dtype)
+    kc = torch.zeros(nxt, BS, hkv, d, dtype=kv_dtype)
     vc = torch.zeros_like(kc)
-    full_k = [torch.randn(c + n, HKV, D, generator=g) for c, n in zip(ctx, qlens)]
-    full_v = [torch.randn(c + n, HKV, D, generator=g) for c, n in zip(ctx, qlens)]
+    full_k = [torch.randn(c + n, hkv, d, generator=g) for c, n in zip(ctx, qlens)]
+    full_v = [torch.randn(c + n, hkv, d, generator=g) for c, n in zip(ctx, qlens)]
     be = get_backend("torch")
     be.fp8_as_float = fp8_as_float
 
@@ -37,8 +38,8 @@ def _setup(ctx, qlens, num_prefills, kv_dtype=torch.float32, scale=None, tree=No
                     kc, vc, torch.tensor([slot(b, p) for b, p in pre]), scale, scale)
     new = [(b, p) for b in range(len(ctx)) for p in range(ctx[b], ctx[b] + qlens[b])]
     slots = [slot(b, p) for b, p in new] + [-1]  # plus one padding token that must be skipped
-    k_new = torch.stack([full_k[b][p] for b, p in new] + [torch.full((HKV, D), 99.0)])
-    v_new = torch.stack([full_v[b][p] for b, p in new] + [torch.full((HKV, D), 99.0)])
+    k_new = torch.stack([full_k[b][p] for b, p in new] + [torch.full((hkv, d), 99.0)])
+    v_new = torch.stack([full_v[b][p] for b, p in new] + [torch.full((hkv, d), 99.0)])
     be.write_kv(k_new, v_new, kc, vc, torch.tensor(slots), scale, scale)
     qsl = [0]
     for n in qlens:
@@ -52,7 +53,7 @@ def _setup(ctx, qlens, num_prefills, kv_dtype=torch.float32, scale=None, tree=No
         num_prefills=num_prefills, num_prefill_tokens=qsl[num_prefills],
         num_decode_tokens=qsl[-1] - qsl[num_prefills], max_query_len=max(qlens),
         max_seq_len=max(c + n for c, n in zip(ctx, qlens)), tree_mask=tree)
-    q = torch.randn(qsl[-1], HQ, D, generator=g)
+    q = torch.randn(qsl[-1], hq, d, generator=g)
     return be, q, kc, vc, meta, full_k, full_v
 
 
@@ -172,3 +173,22 @@ def test_fp8_dequantization_table_gives_the_conversions_bits(dtype):
     assert got.shape == codes.shape and got.dtype == dtype
     assert torch.equal(got.isnan(), want.isnan()) and int(got.isnan().sum()) == 2 * 3  # 0x7f, 0xff in each repeat
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(HQ, HKV, D), (9, 3, 64), (32, 8, 128)])
+def test_folded_decode_rows_equal_their_prefill_rows_bit_for_bit(hq, hkv, d):
+    """On CPU a plain decode step attends each KV head's query heads as the rows of one tile (the
+    module docstring): its outputs are those of the same rows attended as prefill tokens (8-row position
+    tiles, GQA), bit for bit, at key lengths across several KEY_BUCKETs. The batch-invariance contract
+    rests on it; a torch whose CPU kernel computes a 4-row tile differently fails here."""
+    import dataclasses
+
+    from backend.ops.attention import torch_backend as tb
+    ctx = [3, 130, 257, 40, 700]
+    be, q, kc, vc, meta, _, _ = _setup(ctx, [1] * len(ctx), 0, seed=7, hq=hq, hkv=hkv, d=d)
+    assert [grp.folded for grp in tb.TorchAttentionBackend._make_plan(meta, BS, q.device)] == [True]
+    decode = be.forward(q, kc, vc, meta, 0.125)
+    # the same rows as one-token prefills: each in its own 8-row position tile, unfolded
+    as_prefill = dataclasses.replace(meta, num_prefills=len(ctx), num_prefill_tokens=len(ctx), num_decode_tokens=0)
+    assert not any(grp.folded for grp in tb.TorchAttentionBackend._make_plan(as_prefill, BS, q.device))
+    assert torch.equal(decode, be.forward(q, kc, vc, as_prefill, 0.125))

@@ -22,6 +22,15 @@ masked keys, whatever stale (finite: fp8 saturates) values the cache holds there
 The plan (which tiles, masks, blocks) is the same for every layer of a step and made once.
 Cost: a decode row computes ``QUERY_TILE`` query rows and up to ``KEY_BUCKET`` masked keys; in
 exchange no sequence is padded to the step's longest.
+
+Plain decode rows on CPU (one query row per sequence, no draft tokens) are cheaper still: the query
+heads sharing a KV head become the rows of one tile of ``max(FOLD_MIN_ROWS, group)`` rows, attended
+with that KV head alone. The CPU kernel computes each row of a tile of 4 rows or more on its own
+(its numbers do not depend on the tile's other rows, their count, the row's place in the tile or which
+head it belongs to; 1 to 3 rows take another path with other numbers), so a folded row equals the same
+row in an 8-row tile of its head: measured bit for bit over head shapes, key lengths and batches, and
+held by tests/runtime/test_batch_invariance.py end to end. SmolLM2's 9 query heads over 3 KV heads
+then compute 12 rows per sequence instead of 72, and no query head is expanded for GQA.
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 # makes decode cheaper and long prefills dearer; a coarser bucket means fewer calls, more masked keys.
 QUERY_TILE = 8
 KEY_BUCKET = 128
+FOLD_MIN_ROWS = 4   # the fewest rows per tile whose numbers do not depend on the tile (module docstring)
 _FP8_MAX = torch.finfo(FP8_KV_DTYPE).max
 
 
@@ -112,6 +122,9 @@ class TorchAttentionBackend:
         bs, hkv, d = k_cache.shape[1:]
         hq = q.shape[1]
         for grp in self._plan[1]:
+            if grp.folded:
+                self._forward_folded(q, k_cache, v_cache, grp, scale, k_scale, v_scale, out)
+                continue
             g = len(grp.kls)
             qt = q.new_zeros(g * QUERY_TILE, hq, d)
             qt.index_copy_(0, grp.dst, q.index_select(0, grp.src))
@@ -131,6 +144,26 @@ class TorchAttentionBackend:
         return out
 
     @staticmethod
+    def _forward_folded(q, k_cache, v_cache, grp: "_TileGroup", scale, k_scale, v_scale, out) -> None:
+        """Plain decode rows, one per tile: each KV head's query heads as the rows of its tile."""
+        bs, hkv, d = k_cache.shape[1:]
+        g, hq = len(grp.kls), q.shape[1]
+        group = hq // hkv
+        rows = max(FOLD_MIN_ROWS, group)
+        qf = q.new_zeros(g, hkv, rows, d)
+        qf[:, :, :group] = q.index_select(0, grp.src).view(g, hkv, group, d)
+        mask = grp.mask if grp.mask.dtype == q.dtype else grp.mask.to(q.dtype)
+        ks, vs = (dequantize_kv(_gather(cache, grp.blocks), sc, q.dtype).view(-1, bs, hkv, d)
+                  for cache, sc in ((k_cache, k_scale), (v_cache, v_scale)))
+        o = q.new_empty(g, hkv, rows, d)
+        for j0, j1, kl, b0, nb in grp.runs:
+            n = j1 - j0
+            k, v = (x[b0:b0 + n * nb].view(n, nb * bs, hkv, d)[:, :kl].transpose(1, 2) for x in (ks, vs))
+            o[j0:j1] = F.scaled_dot_product_attention(qf[j0:j1], k, v, scale=scale,
+                                                      attn_mask=mask[j0:j1, :, :, :kl].expand(n, 1, rows, kl))
+        out.index_copy_(0, grp.src, o[:, :, :group].reshape(g, hq, d))
+
+    @staticmethod
     def _make_plan(meta, bs: int, dev) -> list["_TileGroup"]:
         """The step's query tiles, grouped: each prefill's tiles (sharing its keys), then every
         decode-like sequence's (speculative verification included) ordered by key length."""
@@ -138,7 +171,10 @@ class TorchAttentionBackend:
         qsl = meta.query_start_loc.tolist()
         ctx = meta.context_lens.tolist()
         tables = meta.block_tables
-        groups, shared = [], []
+        groups, shared, single = [], [], []
+        # plain decode rows fold (see the module docstring) on the CPU, where that was measured; a step
+        # with a token tree (speculative verification) keeps every row in its position tile
+        fold = dev.type == "cpu" and meta.tree_mask is None
         for i in range(len(qsl) - 1):
             c, n = ctx[i], qsl[i + 1] - qsl[i]
             if n == 0:
@@ -146,11 +182,15 @@ class TorchAttentionBackend:
             tiles = [(i, a) for a in range(c // tile * tile, c + n, tile)]
             if i < meta.num_prefills:
                 groups.append(_TileGroup(tiles, qsl, ctx, meta.tree_mask, tables, bs, dev, shared_keys=True))
+            elif fold and n == 1:
+                single.extend(tiles)
             else:
                 shared.extend(tiles)
-        if shared:
-            shared.sort(key=lambda t: _key_len(t[1] + tile))
-            groups.append(_TileGroup(shared, qsl, ctx, meta.tree_mask, tables, bs, dev, shared_keys=False))
+        for items, folded in ((shared, False), (single, True)):
+            if items:
+                items.sort(key=lambda t: _key_len(t[1] + tile))
+                groups.append(_TileGroup(items, qsl, ctx, meta.tree_mask, tables, bs, dev, shared_keys=False,
+                                         folded=folded))
         return groups
 
 
@@ -166,10 +206,12 @@ class _TileGroup:
     blocks to gather: the one sequence's when ``shared_keys``, else each tile's sequence's) and ``runs``
     ``(j0, j1, key length, first block, blocks per tile)``: tiles j0..j1 share one SDPA call."""
 
-    def __init__(self, items: list[tuple[int, int]], qsl, ctx, tree, tables, bs: int, dev, shared_keys: bool):
+    def __init__(self, items: list[tuple[int, int]], qsl, ctx, tree, tables, bs: int, dev, shared_keys: bool,
+                 folded: bool = False):
         tile = QUERY_TILE
         g = len(items)
         self.shared_keys = shared_keys
+        self.folded = folded   # one real row per tile (plain decode): mask holds that row alone
         self.kls = [_key_len(a + tile) for _, a in items]
         src, dst = [], []
         for j, (i, a) in enumerate(items):
@@ -190,7 +232,10 @@ class _TileGroup:
                 lo, hi = max(a, c), min(a + tile, c + n)
                 m = min(n, longest - c)
                 visible[j, lo - a:hi - a, c:c + m] &= tree[t0 + lo - c:t0 + hi - c, :m]
-        self.mask = torch.zeros(g, 1, tile, longest, device=dev).masked_fill_(~visible.unsqueeze(1), float("-inf"))
+        if folded:   # the real row of each tile (one per tile): [g, 1, 1, L], its query heads share it
+            visible = visible[torch.arange(g, device=dev), self.dst - torch.arange(g, device=dev) * tile].unsqueeze(1)
+        self.mask = torch.zeros(g, 1, visible.shape[1], longest, device=dev).masked_fill_(~visible.unsqueeze(1),
+                                                                                            float("-inf"))
         # KV blocks: a tile of key length L reads ceil(L / bs) blocks of its sequence; past the block
         # table (and in its padding) block 0, masked like every key past the sequence's length.
         width = tables.shape[1]
