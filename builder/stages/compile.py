@@ -50,7 +50,14 @@ def memory_estimate(ctx: StageContext) -> MemoryEstimate:
 
 
 def run(ctx: StageContext) -> dict:
-    cfg, out = ctx.config, ctx.out_dir
+    return write_bundle(ctx, ctx.out_dir)
+
+
+def write_bundle(ctx: StageContext, out: Path, *, with_draft: bool = True, aot: bool = True) -> dict:
+    """The engine bundle of ``ctx``'s checkpoint into the empty folder ``out``. The draft stage also
+    calls it (``with_draft=False, aot=False``) for the target it records training data from: one
+    packing code path, so the draft learns from the very weights and layout the engine serves."""
+    cfg = ctx.config
     imported = ctx.results["import"].info
     model = dict(imported["model"], dtype=cfg.model.dtype)
     ckpt = Checkpoint(ctx.checkpoint_dir())
@@ -72,9 +79,9 @@ def run(ctx: StageContext) -> dict:
                          f"{n_kv_scales // 2}; re-run the quantize stage (--force)")
 
     _copy_tokenizer(ctx.results["import"].path, out / "tokenizer")
-    speculative = _copy_draft(ctx, out)
+    speculative = _copy_draft(ctx, out) if with_draft else None
     try:
-        manifest = _manifest(ctx, model, fmt, kv_algo, group_size, unquantized, speculative, out)
+        manifest = _manifest(ctx, model, fmt, kv_algo, group_size, unquantized, speculative, out, aot)
     except bundle.BundleError as exc:
         raise StageError(str(exc)) from None
     bundle.write(out, manifest)
@@ -83,7 +90,7 @@ def run(ctx: StageContext) -> dict:
 
 
 def _manifest(ctx: StageContext, model: dict, fmt: str, kv_algo, group_size, unquantized: list[str],
-              speculative: dict | None, out: Path) -> bundle.Manifest:
+              speculative: dict | None, out: Path, aot: bool = True) -> bundle.Manifest:
     cfg = ctx.config
     manifest = bundle.Manifest.from_dict({   # checked here, at the build, not first by the runtime
         "format": bundle.FORMAT,
@@ -106,12 +113,14 @@ def _manifest(ctx: StageContext, model: dict, fmt: str, kv_algo, group_size, unq
         "speculative": speculative,
         "tools": _tool_versions(),
         # the sections that shaped this bundle (compile is not rebuilt when only verify/serving change)
-        "hashes": {"config": _sections_hash(cfg, ctx.name),
+        "hashes": {"config": _sections_hash(cfg, "compile"),
                    "source": ctx.results["import"].info["source_sha256"]},
         "verify": None,
         "files": {},
     }, f"{out / bundle.MANIFEST} (being built)")
-    manifest = manifest.replace(kernels=_compile_kernels(ctx, manifest, out))
+    # Without ``aot`` the runtime JIT-compiles the same kernels (the draft stage's short-lived target)
+    if aot:
+        manifest = manifest.replace(kernels=_compile_kernels(ctx, manifest, out))
     return manifest.replace(files=bundle.file_hashes(out))
 
 

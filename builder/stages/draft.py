@@ -2,20 +2,24 @@
 
 ``speculative.draft: train`` trains one with NVIDIA ModelOpt (``mtsp.convert`` with the EAGLE-3
 config sized to the target, ModelOpt's own loss and train-time-test steps, then
-``export_speculative_decoding``). The training text is the TARGET's own greedy continuation of each
-prompt, so the draft learns what this target says, not what a dataset says. What makes it fit in
-minutes on a 2-core CPU:
+``export_speculative_decoding``). The training text is the ENGINE's own greedy continuation of each
+prompt, so the draft learns what this bundle says (its quantized weights, compute dtype and kernels),
+not what a dataset says. How it stays small and fast:
 
-* offline features: the target runs ONCE per sample, the generation itself, with its hidden
-  states recorded by hooks as it goes (``draft_data.py``); training steps then only run the draft
-  (``eagle_offline``);
+* the target is Kiln's runtime, not transformers: the stage packs the checkpoint with compile's code
+  into a short-lived bundle inside its own temporary output and the executor answers the prompts
+  (on the GPU when there is one), recording the aux layers' and the final hidden states as it goes
+  (``draft_data.py``). A separate stage or a compile-first order would let the served bundle exist
+  before its draft, i.e. a bundle that looks complete without one; packing twice costs seconds;
+* offline features: training steps only run the draft (``eagle_offline``) on a base model that is
+  just the embedding and the lm_head (ModelOpt's ``FakeBaseModel``): no decoder layer of the target
+  is ever loaded for training;
 * the distillation targets are the target's logits over the DRAFT vocabulary, computed once from
   those hidden states: left to itself ModelOpt multiplies every training token by the full 49k-row
   lm_head at every step, which was most of a step's time;
 * a draft vocabulary of the most frequent tokens (``DRAFT_VOCAB``, with ``d2t``), its lm_head rows
   initialised from the target's, so the head is useful after a few dozen steps;
-* fp32 everywhere on the CPU: generation (batched) is ~3x faster than bf16 on AVX2,
-  and AdamW on bf16 draft weights stalls; the draft is exported in the target's dtype.
+* the draft trains in fp32 (AdamW on bf16 draft weights stalls) and is exported in the target's dtype.
 
 ``speculative.draft: <path>`` imports an EAGLE-3 checkpoint in the public HF layout and refuses one
 whose hidden size, vocabulary or aux layers do not fit the target.
@@ -29,13 +33,14 @@ import copy
 import dataclasses
 import json
 import math
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
 from builder.memory import RUNTIME_BASE, MemoryEstimate, checkpoint_params
 from builder.stages.base import StageContext, StageError
-from builder.stages.draft_data import draft_logits, draft_vocab, load_prompts, prompts_path, resolve, target_data
+from builder.stages.draft_data import GEN_BATCH, draft_logits, draft_vocab, load_prompts, prompts_path, resolve, target_data
 
 DRAFT_VOCAB = 8192          # rows of the draft lm_head (SmolLM2: 49152 -> 6x cheaper drafting)
 BATCH = 4                   # training sequences per step
@@ -43,13 +48,42 @@ TTT_STEPS = 3               # ModelOpt's train-time-test depth (draft fed its ow
 
 
 def memory_estimate(ctx: StageContext) -> MemoryEstimate:
-    """Training loads the target in fp32 (4 bytes/parameter) to record its hidden states."""
-    if ctx.config.speculative.draft != "train":
+    """Two phases, the recorded rows held through both (bf16, per training token: the aux layers'
+    and the final hidden state, then the aux layers' and the draft-vocabulary logits):
+
+    * answers: the engine. On a GPU its weights and KV cache live there (the host only streams
+      them through); on a CPU the bundle's tensors as read plus the compute dtype's copies (4 bytes
+      per parameter unless engine.cpu_dtype is bfloat16) and the KV pool, in RAM;
+    * training: ModelOpt's base model, which is only the embedding (fp32) and the lm_head, plus the
+      draft with its gradients and AdamW state (fp32).
+    Neither grows with the target's depth on a GPU: the data scale with the prompts and seq_len."""
+    import torch  # noqa: PLC0415
+
+    s = ctx.config.speculative
+    if s.draft != "train":
         return MemoryEstimate(RUNTIME_BASE, 0, "an imported draft head")
-    params = checkpoint_params(ctx.results["import"].path)
-    return MemoryEstimate(RUNTIME_BASE + 4 * params, 0, f"target in fp32: {params / 1e9:.2f} B parameters",
-                          "speculative.draft=<path to a trained EAGLE-3 checkpoint> (imported, not trained), "
-                          "or speculative.method=none")
+    c = json.loads((ctx.results["import"].path / "config.json").read_text())
+    h, v, layers = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
+    kv_dim = c.get("num_key_value_heads", c["num_attention_heads"]) * (
+        c.get("head_dim") or h // c["num_attention_heads"])
+    ckpt = ctx.checkpoint_dir()
+    weights = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+    params = checkpoint_params(ckpt)
+    tokens = s.train.num_prompts * s.train.seq_len
+    aux = len(s.aux_layers) if s.aux_layers is not None else 3
+    cuda = torch.cuda.is_available()
+    fp32 = not cuda and ctx.config.engine.cpu_dtype != "bfloat16"
+    kv = GEN_BATCH * (s.train.seq_len + 16) * layers * 2 * kv_dim * (4 if fp32 else 2)
+    engine = 0 if cuda else weights + (4 * params if fp32 else 0) + kv
+    answers = tokens * (aux + 1) * h * 2 + engine
+    draft = 3 * h * h + 2 * h * (h + 2 * kv_dim) + h * h + 3 * h * c["intermediate_size"] + DRAFT_VOCAB * h
+    training = tokens * (aux * h + DRAFT_VOCAB) * 2 + v * h * (4 + 2) + 16 * draft
+    where = "GPU" if cuda else "CPU"
+    return MemoryEstimate(RUNTIME_BASE + max(answers, training), weights + kv if cuda else 0,
+                          f"{tokens} training tokens' states and logits; the engine on the {where}"
+                          + ("" if cuda else f" ({params / 1e9:.2f} B parameters in RAM)"),
+                          "fewer speculative.train.num_prompts or seq_len; a GPU (the engine's weights then "
+                          "stay off the host); speculative.draft=<path to a trained EAGLE-3 checkpoint>")
 
 
 def skip_reason(ctx: StageContext) -> str | None:
@@ -60,7 +94,11 @@ def skip_reason(ctx: StageContext) -> str | None:
 
 def fingerprint(ctx: StageContext) -> str:
     s = ctx.config.speculative
-    parts = ["draft-v3", f"vocab={DRAFT_VOCAB}", f"batch={BATCH}", f"ttt={TTT_STEPS}"]
+    # The training answers come from the engine: the keys that change its numbers count (here, not
+    # as config sections: engine.cpu_dtype at its default is left out of the config's hashes).
+    e = ctx.config.engine
+    parts = ["draft-v4", f"vocab={DRAFT_VOCAB}", f"batch={BATCH}", f"ttt={TTT_STEPS}",
+             f"cpu_dtype={e.cpu_dtype}", f"attention={e.attention_backend}"]
     for p in ([prompts_path(ctx)] if s.draft == "train" else [resolve(ctx, Path(s.draft))]):
         if p.is_file():
             st = p.stat()
@@ -131,33 +169,54 @@ def _torch_dtype(name: str):
 
 def train_draft(ctx: StageContext, target_dir: Path, export_dir: Path) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
     import modelopt.torch.speculative as mtsp
     from modelopt.torch.export import export_speculative_decoding
+    from modelopt.torch.speculative.plugins.modeling_fakebase import FakeBaseModel
 
     from backend.speculative.checkpoint import default_aux_layers
+    from builder.stages.compile import write_bundle
 
     s = ctx.config.speculative
     tr = s.train
     torch.manual_seed(0)
     times = {}
     tok = AutoTokenizer.from_pretrained(target_dir)
-    # fp32: on CPUs without native bf16 math (AVX2) it is several times faster than bf16, and it is
-    # what the runtime computes in there, so the continuations are the ones the engine will produce.
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    model.config.architectures = model.config.architectures or ["LlamaForCausalLM"]
-    c = model.config
+    c = AutoConfig.from_pretrained(target_dir)
     aux = tuple(s.aux_layers) if s.aux_layers is not None else default_aux_layers(c.num_hidden_layers)
     prompts = load_prompts(ctx, tr.num_prompts)
+    # The target is the engine: the checkpoint packed by compile's own code into a bundle without
+    # draft (and without AOT cubins: the runtime JIT-compiles the same kernels), run by Kiln's executor
+    # on the GPU when there is one. The folder is inside this stage's temporary output, so an
+    # interrupted build leaves nothing that looks finished, and it is removed before the stage ends
+    # (compile writes the served bundle; packing twice costs seconds against the draft's minutes).
+    bundle_dir = ctx.out_dir / "target-bundle"
+    bundle_dir.mkdir()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
-    with ctx.progress("draft: target answers", len(prompts)) as advance:
-        samples = target_data(model, tok, prompts, tr.seq_len, aux, advance)
+    try:
+        write_bundle(ctx, bundle_dir, with_draft=False, aot=False)
+        with ctx.progress("draft: target answers", len(prompts)) as advance:
+            samples = target_data(bundle_dir, tok, prompts, tr.seq_len, aux, advance, device, ctx.log)
+    finally:
+        shutil.rmtree(bundle_dir, ignore_errors=True)
     times["generate_s"] = round(time.perf_counter() - t0, 1)
     seqs = [x.ids for x in samples]
-    ctx.log(f"draft: the target answered {len(seqs)} prompts, {sum(map(len, seqs))} tokens with their "
-            f"hidden states, {times['generate_s']} s")
-    vocab_ids = draft_vocab(seqs, c.vocab_size, DRAFT_VOCAB)
-    feats = [(x.aux, lg) for x, lg in zip(samples, draft_logits(samples, model.lm_head.weight[vocab_ids]))]
+    ctx.log(f"draft: the engine ({device}) answered {len(seqs)} prompts, {sum(map(len, seqs))} tokens with "
+            f"their hidden states, {times['generate_s']} s")
+    # the answers' last tokens (EOS among them) have no states but are words the draft must predict
+    vocab_ids = draft_vocab([x.ids + [x.last] for x in samples], c.vocab_size, DRAFT_VOCAB)
+
+    # ModelOpt's EAGLE wrapper needs a base model object; offline it only reads the embedding (the
+    # draft embeds its input tokens with it), the lm_head (the draft's device, and its vocabulary
+    # rows below) and the config. ModelOpt's own FakeBaseModel is exactly that, read tensor by tensor
+    # from the checkpoint: no decoder layer is ever loaded. The embedding runs in fp32 (AdamW on bf16
+    # draft weights stalls, and the draft takes the base model's dtype).
+    model = FakeBaseModel.from_source(str(target_dir))
+    model.embed_tokens.float()
+    model.model.dtype = model.config.dtype = torch.float32
+    head = model.lm_head.weight
+    feats = [(x.aux, lg) for x, lg in zip(samples, draft_logits(samples, head[vocab_ids]))]
     del samples
 
     cfg = copy.deepcopy(mtsp.EAGLE3_DEFAULT_CFG["config"])
@@ -178,7 +237,11 @@ def train_draft(ctx: StageContext, target_dir: Path, export_dir: Path) -> dict:
     if nd < c.vocab_size:
         em.d2t.copy_(ids_t - torch.arange(nd))
     with torch.no_grad():  # start from the target's own output embedding rows
-        em.lm_head.weight.copy_(model.lm_head.weight[ids_t].float())
+        em.lm_head.weight.copy_(head[ids_t].float())
+    # Offline, the base lm_head is never multiplied (the logits are given) and the export takes the
+    # draft's own head: drop the full vocabulary x hidden matrix (2.1 GB at 70B) before training.
+    model.lm_head.weight = torch.nn.Parameter(head.new_empty(0, head.shape[1]), requires_grad=False)
+    del head
     # The precomputed logits already cover just the draft vocabulary; ModelOpt would otherwise
     # gather those columns out of full-vocabulary logits.
     full_to_draft = model._map_logits_to_draft_vocab

@@ -1,12 +1,14 @@
 """Training data for the EAGLE-3 draft: the TARGET's own greedy answers, and what the target saw
 while writing them.
 
-One generation pass produces everything training needs. Forward hooks on the target's aux layers
-and on its final norm record each position's hidden states as ``generate`` computes them (the
-prompt in the prefill call, then one row per new token), so there is no second forward pass over
-the finished sequences: on a 2-core CPU that pass cost a third of the stage, and the target's
-forward is the only expensive part of making data. From the final hidden states the distillation
-targets (the target's logits over the draft vocabulary) are one small matmul per sample.
+The target is the engine itself: the draft stage packs the (quantized) checkpoint into a bundle and
+Kiln's executor answers every prompt greedily, on the GPU when there is one, with
+``backend/speculative/record.py`` recording the aux layers' outputs and the final (normed) hidden
+state of every position as the steps compute them (the same seam the EAGLE speculator reads at
+serving time). So the draft learns the continuations the ENGINE produces (its weights, compute
+dtype and kernels), and the build never holds the target in transformers: host memory is the
+bundle's weights on a CPU, on a GPU only the recorded rows. From the final hidden states the
+distillation targets (the target's logits over the draft vocabulary) are one small matmul per sample.
 
 Prompts are rendered with the tokenizer's chat template, exactly as served requests with
 ``apply_chat_template`` are (SmolLM2's template adds its default system prompt).
@@ -17,10 +19,14 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from builder.stages.base import StageContext, StageError
 
-GEN_BATCH = 64              # prompts the target continues at once (CPU: 64 ran 1.3x faster than 32)
+if TYPE_CHECKING:   # torch is imported where it is used: importing the stage modules stays cheap
+    import torch
+
+GEN_BATCH = 64              # sequences the engine runs at once (CPU: 64 ran 1.3x faster than 32)
 BUILTIN_PROMPTS = Path(__file__).resolve().parents[2] / "backend" / "speculative" / "data" / "prompts.jsonl"
 
 
@@ -28,11 +34,13 @@ BUILTIN_PROMPTS = Path(__file__).resolve().parents[2] / "backend" / "speculative
 class Sample:
     """One training sequence: ``ids [T]`` (prompt + greedy answer), the target's aux-layer states
     ``aux [T, A*H]`` and its final (normed) hidden states ``final [T, H]``, both bf16 to halve the
-    memory; ``prompt_len`` tokens of it are prompt."""
+    memory; ``prompt_len`` tokens of it are prompt. ``last`` is the answer's final token (the EOS
+    when it stopped), which has no states: the engine never runs a token after the last."""
     ids: list[int]
-    aux: "torch.Tensor"  # noqa: F821 - torch is imported lazily
-    final: "torch.Tensor"  # noqa: F821
+    aux: torch.Tensor
+    final: torch.Tensor
     prompt_len: int
+    last: int
 
 
 def resolve(ctx: StageContext, p: Path) -> Path:
@@ -81,85 +89,81 @@ def chat_ids(tok, text: str) -> list[int]:
     return list(tok(text)["input_ids"])
 
 
-class _Recorder:
-    """Forward hooks that keep the outputs of the aux layers and of the final norm, one tensor
-    per forward call (``[B, t, H]``)."""
-
-    def __init__(self, model, aux: tuple[int, ...]):
-        inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        self.keys = list(aux) + ["final"]
-        self.out: dict = {k: [] for k in self.keys}
-        mods = [inner.layers[i] for i in aux] + [inner.norm]
-        self.handles = [m.register_forward_hook(self._hook(k)) for k, m in zip(self.keys, mods)]
-
-    def _hook(self, key):
-        def keep(_module, _inputs, output):
-            self.out[key].append((output[0] if isinstance(output, tuple) else output).detach())
-        return keep
-
-    def take(self) -> dict:
-        """Per key, the calls so far concatenated along time; clears the record."""
-        import torch
-
-        got = {k: torch.cat(v, 1) for k, v in self.out.items()}
-        self.out = {k: [] for k in self.keys}
-        return got
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-def target_data(model, tok, prompts: list[str], seq_len: int, aux: tuple[int, ...], advance) -> list[Sample]:
-    """Each prompt (chat-formatted; at most ``seq_len // 2`` tokens, the end kept) + the target's
+def target_data(bundle_dir: Path, tok, prompts: list[str], seq_len: int, aux: tuple[int, ...], advance,
+                device: str = "cpu", log=None) -> list[Sample]:
+    """Each prompt (chat-formatted; at most ``seq_len // 2`` tokens, the end kept) + the engine's
     greedy continuation, up to ``seq_len`` tokens in all and through the EOS, with the target's
-    hidden states at every position recorded during generation.
+    hidden states at every position that ran (all but the last token).
 
-    Prompts run GEN_BATCH at a time, grouped by length so left padding stays small: the target's
-    cost per token falls steeply with the batch on a CPU. The last token of a sequence has no
-    hidden state (``generate`` never runs on it); nothing predicts past it, so it is dropped."""
+    Every prompt is submitted at once; the scheduler runs GEN_BATCH of them at a time and starts
+    the next as one ends (the target's cost per token falls steeply with the batch on a CPU).
+    Prefix caching is off: a prompt prefix served from the cache (every chat prompt shares the
+    system prompt) would skip the very forward passes whose states are recorded."""
     import torch
 
+    from backend.engine.executor import Executor
+    from backend.engine.sampling_params import SamplingParams
+    from backend.model.layers import rms_norm
+    from backend.bundle import load_bundle
+    from backend.speculative.record import HiddenRecorder
+
+    bundle = load_bundle(bundle_dir)
+    c, eng = bundle.manifest.model, bundle.manifest.engine
+    last_layer = c.num_layers - 1
+    layers = tuple(dict.fromkeys((*aux, last_layer)))
+    col = layers.index(last_layer) * c.hidden_size
     encoded = [chat_ids(tok, t)[-(seq_len // 2):] for t in prompts]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    # Where an answer ends: the ids generate stops on (generation_config, as the engine's
-    # eos_token_ids) and the tokenizer's own eos. After its end a row only gets padding.
-    ends = set(_ids(model.generation_config.eos_token_id)) | set(_ids(tok.eos_token_id))
-    samples: list[Sample | None] = [None] * len(encoded)
-    rec = _Recorder(model, aux)
+    # The engine's length limits are the served ones; this engine only has to fit the training
+    # sequences, so the data does not depend on them (they are not part of the draft's stage key).
+    longest = max(len(e) for e in encoded)
+    max_seq = max(eng.max_seq_len, seq_len + 1)
+    blocks = -(-(seq_len + 1) // eng.kv_block_size)
+    recorder = HiddenRecorder(layers, c.hidden_size, torch.bfloat16)
+    ex = Executor(bundle, device=device, speculator=recorder, start=False, verify_hashes=False,
+                  max_batch_size=GEN_BATCH, enable_prefix_caching=False, max_seq_len=max_seq,
+                  max_input_len=max(eng.max_input_len, longest), max_kv_tokens=GEN_BATCH * blocks * eng.kv_block_size)
+    weight = ex.runner.model.norm.float()
+    if log is not None:   # engine.cpu_dtype auto decides by timing: the answers depend on it
+        choice = ex.runner.dtype_choice
+        log(f"draft: the engine answers on {device} in {str(choice.dtype).removeprefix('torch.')} ({choice.reason})")
+
+    def final_norm(rows):
+        # the final hidden state: what the runtime's last norm makes of the last layer's output
+        out = rows.clone()
+        last = rows[:, col:col + c.hidden_size].float()
+        out[:, col:col + c.hidden_size] = rms_norm(last, weight, c.rms_norm_eps).to(rows.dtype)
+        return out
+
+    recorder.transform = final_norm
     try:
-        for i in range(0, len(order), GEN_BATCH):
-            idx = order[i:i + GEN_BATCH]
-            batch = [encoded[j] for j in idx]
-            width = max(len(b) for b in batch)
-            # Left padding: every row's continuation starts at the same column.
-            ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])
-            mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
-            with torch.inference_mode():
-                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                     max_new_tokens=seq_len - min(len(b) for b in batch), pad_token_id=pad)
-            got = rec.take()
-            for r, (j, b) in enumerate(zip(idx, batch)):
-                gen = out[r, width:].tolist()
-                stop = next((k for k, t in enumerate(gen) if t in ends), None)
-                if stop is not None:  # keep the EOS itself: predicting the end is part of the job
-                    gen = gen[:stop + 1]
-                seq = (b + gen)[:seq_len]
-                start = width - len(b)
-                n = min(len(seq), got["final"].shape[1] - start)
-                samples[j] = Sample(
-                    ids=seq[:n], prompt_len=len(b),
-                    aux=torch.cat([got[k][r, start:start + n] for k in aux], -1).to(torch.bfloat16),
-                    final=got["final"][r, start:start + n].to(torch.bfloat16))
-            advance(len(batch))
+        handles = []
+        for j, ids in enumerate(encoded):
+            rid = f"draft-{j}"
+            recorder.expect(rid, seq_len)
+            params = SamplingParams(temperature=0.0, max_tokens=seq_len - len(ids))
+            handles.append(ex.submit(ids, params, request_id=rid))
+        done = 0
+        while done < len(handles):
+            ex.step()
+            now = sum(h.finished for h in handles)
+            advance(now - done)
+            done = now
+        samples = []
+        for j, (ids, h) in enumerate(zip(encoded, handles)):
+            res = h.result()
+            if res.error:
+                raise StageError(f"draft: the engine failed on training prompt {j}: {res.error}")
+            seq = ids + res.token_ids
+            rows = recorder.take(f"draft-{j}")
+            assert rows.shape[0] == len(seq) - 1, (j, rows.shape, len(seq))
+            samples.append(Sample(
+                ids=seq[:-1], prompt_len=len(ids), last=seq[-1],
+                aux=torch.cat([rows[:, k * c.hidden_size:(k + 1) * c.hidden_size] for k in
+                               (layers.index(i) for i in aux)], -1),
+                final=rows[:, col:col + c.hidden_size].clone()))
     finally:
-        rec.close()
-    return samples  # type: ignore[return-value]
-
-
-def _ids(v) -> list[int]:
-    return [] if v is None else [v] if isinstance(v, int) else list(v)
+        ex.shutdown()
+    return samples
 
 
 def draft_logits(samples: list[Sample], head) -> list:
