@@ -150,6 +150,10 @@ class VerifyConfig:
     # whole: both models loaded (fast on a small model); streamed: one decoder layer at a time, memory
     # flat in depth; auto: streamed above builder/stages/verify.py's STREAM_ABOVE_BYTES
     path: str = opt("auto", choices=("auto", "whole", "streamed"))
+    # where the streamed comparison runs: auto = the GPU when one is visible (both models in fp32, the
+    # torch attention backend: the numbers of quantization, not of the serving kernels), else the CPU;
+    # the whole-model path always runs on the CPU
+    device: str = opt("auto", choices=("auto", "cpu", "cuda"))
 
 
 def _model_name_moved(v: str) -> str | None:
@@ -203,7 +207,7 @@ _UNHASHED_SECTIONS = ("output",)
 # Keys added after bundles were built, left out of the hashes while they hold their default: every
 # existing build (and test cache) keeps its hash, a non-default value still rebuilds what it changes.
 _HASH_NEUTRAL_DEFAULTS = {("engine", "overlap_scheduling"): "auto", ("engine", "cpu_dtype"): "auto",
-                          ("verify", "path"): "auto"}
+                          ("verify", "path"): "auto", ("verify", "device"): "auto"}
 
 
 @dataclasses.dataclass(frozen=True)

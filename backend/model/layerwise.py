@@ -34,10 +34,12 @@ from backend.ops.attention import get_backend, resolve_backend_name
 
 class LayerwiseRunner:
     def __init__(self, spec: EngineSpec, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, attention: str | None = None) -> None:
+        """``attention``: the backend's name, else the bundle's engine.attention_backend (resolved for
+        ``device``); only the torch backend runs layer by layer."""
         self.spec, self.config = spec, spec.model
         self.device, self.dtype = torch.device(device), dtype
-        backend = resolve_backend_name(spec.engine.attention_backend, str(self.device))
+        backend = resolve_backend_name(attention or spec.engine.attention_backend, str(self.device))
         if backend != "torch":
             # the fused path (triton backend) runs other kernels per layer: not what decoder_layer runs
             raise EngineError(f"engine.attention_backend: {backend} resolves to fused kernels, which the "

@@ -163,6 +163,15 @@ def compare(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[int, float,
     return agree, kl, ref_logits.shape[0]
 
 
+def verify_device(asked: str) -> str:
+    """verify.device -> where the streamed comparison runs; cuda asked on a machine without one is refused."""
+    cuda = torch.cuda.is_available()
+    if asked == "cuda" and not cuda:
+        raise StageError("verify.device: cuda, but no NVIDIA GPU is visible (torch.cuda.is_available() is "
+                         "false); allowed here: auto, cpu")
+    return "cuda" if asked == "cuda" or (asked == "auto" and cuda) else "cpu"
+
+
 def whole_compare(ref_dir: Path, spec, prompts: list[list[int]], progress) -> tuple[int, float, int]:
     """(agreeing positions, summed KL, positions): both models loaded whole, one prompt at a time."""
     from transformers import AutoModelForCausalLM
@@ -200,16 +209,18 @@ def run(ctx: StageContext) -> dict:
     if path == "streamed":
         from backend.model.runner import EngineError
         from builder.stages.verify_stream import streamed_compare
+        device = verify_device(ctx.config.verify.device)
         try:
-            agree, kl_sum, positions = streamed_compare(ref_dir, spec, prompts, ctx.progress)
+            agree, kl_sum, positions = streamed_compare(ref_dir, spec, prompts, ctx.progress, device)
         except EngineError as e:
             raise StageError(f"verify: {e} (verify.path streamed)") from None
     else:
+        device = "cpu"
         agree, kl_sum, positions = whole_compare(ref_dir, spec, prompts, ctx.progress)
     top1, mean_kl = agree / positions, kl_sum / positions
     passed = top1 >= min_top1 and mean_kl <= max_kl
     ctx.log(f"verify: {fmt} top-1 agreement {top1:.4f} (min {min_top1}), mean KL {mean_kl:.5f} "
-            f"(max {max_kl}) over {positions} positions of {len(prompts)} prompts ({path}): "
+            f"(max {max_kl}) over {positions} positions of {len(prompts)} prompts ({path}, {device}): "
             f"{'passed' if passed else 'FAILED'}")
     result = {"top1_agreement": round(top1, 5), "mean_kl": round(mean_kl, 6), "num_prompts": len(prompts),
               "num_positions": positions, "format": fmt, "kv_cache_dtype": spec.kv_cache_dtype,
@@ -218,7 +229,7 @@ def run(ctx: StageContext) -> dict:
     if accept is not None:
         result["speculative"] = accept
     # which path ran goes to verify.json only: engine.json's verify section is the bundle format's
-    (ctx.out_dir / "verify.json").write_text(json.dumps(dict(result, path=path), indent=1))
+    (ctx.out_dir / "verify.json").write_text(json.dumps(dict(result, path=path, device=device), indent=1))
     return result
 
 

@@ -29,18 +29,19 @@ import torch.nn.functional as F
 Advance = Callable[[int], None]
 
 
-def reference_logits(hf_dir: Path, prompts: list[list[int]], advance: Advance) -> list[torch.Tensor]:
-    """fp32 logits ``[T_p, vocab]`` per prompt of the unquantized checkpoint ``hf_dir``, computed
-    layer by layer (``advance(1)`` after each layer and after the head)."""
-    # quant.stream owns the meta-device model and the capture of a layer's inputs (one copy of that
-    # logic for quantize and verify); these are its module-private helpers, imported, not copied
+def reference_logits(hf_dir: Path, prompts: list[list[int]], advance: Advance,
+                     device: str = "cpu") -> list[torch.Tensor]:
+    """fp32 logits ``[T_p, vocab]`` per prompt (on the host) of the unquantized checkpoint ``hf_dir``,
+    computed layer by layer on ``device`` (``advance(1)`` after each layer and after the head)."""
+    # quant.stream owns the meta-device model and the capture of a layer's inputs: one copy of that
+    # logic for quantize and verify
     from quant.stream import LAYER_PREFIX, Shards, StreamUnsupported, hf_config, layer_inputs, meta_model
 
     shards = Shards(hf_dir)
     config = hf_config(hf_dir)
     batches = [torch.tensor([ids]) for ids in prompts]
-    hidden, kwargs = layer_inputs(shards, config, batches, device="cpu", dtype=torch.float32)
-    model = meta_model(config)
+    hidden, kwargs = layer_inputs(shards, config, batches, device=device, dtype=torch.float32)
+    model = meta_model(config, device)
     layers, norm = list(model.model.layers), model.model.norm
     del model
     names = shards.names()
@@ -48,7 +49,8 @@ def reference_logits(hf_dir: Path, prompts: list[list[int]], advance: Advance) -
         for i in range(config.num_hidden_layers):
             prefix = f"{LAYER_PREFIX}{i}."
             layer, layers[i] = layers[i], None
-            tensors = {n[len(prefix):]: shards.get(n).float() for n in names if n.startswith(prefix)}
+            tensors = {n[len(prefix):]: shards.get(n).to(device=device, dtype=torch.float32)
+                       for n in names if n.startswith(prefix)}
             missing, unexpected = layer.load_state_dict(tensors, strict=False, assign=True)
             if missing or unexpected:
                 raise StreamUnsupported(f"layer {i}: missing {missing[:4]}, unexpected {unexpected[:4]} tensors")
@@ -59,32 +61,35 @@ def reference_logits(hf_dir: Path, prompts: list[list[int]], advance: Advance) -
             del layer
             advance(1)
         del kwargs
-        norm.load_state_dict({"weight": shards.get("model.norm.weight").float()}, assign=True)
+        norm.load_state_dict({"weight": shards.get("model.norm.weight").to(device=device, dtype=torch.float32)},
+                             assign=True)
         tied = getattr(config, "tie_word_embeddings", False)
-        head = shards.get("model.embed_tokens.weight" if tied else "lm_head.weight").float()
+        head = shards.get("model.embed_tokens.weight" if tied else "lm_head.weight").to(device=device,
+                                                                                          dtype=torch.float32)
         # [1, T, H] like the whole model's lm_head input: the same matmul shape, the same sums
-        logits = [F.linear(norm(h), head)[0] for h in hidden]
+        logits = [F.linear(norm(h), head)[0].cpu() for h in hidden]
         del head, hidden
     advance(1)
     return logits
 
 
 def streamed_compare(hf_dir: Path, spec, prompts: list[list[int]],
-                     progress) -> tuple[int, float, int]:
+                     progress, device: str = "cpu") -> tuple[int, float, int]:
     """(positions where the top-1 tokens agree, summed KL(reference || bundle), positions) over
     ``prompts``; ``spec``: the bundle's ``EngineSpec``; ``progress(description, total)``: the stage
-    context's progress bar."""
+    context's progress bar; ``device``: where both models' layers run (fp32, the torch attention
+    backend on a GPU too: verify measures quantization, not the serving kernels)."""
     from backend.model.layerwise import LayerwiseRunner
     from builder.stages.verify import compare
 
     n = spec.model.num_layers
     with progress("verify: unquantized model, layer by layer", n + 1) as advance:
-        ref = reference_logits(hf_dir, prompts, advance)
+        ref = reference_logits(hf_dir, prompts, advance, device)
     agree = positions = 0
     kl_sum = 0.0
     with progress("verify: bundle, layer by layer", n + 1) as advance:
         # fp32 like the reference (see verify.run)
-        lw = LayerwiseRunner(spec, device="cpu", dtype=torch.float32)
+        lw = LayerwiseRunner(spec, device=device, dtype=torch.float32, attention="torch")
         hidden = lw.embed(prompts)
         for i in range(n):
             lw.run_layer(i, hidden)

@@ -38,7 +38,8 @@ def test_streamed_verify_equals_whole_on_smollm2(build_bundle, smollm2_hf_dir, t
     bundle = Path(build_bundle("smollm2-135m-fp8", LIGHT))
     ctx = _ctx(tmp_path, [f"verify.num_prompts={PROMPTS}", "verify.path=streamed"], bundle, smollm2_hf_dir)
     streamed = verify.run(ctx)
-    assert json.loads((ctx.out_dir / "verify.json").read_text())["path"] == "streamed"
+    record = json.loads((ctx.out_dir / "verify.json").read_text())
+    assert record["path"] == "streamed" and record["device"] == "cpu"   # auto, and no GPU here
 
     spec = load_engine_spec(bundle, {"max_kv_tokens": verify.MAX_PROMPT_TOKENS + 16})
     from backend.serving.tokenizer import load_tokenizer
@@ -86,7 +87,7 @@ def test_bad_path_is_refused_and_the_default_keeps_build_hashes():
     # added after bundles were built: auto leaves the hashes (and every cached build) as they were
     base = BuildConfig.from_yaml(CONFIG)
     d = base.to_dict()["verify"]
-    del d["path"]
+    del d["path"], d["device"]
     assert base.section_hash("verify") == _sha256_json(d)
     assert BuildConfig.from_yaml(CONFIG, ["verify.path=streamed"]).section_hash("verify") != _sha256_json(d)
 
@@ -100,3 +101,26 @@ def test_layerwise_runner_refuses_the_fused_backend(build_bundle):
     spec = load_engine_spec(Path(build_bundle("smollm2-135m-fp8", LIGHT)), {"attention_backend": "triton"})
     with pytest.raises(EngineError, match="engine.attention_backend: triton .* allowed here: auto"):
         LayerwiseRunner(spec)
+
+
+def test_verify_device_picks_the_gpu_only_when_there_is_one(monkeypatch):
+    """verify.device auto runs the streamed comparison on a visible GPU, else the CPU; cuda without a
+    GPU is refused naming the key, and a bad value is refused by the config; the default keeps the
+    build hashes."""
+    import torch
+
+    from builder.config import ConfigError, _sha256_json
+    from builder.stages.base import StageError
+    assert verify.verify_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert verify.verify_device("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(StageError, match="verify.device: cuda, but no NVIDIA GPU is visible.*allowed here: auto, cpu"):
+        verify.verify_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # what a GPU host answers
+    assert verify.verify_device("auto") == "cuda" == verify.verify_device("cuda")
+    with pytest.raises(ConfigError, match=r"verify\.device: invalid value 'gpu'; allowed: auto \| cpu \| cuda"):
+        BuildConfig.from_yaml(CONFIG, ["verify.device=gpu"])
+    base = BuildConfig.from_yaml(CONFIG)
+    d = base.to_dict()["verify"]
+    del d["path"], d["device"]
+    assert base.section_hash("verify") == _sha256_json(d)
