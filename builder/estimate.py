@@ -9,8 +9,9 @@ shape comes from ``SHAPES`` (the published config.json of the checkpoints the sh
 written as a header-only checkpoint: real safetensors headers over a sparse data section, so the
 formulas read exactly what they would read from the real files and nothing takes disk space.
 
-Devices (``DEVICES``): quantize is the one stage on the GPU (streamed, one layer resident); import,
-compile and verify run on the host CPU, estimated with this 2-core machine's constants. Kiln has no
+Devices (``DEVICES``): quantize is timed on the GPU (streamed, one layer resident); import, compile and
+verify with this 2-core machine's constants (verify.device auto streams verify on a GPU host too, not
+timed there yet, so its figure is an upper bound). Kiln has no
 tensor parallelism yet (issue #20): on 8x H100 a build uses one GPU, so its figures are one H100's.
 """
 from __future__ import annotations
