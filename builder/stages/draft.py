@@ -97,7 +97,7 @@ def fingerprint(ctx: StageContext) -> str:
     # The training answers come from the engine: the keys that change its numbers count (here, not
     # as config sections: engine.cpu_dtype at its default is left out of the config's hashes).
     e = ctx.config.engine
-    parts = ["draft-v4", f"vocab={DRAFT_VOCAB}", f"batch={BATCH}", f"ttt={TTT_STEPS}",
+    parts = ["draft-v5", f"vocab={DRAFT_VOCAB}", f"batch={BATCH}", f"ttt={TTT_STEPS}",
              f"cpu_dtype={e.cpu_dtype}", f"attention={e.attention_backend}"]
     for p in ([prompts_path(ctx)] if s.draft == "train" else [resolve(ctx, Path(s.draft))]):
         if p.is_file():
@@ -230,6 +230,9 @@ def train_draft(ctx: StageContext, target_dir: Path, export_dir: Path) -> dict:
     # No torch.compile on CPU; no yarn rope injected at export (the draft runs at the target's rope).
     cfg.update(eagle_use_torch_compile=False, eagle_export_rope_scaling={}, eagle_offline=True,
                eagle_ttt_steps=TTT_STEPS)
+    # FakeBaseModel's post_init draws random numbers for the tensors it then overwrites: seed again,
+    # so the draft's initial weights depend on the seed only (as when the target came from transformers)
+    torch.manual_seed(0)
     mtsp.convert(model, [("eagle", cfg)])
     em = model.eagle_module
     ids_t = torch.tensor(vocab_ids)
