@@ -151,7 +151,7 @@ def throughput(ex, vocab: int, n: int, isl: int, osl: int, time_limit: float | N
         if time.perf_counter() - t0 - samples[-1][0] >= 1.0:
             samples.append((time.perf_counter() - t0, ex.stats()))
         if window is not None:
-            window.tick(time.perf_counter() - t0, ex.stats())
+            window.tick(time.perf_counter() - t0, ex.stats)
     if window is not None:
         window.close(ex.stats())
     elapsed = time.perf_counter() - t0

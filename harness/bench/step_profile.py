@@ -25,14 +25,15 @@ class ProfileWindow:
         self._stats0 = None
         self._result: dict | None = None
 
-    def tick(self, elapsed_s: float, stats: dict) -> None:
-        """Call from the benchmark's loop with its elapsed seconds and the engine's stats()."""
+    def tick(self, elapsed_s: float, stats) -> None:
+        """Call from the benchmark's loop with its elapsed seconds and the engine's ``stats`` method
+        (called only when the window opens or closes: it takes the engine's lock)."""
         if self._result is not None:
             return
         if self._prof is None and elapsed_s >= self.start_s:
-            self._open(stats)
+            self._open(stats())
         elif self._prof is not None and time.perf_counter() - self._t0 >= self.seconds:
-            self._close(stats)
+            self._close(stats())
 
     def close(self, stats: dict) -> None:
         """End the window early (the run ended inside it)."""
