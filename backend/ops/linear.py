@@ -21,11 +21,9 @@ from typing import ClassVar
 
 import torch
 
-from backend.ops import cpu_matmul
+from backend.ops import cpu_matmul, fp8
+from backend.ops.fp8 import FP8, FP8_MAX
 from quant import formats
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
 
 
 class LinearFormatError(ValueError):
@@ -39,10 +37,9 @@ def _need(tensors: dict[str, torch.Tensor], name: str, fmt: str, where: str) -> 
     return tensors[name]
 
 
-def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per-tensor static fp8 e4m3 activation quantization, returned dequantized in ``x``'s dtype."""
-    q = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    return (q.float() * scale).to(x.dtype)
+# Per-tensor static fp8 e4m3 activation quantization, returned dequantized in ``x``'s dtype
+# (by table lookup on CPU: backend/ops/fp8.py).
+fake_quant_fp8 = fp8.fake_quant
 
 
 def has_fp8_matmul(device: torch.device) -> bool:
@@ -191,7 +188,7 @@ class FP8Linear(QuantLinear):
         """``xq [T, in]``: the input already quantized with ``input_scale`` (float8_e4m3fn, by a fused
         norm or activation kernel) -> ``[T, out]`` in the model dtype; same numbers as ``forward``."""
         if not self.native:
-            return self.matmul((xq.float() * self.input_scale).to(self.dtype))
+            return self.matmul(fp8.dequantize(xq, self.input_scale, self.dtype))
         if self.small_m is not None and xq.shape[0] <= self.small_m_rows:
             out = self.small_m(xq, self.weight_fp8, self.weight_scale, self.input_scale, self.dtype,
                                locks=self._locks, aot=self.aot)

@@ -1,0 +1,35 @@
+"""fp8 e4m3 codes <-> scaled values, fast on CPU, same bits everywhere.
+
+PyTorch converts fp8 to float on CPU one element at a time: 3 ns per value on the development VM
+(76 us for a 16 x 1536 activation; 10 ms for a 2048-token prefill's), which made the emulated
+activation quantization of every FP8 linear cost more than half its GEMM in a decode step. There
+are only 256 codes: gathering ``code x scale`` from a 256-entry table by byte gives the bits of
+``(codes.float() * scale).to(dtype)`` exactly (the table holds that same fp32 product, rounded to
+``dtype`` the same way) at a fraction of the time. Quantizing (float -> fp8) is vectorized and stays.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+# Every fp8 e4m3 value by its byte (the NaN codes 0x7f and 0xff included).
+FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` to e4m3, saturated: a value past the calibrated range clips, never NaN."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(codes.float() * scale).to(dtype)``, bit for bit; by table lookup on CPU."""
+    if codes.device.type != "cpu":
+        return (codes.float() * scale).to(dtype)
+    table = (FP8_VALUES * scale.float()).to(dtype)
+    return table.index_select(0, codes.view(torch.uint8).reshape(-1).int()).view(codes.shape)
+
+
+def fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-tensor static e4m3 activation quantization, returned dequantized in ``x``'s dtype."""
+    return dequantize(quantize(x, scale), scale, x.dtype)
