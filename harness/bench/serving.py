@@ -11,6 +11,12 @@ output-token throughput and goodput under ``--ttft-limit``/``--tpot-limit``; wri
 PNG plot. Every request generates exactly ``--max-tokens`` tokens (min_tokens = max_tokens) so runs
 and the HF baseline compare equal work. Output tokens are counted by re-tokenizing the streamed text
 with the bundle's tokenizer.
+
+Every level is measured on prompts no earlier level sent (consecutive slices of the prompt list;
+a row records ``prompts_seen_before`` where the list ran out and wrapped): a repeated prompt would
+find its prefill in the engine's prefix cache, which the HF baseline has no counterpart of. One short
+warm-up request (not from the list) runs first, as the HF baseline warms up with one short batch.
+The HF baseline generates the very prompts of the level it is compared with.
 """
 from __future__ import annotations
 
@@ -111,6 +117,17 @@ def _commit() -> str:
         return "unknown"
 
 
+WARMUP_PROMPT = "Reply with one word: ready?"   # not an MT-bench question: nothing of it is reused
+
+
+def level_prompts(base: list[str], start: int, n: int) -> tuple[list[str], int]:
+    """The ``n`` prompts from ``start`` on (wrapping), and how many of them a level before this one
+    (which sent ``base[0:start]``, wrapping too) already sent."""
+    idx = [(start + i) % len(base) for i in range(n)]
+    seen = set(range(len(base))) if start >= len(base) else set(range(start))
+    return [base[i] for i in idx], sum(i in seen for i in idx)
+
+
 def run(a: argparse.Namespace, url: str, tokenizer) -> dict[str, Any]:
     base = load_prompts(a.prompts)
     rows = []
@@ -118,12 +135,18 @@ def run(a: argparse.Namespace, url: str, tokenizer) -> dict[str, Any]:
         plan = [("concurrency", c, None) for c in a.levels]
         if a.request_rate:
             plan.append(("poisson", None, a.request_rate))
+        warm, _ = asyncio.run(_run_level(url, model, [WARMUP_PROMPT], 1, None, 4, a.seed))
+        if warm[0].error:
+            raise RuntimeError(f"warm-up request to {model} failed: {warm[0].error}")
+        start = 0   # per model: each model's engine has its own prefix cache
         for mode, conc, rate in plan:
             n = a.num_prompts or max(16, conc or 16)
-            prompts = [base[i % len(base)] for i in range(n)]
+            prompts, seen = level_prompts(base, start, n)
             results, wall = asyncio.run(_run_level(url, model, prompts, conc, rate, a.max_tokens, a.seed))
             tokens = [len(tokenizer.encode(r.text, chat=False)) if r.error is None else 0 for r in results]
-            row = {"model": model, "mode": mode, "concurrency": conc, "request_rate": rate}
+            row = {"model": model, "mode": mode, "concurrency": conc, "request_rate": rate,
+                   "prompt_start": start % len(base), "prompts_seen_before": seen}
+            start += n
             row |= summarize(results, tokens, wall, a.ttft_limit, a.tpot_limit)
             errors = [r.error for r in results if r.error]
             if errors:
@@ -181,9 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     _write(report, out["rows"], stem, machine, started)  # kept even if the baseline is interrupted
     if a.baseline == "hf":
         from harness.bench.hf_baseline import hf_throughput, in_each_dtype
-        prompts = load_prompts(a.prompts)
-        n = max(a.baseline_batch * 2, 16)
-        prompts = [prompts[i % len(prompts)] for i in range(n)]
+        # the prompts of the level HF is compared with (that level's row), else the first ones
+        ref = [r for r in out["rows"] if r["mode"] == "concurrency" and r["concurrency"] == a.baseline_batch]
+        n = (a.num_prompts or max(16, a.baseline_batch)) if ref else max(a.baseline_batch * 2, 16)
+        prompts, _ = level_prompts(load_prompts(a.prompts), ref[0]["prompt_start"] if ref else 0, n)
 
         def hf_run(dtype: str) -> dict[str, Any]:
             print(f"running HF transformers generate baseline in {dtype} ...", flush=True)

@@ -64,3 +64,14 @@ def test_chosen_logprobs_reads_the_sampler_format():
     ev = types.SimpleNamespace(token_ids=[5, 9], logprobs=[(-0.5, [(5, -0.5)]), (-1.25, [(9, -1.25)])])
     assert chosen_logprobs(ev) == [-0.5, -1.25]
     assert chosen_logprobs(types.SimpleNamespace(token_ids=[5], logprobs=None)) == []
+
+
+def test_bench_levels_send_prompts_no_earlier_level_sent():
+    """A repeated prompt would be served from the prefix cache (HF has none): levels take consecutive
+    slices, and a row says how many of its prompts an earlier level sent once the list wraps."""
+    base = [f"q{i}" for i in range(10)]
+    assert bench.level_prompts(base, 0, 4) == (["q0", "q1", "q2", "q3"], 0)
+    assert bench.level_prompts(base, 4, 4) == (["q4", "q5", "q6", "q7"], 0)
+    assert bench.level_prompts(base, 8, 4) == (["q8", "q9", "q0", "q1"], 2)   # wrapped onto level 1's
+    assert bench.level_prompts(base, 12, 3) == (["q2", "q3", "q4"], 3)         # all sent before
+    assert bench.WARMUP_PROMPT not in base
