@@ -134,7 +134,7 @@ class Eagle3Draft:
         else:
             assert target_lm_head is not None, "a draft without lm_head needs the target's"
             # The target's head, already in its CPU storage there (then shared, not copied).
-            self.lm_head = (target_lm_head if isinstance(target_lm_head, cpu_matmul.HalfWeight)
+            self.lm_head = (target_lm_head if cpu_matmul.is_packed(target_lm_head)
                             else target_lm_head.to(device=self.device, dtype=dtype))
         self.lm_head = cpu_matmul.prepare(self.lm_head)
         # draft id -> target id (identity when the vocabularies are the same).
