@@ -166,16 +166,22 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         # row with another kernel, which sums in another order (measured at 1536 input features and
         # more); two rows cost the same as one (the weight is read once) and agree with any count.
         if x.numel() == x.shape[-1]:
-            return _DNN(x.reshape(1, -1).repeat(2, 1), w, bias, "none", [], "")[:1].view(*x.shape[:-1], -1)
+            return _DNN(_twice(x.reshape(1, -1)), w, bias, "none", [], "")[:1].view(*x.shape[:-1], -1)
         return _DNN(x, w, bias, "none", [], "")
     if isinstance(w, BF16Weight):
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         if x2.shape[0] == 1:   # one row as two, as below (the same kernel choice as any count)
-            return _DNN(x2.repeat(2, 1), w.packed, bias, "none", [], "")[:1].view(*x.shape[:-1], -1)
+            return _DNN(_twice(x2), w.packed, bias, "none", [], "")[:1].view(*x.shape[:-1], -1)
         return _DNN(x2.contiguous(), w.packed, bias, "none", [], "").view(*x.shape[:-1], -1)
     if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.numel() == x.shape[-1]:
         # bf16 compute (engine.cpu_dtype): F.linear switches kernels for a single row too (measured:
         # SmolLM2's down projection, 1536 inputs, gave a decode row other bits alone than among 9,
         # which broke batch invariance from layer 21); two rows agree with any count.
-        return F.linear(x.reshape(1, -1).repeat(2, 1), w, bias)[:1].view(*x.shape[:-1], -1)
+        return F.linear(_twice(x.reshape(1, -1)), w, bias)[:1].view(*x.shape[:-1], -1)
     return F.linear(x, w, bias)
+
+
+def _twice(row: torch.Tensor) -> torch.Tensor:
+    """``[1, n]`` -> ``[2, n]``, the row twice: ``torch.cat`` costs 2 us where ``repeat`` costs 11-40
+    (120 linears a decode step)."""
+    return torch.cat((row, row))

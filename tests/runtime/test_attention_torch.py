@@ -186,9 +186,51 @@ def test_folded_decode_rows_equal_their_prefill_rows_bit_for_bit(hq, hkv, d):
     from backend.ops.attention import torch_backend as tb
     ctx = [3, 130, 257, 40, 700]
     be, q, kc, vc, meta, _, _ = _setup(ctx, [1] * len(ctx), 0, seed=7, hq=hq, hkv=hkv, d=d)
-    assert [grp.folded for grp in tb.TorchAttentionBackend._make_plan(meta, BS, q.device)] == [True]
+    assert [grp.folded for grp in tb.TorchAttentionBackend._make_plan(meta, BS, kc.shape[0], q.device)] == [True]
     decode = be.forward(q, kc, vc, meta, 0.125)
     # the same rows as one-token prefills: each in its own 8-row position tile, unfolded
     as_prefill = dataclasses.replace(meta, num_prefills=len(ctx), num_prefill_tokens=len(ctx), num_decode_tokens=0)
-    assert not any(grp.folded for grp in tb.TorchAttentionBackend._make_plan(as_prefill, BS, q.device))
+    assert not any(grp.folded for grp in tb.TorchAttentionBackend._make_plan(as_prefill, BS, kc.shape[0], q.device))
     assert torch.equal(decode, be.forward(q, kc, vc, as_prefill, 0.125))
+
+
+@pytest.mark.parametrize("ctx,qlen,num_prefills", [(0, 37, 1), (21, 5, 1), (40, 1, 0), (3, 1, 0)])
+def test_a_lone_sequences_consecutive_blocks_are_read_in_place_with_the_same_bits(ctx, qlen, num_prefills, monkeypatch):
+    """A prefill, or a lone decode row, whose blocks are consecutive reads them as a slice of the
+    cache instead of copying them; the blocks past its own (where a copy reads padding block 0) then
+    hold whatever the cache holds there, here other data: masked, so bit for bit the copy's numbers."""
+    import backend.ops.attention.torch_backend as tb
+    g = torch.Generator().manual_seed(5)
+    n_blocks = -(-(ctx + qlen) // BS)
+    num_blocks = 1 + n_blocks + 40          # room for the slice's padding blocks after the sequence's
+    kc = torch.randn(num_blocks, BS, HKV, D, generator=g)   # stale data everywhere, finite
+    vc = torch.randn(num_blocks, BS, HKV, D, generator=g)
+    i32 = torch.int32
+    width = 64
+    table = list(range(1, 1 + n_blocks)) + [0] * (width - n_blocks)
+    meta = AttentionMetadata(
+        positions=torch.arange(ctx, ctx + qlen), slot_mapping=torch.arange(ctx, ctx + qlen) + BS,
+        block_tables=torch.tensor([table], dtype=i32), seq_lens=torch.tensor([ctx + qlen], dtype=i32),
+        query_start_loc=torch.tensor([0, qlen], dtype=i32), context_lens=torch.tensor([ctx], dtype=i32),
+        num_prefills=num_prefills, num_prefill_tokens=qlen if num_prefills else 0,
+        num_decode_tokens=0 if num_prefills else qlen, max_query_len=qlen, max_seq_len=ctx + qlen)
+    q = torch.randn(qlen, HQ, D, generator=g)
+    kinds = []
+    real = tb._gather
+    monkeypatch.setattr(tb, "_gather", lambda c, b, run=None: kinds.append(run is not None) or real(c, b, run))
+    sliced = get_backend("torch").forward(q, kc, vc, meta, 1 / math.sqrt(D))
+    assert kinds and all(kinds)
+    kinds.clear()
+    monkeypatch.setattr(tb, "_slice_of_cache", lambda *a: None)
+    copied = get_backend("torch").forward(q, kc, vc, meta, 1 / math.sqrt(D))
+    assert kinds and not any(kinds)
+    assert torch.equal(sliced, copied)
+
+
+def test_blocks_that_are_not_a_run_or_run_past_the_cache_are_copied():
+    import backend.ops.attention.torch_backend as tb
+    t = torch.tensor
+    assert tb._slice_of_cache(t([4, 5, 6, 0, 0]), 3, 16) == (4, 5)
+    assert tb._slice_of_cache(t([4, 6, 7, 0]), 3, 16) is None       # not consecutive
+    assert tb._slice_of_cache(t([4, 5, 6, 0, 0]), 3, 8) is None      # 4 + 5 blocks > the cache's 8
+    assert tb._slice_of_cache(t([9]), 1, 10) == (9, 1)
