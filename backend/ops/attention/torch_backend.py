@@ -71,11 +71,12 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, run: tuple[int, int]
     faster on CPU than advanced indexing with a 2-D index (measured: 2.0 vs 8.0 ms for 64 sequences
     x 41 blocks of SmolLM2). fp8 is gathered as bytes (no fp8 CPU kernel).
 
-    ``run = (first, count)`` when the table is that run of consecutive block ids (``_TileGroup``
-    finds out once per step): the blocks are then a slice of the cache, the same values in the same
-    contiguous layout, and nothing is copied. A lone sequence's blocks usually are (a prompt's blocks
-    come off the free list in order): at batch 1 the 60 copies of a SmolLM2 step cost 4-5 ms, each
-    a cold read of the layer's cache."""
+    ``run = (first, count)`` when one sequence's blocks holding its keys are consecutive ids from
+    ``first`` (``_TileGroup`` finds out once per step, ``_slice_of_cache``): ``count`` blocks from
+    there are read as a slice of the cache, nothing copied; past the sequence's own blocks the slice
+    holds masked keys only, where the copy holds padding block 0. A lone sequence's blocks usually
+    are consecutive (a prompt's come off the free list in order): at batch 1 the 60 copies of a
+    SmolLM2 step cost 4-5 ms, each a cold read of the layer's cache."""
     if run is not None:
         return cache[run[0]:run[0] + run[1]]
     raw = cache.view(torch.uint8) if cache.dtype == FP8_KV_DTYPE else cache
@@ -190,8 +191,8 @@ class TorchAttentionBackend:
         for items, folded in ((shared, False), (single, True)):
             if items:
                 items.sort(key=lambda t: _key_len(t[1] + tile))
-                groups.append(_TileGroup(items, qsl, ctx, meta.tree_mask, tables, bs, num_blocks, dev, shared_keys=False,
-                                         folded=folded))
+                groups.append(_TileGroup(items, qsl, ctx, meta.tree_mask, tables, bs, num_blocks, dev,
+                                         shared_keys=False, folded=folded))
         return groups
 
 
