@@ -1,0 +1,160 @@
+"""Tensor-parallel Llama on ``torch.distributed``: one process per rank (gloo on CPU, NCCL on GPUs).
+
+Each rank runs ``backend.model.llama``'s own layer code on the model ``tp_shard.shard_config`` gives
+(heads/tp, KV heads/tp, intermediate/tp) over its shard of the weights (``tp_shard.shard_weights``);
+only the seams where partial results meet differ, Megatron-LM style:
+
+- embedding: each rank looks up the ids in its vocab range (zeros elsewhere), then one all-reduce;
+- ``o`` and ``down`` are row-parallel: partial sums all-reduced, the bias added once after the reduce;
+- logits: each rank computes its vocab slice for the rows asked; rank 0 gathers them (the sampler
+  lives there), the other ranks get None.
+
+Ranks hold their own KV cache (``[blocks, block_size, kv_heads/tp, head_dim]``) with the same block
+ids, so rank 0's scheduler decides for all. Only the torch attention backend's plain-op path is split
+here; the fused GPU layer (``LlamaModel._forward_fused``) is refused until its kernels take a group.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from backend.model.config import ModelConfig
+from backend.model.layers import rms_norm
+from backend.model.llama import LlamaModel, decoder_layer
+from backend.model.runner import EngineSpec, kv_cache_dtypes, load_weights
+from backend.model.tp_shard import shard_config, shard_weights
+from backend.ops import cpu_matmul
+from backend.ops.attention import get_backend
+from backend.ops.linear import QuantLinear
+
+
+class RowParallelLinear:
+    """A row-parallel shard of a linear: ``x [T, in/tp] -> [T, out]``, summed over ranks.
+
+    The bias is taken off the inner linear and added after the all-reduce, so it counts once."""
+
+    def __init__(self, linear: QuantLinear, group: dist.ProcessGroup | None) -> None:
+        self.linear = linear
+        self.group = group
+        self.bias, linear.bias = linear.bias, None
+
+    @property
+    def out_features(self) -> int:
+        return self.linear.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x).contiguous()
+        dist.all_reduce(y, group=self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class TPLlamaModel(LlamaModel):
+    """``LlamaModel`` for one rank: built from its shard, same ``forward``/``compute_logits`` seam."""
+
+    def __init__(self, config: ModelConfig, shard: dict[str, torch.Tensor], quant_format: str,
+                 attention, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, *,
+                 tp_size: int, rank: int, group: dist.ProcessGroup | None = None) -> None:
+        if getattr(attention, "name", None) != "torch":
+            raise ValueError(f"tensor parallelism (tp_size={tp_size}) runs the torch attention backend only "
+                             f"so far; got {getattr(attention, 'name', attention)!r}")
+        super().__init__(shard_config(config, tp_size), shard, quant_format, attention, device,
+                         dtype or config.torch_dtype)
+        self.full_config = config
+        self.tp_size, self.rank, self.group = tp_size, rank, group
+        self.vocab_start = rank * self.config.vocab_size
+        for layer in self.layers:
+            layer.o = RowParallelLinear(layer.o, group)          # type: ignore[assignment]
+            layer.down = RowParallelLinear(layer.down, group)    # type: ignore[assignment]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: exact, since every id is found on one rank and zeros elsewhere."""
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.config.vocab_size)
+        hidden = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.embed_tokens)
+        hidden = hidden.masked_fill(~mine.unsqueeze(-1), 0).contiguous()
+        dist.all_reduce(hidden, group=self.group)
+        return hidden
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                capture_hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        # LlamaModel.forward's loop with the vocab-parallel embedding; the layers all-reduce inside
+        c = self.config
+        cos, sin = self.rope.tables(meta.positions, self.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        hidden = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            hidden = decoder_layer(c, layer, hidden, cos, sin, self.attention, kv_caches[i], meta, self.scale)
+            if i in capture_hidden_layers:
+                captured[i] = hidden
+        return rms_norm(hidden, self.norm, c.rms_norm_eps), captured
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``hidden [N, H]`` (same on every rank) -> fp32 ``[N, vocab]`` on rank 0, None elsewhere:
+        only the sampler's rank needs the whole rows, so a gather, not an all-gather."""
+        local = cpu_matmul.linear(hidden, self.lm_head).float().contiguous()
+        dst = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        if self.rank != 0:
+            dist.gather(local, None, dst=dst, group=self.group)
+            return None
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.gather(local, parts, dst=dst, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+class TPRunner:
+    """One rank's model and KV cache; ``execute`` has ``ModelRunner.execute``'s signature and returns
+    the logits on rank 0 (None on the others). Every rank must call it with the same inputs."""
+
+    def __init__(self, spec: EngineSpec, tp_size: int, rank: int, num_blocks: int,
+                 group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None, weights: dict[str, torch.Tensor] | None = None,
+                 shard: dict[str, torch.Tensor] | None = None) -> None:
+        self.spec, self.device = spec, torch.device("cpu")
+        self.attention = get_backend("torch", "cpu")
+        if shard is None:
+            # Until the builder writes rank<i>.safetensors, a rank reads the whole file and keeps its share.
+            full = weights if weights is not None else load_weights(Path(spec.path), self.device)
+            shard = shard_weights(full, spec.model, spec.quant_format, tp_size, rank)
+            del full
+        self.model = TPLlamaModel(spec.model, shard, spec.quant_format, self.attention, self.device, dtype,
+                                  tp_size=tp_size, rank=rank, group=group)
+        self.dtype = self.model.dtype
+        self.kv_dtype, storage = kv_cache_dtypes(spec, self.dtype, self.device, self.attention)
+        c = self.model.config
+        self.block_size = spec.engine.kv_block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=storage), torch.zeros(shape, dtype=storage))
+                          for _ in range(c.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor,
+                capture_hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+        hidden, captured = self.model.forward(input_ids, meta, self.kv_caches, capture_hidden_layers)
+        return self.model.compute_logits(hidden.index_select(0, logits_indices)), captured
+
+
+def _entry(rank: int, fn: Callable[..., Any], tp_size: int, store: str, args: tuple) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp_size)
+    # tp processes share the host's cores: without this each would start one thread per core
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
+    try:
+        fn(rank, tp_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], tp_size: int, args: tuple = ()) -> None:
+    """Run ``fn(rank, tp_size, *args)`` in ``tp_size`` fresh processes joined in one gloo group (a file
+    store in a private temporary folder: no port to find, nothing left behind). ``fn`` must be
+    importable by name (a module-level function); a rank that raises makes this raise."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory(prefix="kiln-tp-") as tmp:
+        mp.spawn(_entry, args=(fn, tp_size, str(Path(tmp) / "store"), args), nprocs=tp_size, join=True)
