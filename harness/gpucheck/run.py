@@ -8,7 +8,9 @@ for each bundle:
   2. backends: fp32 greedy outputs of the triton backend equal those of the torch reference backend;
   3. CPU parity: fp32 greedy outputs on the GPU vs the CPU machine's (fraction identical, first
      divergence); FP8 must have taken the torch._scaled_mm path;
-  4. the bf16 bundle vs Hugging Face transformers `generate` of the source checkpoint on the GPU (fp32).
+  4. the bf16 bundle vs Hugging Face transformers `generate` of the source checkpoint on the GPU (fp32);
+  5. the build's streamed accuracy check (verify.device: cuda) on the FP8 bundle: the same top-1
+     agreement and KL against the source checkpoint on the GPU as on this machine's CPU.
 Writes one JSON (default docs/perf/gpu-check-<gpu>.json) and prints a table. Exit 1 when a check fails.
 """
 from __future__ import annotations
@@ -108,6 +110,29 @@ def hf_greedy(hf_dir: Path, prompts, max_tokens: int):
     return outs
 
 
+def streamed_verify(bundle: Path, prompts) -> dict:
+    """The verify stage's layer-by-layer comparison (builder/stages/verify_stream.py) of ``bundle``
+    against its source checkpoint, on DEVICE and on the CPU: both fp32 with the torch attention
+    backend, so they differ by summation order only (KL of order 1e-6, not a changed top-1)."""
+    from contextlib import contextmanager
+
+    from backend.model.runner import load_engine_spec
+    from builder.stages.verify_stream import streamed_compare
+
+    @contextmanager
+    def progress(_description, _total):
+        yield lambda _n=1: None
+    spec = load_engine_spec(bundle)
+    out = {}
+    for key, dev in (("device", DEVICE), ("cpu", "cpu")):
+        agree, kl_sum, n = streamed_compare(DIR / "hf", spec, prompts, progress, device=dev)
+        out[key] = {"top1_agree": agree, "positions": n, "mean_kl": kl_sum / max(n, 1)}
+    d, c = out["device"], out["cpu"]
+    out["ok"] = (d["positions"] == c["positions"] > 0 and abs(d["top1_agree"] - c["top1_agree"]) <= 1
+                 and abs(d["mean_kl"] - c["mean_kl"]) <= 1e-3 * max(c["mean_kl"], 1e-3))
+    return out
+
+
 def check_bundle(name: str, entry: dict, ref: dict) -> dict:
     import torch
     bundle = REPO / entry["path"]
@@ -139,6 +164,8 @@ def check_bundle(name: str, entry: dict, ref: dict) -> dict:
     ok = (res["aot_bf16"]["launched_aot"] > 0 or DEVICE == "cpu") and all(g["mean_kl"] < MAX_KL for g in gaps)
     if name == "fp8":
         ok = ok and "scaled_mm" in res["linear_path"]
+        res["verify_streamed_device_vs_cpu"] = streamed_verify(bundle, prompts)
+        ok = ok and res["verify_streamed_device_vs_cpu"]["ok"]
     if name in ("nvfp4", "int4_awq"):
         ok = ok and "packed-kernel" in res["linear_path"]
     if name == "bf16":
