@@ -114,8 +114,8 @@ class TPRunner:
     the logits on rank 0 (None on the others). Every rank must call it with the same inputs."""
 
     def __init__(self, spec: EngineSpec, tp_size: int, rank: int, num_blocks: int,
-                 group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None, weights: dict[str, torch.Tensor] | None = None,
-                 shard: dict[str, torch.Tensor] | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
+                 weights: dict[str, torch.Tensor] | None = None, shard: dict[str, torch.Tensor] | None = None) -> None:
         self.spec, self.device = spec, torch.device("cpu")
         self.attention = get_backend("torch", "cpu")
         if shard is None:

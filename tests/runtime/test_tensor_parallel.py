@@ -207,3 +207,35 @@ def test_tp3_matches_tp1_fp8_bundle(build_bundle, tokenizer, tmp_path):
     # within the band last-bit noise gives this bundle, and far inside the fp8 format's verify gate
     assert top1 >= FP8_MIN_TOP1 and kl <= FP8_MAX_MEAN_KL and kl <= 2 * noise_kl
     _check_held(config, ranks)
+
+
+@pytest.mark.slow
+def test_tp_driver_rank0_schedules_workers_follow_and_a_dead_worker_fails_loudly(smollm2_bundle, tokenizer):
+    """``TPDriver``: this process is rank 0 and broadcasts each step's inputs to two spawned workers;
+    the same greedy tokens as TP1; a killed worker makes the next step raise (no hang), and shutdown
+    leaves no process, no store and no group behind."""
+    import time
+
+    import torch.distributed as dist
+
+    from backend.model.runner import EngineError, load_engine_spec
+    from backend.model.tp_driver import TPDriver
+    from backend.model.tp_generate import greedy
+    prompts = [tokenizer.encode(t).ids for t in TEXTS[:2]]
+    _, ref = _tp1(smollm2_bundle, prompts)
+    threads = torch.get_num_threads()
+    driver = TPDriver(load_engine_spec(smollm2_bundle), TP, num_blocks=8, dtype=torch.float32)
+    try:
+        got = greedy(driver.execute, driver.block_size, prompts, STEPS)
+        assert [g.tokens for g in got] == [g.tokens for g in ref]
+        assert driver.runner.kv_caches[0][0].shape[2] == 1                  # 3 KV heads / 3 ranks
+        driver.workers[0].kill()
+        start = time.monotonic()
+        with pytest.raises(EngineError, match="tensor parallelism: "):
+            greedy(driver.execute, driver.block_size, prompts[:1], 2)
+        assert time.monotonic() - start < 30
+    finally:
+        driver.shutdown()
+    assert not any(p.is_alive() for p in driver.workers)
+    assert not Path(driver._tmp).exists() and not dist.is_initialized()
+    assert torch.get_num_threads() == threads

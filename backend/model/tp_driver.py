@@ -1,0 +1,122 @@
+"""Rank 0 of a tensor-parallel engine in this process, ranks 1.. in spawned worker processes.
+
+``TPDriver`` answers what the executor asks of a ``ModelRunner`` (``execute``, ``block_size``,
+``num_blocks``, ``kv_cache_bytes``): rank 0 schedules, so before each step it broadcasts the step's
+inputs (token ids, attention metadata, logit rows) and the workers run the same step on their
+shards and caches; only rank 0 gets logits. Failure is loud and bounded: a worker that is gone makes
+the next ``execute`` raise ``EngineError`` (checked before the step, and gloo's broken connection
+inside it), and ``shutdown`` stops the workers, then kills any that do not exit. One driver per
+process: it owns the default ``torch.distributed`` group while it lives.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from backend.model.runner import EngineError, EngineSpec
+from backend.model.tp import TPRunner
+
+# Workers wait in a broadcast between steps for as long as the engine is idle: the group's timeout
+# must not end an idle server. A dead peer is seen sooner, by its closed connection.
+_IDLE_TIMEOUT = datetime.timedelta(days=1)
+_STOP = "stop"
+
+
+def _worker(rank: int, tp_size: int, store: str, spec: EngineSpec, num_blocks: int, dtype: str | None) -> None:
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=tp_size, timeout=_IDLE_TIMEOUT)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
+    runner = TPRunner(spec, tp_size, rank, num_blocks, dtype=getattr(torch, dtype) if dtype else None)
+    try:
+        while True:
+            msg: list = [None]
+            dist.broadcast_object_list(msg, src=0)
+            if msg[0] == _STOP:
+                break
+            runner.execute(*msg[0])
+    except RuntimeError as exc:   # rank 0 or a peer went away: nothing left to serve
+        print(f"kiln tensor-parallel rank {rank}: the group broke ({str(exc).splitlines()[0]}); exiting",
+              file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        dist.destroy_process_group()
+
+
+class TPDriver:
+    """``tp_size`` ranks: this process is rank 0 (and the sampler's), the others are spawned here."""
+
+    def __init__(self, spec: EngineSpec, tp_size: int, num_blocks: int, dtype: torch.dtype | None = None,
+                 start_timeout_s: float = 300.0) -> None:
+        if dist.is_initialized():
+            raise EngineError("tensor parallelism: this process already has a torch.distributed group; "
+                              "one TPDriver per process")
+        self.tp_size = tp_size
+        self._tmp = tempfile.mkdtemp(prefix="kiln-tp-")
+        store = f"file://{Path(self._tmp) / 'store'}"
+        ctx = mp.get_context("spawn")    # fork would copy this process's threads and torch state
+        name = str(dtype).removeprefix("torch.") if dtype is not None else None
+        self.workers = [ctx.Process(target=_worker, args=(r, tp_size, store, spec, num_blocks, name),
+                                    name=f"kiln-tp-rank{r}", daemon=True) for r in range(1, tp_size)]
+        for p in self.workers:
+            p.start()
+        # the ranks share this host's cores (CPU): one thread per core in each would oversubscribe them
+        # (5x slower decode steps on 2 cores); restored by shutdown
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
+        try:
+            # the rendezvous waits for every worker; one that dies while loading fails it by timeout
+            dist.init_process_group("gloo", init_method=store, rank=0, world_size=tp_size,
+                                    timeout=datetime.timedelta(seconds=start_timeout_s))
+            self.runner = TPRunner(spec, tp_size, 0, num_blocks, dtype=dtype)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.device, self.dtype = self.runner.device, self.runner.dtype
+        self.block_size, self.num_blocks = self.runner.block_size, self.runner.num_blocks
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Rank 0's share; every rank holds as much."""
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.runner.kv_caches)
+
+    def _check_workers(self) -> None:
+        for r, p in enumerate(self.workers, start=1):
+            if not p.is_alive():
+                raise EngineError(f"tensor parallelism: worker rank {r} (pid {p.pid}) exited with code "
+                                  f"{p.exitcode}; the engine must be restarted")
+
+    def execute(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor,
+                capture_hidden_layers: tuple[int, ...] = ()):
+        """``ModelRunner.execute`` across the ranks: the inputs go to every worker, logits come back here."""
+        self._check_workers()
+        try:
+            dist.broadcast_object_list([(input_ids, meta, logits_indices, capture_hidden_layers)], src=0)
+            return self.runner.execute(input_ids, meta, logits_indices, capture_hidden_layers)
+        except RuntimeError as exc:   # gloo: a peer's connection closed mid-step
+            raise EngineError(f"tensor parallelism: a step failed across the ranks ({exc}); "
+                              f"the engine must be restarted") from exc
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the workers (a stop message when all are alive, else nothing to say it to), wait, kill
+        what is left, and leave the group: no process and no store file survive this."""
+        if dist.is_initialized():
+            if all(p.is_alive() for p in self.workers):
+                try:
+                    dist.broadcast_object_list([_STOP], src=0)
+                except RuntimeError:
+                    pass
+            dist.destroy_process_group()
+        for p in self.workers:
+            p.join(timeout_s)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout_s)
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        torch.set_num_threads(self._threads)
