@@ -69,6 +69,18 @@ class Speculator(Protocol):
                 finished: list[Request]) -> None: ...
 
 
+def _tp_driver(spec, device: str, dtype: torch.dtype | None, speculative: bool):
+    """engine.tp_size > 1: rank 0 here, workers spawned (backend/model/tp_driver.py); CPU only so far."""
+    tp = spec.engine.tp_size
+    if str(device) != "cpu":
+        raise EngineError(f"engine.tp_size: {tp} runs on CPU (gloo) only so far; got device {device!r}")
+    if speculative:
+        raise EngineError(f"engine.tp_size: {tp} with speculative decoding is not implemented; "
+                          f"pass speculative=False or tp_size 1")
+    from backend.model.tp_driver import TPDriver   # lazy: spawns processes, only when asked for
+    return TPDriver(spec, tp, dtype=dtype)
+
+
 class Executor:
     def __init__(self, bundle_path, device: str = "cpu", dtype: torch.dtype | str | None = None,
                  speculator: Speculator | None = None, start: bool = True,
@@ -83,7 +95,11 @@ class Executor:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         self.spec = load_engine_spec(bundle_path, engine_overrides, verify_hashes=verify_hashes)
-        self.runner = ModelRunner(self.spec, device=device, dtype=dtype, weights=weights)
+        if self.spec.engine.tp_size > 1:
+            self.runner = _tp_driver(self.spec, device, dtype, speculator is not None or (
+                speculative and self.spec.manifest.speculative is not None))
+        else:
+            self.runner = ModelRunner(self.spec, device=device, dtype=dtype, weights=weights)
         eng, cfg = self.spec.engine, self.spec.model   # typed, defaults resolved (backend/bundle.py)
         self.max_seq_len = eng.max_seq_len
         self.max_input_len = eng.max_input_len
@@ -236,6 +252,8 @@ class Executor:
             pending = list(self.scheduler.requests)
         for rid in pending:
             self._abort(rid, RequestStatus.FINISHED_ABORTED, None)
+        if hasattr(self.runner, "shutdown"):     # tensor parallelism: stop the worker processes
+            self.runner.shutdown()
 
     def __enter__(self) -> "Executor":
         return self

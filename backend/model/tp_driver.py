@@ -21,8 +21,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from backend.model.runner import EngineError, EngineSpec
+from backend.engine.kv_capacity import kv_bytes_per_token, kv_capacity_blocks
+from backend.model import cpu_dtype
+from backend.model.runner import CPU_RAM_FRACTION, EngineError, EngineSpec, kv_cache_dtypes
 from backend.model.tp import TPRunner
+from backend.model.tp_shard import ShardError, check_tp
+from backend.ops.attention import get_backend
 
 # Workers wait in a broadcast between steps for as long as the engine is idle: the group's timeout
 # must not end an idle server. A dead peer is seen sooner, by its closed connection.
@@ -49,11 +53,39 @@ def _worker(rank: int, tp_size: int, store: str, spec: EngineSpec, num_blocks: i
         dist.destroy_process_group()
 
 
+def plan_kv_blocks(spec: EngineSpec, tp_size: int, dtype: torch.dtype) -> int:
+    """``ModelRunner``'s KV plan for one rank's share (KV heads / tp), on CPU RAM: every rank holds the
+    same number of blocks, so that rank 0's block ids are valid everywhere."""
+    cfg, eng = spec.model, spec.engine
+    _, storage = kv_cache_dtypes(spec, dtype, torch.device("cpu"), get_backend("torch", "cpu"))
+    per_tok = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads // tp_size, cfg.head_dim,
+                                 torch.empty((), dtype=storage).element_size())
+    try:
+        return kv_capacity_blocks(eng.kv_block_size, per_tok, max_kv_tokens=eng.max_kv_tokens,
+                                  free_device_bytes=None, free_mem_fraction=float(eng.kv_cache_free_mem_fraction),
+                                  cpu_ram_fraction=CPU_RAM_FRACTION / tp_size,
+                                  max_useful_tokens=eng.max_batch_size * eng.max_seq_len,
+                                  min_tokens=min(eng.max_seq_len, eng.kv_block_size))
+    except ValueError as exc:
+        raise EngineError(str(exc)) from exc
+
+
 class TPDriver:
     """``tp_size`` ranks: this process is rank 0 (and the sampler's), the others are spawned here."""
 
-    def __init__(self, spec: EngineSpec, tp_size: int, num_blocks: int, dtype: torch.dtype | None = None,
-                 start_timeout_s: float = 300.0) -> None:
+    def __init__(self, spec: EngineSpec, tp_size: int, num_blocks: int | None = None,
+                 dtype: torch.dtype | None = None, start_timeout_s: float = 300.0) -> None:
+        try:
+            check_tp(spec.model, spec.quant_format, tp_size)
+        except ShardError as exc:
+            raise EngineError(f"engine.tp_size: {exc}") from exc
+        # CPU compute: float32 unless engine.cpu_dtype asks for bf16 (auto's timing probe is one-rank)
+        self.dtype_choice = (cpu_dtype.DtypeChoice(dtype, "dtype=", "the caller's dtype argument") if dtype is not None
+                             else cpu_dtype.DtypeChoice(torch.bfloat16 if spec.engine.cpu_dtype == "bfloat16"
+                                                        else torch.float32, str(spec.engine.cpu_dtype),
+                                                        "tensor parallel: float32 unless engine.cpu_dtype is bfloat16"))
+        dtype = self.dtype_choice.dtype
+        num_blocks = num_blocks or plan_kv_blocks(spec, tp_size, dtype)
         if dist.is_initialized():
             raise EngineError("tensor parallelism: this process already has a torch.distributed group; "
                               "one TPDriver per process")

@@ -239,3 +239,31 @@ def test_tp_driver_rank0_schedules_workers_follow_and_a_dead_worker_fails_loudly
     assert not any(p.is_alive() for p in driver.workers)
     assert not Path(driver._tmp).exists() and not dist.is_initialized()
     assert torch.get_num_threads() == threads
+
+
+@pytest.mark.slow
+def test_executor_tp3_serves_the_same_greedy_tokens_as_tp1(make_executor, smollm2_bundle, varied_prompts):
+    """``Executor(tp_size=3)``: the scheduler, block manager and sampler on rank 0, the model on three
+    ranks; a batch of mixed prompts (chunked prefill, batched decode) gives TP1's tokens, and shutdown
+    stops the workers."""
+    from backend.engine.executor import Executor
+    from backend.engine.sampling_params import SamplingParams
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [varied_prompts[i] for i in (0, 1, 10, 12)]
+    engine = {"max_kv_tokens": 2048, "max_batch_size": 8, "max_num_tokens": 64}
+    want = [r.token_ids for r in make_executor(**engine).generate(prompts, params)]
+    ex = Executor(smollm2_bundle, dtype=torch.float32, verify_hashes=False, tp_size=TP, **engine)
+    try:
+        assert ex.runner.num_blocks >= 2048 // ex.runner.block_size
+        assert [r.token_ids for r in ex.generate(prompts, params)] == want
+    finally:
+        ex.shutdown()
+    assert not any(p.is_alive() for p in ex.runner.workers)
+
+
+@pytest.mark.slow
+def test_executor_refuses_a_tp_size_that_does_not_divide_the_heads(smollm2_bundle):
+    from backend.engine.executor import Executor
+    from backend.model.runner import EngineError
+    with pytest.raises(EngineError, match=r"engine.tp_size: tp_size=2 does not divide the model's 9 attention heads"):
+        Executor(smollm2_bundle, dtype=torch.float32, verify_hashes=False, tp_size=2, start=False)
