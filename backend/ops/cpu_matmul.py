@@ -29,11 +29,13 @@ the column-major path no longer hands 33 rows and more to MKL, as it did where M
 on an AVX2 machine: a decode step of more than 32 sequences gave each of them other logits than a
 smaller one. On the development VM oneDNN is faster than MKL at every row count measured (above).
 
-Float32 compute is what a CPU computes in unless ``engine.cpu_dtype`` chose bf16
-(backend/model/cpu_dtype.py, which times these float32 kernels against the bf16 ones on the model's
-own layer). In bf16 a weight is reordered once into oneDNN's blocked layout (``BF16Weight``: same
-bits as ``F.linear``, without the per-call reorder). Elsewhere (GPU) ``prepare`` returns the weight
-unchanged and ``linear`` is ``F.linear``.
+Only float32 compute: what a CPU computes in unless ``engine.cpu_dtype`` chose bf16
+(backend/model/cpu_dtype.py, which times these float32 kernels against oneDNN's bf16 ``F.linear``
+on the model's own layer), and the only dtype measured here. Elsewhere (GPU, bf16) ``prepare``
+returns the weight unchanged and ``linear`` is ``F.linear``. (Reordering a bf16 weight once into
+oneDNN's blocked layout, ``torch.ops.mkldnn._reorder_linear_weight``, was tried: with the weights
+cold in memory, as a decode step reads them, SmolLM2's 120 linears took 14-16 ms at one or two rows
+against F.linear's 7.4-8.1, and the same from 16 rows on; measured 2026-11-27.)
 """
 from __future__ import annotations
 
@@ -80,51 +82,17 @@ class HalfWeight:
         return torch.ops.quantized.linear_unpack_fp16(self.packed)[0].float()
 
 
-class BF16Weight:
-    """A bfloat16 ``[out, in]`` weight reordered once into oneDNN's blocked layout (bf16 compute,
-    ``engine.cpu_dtype``). ``F.linear`` in bf16 reorders the weight on every call: at the few rows
-    of a decode step that reorder is most of the time (SmolLM2's 30 layers of linears, 2 threads:
-    1 row 11.0 -> 4.1 ms, 16 rows 18.8 -> 12.7 ms; 512 rows unchanged). Same bits as ``F.linear``
-    (oneDNN runs the same kernel on the same values; tests/runtime/test_cpu_matmul.py)."""
-
-    __slots__ = ("packed", "shape", "dtype", "device")
-
-    def __init__(self, w: torch.Tensor) -> None:
-        self.packed = _REORDER(w.contiguous(), _REORDER_ROWS)
-        self.shape, self.dtype, self.device = w.shape, w.dtype, w.device
-
-    def unpack(self) -> torch.Tensor:
-        return self.packed.to_dense()
-
-
-def _reorder():
-    """oneDNN's linear weight reorder, or None in a build without it."""
-    if _DNN is None:
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight
-    except (AttributeError, RuntimeError):
-        return None
-
-
-_REORDER = _reorder()
-_REORDER_ROWS = 16   # the row count oneDNN picks the blocked layout for: a decode step's (any count runs)
-
-Weight = torch.Tensor | HalfWeight | BF16Weight
+Weight = torch.Tensor | HalfWeight
 
 
 def is_packed(w) -> bool:
     """Whether ``w`` is already in a CPU kernel's own storage (then shared, never copied)."""
-    return isinstance(w, (HalfWeight, BF16Weight))
+    return isinstance(w, HalfWeight)
 
 
 def applies(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether weights on ``device`` in ``dtype`` are re-stored for the CPU kernels."""
-    if torch.device(device).type != "cpu":
-        return False
-    if dtype == torch.bfloat16:
-        return _REORDER is not None
-    return (_DNN is not None or _FP16 is not None) and dtype == torch.float32
+    return (_DNN is not None or _FP16 is not None) and torch.device(device).type == "cpu" and dtype == torch.float32
 
 
 def packs_fp16(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -142,15 +110,12 @@ def _exact_in_fp16(w: torch.Tensor) -> bool:
 
 def prepare(w: Weight) -> Weight:
     """``w [out, in]`` -> the same values in the storage its CPU kernel wants where ``applies``
-    (bf16: a ``BF16Weight``; float32: a ``HalfWeight`` when every value is exactly an fp16, else
-    column-major); otherwise ``w``.
+    (a ``HalfWeight`` when every value is exactly an fp16, else column-major); otherwise ``w``.
 
     Idempotent, so a weight shared between owners (a tied lm_head, a draft reusing the target's)
     is converted once and stays one object."""
     if is_packed(w) or not applies(w.device, w.dtype) or w.dim() != 2 or is_column_major(w):
         return w
-    if w.dtype == torch.bfloat16:
-        return BF16Weight(w)
     if _FP16 is not None and _exact_in_fp16(w):
         return HalfWeight(w)
     return w.t().contiguous().t() if _DNN is not None else w
@@ -168,11 +133,6 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         if x.numel() == x.shape[-1]:
             return _DNN(_twice(x.reshape(1, -1)), w, bias, "none", [], "")[:1].view(*x.shape[:-1], -1)
         return _DNN(x, w, bias, "none", [], "")
-    if isinstance(w, BF16Weight):
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        if x2.shape[0] == 1:   # one row as two, as below (the same kernel choice as any count)
-            return _DNN(_twice(x2), w.packed, bias, "none", [], "")[:1].view(*x.shape[:-1], -1)
-        return _DNN(x2.contiguous(), w.packed, bias, "none", [], "").view(*x.shape[:-1], -1)
     if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.numel() == x.shape[-1]:
         # bf16 compute (engine.cpu_dtype): F.linear switches kernels for a single row too (measured:
         # SmolLM2's down projection, 1536 inputs, gave a decode row other bits alone than among 9,

@@ -12,7 +12,6 @@ from backend.ops.linear import make_linear
 
 needs_onednn = pytest.mark.skipif(cpu_matmul._DNN is None, reason="this PyTorch build has no oneDNN linear")
 needs_fbgemm = pytest.mark.skipif(cpu_matmul._FP16 is None, reason="this PyTorch build has no FBGEMM (non-x86)")
-needs_reorder = pytest.mark.skipif(cpu_matmul._REORDER is None, reason="this PyTorch build has no oneDNN weight reorder")
 
 
 def fp16_exact(*shape, seed=0):
@@ -42,27 +41,9 @@ def test_weights_that_need_fp32_go_column_major_not_fp16():
 
 
 def test_prepare_leaves_other_dtypes_and_ranks_alone():
-    for w in (torch.randn(8, 4, dtype=torch.float16), torch.randn(8), torch.randn(8, dtype=torch.bfloat16),
+    for w in (torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(8, 4, dtype=torch.float16), torch.randn(8),
               torch.randint(0, 9, (8, 4), dtype=torch.uint8)):
         assert cpu_matmul.prepare(w) is w
-
-
-@needs_reorder
-def test_bf16_weights_are_reordered_once_and_give_f_linears_bits():
-    """bf16 compute: the weight is reordered at load (F.linear reorders it on every call), the same
-    bits come out at every row count, and a shared weight is not reordered twice."""
-    g = torch.Generator().manual_seed(3)
-    w = (torch.randn(576, 1536, generator=g) * 0.02).bfloat16()
-    b = torch.randn(576, generator=g).bfloat16()
-    p = cpu_matmul.prepare(w)
-    assert isinstance(p, cpu_matmul.BF16Weight) and tuple(p.shape) == (576, 1536) and p.dtype == torch.bfloat16
-    assert cpu_matmul.prepare(p) is p and cpu_matmul.is_packed(p)
-    assert torch.equal(p.unpack(), w)
-    for rows in (2, 3, 16, 33, 512):
-        x = torch.randn(rows, 1536, generator=g).bfloat16()
-        assert torch.equal(cpu_matmul.linear(x, p, b), F.linear(x, w, b)), rows
-    x = torch.randn(2, 3, 1536, generator=g).bfloat16()   # leading batch dims
-    assert torch.equal(cpu_matmul.linear(x, p), F.linear(x, w))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 32, 33, 100])
@@ -121,17 +102,14 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(exact):
         assert torch.equal(cpu_matmul.linear(batch, p)[rows // 2], alone[0]), rows
 
 
-@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_reorder)])
-def test_bf16_rows_do_not_depend_on_the_other_rows(packed):
-    """bf16 compute (engine.cpu_dtype: bfloat16) runs oneDNN, whose single-row kernel sums in another
-    order for some inputs (here: 1 of 20 seeds at SmolLM2's down projection shape, and the real
-    activations of a decode step): ``linear`` runs one row as two, with a reordered weight too."""
+def test_bf16_rows_do_not_depend_on_the_other_rows():
+    """bf16 compute (engine.cpu_dtype: bfloat16) goes through F.linear, whose single-row kernel sums
+    in another order for some inputs (here: 1 of 20 seeds at SmolLM2's down projection shape, and the
+    real activations of a decode step): ``linear`` runs one row as two."""
     g = torch.Generator().manual_seed(0)
     for seed in range(20):
         x = torch.randn(9, 1536, generator=g).bfloat16()
         w = (torch.randn(576, 1536, generator=g) * 0.02).bfloat16()
-        if packed:
-            w = cpu_matmul.prepare(w)
         full = cpu_matmul.linear(x, w)
         assert torch.equal(cpu_matmul.linear(x[:1], w), full[:1]), seed
         assert torch.equal(cpu_matmul.linear(x[0], w), full[0]), seed   # a 1-D row too
@@ -146,9 +124,9 @@ def test_model_linears_take_the_storage_their_values_allow():
     torch.testing.assert_close(lin(x), F.linear(x, w, lin.bias), rtol=1e-5, atol=1e-5)
     # A bf16 checkpoint's weight not exact in fp16 (here: one value changed) stays a tensor.
     assert isinstance(make_linear("none", {"weight": w + 1e-6}, torch.float32, "cpu").weight, torch.Tensor)
-    # bf16 compute (a CPU with native bf16, or a test asking for it) reorders it for oneDNN.
+    # bf16 compute (a CPU with native bf16, or a test asking for it) keeps the weight as given.
     lin16 = make_linear("none", {"weight": w}, torch.bfloat16, "cpu")
-    assert isinstance(lin16.weight, cpu_matmul.BF16Weight if cpu_matmul._REORDER else torch.Tensor)
+    assert isinstance(lin16.weight, torch.Tensor) and lin16.weight.is_contiguous()
 
 
 @needs_fbgemm
