@@ -9,7 +9,8 @@
 # is left of T_TOTAL, and is skipped (said so in the output) when less than MIN_PART_S (20) is left,
 # so one slow or hung part cannot take the others' time and the whole call ends within T_TOTAL.
 # PARTS picks which run, in this order (default all five; sweep and ncu only when named):
-#   check   170 s -> 100  harness.gpucheck run: tiny bundles of every format (AOT cubins, no JIT, vs CPU)
+#   check   170 s -> 100  harness.gpucheck run: tiny bundles of every format (AOT cubins, no JIT, vs CPU),
+#                         and the build's streamed verify on the GPU vs the CPU (verify.device: cuda)
 #   kernels 210 s -> 120  harness.bench.kernels: kernel tests on the GPU, decode/prefill/W4A16 bandwidth,
 #                         small-M FP8 GEMM vs torch._scaled_mm and small-M W4A16 vs bf16 (M = 1, 4, 16),
 #                         graphed FP8-KV decode at b1 ctx8192 / b64 ctx2048, AOT without JIT (the JSON is
