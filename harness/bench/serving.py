@@ -131,6 +131,9 @@ def level_prompts(base: list[str], start: int, n: int) -> tuple[list[str], int]:
 def run(a: argparse.Namespace, url: str, tokenizer) -> dict[str, Any]:
     base = load_prompts(a.prompts)
     rows = []
+    # one count across models too: ensemble and bls both drive the same engine model, whose prefix
+    # cache would otherwise serve the second model the first one's prompts
+    start = 0
     for model in a.model_list:
         plan = [("concurrency", c, None) for c in a.levels]
         if a.request_rate:
@@ -138,7 +141,6 @@ def run(a: argparse.Namespace, url: str, tokenizer) -> dict[str, Any]:
         warm, _ = asyncio.run(_run_level(url, model, [WARMUP_PROMPT], 1, None, 4, a.seed))
         if warm[0].error:
             raise RuntimeError(f"warm-up request to {model} failed: {warm[0].error}")
-        start = 0   # per model: each model's engine has its own prefix cache
         for mode, conc, rate in plan:
             n = a.num_prompts or max(16, conc or 16)
             prompts, seen = level_prompts(base, start, n)
