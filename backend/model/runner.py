@@ -106,6 +106,21 @@ def kv_cache_dtypes(spec: EngineSpec, dtype: torch.dtype, device: torch.device,
     return kv_dtype, kv_dtype
 
 
+def plan_kv_blocks(spec: EngineSpec, storage_dtype: torch.dtype, kv_heads: int, free_device_bytes: int | None,
+                   cpu_ram_fraction: float = CPU_RAM_FRACTION) -> int:
+    """KV blocks for ``kv_heads`` heads per layer (a tensor-parallel rank holds its share) within the
+    engine's limits: the device's free memory on a GPU, ``cpu_ram_fraction`` of RAM on a CPU."""
+    cfg, eng = spec.model, spec.engine
+    per_tok = kv_bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, torch.empty((), dtype=storage_dtype).element_size())
+    try:
+        return kv_capacity_blocks(
+            eng.kv_block_size, per_tok, max_kv_tokens=eng.max_kv_tokens, free_device_bytes=free_device_bytes,
+            free_mem_fraction=float(eng.kv_cache_free_mem_fraction), cpu_ram_fraction=cpu_ram_fraction,
+            max_useful_tokens=eng.max_batch_size * eng.max_seq_len, min_tokens=min(eng.max_seq_len, eng.kv_block_size))
+    except ValueError as exc:
+        raise EngineError(str(exc)) from exc
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors and ``execute`` for one step."""
 
@@ -190,22 +205,8 @@ class ModelRunner:
                             max_blocks, max_seq, self.device, capture=self.device.type == "cuda")
 
     def _plan_kv_blocks(self) -> int:
-        cfg, eng = self.spec.model, self.spec.engine
-        per_tok = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                     torch.empty((), dtype=self.kv_storage_dtype).element_size())
-        free_dev = None
-        if self.device.type == "cuda":
-            free_dev, _ = torch.cuda.mem_get_info(self.device)
-        try:
-            return kv_capacity_blocks(
-                self.block_size, per_tok, max_kv_tokens=eng.max_kv_tokens,
-                free_device_bytes=free_dev,
-                free_mem_fraction=float(eng.kv_cache_free_mem_fraction),
-                cpu_ram_fraction=CPU_RAM_FRACTION,
-                max_useful_tokens=eng.max_batch_size * eng.max_seq_len,
-                min_tokens=min(eng.max_seq_len, self.block_size))
-        except ValueError as exc:
-            raise EngineError(str(exc)) from exc
+        free_dev = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        return plan_kv_blocks(self.spec, self.kv_storage_dtype, self.spec.model.num_kv_heads, free_dev)
 
     @property
     def kv_cache_bytes(self) -> int:

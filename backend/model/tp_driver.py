@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from backend.engine.kv_capacity import kv_bytes_per_token, kv_capacity_blocks
 from backend.model import cpu_dtype
 from backend.model.runner import CPU_RAM_FRACTION, EngineError, EngineSpec, kv_cache_dtypes
+from backend.model.runner import plan_kv_blocks as runner_plan
 from backend.model.tp import TPRunner
 from backend.model.tp_shard import ShardError, check_tp
 from backend.ops.attention import get_backend
@@ -56,18 +56,8 @@ def _worker(rank: int, tp_size: int, store: str, spec: EngineSpec, num_blocks: i
 def plan_kv_blocks(spec: EngineSpec, tp_size: int, dtype: torch.dtype) -> int:
     """``ModelRunner``'s KV plan for one rank's share (KV heads / tp), on CPU RAM: every rank holds the
     same number of blocks, so that rank 0's block ids are valid everywhere."""
-    cfg, eng = spec.model, spec.engine
     _, storage = kv_cache_dtypes(spec, dtype, torch.device("cpu"), get_backend("torch", "cpu"))
-    per_tok = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads // tp_size, cfg.head_dim,
-                                 torch.empty((), dtype=storage).element_size())
-    try:
-        return kv_capacity_blocks(eng.kv_block_size, per_tok, max_kv_tokens=eng.max_kv_tokens,
-                                  free_device_bytes=None, free_mem_fraction=float(eng.kv_cache_free_mem_fraction),
-                                  cpu_ram_fraction=CPU_RAM_FRACTION / tp_size,
-                                  max_useful_tokens=eng.max_batch_size * eng.max_seq_len,
-                                  min_tokens=min(eng.max_seq_len, eng.kv_block_size))
-    except ValueError as exc:
-        raise EngineError(str(exc)) from exc
+    return runner_plan(spec, storage, spec.model.num_kv_heads // tp_size, None, CPU_RAM_FRACTION / tp_size)
 
 
 class TPDriver:
