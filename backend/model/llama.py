@@ -145,6 +145,10 @@ class LlamaModel:
     def kv_cache_scales(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         return [(layer.k_scale, layer.v_scale) for layer in self.layers]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids -> the first residual stream (a tensor-parallel rank overrides it: backend/model/tp.py)."""
+        return F.embedding(input_ids, self.embed_tokens)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 capture_hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -153,7 +157,7 @@ class LlamaModel:
         c = self.config
         cos, sin = self.rope.tables(meta.positions, self.dtype)
         captured: dict[int, torch.Tensor] = {}
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
             hidden = decoder_layer(c, layer, hidden, cos, sin, self.attention, kv_caches[i], meta, self.scale)
             if i in capture_hidden_layers:
@@ -168,7 +172,7 @@ class LlamaModel:
         t, eps = input_ids.shape[0], c.rms_norm_eps
         norm, act = k["add_rms_norm_quant"], k["silu_mul_quant"]
         captured: dict[int, torch.Tensor] = {}
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed(input_ids)
         delta = None
         for i, layer in enumerate(self.layers):
             # Attention block.

@@ -25,8 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from backend.model.config import ModelConfig
-from backend.model.layers import rms_norm
-from backend.model.llama import LlamaModel, decoder_layer
+from backend.model.llama import LlamaModel
 from backend.model.runner import EngineSpec, kv_cache_dtypes, load_weights
 from backend.model.tp_shard import shard_config, shard_weights
 from backend.ops import cpu_matmul
@@ -73,27 +72,13 @@ class TPLlamaModel(LlamaModel):
             layer.down = RowParallelLinear(layer.down, group)    # type: ignore[assignment]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel lookup: exact, since every id is found on one rank and zeros elsewhere."""
+        """LlamaModel.forward's embedding, vocab-parallel: exact, since every id is found on one rank and zeros elsewhere."""
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.config.vocab_size)
         hidden = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.embed_tokens)
         hidden = hidden.masked_fill(~mine.unsqueeze(-1), 0).contiguous()
         dist.all_reduce(hidden, group=self.group)
         return hidden
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                capture_hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        # LlamaModel.forward's loop with the vocab-parallel embedding; the layers all-reduce inside
-        c = self.config
-        cos, sin = self.rope.tables(meta.positions, self.dtype)
-        captured: dict[int, torch.Tensor] = {}
-        hidden = self.embed(input_ids)
-        for i, layer in enumerate(self.layers):
-            hidden = decoder_layer(c, layer, hidden, cos, sin, self.attention, kv_caches[i], meta, self.scale)
-            if i in capture_hidden_layers:
-                captured[i] = hidden
-        return rms_norm(hidden, self.norm, c.rms_norm_eps), captured
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
