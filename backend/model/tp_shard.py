@@ -12,41 +12,34 @@ The split follows Megatron-LM for Llama (names: docs/contracts.md section 3):
 - ``embed_tokens`` and ``lm_head`` vocab-parallel: rows ``[r*V/tp, (r+1)*V/tp)``.
 - Per-output-row scales go with their rows; per-tensor scales (``input_scale``, KV ``k/v_scale``)
   and norms are replicated. A row-parallel bias is replicated: the model adds it after the reduce.
+
+Each tensor splits on its own (``shard_tensor``: its name says how), so the builder streams a
+checkpoint into per-rank files one tensor at a time; ``unshard_tensor`` is the inverse, for readers
+that want the whole model from such a bundle (the verify stage, a tp_size=1 run). The rules of which
+splits are possible live in ``tp_rules`` (no torch: the builder's config check uses them too).
 """
 from __future__ import annotations
 
 import dataclasses
+import re
+from contextlib import ExitStack
+from pathlib import Path
 
 import torch
 
 from backend.model.config import ModelConfig
+# re-exported: callers find the rules beside the splitting they guard
+from backend.model.tp_rules import SHARDABLE_FORMATS, ShardError, check_tp  # noqa: F401
 
-# Formats whose per-linear tensors this module knows how to split. Block-scaled 4-bit formats
-# (nvfp4, int4_awq) need their group scales split along the input dim of o/down: not done yet.
-SHARDABLE_FORMATS = ("none", "fp8")
 # The tensors a linear may carry in those formats (anything else is refused, never replicated blindly).
 _LINEAR_PARTS = ("weight", "weight_scale", "input_scale", "bias")
 _COLUMN = ("qkv", "gate_up")      # output rows split
 _ROW = ("o", "down")              # input columns split, outputs all-reduced
+_VOCAB = ("embed_tokens.weight", "lm_head.weight")
+_LAYER_COPIED = ("input_norm.weight", "post_attn_norm.weight", "attn.k_scale", "attn.v_scale")
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
-
-class ShardError(ValueError):
-    """The model or its format cannot be split ``tp_size`` ways: one line naming the numbers."""
-
-
-def check_tp(config: ModelConfig, quant_format: str, tp_size: int) -> None:
-    """Refuse a split that would not give every rank whole heads, equal slices and a known format."""
-    if tp_size < 1:
-        raise ShardError(f"tp_size: {tp_size}; must be a positive integer")
-    if quant_format not in SHARDABLE_FORMATS:
-        raise ShardError(f"quantization.format {quant_format!r} cannot be sharded for tp_size={tp_size} yet; "
-                         f"allowed: {', '.join(SHARDABLE_FORMATS)}")
-    for what, n in (("attention heads", config.num_heads), ("KV heads", config.num_kv_heads),
-                    ("intermediate_size", config.intermediate_size), ("vocab_size", config.vocab_size)):
-        if n % tp_size:
-            # Uneven vocab slices would need padded gathers; uneven heads cannot be split at all.
-            raise ShardError(f"tp_size={tp_size} does not divide the model's {n} {what}; "
-                             f"allowed: a tp_size that divides {n}")
+Spans = list[tuple[int, int]]     # (start, count) runs of rows, in the order one rank keeps them
 
 
 def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
@@ -58,49 +51,83 @@ def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
                                vocab_size=config.vocab_size // tp_size)
 
 
-def _rows(t: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-    """The rows ``[start, start+n)`` of each span, concatenated into new storage (a view would keep the
-    whole tensor alive, and a rank must hold only its share)."""
-    return torch.cat([t.narrow(0, s, n) for s, n in spans]).clone() if len(spans) > 1 \
-        else t.narrow(0, *spans[0]).clone()
-
-
-def _column_parallel(parts: dict[str, torch.Tensor], spans: list[tuple[int, int]], out: int,
-                     where: str) -> dict[str, torch.Tensor]:
-    got = {}
-    for name, t in parts.items():
-        if name == "input_scale" or (name == "weight_scale" and t.numel() == 1):
-            got[name] = t.clone()                       # per-tensor: every rank quantizes alike
-        elif t.shape[0] == out:
-            got[name] = _rows(t, spans)                 # weight, per-row weight_scale, bias
-        else:
-            raise ShardError(f"{where}.{name}: shape {tuple(t.shape)}; expected {out} rows or one value")
-    return got
-
-
-def _row_parallel(parts: dict[str, torch.Tensor], start: int, n: int, inp: int,
-                  where: str) -> dict[str, torch.Tensor]:
-    got = {}
-    for name, t in parts.items():
-        if name == "weight":
-            if t.dim() != 2 or t.shape[1] != inp:
-                raise ShardError(f"{where}.weight: shape {tuple(t.shape)}; expected {inp} input columns")
-            got[name] = t.narrow(1, start, n).contiguous().clone()
-        else:
-            # Every output row stays on every rank: its scale and bias too (bias added after the reduce).
-            got[name] = t.clone()
-    return got
-
-
-def _linear_parts(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    parts = {k[len(prefix) + 1:]: v for k, v in weights.items() if k.startswith(prefix + ".")}
-    unknown = sorted(set(parts) - set(_LINEAR_PARTS))
-    if unknown:
-        raise ShardError(f"{prefix}: tensors {', '.join(unknown)} are not part of a shardable linear "
+def _plan(name: str, shape: tuple[int, ...], c: ModelConfig, tp: int, whole: bool) -> tuple[str, list]:
+    """How the tensor ``name`` splits: ("copy", []), ("rows", [Spans per rank]) or ("cols", [(start,
+    count) per rank]). ``whole``: ``shape`` is the unsharded tensor's (checked), else one rank's."""
+    d = c.head_dim
+    if name in _VOCAB:
+        if whole and shape[0] != c.vocab_size:
+            raise ShardError(f"{name}: {shape[0]} rows; model.vocab_size is {c.vocab_size}")
+        v = c.vocab_size // tp
+        return "rows", [[(r * v, v)] for r in range(tp)]
+    if name == "norm.weight":
+        return "copy", []
+    m = _LAYER.fullmatch(name)
+    if m is None or int(m[1]) >= c.num_layers:
+        raise ShardError(f"tensors not covered by tensor-parallel sharding: {name}")
+    rest = m[2]
+    if rest in _LAYER_COPIED:
+        return "copy", []
+    lin, _, part = rest.partition(".")
+    where = f"layers.{m[1]}.{lin}"
+    if lin not in _COLUMN + _ROW:
+        raise ShardError(f"tensors not covered by tensor-parallel sharding: {name}")
+    if part not in _LINEAR_PARTS:
+        raise ShardError(f"{where}: tensors {part} are not part of a shardable linear "
                          f"(formats {', '.join(SHARDABLE_FORMATS)})")
-    if "weight" not in parts:
-        raise ShardError(f"{prefix}.weight: missing")
-    return parts
+    numel = 1
+    for n in shape:
+        numel *= n
+    if lin in _ROW:
+        if part != "weight":
+            # Every output row stays on every rank: its scale and bias too (bias added after the reduce).
+            return "copy", []
+        inp = c.q_size if lin == "o" else c.intermediate_size
+        if whole and (len(shape) != 2 or shape[1] != inp):
+            raise ShardError(f"{where}.weight: shape {shape}; expected {inp} input columns")
+        n = inp // tp
+        return "cols", [(r * n, n) for r in range(tp)]
+    if part == "input_scale" or (part == "weight_scale" and numel == 1):
+        return "copy", []                               # per-tensor: every rank quantizes alike
+    if lin == "qkv":
+        qh, kvh, rows = c.num_heads // tp * d, c.num_kv_heads // tp * d, c.q_size + 2 * c.kv_size
+        spans = [[(r * qh, qh), (c.q_size + r * kvh, kvh), (c.q_size + c.kv_size + r * kvh, kvh)]
+                 for r in range(tp)]
+    else:
+        inter, rows = c.intermediate_size // tp, 2 * c.intermediate_size
+        spans = [[(r * inter, inter), (c.intermediate_size + r * inter, inter)] for r in range(tp)]
+    if whole and shape[0] != rows:                      # weight, per-row weight_scale, bias
+        raise ShardError(f"{where}.{part}: shape {shape}; expected {rows} rows or one value")
+    return "rows", spans
+
+
+def shard_tensor(name: str, t: torch.Tensor, config: ModelConfig, tp_size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s part of the unsharded tensor ``name``, in new storage (a view would keep the
+    whole tensor alive, and a rank must hold only its share)."""
+    kind, spans = _plan(name, tuple(t.shape), config, tp_size, whole=True)
+    if kind == "copy":
+        return t.clone()
+    if kind == "cols":
+        return t.narrow(1, *spans[rank]).clone(memory_format=torch.contiguous_format)
+    mine = spans[rank]
+    return torch.cat([t.narrow(0, s, n) for s, n in mine]) if len(mine) > 1 else t.narrow(0, *mine[0]).clone()
+
+
+def unshard_tensor(name: str, parts: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+    """The unsharded tensor ``name`` from every rank's part (rank order): ``shard_tensor``'s inverse."""
+    tp = len(parts)
+    kind, spans = _plan(name, tuple(parts[0].shape), config, tp, whole=False)
+    if kind == "copy":
+        return parts[0]
+    if kind == "cols":
+        return torch.cat(parts, dim=1)
+    pieces = []
+    for part, mine in zip(parts, spans):
+        off = 0
+        for start, n in mine:
+            pieces.append((start, part.narrow(0, off, n)))
+            off += n
+    return torch.cat([p for _, p in sorted(pieces, key=lambda x: x[0])])
 
 
 def shard_weights(weights: dict[str, torch.Tensor], config: ModelConfig, quant_format: str,
@@ -110,43 +137,24 @@ def shard_weights(weights: dict[str, torch.Tensor], config: ModelConfig, quant_f
     check_tp(config, quant_format, tp_size)
     if not 0 <= rank < tp_size:
         raise ShardError(f"rank {rank}: outside tp_size={tp_size}")
-    c, d = config, config.head_dim
-    qh, kvh, inter = c.num_heads // tp_size, c.num_kv_heads // tp_size, c.intermediate_size // tp_size
-    qkv_spans = [(rank * qh * d, qh * d), (c.q_size + rank * kvh * d, kvh * d),
-                 (c.q_size + c.kv_size + rank * kvh * d, kvh * d)]
-    gate_up_spans = [(rank * inter, inter), (c.intermediate_size + rank * inter, inter)]
-    vocab = c.vocab_size // tp_size
-    out: dict[str, torch.Tensor] = {}
-    done: set[str] = set()
+    for i in range(config.num_layers):
+        for lin in _COLUMN + _ROW:
+            if f"layers.{i}.{lin}.weight" not in weights:
+                raise ShardError(f"layers.{i}.{lin}.weight: missing")
+    return {name: shard_tensor(name, t, config, tp_size, rank) for name, t in weights.items()}
 
-    def take(name: str, t: torch.Tensor) -> None:
-        out[name] = t
-        done.add(name)
 
-    for name in ("embed_tokens.weight", "lm_head.weight"):
-        if name in weights:
-            t = weights[name]
-            if t.shape[0] != c.vocab_size:
-                raise ShardError(f"{name}: {t.shape[0]} rows; model.vocab_size is {c.vocab_size}")
-            take(name, _rows(t, [(rank * vocab, vocab)]))
-    if "norm.weight" in weights:
-        take("norm.weight", weights["norm.weight"].clone())
-    for i in range(c.num_layers):
-        p = f"layers.{i}"
-        for name in ("input_norm.weight", "post_attn_norm.weight", "attn.k_scale", "attn.v_scale"):
-            if f"{p}.{name}" in weights:
-                take(f"{p}.{name}", weights[f"{p}.{name}"].clone())
-        for lin, spans, rows in (("qkv", qkv_spans, c.q_size + 2 * c.kv_size),
-                                 ("gate_up", gate_up_spans, 2 * c.intermediate_size)):
-            parts = _linear_parts(weights, f"{p}.{lin}")
-            for k, v in _column_parallel(parts, spans, rows, f"{p}.{lin}").items():
-                take(f"{p}.{lin}.{k}", v)
-        for lin, n, inp in (("o", c.q_size // tp_size, c.q_size), ("down", inter, c.intermediate_size)):
-            parts = _linear_parts(weights, f"{p}.{lin}")
-            for k, v in _row_parallel(parts, rank * n, n, inp, f"{p}.{lin}").items():
-                take(f"{p}.{lin}.{k}", v)
-    left = sorted(set(weights) - done)
-    if left:
-        raise ShardError(f"tensors not covered by tensor-parallel sharding: {', '.join(left[:5])}"
-                         f"{' ...' if len(left) > 5 else ''}")
-    return out
+def load_unsharded(files: list[Path], config: ModelConfig, names: list[str] | None = None,
+                   prefix: str = "", device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The whole tensors ``names`` (default: every one starting with ``prefix``) read from per-rank
+    files (rank order) and put back together. The files are opened for this call only: a handle kept
+    open keeps every page read through its memory map resident."""
+    from safetensors import safe_open
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(f), "pt", device=device)) for f in files]
+        keys = set(handles[0].keys())
+        names = names if names is not None else [n for n in handles[0].keys() if n.startswith(prefix)]
+        missing = [n for n in names if n not in keys]
+        if missing:
+            raise KeyError(f"{files[0]}: missing tensor {missing[0]!r}")
+        return {n: unshard_tensor(n, [h.get_tensor(n) for h in handles], config) for n in names}
