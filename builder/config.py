@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from backend.model.tp_rules import MAX_TP_SIZE, SHARDABLE_FORMATS, allowed_tp_sizes, tp_problem
 from builder.schema import ConfigError, all_key_paths, build, opt
 
 __all__ = ["BuildConfig", "ConfigError", "check_against_model", "QUANT_FORMATS"]
@@ -128,7 +129,8 @@ class EngineConfig:
     enable_prefix_caching: bool = opt(True)
     enable_chunked_prefill: bool = opt(True)
     scheduler_policy: str = opt("max_utilization", choices=("max_utilization", "guaranteed_no_evict"))
-    tp_size: int = opt(1, choices=(1, 2, 4, 8))
+    # any size that divides the model's heads, KV heads, intermediate size and vocab (checked at import)
+    tp_size: int = opt(1, min=1, max=MAX_TP_SIZE)
     target_sms: tuple[int, ...] = opt((90, 100), check=_sms, allowed=" | ".join(map(str, KNOWN_SMS)))
     attention_backend: str = opt("auto", choices=("auto", "torch", "triton"))
     # CUDA graphs for decode and EAGLE verify steps: auto = on a GPU with the triton backend
@@ -278,6 +280,14 @@ class BuildConfig:
         if e.overlap_scheduling is True and s.method != "none":
             raise ConfigError(f, "engine.overlap_scheduling", f"true cannot run with speculative.method={s.method} "
                               "(the next drafts need each step's tokens on the host)", "auto | false")
+        if e.tp_size > 1 and self.quantization.format not in SHARDABLE_FORMATS:
+            raise ConfigError(f, "engine.tp_size", f"{e.tp_size} cannot shard quantization.format="
+                              f"{self.quantization.format} (its group scales are not split yet)",
+                              f"1, or quantization.format {' | '.join(SHARDABLE_FORMATS)}")
+        if e.tp_size > 1 and s.method != "none":
+            raise ConfigError(f, "engine.tp_size", f"{e.tp_size} cannot run with speculative.method={s.method} "
+                              "(the tensor-parallel runtime has no speculative decoding yet)",
+                              "1, or speculative.method=none")
         if s.tree == "static" and s.tree_choices is None:
             raise ConfigError(f, "speculative.tree_choices", "required when speculative.tree=static",
                               "list of paths, e.g. [[0],[1],[0,0]]")
@@ -388,16 +398,10 @@ def check_against_model(cfg: BuildConfig, model: dict[str, Any]) -> None:
     Raises ConfigError in the same one-line style as construction, naming the config key to change.
     """
     f, e, q = cfg.file, cfg.engine, cfg.quantization
-    kv, heads = model["num_kv_heads"], model["num_heads"]
-    if kv % e.tp_size or heads % e.tp_size:
-        ok = [t for t in (1, 2, 4, 8) if kv % t == 0 and heads % t == 0]
-        raise ConfigError(f, "engine.tp_size", f"{e.tp_size} does not divide the model's {kv} KV heads "
-                          f"and {heads} attention heads", " | ".join(map(str, ok)))
-    if e.tp_size > 1:
-        # Refused rather than recorded: the runtime does not shard yet (issue #20), so such a bundle
-        # would load whole onto one GPU, which is not what the key says.
-        raise ConfigError(f, "engine.tp_size", f"{e.tp_size}: tensor parallelism is not implemented yet "
-                          f"(the runtime would load the whole model onto one GPU)", "1")
+    heads = model["num_heads"]
+    problem = tp_problem(model, e.tp_size)   # backend's rules: refused here exactly when the runtime would
+    if problem:
+        raise ConfigError(f, "engine.tp_size", problem, " | ".join(map(str, allowed_tp_sizes(model))))
     mpe = model.get("max_position_embeddings")
     if mpe and e.max_seq_len > mpe:
         raise ConfigError(f, "engine.max_seq_len", f"{e.max_seq_len} exceeds the model's context of "

@@ -12,7 +12,8 @@ from builder.config import BuildConfig, ConfigError, check_against_model
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
 SMOLLM2_SHAPE = {"num_kv_heads": 3, "num_heads": 9, "head_dim": 64, "hidden_size": 576,
-                 "intermediate_size": 1536, "num_layers": 30, "max_position_embeddings": 8192}
+                 "intermediate_size": 1536, "num_layers": 30, "max_position_embeddings": 8192,
+                 "vocab_size": 49152}
 
 
 def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
@@ -96,7 +97,12 @@ def test_unknown_quantization_format(tmp_path):
     (["engine.max_num_tokens=16", "engine.max_batch_size=32"], "engine.max_num_tokens", "below engine.max_batch_size"),
     (["engine.max_kv_tokens=100"], "engine.max_kv_tokens", "cannot hold one sequence"),
     (["engine.target_sms=[]"], "engine.target_sms", "at least one"),
-    (["engine.tp_size=3"], "engine.tp_size", "invalid value 3"),
+    (["engine.tp_size=65"], "engine.tp_size", "65 is too large; allowed: an integer in 1..64"),
+    (["engine.tp_size=3", "quantization.format=nvfp4"], "engine.tp_size",
+     "3 cannot shard quantization.format=nvfp4 (its group scales are not split yet); "
+     "allowed: 1, or quantization.format none | fp8"),
+    (["engine.tp_size=3", "speculative.method=eagle3"], "engine.tp_size",
+     "3 cannot run with speculative.method=eagle3"),
     (["model.max_position_embeddings=1024"], "engine.max_seq_len", "exceeds the model's context"),
     (["speculative.tree=static"], "speculative.tree_choices", "required when speculative.tree=static"),
     (["speculative.tree_choices=[[0]]"], "speculative.tree_choices", "only used with speculative.tree=static"),
@@ -163,10 +169,13 @@ def test_config_is_frozen():
 
 
 @pytest.mark.parametrize("overrides, model, key, fragment", [
-    (["engine.tp_size=2"], {}, "engine.tp_size", "does not divide the model's 3 KV heads"),
-    # a size that divides the heads is still refused while the runtime cannot shard (issue #20)
-    (["engine.tp_size=2"], {"num_kv_heads": 4, "num_heads": 8}, "engine.tp_size",
-     "2: tensor parallelism is not implemented yet"),
+    # the runtime's own rules (backend/model/tp_rules.py): every split dimension must divide
+    (["engine.tp_size=2"], {}, "engine.tp_size", "2 does not divide the model's 9 attention heads"),
+    (["engine.tp_size=3"], {"num_kv_heads": 1}, "engine.tp_size",
+     "3 does not divide the model's 1 KV heads"),
+    (["engine.tp_size=3"], {"intermediate_size": 1544}, "engine.tp_size",
+     "3 does not divide the model's 1544 intermediate_size"),
+    (["engine.tp_size=3"], {"vocab_size": 49153}, "engine.tp_size", "3 does not divide the model's 49153 vocab_size"),
     (["engine.max_seq_len=9000", "engine.max_num_tokens=9000"], {}, "engine.max_seq_len", "exceeds the model's context of 8192"),
     (["quantization.format=int4_awq", "quantization.group_size=128"], {}, "quantization.group_size",
      "does not divide the model's hidden_size"),
@@ -177,8 +186,16 @@ def test_model_shape_checks(overrides, model, key, fragment):
     cfg = BuildConfig.from_dict({}, "x.yaml", overrides)
     msg = error_of(check_against_model, cfg, {**SMOLLM2_SHAPE, **model})
     assert msg.startswith(f"x.yaml: {key}: ") and fragment in msg
-    if key == "engine.tp_size":
-        assert msg.endswith("allowed: 1")  # the tp sizes that would work for this model
+    if key == "engine.tp_size":   # the tp sizes that would work for this model
+        assert msg.endswith("allowed: 1 | 3" if not model else "allowed: 1")
+
+
+def test_tp_size_is_built_when_the_model_splits():
+    """SmolLM2 (9 heads, 3 KV heads, intermediate 1536, vocab 49152) splits 3 ways, in fp8 and bf16."""
+    for fmt in ("fp8", "none"):
+        check_against_model(BuildConfig.from_dict({}, "x.yaml", ["engine.tp_size=3", f"quantization.format={fmt}"]),
+                            SMOLLM2_SHAPE)
+    assert BuildConfig.from_dict({}, "x.yaml", ["engine.tp_size=64"]).engine.tp_size == 64
 
 
 def test_model_shape_ok_for_shipped_smollm2_configs():

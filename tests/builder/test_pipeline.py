@@ -54,7 +54,7 @@ def test_skip_rebuild_and_force(smollm2_hf_dir, tmp_path):
 
 def test_model_shape_is_checked_at_import(smollm2_hf_dir, tmp_path):
     from builder.config import ConfigError
-    with pytest.raises(ConfigError, match=r"test.yaml: engine.tp_size: 2 does not divide the model's 3 KV heads"):
+    with pytest.raises(ConfigError, match=r"test.yaml: engine.tp_size: 2 does not divide the model's 9 attention heads; allowed: 1 \| 3$"):
         run_pipeline(cfg(smollm2_hf_dir, "engine.tp_size=2"), tmp_path / "b", until="import", log=lambda m: None)
 
 
