@@ -30,8 +30,10 @@ from typing import Any, Iterator
 from backend.model.config import ModelConfig, ModelConfigError
 
 FORMAT = "kiln-engine"
-FORMAT_VERSION = 1                  # what write() produces
-SUPPORTED_VERSIONS = (1,)           # what read() accepts
+# 2: a tensor-parallel bundle's weights in one file per rank (``weights``: rank<i>.safetensors).
+# A bundle with one weights file is still written as 1, so runtimes that read only 1 keep loading it.
+FORMAT_VERSION = 2                  # the newest write() produces (version_for: what one bundle needs)
+SUPPORTED_VERSIONS = (1, 2)         # what read() accepts
 MANIFEST = "engine.json"
 WEIGHTS = "weights.safetensors"
 UNLISTED = (MANIFEST, "stage.json")  # the files a manifest's ``files`` never lists
@@ -42,6 +44,17 @@ MODEL_KEYS = ("architecture", "hidden_size", "intermediate_size", "num_layers", 
               "eos_token_ids", "pad_token_id", "dtype")
 OMIT = {"omit_default": True}       # field metadata: not written while it holds its default
 REQUIRED = {"required": True}       # field metadata: must be in engine.json although code has a default
+
+
+def rank_weights(tp_size: int) -> tuple[str, ...]:
+    """The weight files of a bundle built for ``tp_size`` ranks: ``weights.safetensors`` for one, else
+    ``rank<i>.safetensors`` per rank (rank i's tensors only, named as the unsharded bundle's)."""
+    return (WEIGHTS,) if tp_size == 1 else tuple(f"rank{r}.safetensors" for r in range(tp_size))
+
+
+def version_for(weights: tuple[str, ...]) -> int:
+    """The oldest format_version that describes a bundle with these weight files."""
+    return 1 if tuple(weights) == (WEIGHTS,) else 2
 
 
 class BundleError(RuntimeError):
@@ -176,6 +189,8 @@ class Manifest:
     tools: dict[str, str | None] = field(default_factory=dict)
     hashes: dict[str, str | None] = field(default_factory=dict)
     verify: Verify | None = None
+    # the weight files, one per rank (rank_weights(engine.tp_size)); omitted for the single file
+    weights: tuple[str, ...] = field(default=(WEIGHTS,), metadata=OMIT)
     files: dict[str, str] = field(default_factory=dict, metadata=REQUIRED)
 
     def __post_init__(self) -> None:
@@ -193,7 +208,9 @@ class Manifest:
             raise BundleError(f"{source}: format_version {version!r} is not supported by this runtime "
                               f"(supported: {', '.join(map(str, SUPPORTED_VERSIONS))}); {hint}")
         try:
-            return _from_dict(cls, doc, "")
+            manifest = _from_dict(cls, doc, "")
+            _check_weights(manifest)
+            return manifest
         except _FieldError as exc:
             raise BundleError(f"{source}: {exc}; {hint}") from None
 
@@ -207,6 +224,20 @@ class Manifest:
             return dataclasses.replace(self, **{k: _parse(as_dict(v), hints[k], k) for k, v in changes.items()})
         except _FieldError as exc:
             raise BundleError(f"{source}: {exc}; {rebuild_hint(self)}") from None
+
+
+def _check_weights(m: Manifest) -> None:
+    """The weight files are the single file or one per rank of engine.tp_size, in a version that has them.
+    (engine.tp_size as written: a run-time override of it is the runtime's to check.)"""
+    n = len(m.weights)
+    if m.weights != rank_weights(n) or n == 0:
+        raise _FieldError(f"weights: {list(m.weights)}; expected [{WEIGHTS!r}] or rank0.safetensors .. "
+                          f"rank<tp_size-1>.safetensors")
+    if n > 1 and m.engine.tp_size != n:
+        raise _FieldError(f"weights: {n} rank files but engine.tp_size is {m.engine.tp_size}")
+    if m.format_version < version_for(m.weights):
+        raise _FieldError(f"weights: per-rank files need format_version {version_for(m.weights)}, "
+                          f"got {m.format_version}")
 
 
 # ---- checking and converting ------------------------------------------------------------------
@@ -345,8 +376,9 @@ def read(path: str | Path) -> Manifest:
 def verify(path: str | Path, manifest: Manifest, hashes: bool = True) -> None:
     """Every file ``manifest`` lists is in the bundle folder ``path`` and, with ``hashes``, unchanged."""
     path = Path(path)
-    if WEIGHTS not in manifest.files:
-        raise BundleError(f"{path / MANIFEST}: files: does not list {WEIGHTS}; {rebuild_hint(manifest)}")
+    for weights in manifest.weights:
+        if weights not in manifest.files:
+            raise BundleError(f"{path / MANIFEST}: files: does not list {weights}; {rebuild_hint(manifest)}")
     for rel, digest in manifest.files.items():
         f = path / rel
         if not f.is_file():
@@ -400,7 +432,25 @@ class Bundle:
 
     @property
     def weights_path(self) -> Path:
+        """The one weights file; a tensor-parallel bundle has one per rank instead (rank_weights_path)."""
+        if len(self.manifest.weights) > 1:
+            raise BundleError(f"{self.path}: its weights are split into {len(self.manifest.weights)} rank files "
+                              f"(engine.tp_size={len(self.manifest.weights)}): read one rank's with "
+                              f"rank_weights_path(rank), or the whole model with "
+                              f"backend.model.tp_shard.load_unsharded")
         return self.path / WEIGHTS
+
+    @property
+    def weight_paths(self) -> list[Path]:
+        """Every weights file, in rank order (one for a bundle built with tp_size 1)."""
+        return [self.path / w for w in self.manifest.weights]
+
+    def rank_weights_path(self, rank: int) -> Path:
+        """Rank ``rank``'s weights file (only its share of the sharded tensors)."""
+        if not 0 <= rank < len(self.manifest.weights):
+            raise BundleError(f"{self.path}: rank {rank}: the bundle has weights for ranks "
+                              f"0..{len(self.manifest.weights) - 1}; {rebuild_hint(self.manifest)}")
+        return self.path / self.manifest.weights[rank]
 
     @property
     def draft_dir(self) -> Path | None:

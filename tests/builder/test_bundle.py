@@ -117,7 +117,7 @@ def test_changed_file_is_refused_with_rebuild_hint(bf16_bundle, tmp_path):
 
 
 @pytest.mark.parametrize("edit, fragment", [
-    ({"format_version": 2}, "format_version 2 is not supported"),
+    ({"format_version": 3}, "format_version 3 is not supported"),
     ({"format": "trt-engine"}, "format 'trt-engine' is not 'kiln-engine'"),
     ({"model": None}, "model: expected an object, got null"),
 ])

@@ -90,6 +90,39 @@ def test_the_default_build_reads_back_byte_identical(build_bundle):
     assert json.dumps(bundle.as_dict(bundle.read(engine)), indent=2) + "\n" == (engine / "engine.json").read_text()
 
 
+def test_a_tensor_parallel_bundle_lists_one_weights_file_per_rank(tiny):
+    """Version 2: ``weights`` names rank<i>.safetensors per rank of engine.tp_size, each hashed in
+    ``files`` like any file; a single-file bundle leaves ``weights`` out and is still version 1."""
+    assert bundle.rank_weights(1) == ("weights.safetensors",) and bundle.version_for(bundle.rank_weights(1)) == 1
+    assert "weights" not in json.loads((tiny / "engine.json").read_text())
+    (tiny / "weights.safetensors").unlink()
+    for r in range(2):
+        (tiny / f"rank{r}.safetensors").write_bytes(b"rank %d" % r)
+
+    def tp2(d):
+        d.update(format_version=2, weights=["rank0.safetensors", "rank1.safetensors"],
+                 files=bundle.file_hashes(tiny))
+        d["engine"]["tp_size"] = 2
+    b = bundle.load_bundle(edited(tiny, tp2))
+    assert b.manifest.weights == bundle.rank_weights(2) and b.manifest.format_version == 2
+    assert b.weight_paths == [tiny / "rank0.safetensors", tiny / "rank1.safetensors"]
+    assert b.rank_weights_path(1) == tiny / "rank1.safetensors"
+    with pytest.raises(BundleError, match=r"split into 2 rank files \(engine.tp_size=2\)"):
+        b.weights_path
+    out = tiny / "copy"
+    out.mkdir()
+    bundle.write(out, b.manifest)
+    assert bundle.read(out) == b.manifest and list(json.loads((out / "engine.json").read_text()))[-2:] == ["weights", "files"]
+    assert "weights: per-rank files need format_version 2, got 1" in refusal(edited(tiny, lambda d: d.update(format_version=1)))
+    edited(tiny, lambda d: d.update(format_version=2))
+    assert "weights: 2 rank files but engine.tp_size is 3" in refusal(edited(tiny, lambda d: d["engine"].update(tp_size=3)))
+    edited(tiny, lambda d: d["engine"].update(tp_size=2))
+    assert "weights: ['rank1.safetensors']; expected" in refusal(edited(tiny, lambda d: d.update(weights=["rank1.safetensors"])))
+    edited(tiny, lambda d: d.update(weights=["rank0.safetensors", "rank1.safetensors"]))
+    (tiny / "rank1.safetensors").unlink()
+    assert "rank1.safetensors: missing from the bundle" in refusal(tiny)
+
+
 def test_engine_defaults_are_stated_once_and_resolved_against_the_model(tiny):
     e = bundle.read(edited(tiny, lambda d: [d["engine"].pop(k) for k in
                                              ("max_seq_len", "max_input_len", "kv_cache_dtype", "max_batch_size")])).engine
@@ -103,8 +136,8 @@ def test_engine_defaults_are_stated_once_and_resolved_against_the_model(tiny):
 
 
 def test_other_format_version_is_refused_with_the_rebuild_hint(tiny):
-    msg = refusal(edited(tiny, lambda d: d.update(format_version=2)))
-    assert msg == (f"{tiny / 'engine.json'}: format_version 2 is not supported by this runtime (supported: 1); "
+    msg = refusal(edited(tiny, lambda d: d.update(format_version=3)))
+    assert msg == (f"{tiny / 'engine.json'}: format_version 3 is not supported by this runtime (supported: 1, 2); "
                    f"{HINT}")
     assert "format 'trt' is not 'kiln-engine'" in refusal(edited(tiny, lambda d: d.update(format="trt")))
 
