@@ -264,9 +264,14 @@ class Executor:
     # -- loop ---------------------------------------------------------------------------------
     def health(self, stuck_after_s: float = 0.0) -> str | None:
         """None while the engine can serve; else why not: the loop thread failed, or (with
-        ``stuck_after_s`` > 0) one step has run longer than that (a hung device or kernel)."""
+        ``stuck_after_s`` > 0) one step has run longer than that (a hung device or kernel), or the
+        runner reports itself broken (a tensor-parallel worker process that exited)."""
         if self._dead is not None:
             return f"the engine loop failed: {self._dead}"
+        runner_health = getattr(self.runner, "health", None)
+        reason = runner_health() if runner_health is not None else None
+        if reason is not None:
+            return reason
         started = self._step_started
         if stuck_after_s > 0 and started is not None and time.monotonic() - started > stuck_after_s:
             return f"one engine step has run for more than {stuck_after_s:g} s"

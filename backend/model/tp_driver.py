@@ -16,6 +16,8 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -32,9 +34,24 @@ from backend.ops.attention import get_backend
 # must not end an idle server. A dead peer is seen sooner, by its closed connection.
 _IDLE_TIMEOUT = datetime.timedelta(days=1)
 _STOP = "stop"
+_PARENT_POLL_S = 1.0
+_DEATH_GRACE_S = 2.0     # how long a failed step waits to see which worker exited
 
 
-def _worker(rank: int, tp_size: int, store: str, spec: EngineSpec, num_blocks: int, dtype: str | None) -> None:
+def _exit_with_parent(parent: int) -> None:
+    """A worker ends when rank 0's process is gone, however it went: the Triton stub's fatal path
+    leaves by ``os._exit`` and a supervisor may SIGKILL it, neither of which stops daemon children,
+    and a worker idle in a broadcast would otherwise only learn of it from the socket (or never, if
+    it is still loading). Polling the parent pid needs no cooperation from the dying process."""
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def _worker(rank: int, tp_size: int, store: str, spec: EngineSpec, num_blocks: int, dtype: str | None,
+            parent: int) -> None:
+    threading.Thread(target=_exit_with_parent, args=(parent,), name="kiln-tp-parent-watch", daemon=True).start()
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=tp_size, timeout=_IDLE_TIMEOUT)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
     runner = TPRunner(spec, tp_size, rank, num_blocks, dtype=getattr(torch, dtype) if dtype else None)
@@ -84,7 +101,7 @@ class TPDriver:
         store = f"file://{Path(self._tmp) / 'store'}"
         ctx = mp.get_context("spawn")    # fork would copy this process's threads and torch state
         name = str(dtype).removeprefix("torch.") if dtype is not None else None
-        self.workers = [ctx.Process(target=_worker, args=(r, tp_size, store, spec, num_blocks, name),
+        self.workers = [ctx.Process(target=_worker, args=(r, tp_size, store, spec, num_blocks, name, os.getpid()),
                                     name=f"kiln-tp-rank{r}", daemon=True) for r in range(1, tp_size)]
         for p in self.workers:
             p.start()
@@ -108,11 +125,19 @@ class TPDriver:
         """Rank 0's share; every rank holds as much."""
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.runner.kv_caches)
 
-    def _check_workers(self) -> None:
+    def health(self) -> str | None:
+        """None while every worker runs; else which one exited (the executor's ``health`` asks, so a
+        worker that dies between requests fails the engine at once, not at the next step)."""
         for r, p in enumerate(self.workers, start=1):
             if not p.is_alive():
-                raise EngineError(f"tensor parallelism: worker rank {r} (pid {p.pid}) exited with code "
-                                  f"{p.exitcode}; the engine must be restarted")
+                return (f"tensor parallelism: worker rank {r} (pid {p.pid}) exited with code {p.exitcode}; "
+                        f"the engine must be restarted")
+        return None
+
+    def _check_workers(self) -> None:
+        reason = self.health()
+        if reason is not None:
+            raise EngineError(reason)
 
     def execute(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor,
                 capture_hidden_layers: tuple[int, ...] = ()):
@@ -122,8 +147,13 @@ class TPDriver:
             dist.broadcast_object_list([(input_ids, meta, logits_indices, capture_hidden_layers)], src=0)
             return self.runner.execute(input_ids, meta, logits_indices, capture_hidden_layers)
         except RuntimeError as exc:   # gloo: a peer's connection closed mid-step
-            raise EngineError(f"tensor parallelism: a step failed across the ranks ({exc}); "
-                              f"the engine must be restarted") from exc
+            # name the rank that died when it did (its exit shows within moments of the broken
+            # socket); gloo's own text is a source path and a paragraph of advice
+            deadline = time.monotonic() + _DEATH_GRACE_S
+            while (reason := self.health()) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise EngineError(reason or f"tensor parallelism: a step failed across the ranks "
+                              f"({str(exc).splitlines()[0][:300]}); the engine must be restarted") from exc
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the workers (a stop message when all are alive, else nothing to say it to), wait, kill

@@ -1,0 +1,102 @@
+"""Tensor-parallel worker processes live and die with their engine (#20): no orphan after rank 0
+goes, however it goes, and the executor's health names a worker that exited between steps.
+
+Real processes on the real SmolLM2 bundle (three ranks joined by gloo on this CPU)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+TP = 3
+ROOT = Path(__file__).resolve().parents[2]
+# rank 0 in a child process that prints its workers' pids, then idles (the workers wait in a broadcast)
+RANK0 = """
+import sys, time, torch
+from backend.model.runner import load_engine_spec
+from backend.model.tp_driver import TPDriver
+driver = TPDriver(load_engine_spec(sys.argv[1]), int(sys.argv[2]), num_blocks=8, dtype=torch.float32)
+print(" ".join(str(p.pid) for p in driver.workers), flush=True)
+time.sleep(600)
+"""
+# rank 0 leaving by os._exit (the Triton stub's fatal path) after spawning its workers and before
+# joining their group: they are loading or waiting at the rendezvous, where no socket can tell them
+RANK0_EARLY = """
+import os, sys, torch
+import backend.model.tp_driver as tp_driver
+from backend.model.runner import load_engine_spec
+
+def leave(*args, **kwargs):
+    mine = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if int(stat[1]) == os.getpid() and b"spawn_main" in cmd:
+            mine.append(pid)
+    print(" ".join(mine), flush=True)
+    os._exit(70)
+
+tp_driver.dist.init_process_group = leave
+tp_driver.TPDriver(load_engine_spec(sys.argv[1]), int(sys.argv[2]), num_blocks=8, dtype=torch.float32)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie has exited
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["SIGKILL while idle", "os._exit before the rendezvous"])
+def test_workers_exit_when_rank0_dies_without_a_word(smollm2_bundle, how):
+    """Rank 0 SIGKILLed while its workers idle in a broadcast (gloo sees the socket close), or gone by
+    ``os._exit`` before they joined the group (nothing to see: the rendezvous would wait for a day):
+    neither runs any cleanup, and the workers still exit within seconds (their parent watch)."""
+    script = RANK0 if how.startswith("SIGKILL") else RANK0_EARLY
+    proc = subprocess.Popen([sys.executable, "-c", script, str(smollm2_bundle), str(TP)], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    workers: list[int] = []
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert len(workers) == TP - 1 and all(_alive(p) for p in workers)
+        if how.startswith("SIGKILL"):
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(60)
+        deadline = time.monotonic() + 15
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, workers)), f"workers outlived rank 0 ({how})"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in filter(_alive, workers):
+            os.kill(p, signal.SIGKILL)
+
+
+def test_executor_health_names_a_worker_that_exited_between_steps(smollm2_bundle, tokenizer):
+    """Idle engine, a worker killed: ``health()`` says which rank without waiting for a step (the
+    Triton engine model polls it to fail in-flight requests and report the model gone)."""
+    from backend.engine.executor import Executor
+    ex = Executor(smollm2_bundle, dtype=torch.float32, verify_hashes=False, tp_size=TP, max_kv_tokens=256)
+    try:
+        assert ex.health() is None
+        ex.runner.workers[1].kill()
+        ex.runner.workers[1].join(10)
+        assert ex.health() is not None and "worker rank 2" in ex.health() and "exited" in ex.health()
+    finally:
+        ex.shutdown()
+    assert not any(p.is_alive() for p in ex.runner.workers)
