@@ -51,6 +51,31 @@ def serving_build(build_bundle) -> Path:
     return root
 
 
+# under 16 tokens (one KV block) so no request reuses a cached prefix: every greedy run then does
+# exactly the same arithmetic as the in-process reference
+PROMPTS = {"paris": ("The capital of France is", 16), "fib": ("def fibonacci(n):", 12)}
+
+
+@pytest.fixture(scope="session")
+def reference(serving_build):
+    """Greedy outputs of the same bundle through backend's Executor in this process (batch of one)."""
+    from backend.engine.executor import Executor
+    from backend.engine.sampling_params import SamplingParams
+    from backend.serving.tokenizer import load_tokenizer
+    tok = load_tokenizer(serving_build / "engine")
+    ex = Executor(serving_build / "engine", start=False)
+    try:
+        out = {}
+        for key, (text, n) in PROMPTS.items():
+            [res] = ex.generate([tok.encode(text)], SamplingParams(max_tokens=n, temperature=0.0))
+            assert res.error is None
+            out[key] = tok.decode(res.token_ids).rstrip("\ufffd")
+    finally:
+        ex.shutdown()
+        del ex
+    return out
+
+
 @pytest.fixture(scope="module")
 def triton_server(serving_build):
     """ONE real Triton server per test module: explicit model control with every model loaded, so

@@ -14,34 +14,14 @@ import requests
 
 from harness.model_names import DEFAULT as NAMES
 from harness.serving_client import GenerateError, grpc_inputs, grpc_stream, http_generate, http_stream
+from tests.serving.conftest import PROMPTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 MODELS = (NAMES.ensemble, NAMES.bls)
 # under 16 tokens (one KV block) so no request reuses a cached prefix: every greedy run then does
 # exactly the same arithmetic as the in-process reference
-PROMPTS = {"paris": ("The capital of France is", 16), "fib": ("def fibonacci(n):", 12)}
 EMOJI_PROMPT = "List of fruit emoji: 🍎 🍌 🍇"
-
-
-@pytest.fixture(scope="module")
-def reference(serving_build):
-    """Greedy outputs of the same bundle through backend's Executor in this process (batch of one)."""
-    from backend.engine.executor import Executor
-    from backend.engine.sampling_params import SamplingParams
-    from backend.serving.tokenizer import load_tokenizer
-    tok = load_tokenizer(serving_build / "engine")
-    ex = Executor(serving_build / "engine", start=False)
-    try:
-        out = {}
-        for key, (text, n) in PROMPTS.items():
-            [res] = ex.generate([tok.encode(text)], SamplingParams(max_tokens=n, temperature=0.0))
-            assert res.error is None
-            out[key] = tok.decode(res.token_ids).rstrip("\ufffd")
-    finally:
-        ex.shutdown()
-        del ex
-    return out
 
 
 def run(coro):
