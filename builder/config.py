@@ -187,6 +187,11 @@ class ServingConfig:
     # engine and bls models answer one response per request (HTTP /infer, one-shot gRPC ModelInfer)
     # and refuses streaming requests
     decoupled: bool = opt(True)
+    # where the engine model's instances run (backend/serving/placement.py): cuda = one Triton KIND_GPU
+    # instance per engine instance, instance i on GPUs [i*tp_size, (i+1)*tp_size) (DP x TP on one
+    # node); cpu = KIND_CPU; auto = KIND_CPU, the engine on the GPU when one is visible (the build
+    # cannot know the serving host, and a KIND_GPU group fails to load on a host without GPUs)
+    device: str = opt("auto", choices=("auto", "cpu", "cuda"))
     engine_instances: int = opt(1, min=1, max=64)
     preprocessing_instances: int = opt(1, min=1, max=64)
     postprocessing_instances: int = opt(1, min=1, max=64)
@@ -209,7 +214,7 @@ _UNHASHED_SECTIONS = ("output",)
 # Keys added after bundles were built, left out of the hashes while they hold their default: every
 # existing build (and test cache) keeps its hash, a non-default value still rebuilds what it changes.
 _HASH_NEUTRAL_DEFAULTS = {("engine", "overlap_scheduling"): "auto", ("engine", "cpu_dtype"): "auto",
-                          ("verify", "path"): "auto", ("verify", "device"): "auto"}
+                          ("verify", "path"): "auto", ("verify", "device"): "auto", ("serving", "device"): "auto"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from backend.bundle import MANIFEST
+from backend.serving.placement import Placement, place_instance, visible_gpus
 
-__all__ = ["model_config", "parameter", "engine_dir", "instance_count"]
+__all__ = ["model_config", "parameter", "engine_dir", "instance_count", "instance_placement"]
 
 
 def model_config(args: dict[str, Any]) -> dict[str, Any]:
@@ -24,9 +25,11 @@ def parameter(cfg: dict[str, Any], key: str, default: str | None = None) -> str:
 
 
 def instance_count(cfg: dict[str, Any]) -> int:
-    """Instances of the model (the sum over its instance groups; 1 when it has none)."""
+    """Instances of the model (the sum over its instance groups; 1 when it has none). A KIND_GPU
+    group starts ``count`` instances on each GPU it lists."""
     groups = cfg.get("instance_group") or [{}]
-    return sum(int(g.get("count", 1)) for g in groups)
+    return sum(int(g.get("count", 1)) * (len(g.get("gpus") or [0]) if g.get("kind") == "KIND_GPU" else 1)
+               for g in groups)
 
 
 def engine_dir(args: dict[str, Any], cfg: dict[str, Any]) -> str:
@@ -40,3 +43,14 @@ def engine_dir(args: dict[str, Any], cfg: dict[str, Any]) -> str:
         raise FileNotFoundError(f"model '{cfg.get('name')}': engine bundle {value} has no {MANIFEST}; "
                                 "rebuild with: make build")
     return str(value)
+
+
+def instance_placement(args: dict[str, Any], cfg: dict[str, Any], bundle_dir: str,
+                       visible: Callable[[], int] = visible_gpus) -> Placement:
+    """This instance's device from Triton's ``model_instance_kind`` / ``model_instance_device_id``
+    (a KIND_GPU instance: ``cuda:<its first GPU>``, its GPUs from ``instance_gpus``); raises
+    ``PlacementError`` when the host has fewer GPUs than tp_size x instances."""
+    from backend.bundle import read
+    return place_instance(args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id") or 0),
+                          parameter(cfg, "device", "cpu"), parameter(cfg, "instance_gpus", ""),
+                          read(bundle_dir).engine.tp_size, visible)

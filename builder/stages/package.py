@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Mapping
 
 from backend.serving.neutral_inputs import ENGINE, TEXT, declarations, ensemble_input_maps
+from backend.serving.placement import instance_groups
 from builder.stages.base import StageContext, StageError
 
 __all__ = ["TEMPLATE_ROOT", "MODELS", "RenderError", "render_text", "render_repository",
@@ -101,10 +102,11 @@ def render_repository(values: Mapping[str, object], out_dir: Path, template_root
     return names
 
 
-def template_values(serving, engine_dir: str, device: str = "auto", max_batch_size: int = 64) -> dict[str, object]:
+def template_values(serving, engine_dir: str, max_batch_size: int = 64, tp_size: int = 1) -> dict[str, object]:
     """The placeholder table, from the config's ``serving`` section (contracts section 1) and the
-    engine's ``max_batch_size``."""
+    engine's ``max_batch_size`` and ``tp_size`` (GPUs per engine instance)."""
     names = serving.model_names
+    groups, gpus = instance_groups(serving.device, tp_size, serving.engine_instances)
     return {
         "ensemble_name": names.ensemble,
         "engine_name": names.engine,
@@ -117,10 +119,12 @@ def template_values(serving, engine_dir: str, device: str = "auto", max_batch_si
         # (B = 1 per request: backend/serving/batching.py); the engine's own bound on sequences in flight
         "triton_max_batch_size": max_batch_size,
         "engine_dir": engine_dir,
-        "device": device,
+        "device": serving.device,
         "stream_interval": serving.stream_interval,
         "step_timeout_s": serving.step_timeout_s,
-        "engine_instances": serving.engine_instances,
+        # serving.device cuda: one KIND_GPU group per instance and the GPUs each owns (DP x TP)
+        "engine_instance_groups": groups,
+        "engine_instance_gpus": gpus,
         "preprocessing_instances": serving.preprocessing_instances,
         "postprocessing_instances": serving.postprocessing_instances,
         # NVIDIA's inputs for features Kiln lacks, declared so that they are checked, not refused
@@ -148,7 +152,8 @@ def run(ctx: StageContext) -> dict:
         raise StageError("package: no engine bundle (the compile stage did not run)")
     # relative to the repository root so build/<stem>/ can be moved or mounted as a whole
     engine_rel = os.path.relpath(compiled.path.resolve(), (ctx.root / "model_repository").resolve())
-    values = template_values(ctx.config.serving, engine_rel, max_batch_size=ctx.config.engine.max_batch_size)
+    values = template_values(ctx.config.serving, engine_rel, max_batch_size=ctx.config.engine.max_batch_size,
+                             tp_size=ctx.config.engine.tp_size)
     models = render_repository(values, ctx.out_dir)
     ctx.log(f"model repository: {', '.join(models)} (serve with: make serve)")
     return {"models": models, "engine_dir": engine_rel, "ensemble": ctx.config.serving.model_names.ensemble,

@@ -1,10 +1,10 @@
 """Triton model: the Kiln engine (decoupled unless built with serving.decoupled=false).
-Logic: backend/serving/engine_host.py."""
+Logic: backend/serving/engine_host.py; its device: backend/serving/placement.py."""
 import triton_python_backend_utils as pb_utils
 
 from backend.logs import route_to_triton
 from backend.serving.engine_host import EngineHost, exit_stub
-from backend.serving.model_args import engine_dir, instance_count, model_config, parameter
+from backend.serving.model_args import engine_dir, instance_count, instance_placement, model_config, parameter
 from backend.serving.transaction import is_decoupled, streaming_refused
 
 
@@ -13,7 +13,11 @@ class TritonPythonModel:
         route_to_triton(pb_utils)  # kiln.* log lines go to the server's log
         cfg = model_config(args)
         self.name, self.decoupled = args["model_name"], is_decoupled(cfg)
-        self.host = EngineHost(pb_utils, engine_dir(args, cfg), device=parameter(cfg, "device", "cpu"),
+        bundle = engine_dir(args, cfg)
+        # KIND_GPU: cuda:<the instance's first GPU> (its tensor-parallel ranks take the next ones);
+        # refuses here, before loading, when fewer GPUs are visible than tp_size x instances
+        place = instance_placement(args, cfg, bundle)
+        self.host = EngineHost(pb_utils, bundle, device=place.device,
                                stream_interval=int(parameter(cfg, "stream_interval", "1")),
                                model_name=args["model_name"], instance=args["model_instance_name"],
                                # nv_trt_llm_*: NVIDIA's labels, plus the instance when several run
