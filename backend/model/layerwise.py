@@ -13,7 +13,7 @@ the torch attention backend, shape for shape: each prompt is one prefill of its 
 embedding, final norm and ``compute_logits`` head), so the logits equal ``prefill_logits``' of a
 runner in the same dtype, bit for bit.
 
-Each read opens ``weights.safetensors``, copies the tensors it needs and closes it: a handle kept
+Each read opens ``weights.safetensors`` (or every rank file of a tensor-parallel bundle), copies the tensors it needs and closes it: a handle kept
 open keeps every page read through its memory map resident (see builder/weights.py's Checkpoint).
 """
 from __future__ import annotations
@@ -47,9 +47,12 @@ class LayerwiseRunner:
         self.attention = get_backend("torch", str(self.device))
         self.kv_dtype, self.kv_storage_dtype = kv_cache_dtypes(spec, dtype, self.device, self.attention)
         self.scale = 1.0 / math.sqrt(self.config.head_dim)
-        self._weights = spec.path / "weights.safetensors"
-        if not self._weights.is_file():
-            raise EngineError(f"{self._weights}: not found; rebuild with: make build CONFIG=...")
+        # a tensor-parallel bundle's rank files are read together and put back whole (tp_shard)
+        self._files = [spec.path / w for w in spec.manifest.weights]
+        self._weights = self._files[0]
+        for f in self._files:
+            if not f.is_file():
+                raise EngineError(f"{f}: not found; rebuild with: make build CONFIG=...")
         self._lengths: list[int] = []
         c = self.config
         # LlamaModel's tables, all positions: a shorter table could round its last rows otherwise
@@ -59,6 +62,12 @@ class LayerwiseRunner:
 
     def _read(self, names: list[str] | None = None, prefix: str = "") -> dict[str, torch.Tensor]:
         from safetensors import safe_open
+        if len(self._files) > 1:
+            from backend.model.tp_shard import load_unsharded
+            try:
+                return load_unsharded(self._files, self.config, names, prefix, device=str(self.device))
+            except KeyError as exc:
+                raise EngineError(f"{exc.args[0]}; rebuild with: make build CONFIG=...") from None
         with safe_open(str(self._weights), "pt", device=str(self.device)) as f:
             names = names if names is not None else [n for n in f.keys() if n.startswith(prefix)]
             missing = [n for n in names if n not in f.keys()]

@@ -75,11 +75,23 @@ def load_engine_spec(path: str | os.PathLike | Bundle, overrides: dict[str, Any]
 
 
 def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of the bundle, whole: its weights.safetensors, or a tensor-parallel bundle's rank
+    files put back together (``tp_shard.load_unsharded``) for a run on one device (the verify stage,
+    an ``engine.tp_size=1`` override); each rank of a tensor-parallel run reads only its own file."""
     from safetensors.torch import load_file
+    dev = str(device) if device.type != "cuda" else f"cuda:{device.index or 0}"
     f = path / "weights.safetensors"
+    if not f.is_file() and (path / "rank0.safetensors").is_file():
+        from backend.bundle import BundleError, read
+        from backend.model.tp_shard import load_unsharded
+        try:
+            manifest = read(path)
+            return load_unsharded([path / w for w in manifest.weights], manifest.model, device=dev)
+        except (BundleError, KeyError) as exc:
+            raise EngineError(str(exc)) from exc
     if not f.is_file():
         raise EngineError(f"{f}: not found; rebuild with: make build CONFIG=...")
-    return load_file(str(f), device=str(device) if device.type != "cuda" else f"cuda:{device.index or 0}")
+    return load_file(str(f), device=dev)
 
 
 FP8_KV_NEEDS_SCALES = ("engine.json: kv_cache_dtype fp8 needs layers.{i}.attn.k_scale/v_scale in "

@@ -1,7 +1,8 @@
 """Tensor-parallel Llama on ``torch.distributed``: one process per rank (gloo on CPU, NCCL on GPUs).
 
 Each rank runs ``backend.model.llama``'s own layer code on the model ``tp_shard.shard_config`` gives
-(heads/tp, KV heads/tp, intermediate/tp) over its shard of the weights (``tp_shard.shard_weights``);
+(heads/tp, KV heads/tp, intermediate/tp) over its shard of the weights (its ``rank<r>.safetensors``
+in a bundle built with engine.tp_size, else ``tp_shard.shard_weights`` of the single file);
 only the seams where partial results meet differ, Megatron-LM style:
 
 - embedding: each rank looks up the ids in its vocab range (zeros elsewhere), then one all-reduce;
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from backend.model.config import ModelConfig
 from backend.model.llama import LlamaModel
-from backend.model.runner import EngineSpec, kv_cache_dtypes, load_weights
+from backend.model.runner import EngineError, EngineSpec, kv_cache_dtypes, load_weights
 from backend.model.tp_shard import shard_config, shard_weights
 from backend.ops import cpu_matmul
 from backend.ops.attention import get_backend
@@ -104,10 +105,7 @@ class TPRunner:
         self.spec, self.device = spec, torch.device("cpu")
         self.attention = get_backend("torch", "cpu")
         if shard is None:
-            # Until the builder writes rank<i>.safetensors, a rank reads the whole file and keeps its share.
-            full = weights if weights is not None else load_weights(Path(spec.path), self.device)
-            shard = shard_weights(full, spec.model, spec.quant_format, tp_size, rank)
-            del full
+            shard = _rank_weights(spec, tp_size, rank, weights)
         self.model = TPLlamaModel(spec.model, shard, spec.quant_format, self.attention, self.device, dtype,
                                   tp_size=tp_size, rank=rank, group=group)
         self.dtype = self.model.dtype
@@ -124,6 +122,23 @@ class TPRunner:
                 capture_hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
         hidden, captured = self.model.forward(input_ids, meta, self.kv_caches, capture_hidden_layers)
         return self.model.compute_logits(hidden.index_select(0, logits_indices)), captured
+
+
+def _rank_weights(spec: EngineSpec, tp_size: int, rank: int,
+                  weights: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s tensors. A bundle built with engine.tp_size has them in rank<rank>.safetensors:
+    only that file is read. A single-file bundle run with an engine.tp_size override (or ``weights``
+    given) is read whole and split here, its share kept."""
+    files = spec.manifest.weights
+    if weights is None and len(files) > 1:
+        if len(files) != tp_size:
+            raise EngineError(f"{spec.path}: its weights are split for tp_size={len(files)} "
+                              f"({files[0]} ..); tp_size={tp_size} cannot load them; allowed: engine.tp_size "
+                              f"{len(files)}, or rebuild with engine.tp_size={tp_size}")
+        from safetensors.torch import load_file
+        return load_file(str(Path(spec.path) / files[rank]), device="cpu")
+    full = weights if weights is not None else load_weights(Path(spec.path), torch.device("cpu"))
+    return shard_weights(full, spec.model, spec.quant_format, tp_size, rank)
 
 
 def _entry(rank: int, fn: Callable[..., Any], tp_size: int, store: str, args: tuple) -> None:

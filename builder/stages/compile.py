@@ -1,12 +1,15 @@
 """Compile stage: checkpoint -> engine bundle (docs/contracts.md section 3).
 
-Writes ``weights.safetensors`` in the runtime layout (``builder/weights.py``), ``tokenizer/``,
+Writes ``weights.safetensors`` in the runtime layout (``builder/weights.py``) or, with
+``engine.tp_size`` > 1, ``rank<i>.safetensors`` per rank INSTEAD (rank i's share as
+``backend.model.tp_shard`` splits it, names unchanged: a rank reads only its file), ``tokenizer/``,
 ``draft/`` (from the draft stage), ``kernels/`` (``plugins.aot.compile_for_bundle``) and finally
 ``engine.json`` with the sha256 of every other file, written through ``backend.bundle`` (the format's
 owner: typed manifest, format version, ``write``).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -44,7 +47,9 @@ def memory_estimate(ctx: StageContext) -> MemoryEstimate:
     one (the embedding) read, cast to fp32 and packed (2 + 4 + 4 bytes per element) bounds it;
     measured 0.80 GiB for 12 and 24 layers at hidden 2048 (docs/perf/build-memory.json)."""
     biggest = largest_tensor(ctx.checkpoint_dir())
-    return MemoryEstimate(RUNTIME_BASE + 10 * biggest, 0,
+    # tensor parallel: the ranks' parts of the tensor in hand, new storage, one more copy (<= 2 bytes)
+    per = 10 + (2 if ctx.config.engine.tp_size > 1 else 0)
+    return MemoryEstimate(RUNTIME_BASE + per * biggest, 0,
                           f"one tensor at a time, the largest {biggest / 1e6:.0f} M elements",
                           "a machine with more memory (packing already streams tensor by tensor)")
 
@@ -66,14 +71,20 @@ def write_bundle(ctx: StageContext, out: Path, *, with_draft: bool = True, aot: 
         raise StageError(f"{cfg.file}: quantization.kv_cache: fp8 but {ckpt.path} has no FP8 KV-cache scales "
                          f"(kv_cache_quant_algo={kv_algo}); allowed: none, or a checkpoint quantized with FP8 KV")
 
+    tp = cfg.engine.tp_size     # > 1 only without a draft (the config refuses both)
+    split = _splitter(cfg, model, fmt, tp)
     unquantized: list[str] = []
     n_kv_scales = 0
-    with ctx.progress(f"packing weights ({fmt})", model["num_layers"]) as advance:
-        with SafetensorsWriter(out / "weights.safetensors", {"format": "pt", "kiln_format": fmt}) as w:
-            for name, tensor in runtime_tensors(ckpt, model, getattr(torch, cfg.model.dtype), fmt,
-                                                unquantized, advance):
-                n_kv_scales += name.endswith(("attn.k_scale", "attn.v_scale"))
-                w.add(name, tensor)
+    what = f"packing weights ({fmt})" + (f", {tp} ranks" if tp > 1 else "")
+    with ctx.progress(what, model["num_layers"]) as advance, contextlib.ExitStack() as stack:
+        # every rank's file in the same pass: the checkpoint is read once, one tensor at a time
+        writers = [stack.enter_context(SafetensorsWriter(out / f, _metadata(fmt, r, tp)))
+                   for r, f in enumerate(bundle.rank_weights(tp))]
+        for name, tensor in runtime_tensors(ckpt, model, getattr(torch, cfg.model.dtype), fmt,
+                                            unquantized, advance):
+            n_kv_scales += name.endswith(("attn.k_scale", "attn.v_scale"))
+            for r, w in enumerate(writers):
+                w.add(name, split(name, tensor, r))
     if cfg.quantization.kv_cache == "fp8" and n_kv_scales != 2 * model["num_layers"]:
         raise StageError(f"{ckpt.path}: expected k/v scales for {model['num_layers']} layers, found "
                          f"{n_kv_scales // 2}; re-run the quantize stage (--force)")
@@ -81,20 +92,46 @@ def write_bundle(ctx: StageContext, out: Path, *, with_draft: bool = True, aot: 
     _copy_tokenizer(ctx.results["import"].path, out / "tokenizer")
     speculative = _copy_draft(ctx, out) if with_draft else None
     try:
-        manifest = _manifest(ctx, model, fmt, kv_algo, group_size, unquantized, speculative, out, aot)
+        manifest = _manifest(ctx, model, fmt, kv_algo, group_size, unquantized, speculative, out, aot, tp)
     except bundle.BundleError as exc:
         raise StageError(str(exc)) from None
     bundle.write(out, manifest)
     return {"format": fmt, "files": len(manifest.files), "kernels": len(manifest.kernels),
-            "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
+            "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file()),
+            "weights_bytes_per_rank": [(out / f).stat().st_size for f in manifest.weights]}
+
+
+def _metadata(fmt: str, rank: int, tp: int) -> dict[str, str]:
+    return {"format": "pt", "kiln_format": fmt, **({"kiln_rank": str(rank), "kiln_tp_size": str(tp)} if tp > 1 else {})}
+
+
+def _splitter(cfg, model: dict, fmt: str, tp: int):
+    """``(name, tensor, rank) -> rank's tensor``: the tensor itself for one rank, else its share as the
+    runtime's ``tp_shard`` splits it (refused here, at the build, when the runtime could not split it)."""
+    if tp == 1:
+        return lambda name, t, rank: t
+    from backend.model.config import ModelConfig, ModelConfigError
+    from backend.model.tp_shard import ShardError, check_tp, shard_tensor
+    try:
+        config = ModelConfig(**model)
+        check_tp(config, fmt, tp)
+    except (ModelConfigError, ShardError) as exc:
+        raise StageError(f"{cfg.file}: engine.tp_size: {exc}") from None
+
+    def split(name: str, t: torch.Tensor, rank: int) -> torch.Tensor:
+        try:
+            return shard_tensor(name, t, config, tp, rank)
+        except ShardError as exc:
+            raise StageError(f"{cfg.file}: engine.tp_size={tp}: {exc}") from None
+    return split
 
 
 def _manifest(ctx: StageContext, model: dict, fmt: str, kv_algo, group_size, unquantized: list[str],
-              speculative: dict | None, out: Path, aot: bool = True) -> bundle.Manifest:
+              speculative: dict | None, out: Path, aot: bool = True, tp: int = 1) -> bundle.Manifest:
     cfg = ctx.config
     manifest = bundle.Manifest.from_dict({   # checked here, at the build, not first by the runtime
         "format": bundle.FORMAT,
-        "format_version": bundle.FORMAT_VERSION,
+        "format_version": bundle.version_for(bundle.rank_weights(tp)),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "kiln_version": getattr(builder, "__version__", "0.1.0"),
         "config_file": _display_path(cfg.file),
@@ -116,6 +153,7 @@ def _manifest(ctx: StageContext, model: dict, fmt: str, kv_algo, group_size, unq
         "hashes": {"config": _sections_hash(cfg, "compile"),
                    "source": ctx.results["import"].info["source_sha256"]},
         "verify": None,
+        "weights": list(bundle.rank_weights(tp)),
         "files": {},
     }, f"{out / bundle.MANIFEST} (being built)")
     # Without ``aot`` the runtime JIT-compiles the same kernels (the draft stage's short-lived target)
