@@ -23,6 +23,7 @@ from pathlib import Path
 
 from harness.serving_server import ServerError, TritonServer
 from harness.model_names import repository_names
+from harness.serve_gpus import PlacementError, check_repository_gpus
 from harness.openai.process import OpenAIServer
 
 EXIT_MODEL_FAILED = 3  # the server or one of its model stubs died while serving
@@ -94,6 +95,11 @@ Ctrl-C stops the server.
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    try:  # tp_size x engine_instances GPUs: refused here, before Triton loads anything
+        check_repository_gpus(a.model_repository)
+    except PlacementError as e:
+        print(f"error: {a.model_repository}: {e}", file=sys.stderr)
+        return 1
     stop = threading.Event()
     srv = TritonServer(a.model_repository, http_port=a.http_port, grpc_port=a.grpc_port,
                        metrics_port=a.metrics_port, host=a.host, log_file=a.log_file,

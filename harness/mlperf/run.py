@@ -105,8 +105,10 @@ def ensure_server(url: str | None, repo: Path, default_port: int):
     if not (repo / repository_names(repo).engine).is_dir():
         raise RuntimeError(f"no Triton server at {url} and no model repository at {repo} to start one "
                            f"(build it first: make build CONFIG=...)")
+    from harness.serve_gpus import check_repository_gpus
     from harness.serving_server import TritonServer
 
+    check_repository_gpus(repo)   # PlacementError (a RuntimeError): too few GPUs, before the server starts
     log.info("no server at %s: starting one from %s (free ports)", url, repo)
     with TritonServer(repo) as server:
         yield server.grpc_url
