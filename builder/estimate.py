@@ -11,8 +11,10 @@ formulas read exactly what they would read from the real files and nothing takes
 
 Devices (``DEVICES``): quantize is timed on the GPU (streamed, one layer resident); import, compile and
 verify with this 2-core machine's constants (verify.device auto streams verify on a GPU host too, not
-timed there yet, so its figure is an upper bound). Kiln has no
-tensor parallelism yet (issue #20): on 8x H100 a build uses one GPU, so its figures are one H100's.
+timed there yet, so its figure is an upper bound). The build's stages run on one GPU (quantization
+is not split across GPUs): on 8x H100 its figures are one H100's. The serving note divides the
+weights and KV by ``engine.tp_size`` (each rank holds 1/tp of them, #20) and, when one GPU's share
+is too little, names the smallest tp_size the model splits into that fits.
 """
 from __future__ import annotations
 
@@ -137,6 +139,7 @@ def serving_note(cfg, hf_dir: Path, device: Device) -> str:
     """The bundle's weights on the device's one GPU and the KV-cache room they leave (before
     activations and the CUDA context, a few GB). Under a quarter of the GPU left is called too
     little: that is the design's line for the 70B on an H100 (configs/llama70b-fp8.yaml)."""
+    from backend.model.tp_rules import allowed_tp_sizes  # noqa: PLC0415
     from quant.stream import LAYER_PREFIX, Shards  # noqa: PLC0415
 
     per = WEIGHT_BYTES.get(cfg.quantization.format)
@@ -145,14 +148,26 @@ def serving_note(cfg, hf_dir: Path, device: Device) -> str:
     shape = json.loads((hf_dir / "config.json").read_text())
     shards = Shards(hf_dir)
     layers = shards.numel(LAYER_PREFIX)
-    weights = layers * per + (shards.numel() - layers) * 2
+    tp = cfg.engine.tp_size
+    # per GPU: every sharded tensor (all but the norms, a rounding error) and the KV heads split tp ways
+    weights = (layers * per + (shards.numel() - layers) * 2) / tp
     left = device.gpu_bytes - weights
     head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
-    kv_token = (shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * head_dim
+    kv_token = (shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] // tp * head_dim
                 * (1 if cfg.quantization.kv_cache == "fp8" else 2))
     tokens = max(0, left) / kv_token
-    verdict = "fits one GPU" if left > 0.25 * device.gpu_bytes else "too little: needs engine.tp_size 2 (#20, not built)"
-    return (f"serving: ~{weights / 1e9:.0f} GB of {cfg.quantization.format} weights; {left / 1e9:.0f} of "
+
+    def fits(t: int) -> bool:
+        return device.gpu_bytes - weights * tp / t > 0.25 * device.gpu_bytes
+    if fits(tp):
+        verdict = "fits one GPU" if tp == 1 else f"fits {tp} GPUs (engine.tp_size {tp})"
+    else:
+        dims = {"num_heads": shape["num_attention_heads"], "num_kv_heads": shape["num_key_value_heads"],
+                "intermediate_size": shape["intermediate_size"], "vocab_size": shape["vocab_size"]}
+        need = next((t for t in allowed_tp_sizes(dims) if t > tp and fits(t)), None)
+        verdict = f"too little: build with engine.tp_size {need}" if need else "too little: no tp_size fits"
+    per_gpu = "" if tp == 1 else " per GPU"
+    return (f"serving: ~{weights / 1e9:.0f} GB of {cfg.quantization.format} weights{per_gpu}; {left / 1e9:.0f} of "
             f"{device.gpu_bytes / 1e9:.0f} GB left, KV room ~{tokens / 1000:.0f}k tokens "
             f"(~{tokens / cfg.engine.max_seq_len:.0f} x {cfg.engine.max_seq_len}): {verdict}")
 

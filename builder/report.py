@@ -56,6 +56,22 @@ def _tensor_formats(weights: Path) -> str:
     return ", ".join(f"{n} x {dt}" for dt, n in sorted(counts.items()))
 
 
+_KV_BYTES = {"fp8_e4m3": 1, "bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def rank_memory_line(engine, root: Path) -> str:
+    """What each rank holds: its weights file and its KV cache per token (KV heads / tp_size). The KV
+    pool's size is decided at load from the device's free memory, so per token is what the build knows."""
+    m, tp = engine.model, engine.engine.tp_size
+    sizes = [(root / w).stat().st_size for w in engine.weights]
+    kv = m.num_layers * 2 * (m.num_kv_heads // tp) * m.head_dim * _KV_BYTES.get(engine.engine.kv_cache_dtype, 2)
+    if len(sizes) == 1:
+        return f"memory: weights {human_bytes(sizes[0])}, KV cache {human_bytes(kv)} per token"
+    return (f"memory per rank (tp_size {tp}): weights {human_bytes(max(sizes))} "
+            f"({', '.join(human_bytes(n) for n in sizes)}; {human_bytes(sum(sizes))} in all), "
+            f"KV cache {human_bytes(kv)} per token ({m.num_kv_heads // tp} of {m.num_kv_heads} KV heads)")
+
+
 def verify_line(v: dict) -> str:
     """The verify stage's figures in one line: accuracy against the unquantized model and, with an
     EAGLE-3 draft, its acceptance length on the held-out prompts."""
@@ -81,6 +97,7 @@ def print_summary(console: Console, root: Path, results: dict[str, StageResult],
                       f"{m.num_heads}/{m.num_kv_heads} heads; weights {q.format}, KV cache "
                       f"{engine.engine.kv_cache_dtype}; targets sm {list(engine.targets.sms)}; "
                       f"{len(engine.kernels)} AOT kernels")
+        console.print(f"  {rank_memory_line(engine, bundle.path)}")
         line = verify_line(as_dict(engine.verify) or {})
         if line:
             console.print(f"  {line}")
@@ -92,7 +109,7 @@ def print_summary(console: Console, root: Path, results: dict[str, StageResult],
                 groups.setdefault(str(Path(rel).parent) + "/", []).append(p)
                 continue
             what = {MANIFEST: f"manifest, format_version {engine.format_version}",
-                    "weights.safetensors": _tensor_formats(p) if rel == "weights.safetensors" else ""}.get(rel, "")
+                    **({rel: _tensor_formats(p)} if rel in engine.weights else {})}.get(rel, "")
             files.add_row(rel, human_bytes(p.stat().st_size), what)
         for folder, paths in sorted(groups.items()):
             kinds = sorted({q.suffix.lstrip(".") for q in paths})

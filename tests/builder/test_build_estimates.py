@@ -91,9 +91,12 @@ def test_scale_configs_and_docs_carry_the_estimator_output():
         assert block in path.read_text(), f"{path}: rerun python -m builder.estimate {path} --comment"
         plain = "\n".join(estimate.estimate(str(path), ["h200", "8xh100"]))
         assert plain in doc, f"docs/build-at-scale.md: rerun python -m builder.estimate {path}"
-    # the 70B FP8 engine fits one H200 and not one H100 (tensor parallelism is issue #20)
-    h200, h100 = (estimate.estimate(str(REPO / "configs/llama70b-fp8.yaml"), [d]) for d in ("h200", "8xh100"))
-    assert h200[-1].endswith("fits one GPU") and h100[-1].endswith("needs engine.tp_size 2 (#20, not built)")
+    # the 70B FP8 engine fits one H200 and not one H100, and two H100s with tensor parallelism (#20)
+    cfg = str(REPO / "configs/llama70b-fp8.yaml")
+    h200, h100 = (estimate.estimate(cfg, [d]) for d in ("h200", "8xh100"))
+    assert h200[-1].endswith("fits one GPU") and h100[-1].endswith("too little: build with engine.tp_size 2")
+    tp2 = estimate.estimate(cfg, ["8xh100"], overrides=["engine.tp_size=2"])
+    assert tp2[-1].endswith("fits 2 GPUs (engine.tp_size 2)") and "~35 GB of fp8 weights per GPU" in tp2[-1]
 
 
 def test_estimate_cli_refuses_an_unknown_shape(tmp_path, capsys):
