@@ -91,10 +91,10 @@ bench-gpu: $(STAMP) ## On an NVIDIA GPU: Llama-3.1-8B-shaped FP8 engine, single-
 	$(PY) -m harness.bench.gpu $(BENCH_ARGS)
 
 mlperf: $(STAMP) ## LoadGen run: make mlperf SCENARIO=Offline|Server|Interactive MODE=PerformanceOnly|AccuracyOnly [TEST_RUN=1] [COMPLIANCE=TEST06]
-	$(PY) -m harness.mlperf --config $(CONFIG) --output $(OUT) --scenario $(or $(SCENARIO),Offline) --mode $(or $(MODE),PerformanceOnly) $(if $(TEST_RUN),--test-run,) $(if $(COMPLIANCE),--compliance $(COMPLIANCE),) $(MLPERF_ARGS)
+	$(PY) -m harness.mlperf --config $(CONFIG) --output $(OUT) $(addprefix --override ,$(OVERRIDES)) --scenario $(or $(SCENARIO),Offline) --mode $(or $(MODE),PerformanceOnly) $(if $(TEST_RUN),--test-run,) $(if $(COMPLIANCE),--compliance $(COMPLIANCE),) $(MLPERF_ARGS)
 
-run: $(STAMP) ## NVIDIA-style entry: make run RUN_ARGS="--benchmarks=llama2-70b --scenarios=Offline"
-	$(PY) -m harness.mlperf $(RUN_ARGS)
+run: $(STAMP) ## NVIDIA-style entry: make run RUN_ARGS="--benchmarks=llama2-70b --scenarios=Offline" [OVERRIDES= as given to make build]
+	$(PY) -m harness.mlperf $(addprefix --override ,$(OVERRIDES)) $(RUN_ARGS)
 
 submission: $(STAMP) ## Lay out an MLPerf submission tree from build/*/mlperf results and self-check it
 	$(PY) -m harness.submission $(SUBMISSION_ARGS)

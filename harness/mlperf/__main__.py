@@ -21,6 +21,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, help="engine config (default: the benchmark's engine_config)")
     p.add_argument("--output", type=Path, help="engine build folder (default: build/<config stem>)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="engine config override, as given to make build (OVERRIDES); repeatable. The build "
+                        "served must have been made with the same engine.tp_size / serving.engine_instances")
     p.add_argument("--benchmark", "--benchmarks", dest="benchmarks",
                    help="benchmark name(s), comma separated (configs/mlperf/benchmarks.yaml; default smollm2)")
     p.add_argument("--scenario", "--scenarios", dest="scenarios", default="Offline",
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                                      save_reference=args.save_reference, log_root=args.log_root,
                                      max_output_tokens=args.max_output_tokens,
                                      test_queries=args.test_queries, reference=args.reference,
-                                     trust_pickle=args.trust_pickle))
+                                     trust_pickle=args.trust_pickle, overrides=tuple(args.override)))
                 s = res["summary"]
                 tps = s.get("Tokens per second", s.get("Completed tokens per second"))
                 perf = f"LoadGen result {s.get('Result is')}, tokens/s {tps}" if tps else "done"

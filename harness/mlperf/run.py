@@ -21,6 +21,7 @@ from pathlib import Path
 
 from backend import bundle
 from harness.mlperf import accuracy, compliance, settings
+from harness.mlperf.build_check import check_build_matches
 from harness.mlperf.datasets import REPO_ROOT, Sample, load_dataset
 from harness.model_names import DEFAULT, repository_names
 
@@ -48,12 +49,17 @@ class RunRequest:
     test_queries: int | None = None    # --test-run size (default benchmarks.yaml test_run)
     reference: Path | None = None      # reference outputs file (default: see reference_path)
     trust_pickle: bool = False         # allow a .pkl dataset (unpickling runs the file's code)
+    overrides: tuple[str, ...] = ()    # key=value on the engine config, as `make build OVERRIDES=...` got them
 
 
-def _engine_paths(config: Path, output: Path | None) -> tuple[Path, str, int]:
+def _engine_config(config: Path, overrides: tuple[str, ...] = ()):
     from builder.config import BuildConfig
 
-    cfg = BuildConfig.from_yaml(config)
+    return BuildConfig.from_yaml(config, list(overrides))
+
+
+def _engine_paths(config: Path, output: Path | None, overrides: tuple[str, ...] = ()) -> tuple[Path, str, int]:
+    cfg = _engine_config(config, overrides)
     return cfg.output_dir(output), cfg.stem, cfg.serving.grpc_port
 
 
@@ -169,7 +175,10 @@ def run(req: RunRequest) -> dict:
     if req.max_output_tokens is not None:
         bench = dataclasses.replace(bench, max_output_tokens=req.max_output_tokens)
     config = Path(req.config) if req.config else REPO_ROOT / bench.engine_config
-    out_dir, stem, grpc_port = _engine_paths(config, req.output)
+    cfg = _engine_config(config, tuple(req.overrides))
+    out_dir, stem, grpc_port = cfg.output_dir(req.output), cfg.stem, cfg.serving.grpc_port
+    # tp_size / engine_instances / device of the build served = the config's with these overrides
+    layout = check_build_matches(cfg, out_dir, config, tuple(req.overrides))
     mode_dir = req.compliance or req.mode
     mode = "PerformanceOnly" if req.compliance else req.mode
     run_settings = settings.build_run_settings(bench, req.scenario, mode, test_run=req.test_run, table=table,
@@ -213,6 +222,7 @@ def run(req: RunRequest) -> dict:
         sut_errors.append(f"LoadGen process exited with code {child.exitcode}")
     result: dict = {"benchmark": bench.name, "scenario": req.scenario, "mode": mode_dir,
                     "test_run": req.test_run, "config": str(config), "engine_stem": stem,
+                    "overrides": list(req.overrides), "layout": layout,
                     "engine_dir": str((out_dir / "engine").resolve()),
                     "max_output_tokens": bench.max_output_tokens,
                     "server_url": url, "log_dir": str(log_dir), "commit": _git_commit(),

@@ -7,26 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from backend import bundle
-from backend.model.config import ModelConfig
-from builder.config import BuildConfig
-from builder.stages.package import render_repository, template_values
 from harness import serve, serve_gpus
 from harness.serve_gpus import PlacementError, check_repository_gpus, engine_parameters
-
-
-def _built(root, tp_size: int, **serving):
-    """build/<stem>/ as the builder lays it out: engine/ (engine.json only) beside model_repository/."""
-    m = bundle.Manifest(
-        model=ModelConfig(architecture="llama", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
-                          num_kv_heads=8, head_dim=8, vocab_size=128, rms_norm_eps=1e-5, rope_theta=1e4,
-                          max_position_embeddings=256),
-        quantization=bundle.Quantization("none"), engine=bundle.EngineSettings(tp_size=tp_size))
-    (root / "engine").mkdir(parents=True)
-    bundle.write(root / "engine", m)
-    cfg = BuildConfig.from_dict({"serving": serving, "engine": {"tp_size": tp_size}})
-    render_repository(template_values(cfg.serving, "../engine", tp_size=tp_size), root / "model_repository")
-    return root / "model_repository"
+from tests.serving.fake_build import fake_build as _built
 
 
 def test_reads_the_engine_parameters(tmp_path):
