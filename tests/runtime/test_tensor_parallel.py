@@ -1,12 +1,15 @@
 """Tensor parallelism (#20, first milestone): ahead-of-time sharding, and a TP forward on CPU with gloo.
 
-The sharding tests are pure (a small random model, no process). The slow ones run the real SmolLM2
-bundle (9 heads, 3 KV heads, vocab 49152) with tp_size=3 in three processes joined by gloo, the real
-distributed engine, against the unsharded model in this process, both driven by the same greedy loop.
+The sharding tests are pure (a small random model, no process). The slow ones build the real SmolLM2
+(9 heads, 3 KV heads, vocab 49152) with engine.tp_size=3 (one weights file per rank), check the rank
+files against the tp_size=1 bundle's tensors re-sharded, and run them in three processes joined by
+gloo, the real distributed engine, against the unsharded model in this process, both driven by the
+same greedy loop.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,12 @@ LOGIT_ATOL = 1e-2
 # far below the fp8 format's own verify gate against bf16 (top-1 0.80, KL 0.12).
 FP8_MIN_TOP1, FP8_MAX_MEAN_KL = 0.9, 0.05
 LIGHT = ["quantization.calibration.num_samples=4", "quantization.calibration.max_seq_len=64", "verify.enabled=false"]
+# (config, overrides) of the tp_size=1 bundles; the tp_size=3 ones add engine.tp_size=3
+BUNDLES = {"none": ("smollm2-135m-bf16", ["verify.enabled=false"]), "fp8": ("smollm2-135m-fp8", LIGHT)}
+# what every rank holds whole: norms, per-tensor scales, and the row-parallel linears' per-output-row
+# scales and biases (o/down outputs are all-reduced, so each rank keeps every output row's)
+REPLICATED = re.compile(r"(^|\.)(norm|input_norm|post_attn_norm)\.weight$|\.(input_scale|k_scale|v_scale)$"
+                        r"|\.(o|down)\.(weight_scale|bias)$")
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
          "Q: What is 12 + 30?\nA:"]
 
@@ -131,7 +140,92 @@ def test_sharding_refuses_what_it_cannot_split():
         shard_weights(w, _tiny(), "none", 2, 0)
 
 
-# ---- the real model: three gloo ranks against the unsharded model -------------------------------
+# ---- the real model: a tp_size=3 bundle, and three gloo ranks against the unsharded model -------
+
+def _bundles(build_bundle, fmt: str) -> tuple[Path, Path]:
+    """(the tp_size=1 bundle, the same config built with engine.tp_size=3)."""
+    config, overrides = BUNDLES[fmt]
+    return Path(build_bundle(config, overrides)), Path(build_bundle(config, overrides + [f"engine.tp_size={TP}"]))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (fp8 included: compared as bytes)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["none", "fp8"])
+def test_tp3_bundle_is_the_tp1_tensors_resharded(build_bundle, fmt):
+    """engine.tp_size=3: rank<i>.safetensors instead of weights.safetensors, each hashed in engine.json,
+    each exactly tp_shard's split of the tp_size=1 bundle's tensors; whole-model readers (ModelRunner's
+    load_weights: the verify stage, a tp_size=1 run; the layer-by-layer verify path) get them back."""
+    from safetensors.torch import load_file
+
+    from backend import bundle
+    from backend.model.layerwise import LayerwiseRunner
+    from backend.model.runner import load_engine_spec, load_weights
+    from backend.model.tp_shard import shard_tensor
+    one, three = _bundles(build_bundle, fmt)
+    b = bundle.load_bundle(three)                          # every file's sha256 checked
+    assert b.manifest.weights == bundle.rank_weights(TP) and b.manifest.format_version == 2
+    assert b.engine.tp_size == TP and set(bundle.rank_weights(TP)) <= set(b.manifest.files)
+    assert not (three / bundle.WEIGHTS).exists()
+    from builder.report import human_bytes, rank_memory_line
+    line = rank_memory_line(b.manifest, three)              # what the build summary prints
+    assert line.startswith(f"memory per rank (tp_size 3): weights {human_bytes(b.weight_paths[0].stat().st_size)} ")
+    assert line.endswith("per token (1 of 3 KV heads)")
+    config = bundle.read(one).model
+    full = load_weights(one, torch.device("cpu"))
+    for r, path in enumerate(b.weight_paths):
+        got = load_file(str(path))
+        assert set(got) == set(full)
+        bad = [n for n, t in full.items() if not _same(got[n], shard_tensor(n, t, config, TP, r))]
+        assert not bad, f"rank {r}: {bad[:3]}"
+    back = load_weights(three, torch.device("cpu"))
+    assert set(back) == set(full) and all(_same(back[n], full[n]) for n in full)
+    layer = LayerwiseRunner(load_engine_spec(three))._read(prefix="layers.7.")
+    assert layer.keys() == {n for n in full if n.startswith("layers.7.")}
+    assert all(_same(t, full[n]) for n, t in layer.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["none", "fp8"])
+def test_each_rank_loads_only_its_file_and_holds_a_third(build_bundle, fmt, monkeypatch):
+    """Measured from the tensors each ``TPRunner`` loaded: it opened only its rank file, and the numel
+    of its split tensors is exactly 1/3 of the model's; what it holds whole are norms and scales."""
+    import safetensors.torch
+    from safetensors import safe_open
+
+    from backend.model import tp
+    from backend.model.runner import EngineError, load_engine_spec
+    one, three = _bundles(build_bundle, fmt)
+    with safe_open(str(one / "weights.safetensors"), "pt") as f:
+        shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+    opened, loaded = [], []
+    load_file, rank_weights = safetensors.torch.load_file, tp._rank_weights
+    monkeypatch.setattr(safetensors.torch, "load_file", lambda f, device="cpu": opened.append(Path(f).name)
+                        or load_file(f, device=device))
+    monkeypatch.setattr(tp, "_rank_weights", lambda *a: loaded.append(rank_weights(*a)) or loaded[-1])
+    spec = load_engine_spec(three)
+    split_numel, whole_bytes = [], []
+    for r in range(TP):
+        runner = tp.TPRunner(spec, TP, r, num_blocks=2, dtype=torch.float32)
+        assert opened == [f"rank{r}.safetensors"] and runner.kv_caches[0][0].shape[2] == 1   # 3 KV heads / 3
+        held = loaded.pop()
+        whole = {n for n, t in held.items() if tuple(t.shape) == shapes[n]}
+        assert {n for n in whole if not REPLICATED.search(n)} == set()
+        split_numel.append(sum(held[n].numel() for n in set(held) - whole))
+        whole_bytes.append(sum(held[n].numel() * held[n].element_size() for n in whole))
+        opened.clear()
+        del runner
+    total = sum(torch.Size(s).numel() for n, s in shapes.items() if not REPLICATED.search(n))
+    assert split_numel == [total // TP] * TP and total % TP == 0
+    print(f"{fmt}: each rank holds {split_numel[0]:,} of {total:,} split elements, {whole_bytes[0]:,} bytes whole")
+    assert whole_bytes[0] < 0.01 * sum(torch.Size(s).numel() for s in shapes.values())
+    with pytest.raises(EngineError, match=r"split for tp_size=3 .*; tp_size=1 cannot load them"):
+        rank_weights(spec, 1, 0, None)
+
 
 def _tp1(bundle: Path, prompts: list[list[int]], forced=None, noise: float = 0.0):
     """The unsharded model; ``noise``: the embeddings times ``1 + noise * N(0, 1)`` (a last-bits
@@ -173,11 +267,12 @@ def _check_held(config: ModelConfig, ranks: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_tp3_matches_tp1_fp32(smollm2_bundle, tokenizer, tmp_path):
+def test_tp3_matches_tp1_fp32(build_bundle, tokenizer, tmp_path):
+    one, three = _bundles(build_bundle, "none")
     prompts = [tokenizer.encode(t).ids for t in TEXTS]
-    config, ref = _tp1(smollm2_bundle, prompts)
+    config, ref = _tp1(one, prompts)
     assert (config.num_heads, config.num_kv_heads, config.vocab_size) == (9, 3, 49152)
-    ranks = _tp3(smollm2_bundle, prompts, tmp_path)
+    ranks = _tp3(three, prompts, tmp_path)
     got = ranks[0]["results"]
     assert [g.tokens for g in ref] == [g["tokens"] for g in got]
     diff = max(float((a.logits - b["logits"]).abs().max()) for a, b in zip(ref, got))
@@ -189,10 +284,10 @@ def test_tp3_matches_tp1_fp32(smollm2_bundle, tokenizer, tmp_path):
 
 @pytest.mark.slow
 def test_tp3_matches_tp1_fp8_bundle(build_bundle, tokenizer, tmp_path):
-    bundle = Path(build_bundle("smollm2-135m-fp8", LIGHT))
+    bundle, three = _bundles(build_bundle, "fp8")
     prompts = [tokenizer.encode(t).ids for t in TEXTS]
     config, ref = _tp1(bundle, prompts)
-    ranks = _tp3(bundle, prompts, tmp_path, forced=[g.tokens for g in ref])
+    ranks = _tp3(three, prompts, tmp_path, forced=[g.tokens for g in ref])
     _, noisy = _tp1(bundle, prompts, forced=[g.tokens for g in ref], noise=1e-5)
     a = torch.cat([g.logits for g in ref])
     got = {}
@@ -213,7 +308,8 @@ def test_tp3_matches_tp1_fp8_bundle(build_bundle, tokenizer, tmp_path):
 def test_tp_driver_rank0_schedules_workers_follow_and_a_dead_worker_fails_loudly(smollm2_bundle, tokenizer):
     """``TPDriver``: this process is rank 0 and broadcasts each step's inputs to two spawned workers;
     the same greedy tokens as TP1; a killed worker makes the next step raise (no hang), and shutdown
-    leaves no process, no store and no group behind."""
+    leaves no process, no store and no group behind. The single-file bundle with tp_size 3 asked at
+    run time: each rank reads it whole and keeps its share (a bundle built for tp reads rank files)."""
     import time
 
     import torch.distributed as dist
@@ -242,18 +338,19 @@ def test_tp_driver_rank0_schedules_workers_follow_and_a_dead_worker_fails_loudly
 
 
 @pytest.mark.slow
-def test_executor_tp3_serves_the_same_greedy_tokens_as_tp1(make_executor, smollm2_bundle, varied_prompts):
-    """``Executor(tp_size=3)``: the scheduler, block manager and sampler on rank 0, the model on three
-    ranks; a batch of mixed prompts (chunked prefill, batched decode) gives TP1's tokens, and shutdown
-    stops the workers."""
+def test_executor_tp3_serves_the_same_greedy_tokens_as_tp1(make_executor, build_bundle, varied_prompts):
+    """``Executor`` of a bundle built with engine.tp_size=3: the scheduler, block manager and sampler on
+    rank 0, the model on three ranks (each reading its rank file); a batch of mixed prompts (chunked
+    prefill, batched decode) gives TP1's tokens, and shutdown stops the workers."""
     from backend.engine.executor import Executor
     from backend.engine.sampling_params import SamplingParams
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [varied_prompts[i] for i in (0, 1, 10, 12)]
     engine = {"max_kv_tokens": 2048, "max_batch_size": 8, "max_num_tokens": 64}
     want = [r.token_ids for r in make_executor(**engine).generate(prompts, params)]
-    ex = Executor(smollm2_bundle, dtype=torch.float32, verify_hashes=False, tp_size=TP, **engine)
+    ex = Executor(_bundles(build_bundle, "none")[1], dtype=torch.float32, verify_hashes=False, **engine)
     try:
+        assert ex.spec.engine.tp_size == TP
         assert ex.runner.num_blocks >= 2048 // ex.runner.block_size
         assert [r.token_ids for r in ex.generate(prompts, params)] == want
     finally:
