@@ -8,7 +8,7 @@
 # with room for start-up and the transfers). Each part runs under its own limit T_<PART>, cut to what
 # is left of T_TOTAL, and is skipped (said so in the output) when less than MIN_PART_S (20) is left,
 # so one slow or hung part cannot take the others' time and the whole call ends within T_TOTAL.
-# PARTS picks which run, in this order (default all five; sweep and ncu only when named):
+# PARTS picks which run, in this order (default all five; sweep, ncu and tp only when named):
 #   check   170 s -> 100  harness.gpucheck run: tiny bundles of every format (AOT cubins, no JIT, vs CPU),
 #                         and the build's streamed verify on the GPU vs the CPU (verify.device: cuda)
 #   kernels 210 s -> 120  harness.bench.kernels: kernel tests on the GPU, decode/prefill/W4A16 bandwidth,
@@ -26,6 +26,10 @@
 #   perf    360 s -> 100  harness.bench.decode_perf (fused vs unfused decode step, 1, 64, 512) + the launch
 #                         count on the real GPU (30 s of it); the fused-kernel tests are skipped when
 #                         part kernels ran (they are among its tests)
+#   tp             90     harness.bench.tp_overhead: decode step of TP 1 plain vs TP 1 through the distributed
+#                         path (TPDriver, world size 1, NCCL) on the gpu-check fp8 bundle: the collectives'
+#                         cost per step (TP_ARGS); exits 3 with one line while TPDriver(spec, tp_size=1,
+#                         device="cuda") does not exist (#20), and the other parts run on
 # (old limit -> the default now: together 530 s). Which to run together:
 #   * one 9-minute call, everything at once: the defaults (PARTS unset);
 #   * a complete 3000-request throughput run: PARTS=bench T_BENCH=560 T_TOTAL=570 (the run stops at the
@@ -132,5 +136,12 @@ if want perf; then
     --out "$OUT/decode-perf.json"
   L=$(cap "$T_LAUNCHES")
   part launches "$L" launches-gpu.log $PY -m harness.bench.launches --device cuda --out "$OUT/launches-gpu.json"
+fi
+if want tp; then
+  # the refusal (exit 3) or the result's last line, in this call's output
+  L=$(cap "${T_TP:-90}")
+  rm -f "$OUT/tp.log"
+  part tp "$L" tp.log $PY -m harness.bench.tp_overhead --out "$OUT/tp-overhead.json" ${TP_ARGS:-}
+  [[ -f "$OUT/tp.log" ]] && tail -1 "$OUT/tp.log"
 fi
 echo "device.sh: $(( SECONDS - START ))s of T_TOTAL=${T_TOTAL}s"

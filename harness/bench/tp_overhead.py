@@ -1,0 +1,173 @@
+"""The collectives' cost in a decode step on ONE GPU: TP 1 plain (``ModelRunner``) against TP 1 through
+the distributed code path (``TPDriver``, world size 1 over NCCL: the step's input broadcast and every
+all-reduce run, each over one rank). One GPU cannot show a TP speed-up; it shows what the distributed
+path adds to a step, which a TP N step pays on top of its 1/N share of the weights.
+
+    python -m harness.bench.tp_overhead [--bundle build/gpu-check/fp8/engine] [--out F]
+
+Part ``tp`` of harness/gpucheck/device.sh, on the tiny bundles of ``make gpu-check-prepare`` (carried
+to the GPU machine): decode steps of ``--batches`` sequences with ``--context`` cached tokens each,
+eager on both sides (the driver's step broadcasts its inputs from the host, which a CUDA graph cannot
+hold), A/B/A/B, median of ``--iters`` each; rank 0's own forward (collectives, no input broadcast)
+separately when the driver exposes it; the NCCL kernels of one profiled step. Writes
+docs/perf/tp-overhead-<gpu>.json.
+
+The distributed GPU path is written against ``TPDriver(spec, tp_size=1, device="cuda")``. Until that
+exists (or when it fails) the script refuses with one line and exit code 3, writing the refusal into
+the JSON, so device.sh goes on with its other parts. ``--dry-run`` runs the same code on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BUNDLE = REPO / "build" / "gpu-check" / "fp8" / "engine"
+EXIT_NO_GPU, EXIT_NO_TP_PATH = 2, 3
+# the step is compared like for like: no CUDA graph on the plain side either
+OVERRIDES = {"cuda_graphs": False}
+
+
+def load_spec(bundle: Path):
+    from backend.model.runner import load_engine_spec
+    return load_engine_spec(bundle, dict(OVERRIDES))
+
+
+def plain_runner(spec, device: str):
+    from backend.model.runner import ModelRunner
+    return ModelRunner(spec, device=device)
+
+
+def distributed_runner(spec, device: str):
+    """The interface the NCCL path is written to (world size 1: no worker process)."""
+    from backend.model.tp_driver import TPDriver
+    return TPDriver(spec, tp_size=1, device=device)
+
+
+def _view(runner, spec):
+    """What decode_perf.decode_inputs reads, for a runner that does not carry its spec (the driver)."""
+    import torch
+    return types.SimpleNamespace(device=torch.device(runner.device), block_size=runner.block_size,
+                                 num_blocks=runner.num_blocks, spec=spec)
+
+
+def time_steps(runners: dict, spec, batch: int, context: int, iters: int, rounds: int = 2) -> dict:
+    """ms per eager decode step of each runner, interleaved ``rounds`` times (clocks and caches warm
+    alike); the mean of each runner's per-round medians."""
+    from harness.bench.decode_perf import _median_ms, decode_inputs
+    inputs = {name: decode_inputs(_view(r, spec), batch, context) for name, r in runners.items()}
+    out: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, r in runners.items():
+            ids, meta, rows = inputs[name]
+            out[name].append(_median_ms(lambda: r.execute(ids, meta, rows), iters, _view(r, spec).device))
+    return {name: sum(v) / len(v) for name, v in out.items()}
+
+
+def collective_kernels(runner, spec, batch: int, context: int) -> dict:
+    """Calls and device time (us) of the collectives in one profiled step, by kernel/op name."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from harness.bench.decode_perf import decode_inputs
+    view = _view(runner, spec)
+    ids, meta, rows = decode_inputs(view, batch, context)
+    runner.execute(ids, meta, rows)
+    cuda = view.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        runner.execute(ids, meta, rows)
+        if cuda:
+            torch.cuda.synchronize()
+    keys = ("nccl", "allreduce", "all_reduce", "broadcast", "allgather", "all_gather", "gather")
+    found = {}
+    for e in prof.key_averages():
+        if any(k in e.key.lower() for k in keys):
+            us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0) or e.cpu_time_total
+            found[e.key[:100]] = {"calls": e.count, "us": round(us, 1)}
+    return found
+
+
+def _refuse(res: dict, out: Path | None, message: str) -> int:
+    res["refused"] = message
+    _write(res, out)
+    print(message, file=sys.stderr)
+    return EXIT_NO_TP_PATH
+
+
+def _write(res: dict, out: Path | None) -> None:
+    import json
+    if out is None and res["gpu"].startswith("cpu"):   # a dry run times nothing: never into docs/perf
+        print(json.dumps(res, indent=1))
+        return
+    if out is None:
+        out = REPO / "docs" / "perf" / ("tp-overhead-" + res["gpu"].lower().replace("nvidia ", "").replace(" ", "-")
+                                        + ".json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"written {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.bench.tp_overhead", description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle", type=Path, default=BUNDLE, help=f"engine bundle (default {BUNDLE.relative_to(REPO)})")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--context", type=int, default=512, help="cached tokens per sequence (default 512)")
+    ap.add_argument("--iters", type=int, default=30, help="timed steps per runner and round (median)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, 2 iterations: checks the script, times nothing")
+    ap.add_argument("--out", type=Path, help="result JSON (default docs/perf/tp-overhead-<gpu>.json)")
+    a = ap.parse_args(argv)
+    import torch
+    if a.dry_run:
+        a.batches, a.context, a.iters = [1, 2], 40, 2
+    elif not torch.cuda.is_available():
+        print("tp_overhead: no NVIDIA GPU visible; run on the GPU machine (or --dry-run here)", file=sys.stderr)
+        return EXIT_NO_GPU
+    import datetime
+    import platform
+
+    from harness.bench.perfinfo import git_commit
+    device = "cpu" if a.dry_run else "cuda"
+    res = {"what": "decode step, TP 1 plain vs TP 1 through the distributed path (world size 1) on one device",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["python -m harness.bench.tp_overhead"] + (sys.argv[1:] if argv is None else argv)),
+           "commit": git_commit(), "host": platform.node(), "torch": torch.__version__,
+           "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
+           "bundle": str(a.bundle), "context": a.context, "batches": a.batches, "iters": a.iters}
+    try:
+        spec = load_spec(a.bundle)
+    except Exception as e:  # noqa: BLE001 - a missing bundle is a setup step, said in one line
+        print(f"tp_overhead: cannot load {a.bundle} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+              "run make gpu-check-prepare on the CPU machine and carry build/gpu-check", file=sys.stderr)
+        return EXIT_NO_GPU
+    try:   # first: it is the part that may not exist yet, and refusing costs nothing then
+        dist_runner = distributed_runner(spec, device)
+    except Exception as e:  # noqa: BLE001 - whatever the missing path raises, one line, not a traceback
+        first = str(e).splitlines()[0] if str(e) else ""
+        return _refuse(res, a.out, f"tp_overhead: the distributed GPU path is not available: TPDriver(spec, "
+                                   f"tp_size=1, device={device!r}) raised {type(e).__name__}: {first}")
+    try:
+        runners = {"plain": plain_runner(spec, device), "distributed": dist_runner}
+        inner = getattr(dist_runner, "runner", None)   # rank 0's forward alone: collectives, no input broadcast
+        if inner is not None and hasattr(inner, "execute"):
+            runners["distributed_forward"] = inner
+        for b in a.batches:
+            ms = time_steps(runners, spec, b, a.context, a.iters)
+            ms["overhead"] = ms["distributed"] - ms["plain"]
+            ms["ratio"] = ms["distributed"] / ms["plain"]
+            res[f"b{b}_ms"] = ms
+            print(f"batch {b}: " + ", ".join(f"{k} {v:.4f}" for k, v in ms.items()), flush=True)
+        res["collectives_b1"] = collective_kernels(dist_runner, spec, 1, a.context)
+    finally:
+        shutdown = getattr(dist_runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+    if device == "cuda":
+        res["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    _write(res, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
