@@ -11,23 +11,24 @@
 
 Whatever it refuses is a ``BundleError``: one line naming the file and the field, and what to rebuild.
 Engine settings' defaults are stated here once (``EngineSettings``) and resolved against the model when
-a ``Manifest`` is made. Imports only the standard library (safetensors when a tensor is read): it runs
-inside Triton's Python backend.
+a ``Manifest`` is made. The generic field-by-field checking of JSON against the dataclasses is
+``backend/bundle_fields.py``. Imports only the standard library (safetensors when a tensor is read):
+it runs inside Triton's Python backend.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-import math
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from backend.model.config import ModelConfig, ModelConfigError
+from backend.bundle_fields import FieldError as _FieldError, from_dict as _from_dict, non_finite as _non_finite
+from backend.bundle_fields import parse as _parse
+from backend.model.config import ModelConfig
 
 FORMAT = "kiln-engine"
 # 2: a tensor-parallel bundle's weights in one file per rank (``weights``: rank<i>.safetensors).
@@ -59,10 +60,6 @@ def version_for(weights: tuple[str, ...]) -> int:
 
 class BundleError(RuntimeError):
     """The bundle cannot be used as it is; the message says what to rebuild."""
-
-
-class _FieldError(Exception):
-    """One field is missing or wrong: "<field>: <what>" (BundleError adds the file and the hint)."""
 
 
 @dataclass(frozen=True)
@@ -212,7 +209,7 @@ class Manifest:
             _check_weights(manifest)
             return manifest
         except _FieldError as exc:
-            raise BundleError(f"{source}: {exc}; {hint}") from None
+            raise BundleError(f"{source}: {_problem(exc)}; {hint}") from None
 
     def replace(self, source: str = MANIFEST, **changes: Any) -> "Manifest":
         """A copy with sections replaced; plain dicts/lists are checked and converted like engine.json."""
@@ -220,10 +217,15 @@ class Manifest:
         try:
             unknown = sorted(set(changes) - set(hints))
             if unknown:
-                raise _FieldError(f"{unknown[0]}: unknown field (format_version {FORMAT_VERSION} has no such field)")
+                raise _FieldError(f"{unknown[0]}: unknown field", unknown=True)
             return dataclasses.replace(self, **{k: _parse(as_dict(v), hints[k], k) for k, v in changes.items()})
         except _FieldError as exc:
-            raise BundleError(f"{source}: {exc}; {rebuild_hint(self)}") from None
+            raise BundleError(f"{source}: {_problem(exc)}; {rebuild_hint(self)}") from None
+
+
+def _problem(exc: _FieldError) -> str:
+    """The field's problem; an unknown field is one this runtime's newest format does not have."""
+    return f"{exc} (format_version {FORMAT_VERSION} has no such field)" if exc.unknown else str(exc)
 
 
 def _check_weights(m: Manifest) -> None:
@@ -240,73 +242,7 @@ def _check_weights(m: Manifest) -> None:
                           f"got {m.format_version}")
 
 
-# ---- checking and converting ------------------------------------------------------------------
-
-_JSON_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-               type(None): "null", dict: "an object", list: "a list", tuple: "a list"}
-
-
-def _expected(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_expected(a) for a in typing.get_args(hint))
-    if dataclasses.is_dataclass(hint):
-        return "an object"
-    return _JSON_NAMES.get(origin or hint, str(hint))
-
-
-def _accepts(v: Any, hint: Any) -> bool:
-    """Shallow type check (elements of lists and objects are checked by _parse)."""
-    origin = typing.get_origin(hint) or hint
-    if origin in (typing.Union, types.UnionType):
-        return any(_accepts(v, a) for a in typing.get_args(hint))
-    if dataclasses.is_dataclass(hint) or origin is dict:
-        return isinstance(v, dict)
-    if origin in (tuple, list):
-        return isinstance(v, (list, tuple))
-    if hint is float:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-    if hint is int:
-        return isinstance(v, int) and not isinstance(v, bool)
-    return isinstance(v, origin)
-
-
-def _parse(v: Any, hint: Any, where: str) -> Any:
-    """``v`` (JSON) checked against ``hint`` and converted: objects to dataclasses, lists to tuples."""
-    if not _accepts(v, hint):
-        raise _FieldError(f"{where}: expected {_expected(hint)}, got {json.dumps(v, default=repr)[:60]}")
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return _parse(v, next(a for a in args if _accepts(v, a)), where)
-    if dataclasses.is_dataclass(hint):
-        return _from_dict(hint, v, where)
-    if origin is tuple:
-        return tuple(_parse(x, args[0], f"{where}[{i}]") for i, x in enumerate(v))
-    if origin is dict:
-        return {k: _parse(x, args[1], f"{where}.{k}") for k, x in v.items()}
-    return v
-
-
-def _from_dict(cls: type, d: dict, where: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    prefix = f"{where}." if where else ""
-    for key in d:
-        if key not in fields:
-            raise _FieldError(f"{prefix}{key}: unknown field (format_version {FORMAT_VERSION} has no such field)")
-    kwargs = {}
-    for name, f in fields.items():
-        if name not in d:
-            no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            if no_default or f.metadata.get("required"):
-                raise _FieldError(f"{prefix}{name}: missing")
-            continue
-        kwargs[name] = _parse(d[name], hints[name], f"{prefix}{name}")
-    try:
-        return cls(**kwargs)
-    except ModelConfigError as exc:  # its own value checks: "engine.json: model.dtype: ..."
-        raise _FieldError(str(exc).removeprefix(f"{MANIFEST}: ")) from None
-
+# ---- converting back ------------------------------------------------------------------------
 
 def as_dict(obj: Any) -> Any:
     """A section (or the whole Manifest) as the JSON engine.json holds, keys in the file's order."""
@@ -319,17 +255,6 @@ def as_dict(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: as_dict(x) for k, x in obj.items()}
     return obj
-
-
-def _non_finite(obj: Any, where: str = "") -> str | None:
-    """The first field holding NaN or infinity (JSON has neither), or None."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return where or "(top level)"
-    if isinstance(obj, dict):
-        items = ((f"{where}.{k}" if where else str(k), x) for k, x in obj.items())
-    else:
-        items = ((f"{where}[{i}]", x) for i, x in enumerate(obj if isinstance(obj, list) else ()))
-    return next((found for w, x in items if (found := _non_finite(x, w))), None)
 
 
 # ---- files ------------------------------------------------------------------------------------
