@@ -3,8 +3,9 @@
 ``BuildConfig.from_yaml(path, overrides=["engine.max_batch_size=64"])`` returns frozen dataclasses,
 validated at construction. Every mistake raises :class:`ConfigError` with one line
 ``<file>: <key.path>: <problem>; allowed: <...>``. Checks that need the model's shape (tp_size vs
-KV heads, max_seq_len vs context, int4 group size vs in-features) live in :func:`check_against_model`,
-which the import stage calls once the checkpoint's config is known.
+heads, KV heads, intermediate size and vocab by the runtime's ``tp_rules``; max_seq_len vs context,
+int4 group size vs in-features) live in :func:`check_against_model`, which the import stage calls
+once the checkpoint's config is known.
 """
 from __future__ import annotations
 
