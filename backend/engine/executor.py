@@ -70,15 +70,14 @@ class Speculator(Protocol):
 
 
 def _tp_driver(spec, device: str, dtype: torch.dtype | None, speculative: bool):
-    """engine.tp_size > 1: rank 0 here, workers spawned (backend/model/tp_driver.py); CPU only so far."""
+    """engine.tp_size > 1: rank 0 here, workers spawned (backend/model/tp_driver.py); on the CPU with
+    gloo, or on GPUs ``device``, ``device``+1, ... with NCCL."""
     tp = spec.engine.tp_size
-    if str(device) != "cpu":
-        raise EngineError(f"engine.tp_size: {tp} runs on CPU (gloo) only so far; got device {device!r}")
     if speculative:
         raise EngineError(f"engine.tp_size: {tp} with speculative decoding is not implemented; "
                           f"pass speculative=False or tp_size 1")
     from backend.model.tp_driver import TPDriver   # lazy: spawns processes, only when asked for
-    return TPDriver(spec, tp, dtype=dtype)
+    return TPDriver(spec, tp, dtype=dtype, device=device)
 
 
 class Executor:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from backend.model.config import ModelConfig
 from backend.model.llama import LlamaModel
-from backend.model.runner import EngineError, EngineSpec, kv_cache_dtypes, load_weights
+from backend.model.runner import EngineError, EngineSpec, kv_cache_dtypes, load_weights, plan_kv_blocks
 from backend.model.tp_shard import shard_config, shard_weights
 from backend.ops import cpu_matmul
 from backend.ops.attention import get_backend
@@ -99,23 +99,40 @@ class TPRunner:
     """One rank's model and KV cache; ``execute`` has ``ModelRunner.execute``'s signature and returns
     the logits on rank 0 (None on the others). Every rank must call it with the same inputs."""
 
-    def __init__(self, spec: EngineSpec, tp_size: int, rank: int, num_blocks: int,
+    def __init__(self, spec: EngineSpec, tp_size: int, rank: int, num_blocks: int | None,
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
-                 weights: dict[str, torch.Tensor] | None = None, shard: dict[str, torch.Tensor] | None = None) -> None:
-        self.spec, self.device = spec, torch.device("cpu")
-        self.attention = get_backend("torch", "cpu")
+                 weights: dict[str, torch.Tensor] | None = None, shard: dict[str, torch.Tensor] | None = None,
+                 device: str | torch.device = "cpu") -> None:
+        """``device``: this rank's (one GPU per rank, or the CPU). ``num_blocks`` None: planned here from
+        the GPU's free memory once the weights are in, the smallest over the ranks (collective)."""
+        self.spec, self.device = spec, torch.device(device)
+        self.attention = get_backend("torch", str(self.device.type))
         if shard is None:
             shard = _rank_weights(spec, tp_size, rank, weights)
         self.model = TPLlamaModel(spec.model, shard, spec.quant_format, self.attention, self.device, dtype,
                                   tp_size=tp_size, rank=rank, group=group)
+        del shard   # the model holds its own (device, dtype) copies
         self.dtype = self.model.dtype
         self.kv_dtype, storage = kv_cache_dtypes(spec, self.dtype, self.device, self.attention)
         c = self.model.config
         self.block_size = spec.engine.kv_block_size
+        if num_blocks is None:
+            num_blocks = self._agreed_blocks(storage, group)
         self.num_blocks = num_blocks
         shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=storage), torch.zeros(shape, dtype=storage))
-                          for _ in range(c.num_layers)]
+        self.kv_caches = [(torch.zeros(shape, dtype=storage, device=self.device),
+                           torch.zeros(shape, dtype=storage, device=self.device)) for _ in range(c.num_layers)]
+
+    def _agreed_blocks(self, storage: torch.dtype, group: dist.ProcessGroup | None) -> int:
+        """Each rank's KV plan from its own device's free memory, then the smallest of them: rank 0's
+        block ids must exist on every rank, and GPUs may hold other things."""
+        if self.device.type != "cuda":
+            raise EngineError("TPRunner: num_blocks must be given on CPU (tp_driver.plan_kv_blocks)")
+        free = torch.cuda.mem_get_info(self.device)[0]
+        mine = plan_kv_blocks(self.spec, storage, self.model.config.num_kv_heads, free)
+        agreed = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        return int(agreed.item())
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor,

@@ -10,6 +10,7 @@ process: it owns the default ``torch.distributed`` group while it lives.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import multiprocessing as mp
 import os
@@ -19,6 +20,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,19 +51,57 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(1)
 
 
-def _worker(rank: int, tp_size: int, store: str, spec: EngineSpec, num_blocks: int, dtype: str | None,
-            parent: int) -> None:
+def rank_devices(device: str | torch.device, tp_size: int) -> list[torch.device]:
+    """Each rank's device: all on the CPU, or consecutive GPUs from the one named (``cuda:2`` with
+    tp 2 -> cuda:2, cuda:3: the GPUs ``backend/serving/placement.py`` gives an engine instance)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return [device] * tp_size
+    if device.type != "cuda":
+        raise EngineError(f"engine.tp_size: {tp_size} runs on cpu or cuda devices; got {str(device)!r}")
+    first = device.index or 0
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if first + tp_size > visible:
+        raise EngineError(f"engine.tp_size: {tp_size} ranks from GPU {first} need GPUs {first}..{first + tp_size - 1}, "
+                          f"but {visible} are visible; allowed: a tp_size and first GPU within the visible GPUs")
+    return [torch.device("cuda", first + r) for r in range(tp_size)]
+
+
+def _backend(device: torch.device) -> str:
+    """NCCL between GPUs (one per process), gloo between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    """A step's inputs (tensors, tuples of them, the attention metadata dataclass) on ``device``: a
+    GPU rank's tensors travel as CPU copies, since a pickled CUDA tensor names rank 0's GPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=False)
+    if isinstance(obj, tuple):
+        return tuple(_to(o, device) for o in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _to(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj)
+                                           if isinstance(getattr(obj, f.name), torch.Tensor)})
+    return obj
+
+
+def _worker(rank: int, tp_size: int, store: str, spec: EngineSpec, num_blocks: int | None, dtype: str | None,
+            parent: int, device: str) -> None:
     threading.Thread(target=_exit_with_parent, args=(parent,), name="kiln-tp-parent-watch", daemon=True).start()
-    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=tp_size, timeout=_IDLE_TIMEOUT)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)   # NCCL's communicator and broadcast_object_list use the current GPU
+    dist.init_process_group(_backend(dev), init_method=store, rank=rank, world_size=tp_size, timeout=_IDLE_TIMEOUT)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
-    runner = TPRunner(spec, tp_size, rank, num_blocks, dtype=getattr(torch, dtype) if dtype else None)
+    runner = TPRunner(spec, tp_size, rank, num_blocks, dtype=getattr(torch, dtype) if dtype else None, device=dev)
     try:
         while True:
             msg: list = [None]
             dist.broadcast_object_list(msg, src=0)
             if msg[0] == _STOP:
                 break
-            runner.execute(*msg[0])
+            runner.execute(*_to(msg[0], dev))
     except RuntimeError as exc:   # rank 0 or a peer went away: nothing left to serve
         print(f"kiln tensor-parallel rank {rank}: the group broke ({str(exc).splitlines()[0]}); exiting",
               file=sys.stderr)
@@ -72,7 +112,8 @@ def _worker(rank: int, tp_size: int, store: str, spec: EngineSpec, num_blocks: i
 
 def plan_kv_blocks(spec: EngineSpec, tp_size: int, dtype: torch.dtype) -> int:
     """``ModelRunner``'s KV plan for one rank's share (KV heads / tp), on CPU RAM: every rank holds the
-    same number of blocks, so that rank 0's block ids are valid everywhere."""
+    same number of blocks, so that rank 0's block ids are valid everywhere. (On GPUs each rank plans
+    from its own free memory once its weights are in, and the ranks take the smallest: ``TPRunner``.)"""
     _, storage = kv_cache_dtypes(spec, dtype, torch.device("cpu"), get_backend("torch", "cpu"))
     return runner_plan(spec, storage, spec.model.num_kv_heads // tp_size, None, CPU_RAM_FRACTION / tp_size)
 
@@ -81,18 +122,27 @@ class TPDriver:
     """``tp_size`` ranks: this process is rank 0 (and the sampler's), the others are spawned here."""
 
     def __init__(self, spec: EngineSpec, tp_size: int, num_blocks: int | None = None,
-                 dtype: torch.dtype | None = None, start_timeout_s: float = 300.0) -> None:
+                 dtype: torch.dtype | None = None, start_timeout_s: float = 300.0,
+                 device: str | torch.device = "cpu") -> None:
+        """``device``: ``cpu`` (every rank; gloo), or the first of ``tp_size`` consecutive GPUs, one per
+        rank (NCCL). ``num_blocks`` None: planned from RAM (CPU) or each GPU's free memory."""
         try:
             check_tp(spec.model, spec.quant_format, tp_size)
         except ShardError as exc:
             raise EngineError(f"engine.tp_size: {exc}") from exc
-        # CPU compute: float32 unless engine.cpu_dtype asks for bf16 (auto's timing probe is one-rank)
-        self.dtype_choice = (cpu_dtype.DtypeChoice(dtype, "dtype=", "the caller's dtype argument") if dtype is not None
-                             else cpu_dtype.DtypeChoice(torch.bfloat16 if spec.engine.cpu_dtype == "bfloat16"
-                                                        else torch.float32, str(spec.engine.cpu_dtype),
-                                                        "tensor parallel: float32 unless engine.cpu_dtype is bfloat16"))
+        self.devices = rank_devices(device, tp_size)
+        on_gpu = self.devices[0].type == "cuda"
+        if dtype is not None:
+            self.dtype_choice = cpu_dtype.DtypeChoice(dtype, "dtype=", "the caller's dtype argument")
+        elif on_gpu:
+            self.dtype_choice = cpu_dtype.DtypeChoice(spec.model.torch_dtype, "model", "GPU: the model's dtype")
+        else:   # CPU: float32 unless engine.cpu_dtype asks for bf16 (auto's timing probe is one-rank)
+            self.dtype_choice = cpu_dtype.DtypeChoice(torch.bfloat16 if spec.engine.cpu_dtype == "bfloat16"
+                                                      else torch.float32, str(spec.engine.cpu_dtype),
+                                                      "tensor parallel: float32 unless engine.cpu_dtype is bfloat16")
         dtype = self.dtype_choice.dtype
-        num_blocks = num_blocks or plan_kv_blocks(spec, tp_size, dtype)
+        if num_blocks is None and not on_gpu:
+            num_blocks = plan_kv_blocks(spec, tp_size, dtype)
         if dist.is_initialized():
             raise EngineError("tensor parallelism: this process already has a torch.distributed group; "
                               "one TPDriver per process")
@@ -101,7 +151,8 @@ class TPDriver:
         store = f"file://{Path(self._tmp) / 'store'}"
         ctx = mp.get_context("spawn")    # fork would copy this process's threads and torch state
         name = str(dtype).removeprefix("torch.") if dtype is not None else None
-        self.workers = [ctx.Process(target=_worker, args=(r, tp_size, store, spec, num_blocks, name, os.getpid()),
+        self.workers = [ctx.Process(target=_worker, args=(r, tp_size, store, spec, num_blocks, name, os.getpid(),
+                                                          str(self.devices[r])),
                                     name=f"kiln-tp-rank{r}", daemon=True) for r in range(1, tp_size)]
         for p in self.workers:
             p.start()
@@ -110,10 +161,12 @@ class TPDriver:
         self._threads = torch.get_num_threads()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
         try:
+            if on_gpu:
+                torch.cuda.set_device(self.devices[0])
             # the rendezvous waits for every worker; one that dies while loading fails it by timeout
-            dist.init_process_group("gloo", init_method=store, rank=0, world_size=tp_size,
+            dist.init_process_group(_backend(self.devices[0]), init_method=store, rank=0, world_size=tp_size,
                                     timeout=datetime.timedelta(seconds=start_timeout_s))
-            self.runner = TPRunner(spec, tp_size, 0, num_blocks, dtype=dtype)
+            self.runner = TPRunner(spec, tp_size, 0, num_blocks, dtype=dtype, device=self.devices[0])
         except BaseException:
             self.shutdown()
             raise
@@ -144,7 +197,8 @@ class TPDriver:
         """``ModelRunner.execute`` across the ranks: the inputs go to every worker, logits come back here."""
         self._check_workers()
         try:
-            dist.broadcast_object_list([(input_ids, meta, logits_indices, capture_hidden_layers)], src=0)
+            step = (input_ids, meta, logits_indices, capture_hidden_layers)
+            dist.broadcast_object_list([_to(step, torch.device("cpu")) if self.device.type == "cuda" else step], src=0)
             return self.runner.execute(input_ids, meta, logits_indices, capture_hidden_layers)
         except RuntimeError as exc:   # gloo: a peer's connection closed mid-step
             # name the rank that died when it did (its exit shows within moments of the broken

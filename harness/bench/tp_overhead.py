@@ -26,8 +26,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 BUNDLE = REPO / "build" / "gpu-check" / "fp8" / "engine"
 EXIT_NO_GPU, EXIT_NO_TP_PATH = 2, 3
-# the step is compared like for like: no CUDA graph on the plain side either
-OVERRIDES = {"cuda_graphs": False}
+# the step is compared like for like: no CUDA graph on the plain side either, and the same layer code
+# (the tensor-parallel model runs the torch attention backend's plain ops, not the fused GPU layer)
+OVERRIDES = {"cuda_graphs": False, "attention_backend": "torch"}
 
 
 def load_spec(bundle: Path):

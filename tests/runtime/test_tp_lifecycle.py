@@ -100,3 +100,27 @@ def test_executor_health_names_a_worker_that_exited_between_steps(smollm2_bundle
     finally:
         ex.shutdown()
     assert not any(p.is_alive() for p in ex.runner.workers)
+
+
+def test_gpu_ranks_are_refused_without_the_gpus_and_inputs_travel_as_cpu_copies():
+    """What the NCCL path does before any GPU is touched, checked here (this machine has none; the
+    GPU run itself is harness/gpucheck part tp): ranks take consecutive GPUs from the one named and
+    a host with too few is refused with the numbers; a step's inputs (tensors inside the attention
+    metadata dataclass too) are moved field by field, other fields kept."""
+    from backend.model.runner import EngineError
+    from backend.model.tp_driver import _to, rank_devices
+    from backend.ops.attention.metadata import AttentionMetadata
+    assert rank_devices("cpu", 3) == [torch.device("cpu")] * 3
+    if not torch.cuda.is_available():
+        with pytest.raises(EngineError, match=r"engine.tp_size: 2 ranks from GPU 1 need GPUs 1..2, but 0 are visible"):
+            rank_devices("cuda:1", 2)
+    with pytest.raises(EngineError, match="runs on cpu or cuda devices"):
+        rank_devices("meta", 2)
+    t = torch.arange(4)
+    meta = AttentionMetadata(positions=t, slot_mapping=t, block_tables=t.view(2, 2).int(), seq_lens=t[:2].int(),
+                             query_start_loc=t[:3].int(), context_lens=t[:2].int(), num_prefills=1,
+                             num_prefill_tokens=3, num_decode_tokens=1, max_query_len=3, max_seq_len=4)
+    ids, moved, rows, layers = _to((t, meta, t[:1], (2,)), torch.device("meta"))
+    assert ids.device.type == "meta" and rows.device.type == "meta" and layers == (2,)
+    assert moved.block_tables.device.type == "meta" and moved.tree_mask is None and moved.num_prefills == 1
+    assert meta.block_tables.device.type == "cpu"          # the original is left as it was
