@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from backend.model.tp_rules import MAX_TP_SIZE, SHARDABLE_FORMATS, allowed_tp_sizes, tp_problem
+from backend.model.tp_rules import MAX_TP_SIZE, SHARDABLE_FORMATS, allowed_tp_sizes, group_problem, tp_problem
 from builder.schema import ConfigError, all_key_paths, build, opt
 
 __all__ = ["BuildConfig", "ConfigError", "check_against_model", "QUANT_FORMATS"]
@@ -286,9 +286,9 @@ class BuildConfig:
         if e.overlap_scheduling is True and s.method != "none":
             raise ConfigError(f, "engine.overlap_scheduling", f"true cannot run with speculative.method={s.method} "
                               "(the next drafts need each step's tokens on the host)", "auto | false")
-        if e.tp_size > 1 and self.quantization.format not in SHARDABLE_FORMATS:
+        if e.tp_size > 1 and self.quantization.format not in SHARDABLE_FORMATS:   # every format today: a guard
             raise ConfigError(f, "engine.tp_size", f"{e.tp_size} cannot shard quantization.format="
-                              f"{self.quantization.format} (its group scales are not split yet)",
+                              f"{self.quantization.format} (tp_shard has no split rule for its tensors)",
                               f"1, or quantization.format {' | '.join(SHARDABLE_FORMATS)}")
         if e.tp_size > 1 and s.method != "none":
             raise ConfigError(f, "engine.tp_size", f"{e.tp_size} cannot run with speculative.method={s.method} "
@@ -407,7 +407,8 @@ def check_against_model(cfg: BuildConfig, model: dict[str, Any]) -> None:
     heads = model["num_heads"]
     problem = tp_problem(model, e.tp_size)   # backend's rules: refused here exactly when the runtime would
     if problem:
-        raise ConfigError(f, "engine.tp_size", problem, " | ".join(map(str, allowed_tp_sizes(model))))
+        raise ConfigError(f, "engine.tp_size", problem, " | ".join(map(str, allowed_tp_sizes(
+            model, quant_format=q.format, group_size=q.group_size))))
     mpe = model.get("max_position_embeddings")
     if mpe and e.max_seq_len > mpe:
         raise ConfigError(f, "engine.max_seq_len", f"{e.max_seq_len} exceeds the model's context of "
@@ -426,6 +427,11 @@ def check_against_model(cfg: BuildConfig, model: dict[str, Any]) -> None:
             if n % 16:
                 raise ConfigError(f, "quantization.format", f"nvfp4 needs in-features divisible by 16, "
                                   f"the model's {what} = {n}", "fp8 | int8_sq | none")
+    # after the group checks: a group_size that does not fit the whole model is its own mistake, not tp's
+    problem = group_problem(model, e.tp_size, q.format, q.group_size)
+    if problem:
+        raise ConfigError(f, "engine.tp_size", problem, " | ".join(map(str, allowed_tp_sizes(
+            model, quant_format=q.format, group_size=q.group_size))))
     aux = cfg.speculative.aux_layers
     if cfg.speculative.method != "none" and aux is not None:
         bad = [a for a in aux if not 0 <= a < model["num_layers"]]

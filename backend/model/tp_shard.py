@@ -10,8 +10,16 @@ The split follows Megatron-LM for Llama (names: docs/contracts.md section 3):
   them row for row, so both halves must come from the same intermediate columns).
 - ``o`` and ``down`` row-parallel: their input columns split, outputs are partial sums all-reduced.
 - ``embed_tokens`` and ``lm_head`` vocab-parallel: rows ``[r*V/tp, (r+1)*V/tp)``.
-- Per-output-row scales go with their rows; per-tensor scales (``input_scale``, KV ``k/v_scale``)
-  and norms are replicated. A row-parallel bias is replicated: the model adds it after the reduce.
+- Scales go with the weights they scale (docs/contracts.md section 3 for each format's tensors):
+  per-output-row ones (fp8/int8 ``weight_scale``, a bias) with a column-parallel linear's rows and
+  whole on every rank of a row-parallel one (its outputs are all-reduced, the bias added after it);
+  per-group ones (nvfp4's fp8 block scales ``[out, in/16]``, AWQ's ``[out, in/group]``) with their
+  rows, and for ``o``/``down`` with their columns, on group boundaries (``tp_rules.group_problem``);
+  per-input-column ones (AWQ / SmoothQuant ``pre_quant_scale [in]``) with o/down's columns, whole for
+  qkv/gate_up (whose input is not split); per-tensor ones (``input_scale``, ``weight_scale_2``, KV
+  ``k/v_scale``) and norms are copied. Packed 4-bit weights (``uint8 [out, in/2]``, two codes of one
+  row per byte, no interleaving: the W4A16 kernels read that layout) split rows whole and columns
+  on byte boundaries, which a whole group always is (groups are even).
 
 Each tensor splits on its own (``shard_tensor``: its name says how), so the builder streams a
 checkpoint into per-rank files one tensor at a time; ``unshard_tensor`` is the inverse, for readers
@@ -30,9 +38,12 @@ import torch
 from backend.model.config import ModelConfig
 # re-exported: callers find the rules beside the splitting they guard
 from backend.model.tp_rules import SHARDABLE_FORMATS, ShardError, check_tp  # noqa: F401
+from quant.formats import get_format
 
-# The tensors a linear may carry in those formats (anything else is refused, never replicated blindly).
-_LINEAR_PARTS = ("weight", "weight_scale", "input_scale", "bias")
+# The tensors a linear may carry in any format (anything else is refused, never replicated blindly);
+# shard_weights also holds each linear to its own format's set (quant/formats.py).
+_LINEAR_PARTS = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "bias")
+_PER_TENSOR = ("input_scale", "weight_scale_2")
 _COLUMN = ("qkv", "gate_up")      # output rows split
 _ROW = ("o", "down")              # input columns split, outputs all-reduced
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")
@@ -78,17 +89,16 @@ def _plan(name: str, shape: tuple[int, ...], c: ModelConfig, tp: int, whole: boo
     numel = 1
     for n in shape:
         numel *= n
-    if lin in _ROW:
-        if part != "weight":
-            # Every output row stays on every rank: its scale and bias too (bias added after the reduce).
-            return "copy", []
-        inp = c.q_size if lin == "o" else c.intermediate_size
-        if whole and (len(shape) != 2 or shape[1] != inp):
-            raise ShardError(f"{where}.weight: shape {shape}; expected {inp} input columns")
-        n = inp // tp
-        return "cols", [(r * n, n) for r in range(tp)]
-    if part == "input_scale" or (part == "weight_scale" and numel == 1):
+    if part in _PER_TENSOR or (part == "weight_scale" and numel == 1):
         return "copy", []                               # per-tensor: every rank quantizes alike
+    if lin in _ROW:
+        return _row_plan(f"{where}.{part}", part, shape, c.q_size if lin == "o" else c.intermediate_size,
+                         tp, whole)
+    if part == "pre_quant_scale":
+        # multiplies qkv/gate_up's input, which every rank gets whole
+        if whole and shape != (c.hidden_size,):
+            raise ShardError(f"{where}.{part}: shape {shape}; expected ({c.hidden_size},)")
+        return "copy", []
     if lin == "qkv":
         qh, kvh, rows = c.num_heads // tp * d, c.num_kv_heads // tp * d, c.q_size + 2 * c.kv_size
         spans = [[(r * qh, qh), (c.q_size + r * kvh, kvh), (c.q_size + c.kv_size + r * kvh, kvh)]
@@ -96,9 +106,35 @@ def _plan(name: str, shape: tuple[int, ...], c: ModelConfig, tp: int, whole: boo
     else:
         inter, rows = c.intermediate_size // tp, 2 * c.intermediate_size
         spans = [[(r * inter, inter), (c.intermediate_size + r * inter, inter)] for r in range(tp)]
-    if whole and shape[0] != rows:                      # weight, per-row weight_scale, bias
+    if whole and shape[0] != rows:   # weight (packed or not), per-row or per-group weight_scale, bias
         raise ShardError(f"{where}.{part}: shape {shape}; expected {rows} rows or one value")
     return "rows", spans
+
+
+def _row_plan(what: str, part: str, shape: tuple[int, ...], inp: int, tp: int, whole: bool) -> tuple[str, list]:
+    """How a tensor of a row-parallel linear (``inp`` input features, split ``tp`` ways) splits."""
+    n = inp // tp
+    if part == "bias" or (part == "weight_scale" and len(shape) == 1):
+        return "copy", []            # per output row: every rank computes every row's partial sum
+    if part == "pre_quant_scale":    # one per input feature: with its columns
+        if whole and shape != (inp,):
+            raise ShardError(f"{what}: shape {shape}; expected ({inp},)")
+        return "rows", [[(r * n, n)] for r in range(tp)]
+    # weight [out, in] (or packed two codes a byte [out, in/2]); grouped weight_scale [out, in/group]
+    cols = shape[-1] if len(shape) == 2 else 0
+    if not whole:
+        return "cols", []
+    per_col = inp // cols if cols and inp % cols == 0 else 0
+    if not (per_col in (1, 2) if part == "weight" else per_col > 1):
+        want = f"{inp} or {inp // 2} (packed 4-bit)" if part == "weight" else f"{inp}/group"
+        raise ShardError(f"{what}: shape {shape}; expected {want} columns for {inp} input features")
+    if cols % tp:
+        unit = (("input features" if per_col == 1 else "bytes of two 4-bit codes") if part == "weight"
+                else f"scale groups of {per_col} input features")
+        raise ShardError(f"{what}: {cols} {unit} do not split {tp} ways: each rank's {n} of the {inp} "
+                         f"input features would cut one")
+    k = cols // tp
+    return "cols", [(r * k, k) for r in range(tp)]
 
 
 def shard_tensor(name: str, t: torch.Tensor, config: ModelConfig, tp_size: int, rank: int) -> torch.Tensor:
@@ -141,6 +177,15 @@ def shard_weights(weights: dict[str, torch.Tensor], config: ModelConfig, quant_f
         for lin in _COLUMN + _ROW:
             if f"layers.{i}.{lin}.weight" not in weights:
                 raise ShardError(f"layers.{i}.{lin}.weight: missing")
+    # A tensor the format does not have would be split by its name's rule without meaning it
+    fmt = get_format(quant_format)
+    parts = (*fmt.required, *fmt.optional, "bias")
+    for name in weights:
+        m = _LAYER.fullmatch(name)
+        lin, _, part = m[2].partition(".") if m else ("", "", "")
+        if lin in _COLUMN + _ROW and part not in parts:
+            raise ShardError(f"layers.{m[1]}.{lin}: tensors {part} are not part of a {quant_format!r} linear; "
+                             f"allowed: {', '.join(parts)}")
     return {name: shard_tensor(name, t, config, tp_size, rank) for name, t in weights.items()}
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.config import BuildConfig, ConfigError, check_against_model
+from builder.config import QUANT_FORMATS, BuildConfig, ConfigError, check_against_model
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
@@ -98,9 +98,6 @@ def test_unknown_quantization_format(tmp_path):
     (["engine.max_kv_tokens=100"], "engine.max_kv_tokens", "cannot hold one sequence"),
     (["engine.target_sms=[]"], "engine.target_sms", "at least one"),
     (["engine.tp_size=65"], "engine.tp_size", "65 is too large; allowed: an integer in 1..64"),
-    (["engine.tp_size=3", "quantization.format=nvfp4"], "engine.tp_size",
-     "3 cannot shard quantization.format=nvfp4 (its group scales are not split yet); "
-     "allowed: 1, or quantization.format none | fp8"),
     (["engine.tp_size=3", "speculative.method=eagle3"], "engine.tp_size",
      "3 cannot run with speculative.method=eagle3"),
     (["model.max_position_embeddings=1024"], "engine.max_seq_len", "exceeds the model's context"),
@@ -180,19 +177,28 @@ def test_config_is_frozen():
     (["quantization.format=int4_awq", "quantization.group_size=128"], {}, "quantization.group_size",
      "does not divide the model's hidden_size"),
     (["quantization.format=nvfp4"], {"intermediate_size": 1544}, "quantization.format", "divisible by 16"),
+    # a row-parallel split must leave each rank whole scale groups (o's and down's input features)
+    (["engine.tp_size=4", "quantization.format=nvfp4"], {"num_heads": 12, "num_kv_heads": 4, "intermediate_size": 1568},
+     "engine.tp_size", "4 gives each rank 392 of the 1568 input features of down (intermediate_size), not a "
+     "multiple of nvfp4's block 16: a rank would hold part of a scale group; allowed: 1 | 2"),
+    (["engine.tp_size=2", "quantization.format=int4_awq", "quantization.group_size=64"],
+     {"num_heads": 12, "num_kv_heads": 4, "intermediate_size": 1600}, "engine.tp_size",
+     "2 gives each rank 800 of the 1600 input features of down (intermediate_size), not a multiple of "
+     "int4_awq's group_size 64: a rank would hold part of a scale group; allowed: 1"),
     (["speculative.method=eagle3", "speculative.aux_layers=[1, 40]"], {}, "speculative.aux_layers", "layer 40"),
 ])
 def test_model_shape_checks(overrides, model, key, fragment):
     cfg = BuildConfig.from_dict({}, "x.yaml", overrides)
     msg = error_of(check_against_model, cfg, {**SMOLLM2_SHAPE, **model})
     assert msg.startswith(f"x.yaml: {key}: ") and fragment in msg
-    if key == "engine.tp_size":   # the tp sizes that would work for this model
+    if key == "engine.tp_size" and "allowed" not in fragment:   # the tp sizes that would work for this model
         assert msg.endswith("allowed: 1 | 3" if not model else "allowed: 1")
 
 
 def test_tp_size_is_built_when_the_model_splits():
-    """SmolLM2 (9 heads, 3 KV heads, intermediate 1536, vocab 49152) splits 3 ways, in fp8 and bf16."""
-    for fmt in ("fp8", "none"):
+    """SmolLM2 (9 heads, 3 KV heads, intermediate 1536, vocab 49152) splits 3 ways in every format: o's
+    576 and down's 1536 input features give each rank 192 and 512, whole groups of 64 and blocks of 16."""
+    for fmt in QUANT_FORMATS:
         check_against_model(BuildConfig.from_dict({}, "x.yaml", ["engine.tp_size=3", f"quantization.format={fmt}"]),
                             SMOLLM2_SHAPE)
     assert BuildConfig.from_dict({}, "x.yaml", ["engine.tp_size=64"]).engine.tp_size == 64
