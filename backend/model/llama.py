@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -64,9 +65,11 @@ def build_layer(weights: dict[str, torch.Tensor], i: int, quant_format: str, dty
 
 def decoder_layer(c: ModelConfig, layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, attention: AttentionBackend, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                  meta, scale: float) -> torch.Tensor:
+                  meta, scale: float, row_linear: Callable | None = None) -> torch.Tensor:
     """One layer on plain ops (the torch attention backend): ``hidden [T, H]`` -> ``[T, H]``; writes
-    the step's keys and values into ``kv_cache``."""
+    the step's keys and values into ``kv_cache``. ``row_linear(linear, x)`` computes the ``o`` and
+    ``down`` products (``LlamaModel.row_linear``: a tensor-parallel rank all-reduces them there)."""
+    row = row_linear or _apply
     t = hidden.shape[0]
     # Attention block.
     x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
@@ -78,10 +81,10 @@ def decoder_layer(c: ModelConfig, layer: DecoderLayer, hidden: torch.Tensor, cos
     k_cache, v_cache = kv_cache
     attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale)
     attn = attention.forward(q, k_cache, v_cache, meta, scale, layer.k_scale, layer.v_scale)
-    hidden = hidden + layer.o(attn.reshape(t, c.q_size))
+    hidden = hidden + row(layer.o, attn.reshape(t, c.q_size))
     # MLP block.
     x = rms_norm(hidden, layer.post_attn_norm, c.rms_norm_eps)
-    return hidden + layer.down(silu_and_mul(layer.gate_up(x)))
+    return hidden + row(layer.down, silu_and_mul(layer.gate_up(x)))
 
 
 class LlamaModel:
@@ -149,6 +152,12 @@ class LlamaModel:
         """Token ids -> the first residual stream (a tensor-parallel rank overrides it: backend/model/tp.py)."""
         return F.embedding(input_ids, self.embed_tokens)
 
+    def row_linear(self, linear: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        """The ``o`` and ``down`` products, in both layer paths: the only places where a layer's
+        partial sums would meet if its inner dimension were split. A tensor-parallel rank overrides
+        this to all-reduce them (backend/model/tp.py); ``x`` may be fp8 codes (see ``_apply``)."""
+        return _apply(linear, x)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 capture_hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -159,7 +168,8 @@ class LlamaModel:
         captured: dict[int, torch.Tensor] = {}
         hidden = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
-            hidden = decoder_layer(c, layer, hidden, cos, sin, self.attention, kv_caches[i], meta, self.scale)
+            hidden = decoder_layer(c, layer, hidden, cos, sin, self.attention, kv_caches[i], meta, self.scale,
+                                   self.row_linear)
             if i in capture_hidden_layers:
                 captured[i] = hidden
         return rms_norm(hidden, self.norm, c.rms_norm_eps), captured
@@ -167,7 +177,11 @@ class LlamaModel:
     def _forward_fused(self, input_ids, meta, kv_caches, capture_hidden_layers):
         """The same layer on fused kernels. The residual stream is added lazily: each block's output
         (``delta``) goes into the next norm kernel, which writes the sum (the new residual) and the
-        normed row, quantized to fp8 when the linear it feeds is an FP8 one (``_fp8_in``)."""
+        normed row, quantized to fp8 when the linear it feeds is an FP8 one (``_fp8_in``).
+        ``delta`` is always ``row_linear``'s output, so on a tensor-parallel rank it is the whole
+        (all-reduced, biased) sum before any kernel adds it to the residual; the kernels that quantize
+        the O and down inputs (attention's ``out_scale``, ``silu_mul_quant``) work on this rank's
+        heads/columns alone, with the replicated per-tensor input scales."""
         c, k, aot = self.config, self._kernels, getattr(self.attention, "aot", None)
         t, eps = input_ids.shape[0], c.rms_norm_eps
         norm, act = k["add_rms_norm_quant"], k["silu_mul_quant"]
@@ -185,10 +199,10 @@ class LlamaModel:
             # an FP8 O projection's input comes quantized out of the attention kernel
             attn = self.attention.forward(q, k_cache, v_cache, meta, self.scale, layer.k_scale, layer.v_scale,
                                           out_scale=_fp8_in(layer.o))
-            delta = _apply(layer.o, attn.reshape(t, c.q_size))
+            delta = self.row_linear(layer.o, attn.reshape(t, c.q_size))
             # MLP block.
             x, hidden = norm(delta, layer.post_attn_norm, eps, hidden, _fp8_in(layer.gate_up), aot=aot)
-            delta = _apply(layer.down, act(_apply(layer.gate_up, x), _fp8_in(layer.down), aot=aot))
+            delta = self.row_linear(layer.down, act(_apply(layer.gate_up, x), _fp8_in(layer.down), aot=aot))
             if i in capture_hidden_layers:
                 captured[i] = hidden + delta
         if delta is None:

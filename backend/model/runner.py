@@ -147,15 +147,7 @@ class ModelRunner:
             cpu_dtype.check(spec.engine.cpu_dtype)   # refused on every device, before any weight is read
         except cpu_dtype.CpuDtypeError as exc:
             raise EngineError(str(exc)) from exc
-        backend_name = resolve_backend_name(spec.engine.attention_backend, str(self.device))
-        self.attention = get_backend(backend_name, str(self.device))
-        if self.device.type == "cuda" and spec.manifest.kernels and hasattr(self.attention, "load_aot"):
-            # The build compiled these cubins for the bundle's target SMs: launching them skips JIT at
-            # start. Any problem with them must cost speed, never the engine, so fall back to JIT.
-            try:
-                self.attention.load_aot(spec.path, as_dict(spec.manifest.kernels), self.device)
-            except Exception as exc:  # noqa: BLE001
-                _LOG.warning("AOT kernels of %s not usable here (%s); using Triton JIT", spec.path, exc)
+        backend_name, self.attention = attention_backend(spec, self.device)
         window = cfg.sliding_window
         max_seq = spec.engine.max_seq_len
         if window and max_seq > window:
@@ -179,7 +171,7 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_storage_dtype, device=self.device),
                            torch.zeros(shape, dtype=self.kv_storage_dtype, device=self.device))
                           for _ in range(cfg.num_layers)]
-        self.graphs = self._decode_graphs(backend_name, max_seq)
+        self.graphs = decode_graphs(spec, self.model, self.kv_caches, backend_name, self.device)
 
     def _choose_dtype(self, dtype: torch.dtype | None, weights: dict[str, torch.Tensor],
                       backend_name: str) -> cpu_dtype.DtypeChoice:
@@ -198,24 +190,6 @@ class ModelRunner:
                   f"; decode-step estimates, ms: {choice.timings_ms}" if choice.timings_ms else "")
         return choice
 
-    def _decode_graphs(self, backend_name: str, max_seq: int):
-        """engine.cuda_graphs: "auto" (default) = on for a CUDA device with the triton attention backend;
-        true on CPU runs the same padded static-buffer path eagerly (tests); false = never."""
-        want = self.spec.engine.cuda_graphs
-        if want not in ("auto", True, False):
-            raise EngineError(f"engine.cuda_graphs: {want!r}; allowed: auto, true, false")
-        if want is False or (want == "auto" and self.device.type != "cuda"):
-            return None
-        if backend_name != "triton":
-            if want is True:
-                raise EngineError(f"engine.cuda_graphs: true needs engine.attention_backend triton "
-                                  f"(got {backend_name}); allowed: auto, false")
-            return None
-        from backend.ops.cuda_graphs import DecodeGraphs
-        max_blocks = -(-(max_seq + 64) // self.block_size)   # the executor's block-table width
-        return DecodeGraphs(self.model, self.kv_caches, self.spec.engine.max_batch_size,
-                            max_blocks, max_seq, self.device, capture=self.device.type == "cuda")
-
     def _plan_kv_blocks(self) -> int:
         free_dev = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         return plan_kv_blocks(self.spec, self.kv_storage_dtype, self.spec.model.num_kv_heads, free_dev)
@@ -229,15 +203,60 @@ class ModelRunner:
                 capture_hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run one step. ``logits_indices [N]`` picks the token rows whose next-token logits are
         needed (the last token of each sequence that samples this step); returns fp32 ``[N, V]``."""
-        if self.graphs is not None and self.graphs.usable(input_ids, meta, capture_hidden_layers):
-            # the graph's output buffers are overwritten by the next replay: the logits below are
-            # computed from them now (the captured layers are views: the speculator copies the rows it
-            # needs before that)
-            hidden, captured = self.graphs.run(input_ids, meta, capture_hidden_layers)
-        else:
-            hidden, captured = self.model.forward(input_ids, meta, self.kv_caches, capture_hidden_layers)
+        hidden, captured = step_hidden(self.graphs, self.model, self.kv_caches, input_ids, meta,
+                                       capture_hidden_layers)
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         return logits, captured
+
+
+def attention_backend(spec: EngineSpec, device: torch.device) -> tuple[str, Any]:
+    """engine.attention_backend resolved for ``device`` (auto: triton on a GPU, torch on a CPU) and
+    its backend, with the bundle's AOT kernels loaded on a GPU. Every runner of a bundle (``ModelRunner``,
+    each tensor-parallel rank's ``TPRunner``) picks it here, so they run the same kernels."""
+    name = resolve_backend_name(spec.engine.attention_backend, str(device))
+    attention = get_backend(name, str(device))
+    if device.type == "cuda" and spec.manifest.kernels and hasattr(attention, "load_aot"):
+        # The build compiled these cubins for the bundle's target SMs: launching them skips JIT at
+        # start. Any problem with them must cost speed, never the engine, so fall back to JIT.
+        try:
+            attention.load_aot(spec.path, as_dict(spec.manifest.kernels), device)
+        except Exception as exc:  # noqa: BLE001
+            _LOG.warning("AOT kernels of %s not usable here (%s); using Triton JIT", spec.path, exc)
+    return name, attention
+
+
+def decode_graphs(spec: EngineSpec, model, kv_caches, backend_name: str, device: torch.device, agree=None):
+    """engine.cuda_graphs: "auto" (default) = on for a CUDA device with the triton attention backend;
+    true on CPU runs the same padded static-buffer path eagerly (tests); false = never. ``agree``: see
+    ``DecodeGraphs`` (a tensor-parallel rank's capture outcome, agreed over its group)."""
+    want = spec.engine.cuda_graphs
+    if want not in ("auto", True, False):
+        raise EngineError(f"engine.cuda_graphs: {want!r}; allowed: auto, true, false")
+    if want is False or (want == "auto" and device.type != "cuda"):
+        return None
+    if backend_name != "triton":
+        if want is True:
+            raise EngineError(f"engine.cuda_graphs: true needs engine.attention_backend triton "
+                              f"(got {backend_name}); allowed: auto, false")
+        return None
+    from backend.ops.cuda_graphs import DecodeGraphs
+    block_size = spec.engine.kv_block_size
+    max_seq = spec.engine.max_seq_len
+    max_blocks = -(-(max_seq + 64) // block_size)   # the executor's block-table width
+    return DecodeGraphs(model, kv_caches, spec.engine.max_batch_size, max_blocks, max_seq, device,
+                        capture=device.type == "cuda", agree=agree)
+
+
+def step_hidden(graphs, model, kv_caches, input_ids: torch.Tensor, meta,
+                capture_hidden_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """One step's final hidden rows and captured layers: through ``graphs`` when they take the step,
+    else the model's eager forward (the runner computes logits from them)."""
+    if graphs is not None and graphs.usable(input_ids, meta, capture_hidden_layers):
+        # the graph's output buffers are overwritten by the next replay: the runner's logits are
+        # computed from them before that (the captured layers are views: the speculator copies the
+        # rows it needs first)
+        return graphs.run(input_ids, meta, capture_hidden_layers)
+    return model.forward(input_ids, meta, kv_caches, capture_hidden_layers)
 
 
 def prefill_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:

@@ -120,9 +120,18 @@ class _Buffers:
 
 
 class DecodeGraphs:
+    """A runner's graphs (see the module docstring). ``agree(failure: str | None) -> str | None``, for a
+    tensor-parallel rank: called by every rank after each capture attempt, returns a failure if any
+    rank had one, so that all ranks then run that step and every later one eagerly together. A
+    model whose forward holds collectives must capture and replay the same graphs in the same order
+    on every rank: that holds because every choice here (``usable``, the bucket, the keys to
+    capture, their order) is a function of the step's inputs, which every rank receives alike, and
+    of this object's history, which is then alike too (``failed`` included, through ``agree``)."""
+
     def __init__(self, model, kv_caches, max_batch: int, max_blocks: int, max_seq_len: int,
-                 device: torch.device, capture: bool = True) -> None:
+                 device: torch.device, capture: bool = True, agree=None) -> None:
         self.model, self.kv_caches = model, kv_caches
+        self.agree = agree
         self.sizes = buckets(max_batch)
         self.max_blocks, self.max_seq_len = max_blocks, max_seq_len
         self.capture = capture
@@ -192,11 +201,16 @@ class DecodeGraphs:
                 # plain decoding captures this bucket and every smaller one still missing (batches
                 # shrink as requests finish: those buckets will be wanted); verify shapes one by one
                 keys = self.decode_keys_to_capture(b, layers) if q == 1 else [key]
+                failure = None
                 try:
                     self._capture(keys)
                 except Exception as exc:  # noqa: BLE001 - graphs are a speed-up: never the engine's failure
+                    failure = f"{type(exc).__name__}: {exc}"
+                if self.agree is not None:
+                    failure = self.agree(failure)
+                if failure is not None:
                     self.graphs.clear()
-                    self.failed = f"{type(exc).__name__}: {exc}"
+                    self.failed = failure
                     _LOG.warning("CUDA graph capture failed (%s); running steps eagerly", self.failed)
                     torch.cuda.synchronize(self.device)
                     buf.load(input_ids, meta)
