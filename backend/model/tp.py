@@ -6,13 +6,16 @@ in a bundle built with engine.tp_size, else ``tp_shard.shard_weights`` of the si
 only the seams where partial results meet differ, Megatron-LM style:
 
 - embedding: each rank looks up the ids in its vocab range (zeros elsewhere), then one all-reduce;
-- ``o`` and ``down`` are row-parallel: partial sums all-reduced, the bias added once after the reduce;
+- ``o`` and ``down`` are row-parallel: partial sums all-reduced, the bias added once after the reduce
+  (``TPLlamaModel.row_linear``, the hook both of llama.py's layer paths compute those products in);
 - logits: each rank computes its vocab slice for the rows asked; rank 0 gathers them (the sampler
   lives there), the other ranks get None.
 
 Ranks hold their own KV cache (``[blocks, block_size, kv_heads/tp, head_dim]``) with the same block
-ids, so rank 0's scheduler decides for all. Only the torch attention backend's plain-op path is split
-here; the fused GPU layer (``LlamaModel._forward_fused``) is refused until its kernels take a group.
+ids, so rank 0's scheduler decides for all. The attention backend is chosen as for one device
+(``runner.attention_backend``: the fused Triton layer on GPUs), and decode steps go through CUDA
+graphs there (``runner.decode_graphs``) with the all-reduces captured inside: every rank captures and
+replays the same graphs in the same order, since each gets the same step inputs (see ``DecodeGraphs``).
 """
 from __future__ import annotations
 
@@ -27,31 +30,11 @@ import torch.nn.functional as F
 
 from backend.model.config import ModelConfig
 from backend.model.llama import LlamaModel
-from backend.model.runner import EngineError, EngineSpec, kv_cache_dtypes, load_weights, plan_kv_blocks
+from backend.model.runner import (EngineError, EngineSpec, attention_backend, decode_graphs, kv_cache_dtypes,
+                                  load_weights, plan_kv_blocks, step_hidden)
 from backend.model.tp_shard import shard_config, shard_weights
 from backend.ops import cpu_matmul
-from backend.ops.attention import get_backend
 from backend.ops.linear import QuantLinear
-
-
-class RowParallelLinear:
-    """A row-parallel shard of a linear: ``x [T, in/tp] -> [T, out]``, summed over ranks.
-
-    The bias is taken off the inner linear and added after the all-reduce, so it counts once."""
-
-    def __init__(self, linear: QuantLinear, group: dist.ProcessGroup | None) -> None:
-        self.linear = linear
-        self.group = group
-        self.bias, linear.bias = linear.bias, None
-
-    @property
-    def out_features(self) -> int:
-        return self.linear.out_features
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x).contiguous()
-        dist.all_reduce(y, group=self.group)
-        return y if self.bias is None else y + self.bias
 
 
 class TPLlamaModel(LlamaModel):
@@ -60,17 +43,28 @@ class TPLlamaModel(LlamaModel):
     def __init__(self, config: ModelConfig, shard: dict[str, torch.Tensor], quant_format: str,
                  attention, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, *,
                  tp_size: int, rank: int, group: dist.ProcessGroup | None = None) -> None:
-        if getattr(attention, "name", None) != "torch":
-            raise ValueError(f"tensor parallelism (tp_size={tp_size}) runs the torch attention backend only "
-                             f"so far; got {getattr(attention, 'name', attention)!r}")
         super().__init__(shard_config(config, tp_size), shard, quant_format, attention, device,
                          dtype or config.torch_dtype)
         self.full_config = config
         self.tp_size, self.rank, self.group = tp_size, rank, group
         self.vocab_start = rank * self.config.vocab_size
+        # The row-parallel linears' biases, taken off them (by the linear's id) and added once, after
+        # the all-reduce: left on, every rank's partial sum would carry one and the sum tp of them.
+        self._row_bias: dict[int, torch.Tensor] = {}
         for layer in self.layers:
-            layer.o = RowParallelLinear(layer.o, group)          # type: ignore[assignment]
-            layer.down = RowParallelLinear(layer.down, group)    # type: ignore[assignment]
+            for lin in (layer.o, layer.down):
+                if lin.bias is not None:
+                    self._row_bias[id(lin)], lin.bias = lin.bias, None
+
+    def row_linear(self, linear: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        """``o``/``down`` on this rank's input columns (``x [T, in/tp]``, fp8 codes when a fused kernel
+        quantized it) -> the whole product ``[T, out]``: partial sums all-reduced, then the bias. The
+        one place both layer paths (plain and fused) meet the other ranks inside a layer; under a
+        CUDA graph the all-reduce is captured with the kernels around it."""
+        y = super().row_linear(linear, x).contiguous()
+        dist.all_reduce(y, group=self.group)
+        bias = self._row_bias.get(id(linear))
+        return y if bias is None else y + bias
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """LlamaModel.forward's embedding, vocab-parallel: exact, since every id is found on one rank and zeros elsewhere."""
@@ -106,7 +100,8 @@ class TPRunner:
         """``device``: this rank's (one GPU per rank, or the CPU). ``num_blocks`` None: planned here from
         the GPU's free memory once the weights are in, the smallest over the ranks (collective)."""
         self.spec, self.device = spec, torch.device(device)
-        self.attention = get_backend("torch", str(self.device.type))
+        # as ModelRunner picks it: auto = the triton backend (fused layer, AOT cubins) on a GPU
+        backend_name, self.attention = attention_backend(spec, self.device)
         if shard is None:
             shard = _rank_weights(spec, tp_size, rank, weights)
         self.model = TPLlamaModel(spec.model, shard, spec.quant_format, self.attention, self.device, dtype,
@@ -122,6 +117,9 @@ class TPRunner:
         shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=storage, device=self.device),
                            torch.zeros(shape, dtype=storage, device=self.device)) for _ in range(c.num_layers)]
+        # engine.cuda_graphs as on one device; a capture that fails on any rank sends every rank eager
+        self.graphs = decode_graphs(spec, self.model, self.kv_caches, backend_name, self.device,
+                                    agree=lambda failure: _agree_failure(failure, self.device, group))
 
     def _agreed_blocks(self, storage: torch.dtype, group: dist.ProcessGroup | None) -> int:
         """Each rank's KV plan from its own device's free memory, then the smallest of them: rank 0's
@@ -137,8 +135,22 @@ class TPRunner:
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor,
                 capture_hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
-        hidden, captured = self.model.forward(input_ids, meta, self.kv_caches, capture_hidden_layers)
+        hidden, captured = step_hidden(self.graphs, self.model, self.kv_caches, input_ids, meta,
+                                       capture_hidden_layers)
         return self.model.compute_logits(hidden.index_select(0, logits_indices)), captured
+
+
+def _agree_failure(failure: str | None, device: torch.device, group: dist.ProcessGroup | None) -> str | None:
+    """A CUDA graph capture's outcome agreed over the group (``DecodeGraphs``' ``agree``), so that no
+    rank replays graphs while another runs the step eagerly: whether NCCL pairs a replayed collective
+    with an eager one is nothing this code should depend on; all ranks eager together is plainly right.
+    (A rank whose warm-up itself raises is not covered: its peers wait in that step's collectives, as
+    they would for any step that raises on one rank.)"""
+    flag = torch.tensor([failure is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if failure is None and int(flag.item()):
+        return "CUDA graph capture failed on another tensor-parallel rank"
+    return failure
 
 
 def _rank_weights(spec: EngineSpec, tp_size: int, rank: int,
