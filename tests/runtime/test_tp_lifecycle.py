@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.serving.serve_process import alive
+
 pytestmark = pytest.mark.slow
 
 TP = 3
@@ -52,14 +54,6 @@ tp_driver.TPDriver(load_engine_spec(sys.argv[1]), int(sys.argv[2]), num_blocks=8
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie has exited
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("how", ["SIGKILL while idle", "os._exit before the rendezvous"])
 def test_workers_exit_when_rank0_dies_without_a_word(smollm2_bundle, how):
     """Rank 0 SIGKILLed while its workers idle in a broadcast (gloo sees the socket close), or gone by
@@ -71,19 +65,19 @@ def test_workers_exit_when_rank0_dies_without_a_word(smollm2_bundle, how):
     workers: list[int] = []
     try:
         workers = [int(p) for p in proc.stdout.readline().split()]
-        assert len(workers) == TP - 1 and all(_alive(p) for p in workers)
+        assert len(workers) == TP - 1 and all(alive(p) for p in workers)
         if how.startswith("SIGKILL"):
             proc.send_signal(signal.SIGKILL)
         proc.wait(60)
         deadline = time.monotonic() + 15
-        while any(map(_alive, workers)) and time.monotonic() < deadline:
+        while any(map(alive, workers)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(map(_alive, workers)), f"workers outlived rank 0 ({how})"
+        assert not any(map(alive, workers)), f"workers outlived rank 0 ({how})"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        for p in filter(_alive, workers):
+        for p in filter(alive, workers):
             os.kill(p, signal.SIGKILL)
 
 

@@ -3,29 +3,15 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
 from harness.serving_client import http_generate
 from harness.model_names import DEFAULT as NAMES
 from harness.serving_server import free_port, stub_processes
-from tests.serving.serve_process import server_pid, start_serve
+from tests.serving.serve_process import LongStreams, group_members, server_pid, start_serve, stop_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
-
-
-def _group_members(pgid: int) -> list[int]:
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            out.append(int(pid))
-    return out
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT])
@@ -41,24 +27,17 @@ def test_serve_starts_answers_and_stops_cleanly(serving_build, sig):
         body = http_generate(f"127.0.0.1:{ports[0]}", NAMES.ensemble, "The capital of France is", max_tokens=4,
                              temperature=0.0, exclude_input_in_output=True)
         assert body["text_output"].strip()
-        assert len(_group_members(pid)) >= 5  # the server and its four Python stubs
+        assert len(group_members(pid)) >= 5  # the server and its four Python stubs
         shm = [f for f in os.listdir("/dev/shm") if f.startswith(f"kiln_{proc.pid}_")]
         assert shm  # the per-server prefix is in use, so the cleanup check below is meaningful
         proc.send_signal(sig)
         rest, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, "".join(lines) + rest
         assert "stopped" in rest
-        assert _group_members(pid) == []
+        assert group_members(pid) == []
         assert [f for f in os.listdir("/dev/shm") if f.startswith(f"kiln_{proc.pid}_")] == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if pid is not None:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_serve(proc, pid)
 
 
 def _start_serve(serving_build, repo=None):
@@ -73,55 +52,22 @@ def test_a_dead_engine_stub_ends_streams_and_stops_the_server(serving_build):
     """kill -9 of the engine's stub: Triton alone keeps answering ready while the streams hang
     forever. harness.serve notices, stops the server with exit code 3 (documented), so every
     in-flight stream ends with an error and readiness stops answering."""
-    import asyncio
-    import threading
     import urllib.request
-
-    import tritonclient.grpc.aio as grpcclient
-
-    from harness.serving_client import grpc_stream
     proc, pid, ports = _start_serve(serving_build)
-    seen: set[int] = set()
-    results = []
-
-    async def streams():
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}")
-        # 900 forced tokens (the serving build's max_seq_len is 1024): minutes on this CPU
-        results.extend(await asyncio.gather(*[
-            grpc_stream(client, NAMES.ensemble, f"Count to a thousand, {i}:", on_piece=lambda _s, i=i: seen.add(i),
-                        max_tokens=900, min_tokens=900, temperature=0.0) for i in range(3)],
-            return_exceptions=True))  # the RPC itself fails (UNAVAILABLE) when the server goes
-        await client.close()
-
-    runner = threading.Thread(target=lambda: asyncio.run(streams()), daemon=True)
     try:
-        runner.start()
-        deadline = time.monotonic() + 120
-        while len(seen) < 3 and runner.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(seen) == 3, f"streams did not start: {results}"
+        streams = LongStreams(ports[1], model=NAMES.ensemble)
+        assert streams.started(), f"streams did not start: {streams.results}"
         engine = [p for p, model in stub_processes(pid).items() if model == NAMES.engine]
         assert len(engine) == 1
         os.kill(engine[0], signal.SIGKILL)
         rest, _ = proc.communicate(timeout=120)
         assert proc.returncode == 3, rest
         assert f"stub of model {NAMES.engine}" in rest and "died" in rest
-        runner.join(60)
-        assert not runner.is_alive(), "a stream still hangs after the server stopped"
-        # each stream ended with an error: a final error response or the RPC's own failure
-        assert len(results) == 3
-        assert all(isinstance(r, Exception) or r.error for r in results), results
+        assert streams.all_failed(), f"a stream hangs or ended without an error: {streams.results}"
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=5)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
+        stop_serve(proc, pid)
 
 
 def test_a_hung_step_ends_requests_with_an_error_and_stops_the_server(serving_build, tmp_path):
@@ -150,10 +96,4 @@ def test_a_hung_step_ends_requests_with_an_error_and_stops_the_server(serving_bu
         # mid-IPC) as the server's own exit: either way the server is stopped with code 3
         assert f"stub of model {NAMES.engine}" in rest or "tritonserver exited with code" in rest, rest
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_serve(proc, pid)

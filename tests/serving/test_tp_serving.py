@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -23,8 +22,9 @@ import pytest
 
 from harness.model_names import DEFAULT as NAMES
 from harness.serving_server import free_port, stub_processes
-from tests.serving.conftest import PROMPTS, SERVING_CONFIG, SERVING_OVERRIDES
-from tests.serving.serve_process import server_pid, start_serve
+from tests.serving.conftest import PROMPTS, SERVING_CONFIG, SERVING_OVERRIDES, _server
+from tests.serving.serve_process import (LongStreams, alive, children, group_members, server_pid, start_serve,
+                                        stop_serve)
 from tests.serving.test_cancel_storm import _stream, _text_inputs
 from tests.serving.test_server import _streams, wait_kv_idle
 
@@ -41,23 +41,8 @@ def tp_build(build_bundle) -> Path:
 
 @pytest.fixture(scope="module")
 def tp_server(tp_build):
-    from harness.serving_server import TritonServer
-    with TritonServer(tp_build / "model_repository", model_control="explicit",
-                      load_models=tuple(NAMES.as_dict().values()), exit_timeout=3) as srv:
+    with _server(tp_build) as srv:
         yield srv
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(p))
-    return out
 
 
 def _workers(server: int) -> list[int]:
@@ -65,19 +50,11 @@ def _workers(server: int) -> list[int]:
     multiprocessing resource tracker is a child too, and is not a rank)."""
     [engine] = [p for p, model in stub_processes(server).items() if model == NAMES.engine]
     out = []
-    for pid in _children(engine):
+    for pid in children(engine):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             if b"spawn_main" in f.read():
                 out.append(pid)
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_tp3_streams_the_tp1_text_through_ensemble_and_engine(tp_server, reference, text_tokenizer):
@@ -123,75 +100,35 @@ def test_tp3_cancellation_frees_the_blocks_and_reused_blocks_serve_right(tp_serv
         assert again["error"] is None and "".join(again["pieces"]) == reference[key]
 
 
-def _group_members(pgid: int) -> list[int]:
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(pid))
-    return out
-
-
 def test_killing_a_tp_worker_ends_streams_with_errors_and_stops_cleanly(tp_build):
     """SIGKILL of rank 2 while three streams run: each ends with an error (none hangs), the engine
     model's stub fails and exits, harness.serve stops the server with exit code 3, readiness stops
     answering, and the surviving worker exits by itself (it is checked before the server's group is
     cleaned up, so harness.serve's own kill cannot be what stopped it)."""
-    import tritonclient.grpc.aio as grpcclient
-
-    from harness.serving_client import grpc_stream
     ports = [free_port() for _ in range(3)]
     proc, lines = start_serve(tp_build / "model_repository", ports)
     pid = server_pid(lines)
     assert pid is not None, "".join(lines)
-    seen: set[int] = set()
-    results: list = []
-
-    async def streams():
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}")
-        results.extend(await asyncio.gather(*[
-            grpc_stream(client, NAMES.ensemble, f"Count to a thousand, {i}:", on_piece=lambda _s, i=i: seen.add(i),
-                        max_tokens=900, min_tokens=900, temperature=0.0) for i in range(3)],
-            return_exceptions=True))
-        await client.close()
-
-    runner = threading.Thread(target=lambda: asyncio.run(streams()), daemon=True)
     try:
-        runner.start()
-        deadline = time.monotonic() + 180
-        while len(seen) < 3 and runner.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(seen) == 3, f"streams did not start: {results}"
+        streams = LongStreams(ports[1], model=NAMES.ensemble)
+        assert streams.started(180), f"streams did not start: {streams.results}"
         workers = _workers(pid)
         assert len(workers) == TP - 1
         os.kill(workers[-1], signal.SIGKILL)
         survivor = workers[0]
         deadline = time.monotonic() + 30
-        while _alive(survivor) and time.monotonic() < deadline:
+        while alive(survivor) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(survivor), "the surviving worker outlived its engine"
+        assert not alive(survivor), "the surviving worker outlived its engine"
         rest, _ = proc.communicate(timeout=120)
         assert proc.returncode == 3, rest
-        runner.join(60)
-        assert not runner.is_alive(), "a stream still hangs after the server stopped"
-        assert len(results) == 3
-        # a final error response from the engine model (it names the dead rank) or the RPC's own
-        # failure when the server went first
-        assert all(isinstance(r, Exception) or r.error for r in results), results
-        named = [r.error for r in results if not isinstance(r, Exception)]
+        assert streams.all_failed(), f"a stream hangs or ended without an error: {streams.results}"
+        # the final error responses name the dead rank (a stream whose RPC failed as the server went
+        # has an exception instead)
+        named = [r.error for r in streams.results if not isinstance(r, Exception)]
         assert all("tensor parallel" in e for e in named), named
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=5)
-        assert _group_members(pid) == []
+        assert group_members(pid) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_serve(proc, pid)
