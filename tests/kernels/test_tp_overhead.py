@@ -1,9 +1,9 @@
 """harness.bench.tp_overhead (part tp of harness/gpucheck/device.sh) works before it reaches a GPU.
 
-No GPU here: without one the script refuses (exit 2); the distributed GPU path (TPDriver on NCCL) is
-not written yet, so its refusal (exit 3, one line, the JSON says so) is checked with the interface
-raising, and the timing path runs with stand-in runners on the CPU (--dry-run) - nothing is timed
-that means anything. device.sh itself is run with PARTS=tp to show that the part ends in its one
+No GPU here: without one the script refuses (exit 2); the distributed GPU path (TPDriver on NCCL) has
+not run on a GPU, so its refusal (exit 3, one line, the JSON says so) is checked with the interface
+raising, and the timing path of both pairs (eager; fast = fused layer + CUDA graphs) runs with
+stand-in runners on the CPU (--dry-run) - nothing is timed that means anything. device.sh itself is run with PARTS=tp to show that the part ends in its one
 line and the script goes on.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ class _StandIn:
 @pytest.fixture
 def stand_ins(monkeypatch):
     made = {}
-    monkeypatch.setattr(tp_overhead, "load_spec", lambda bundle: SPEC)
+    monkeypatch.setattr(tp_overhead, "load_spec", lambda bundle, overrides=None: SPEC)
     monkeypatch.setattr(tp_overhead, "plain_runner", lambda spec, device: made.setdefault("plain", _StandIn()))
     return made
 
@@ -72,11 +72,14 @@ def test_dry_run_times_both_paths_and_writes_the_json(stand_ins, monkeypatch, tm
     out = tmp_path / "tp.json"
     assert tp_overhead.main(["--dry-run", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    for b in (1, 2):
-        ms = res[f"b{b}_ms"]
-        assert {"plain", "distributed", "distributed_forward", "overhead", "ratio"} <= set(ms)
-        assert ms["overhead"] == pytest.approx(ms["distributed"] - ms["plain"])
-    assert "collectives_b1" in res and res["gpu"] == "cpu (dry run)"
+    for pre in ("", "fast_"):     # the eager pair, then the fused layer + graphs pair
+        for b in (1, 2):
+            ms = res[f"{pre}b{b}_ms"]
+            assert {"plain", "distributed", "distributed_forward", "overhead", "ratio"} <= set(ms)
+            assert ms["overhead"] == pytest.approx(ms["distributed"] - ms["plain"])
+        assert f"{pre}collectives_b1" in res
+    assert res["pairs"]["fast"] == {"cuda_graphs": True, "attention_backend": "triton"}
+    assert res["gpu"] == "cpu (dry run)" and "fast_graphs" in res
     assert driver.stopped, "the driver's process group must be shut down"
 
 
