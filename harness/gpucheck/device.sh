@@ -28,8 +28,9 @@
 #                         part kernels ran (they are among its tests)
 #   tp             90     harness.bench.tp_overhead: decode step of TP 1 plain vs TP 1 through the distributed
 #                         path (TPDriver, world size 1, NCCL) on the gpu-check fp8 bundle: the collectives'
-#                         cost per step (TP_ARGS); exits 3 with one line while TPDriver(spec, tp_size=1,
-#                         device="cuda") does not exist (#20), and the other parts run on
+#                         cost per step, torch-eager and fused layer + CUDA graphs (TP_ARGS="--pairs fast"
+#                         for the second alone); exits 3 with one line when TPDriver(spec, tp_size=1,
+#                         device="cuda") fails (#20), and the other parts run on
 # (old limit -> the default now: together 530 s). Which to run together:
 #   * one 9-minute call, everything at once: the defaults (PARTS unset);
 #   * a complete 3000-request throughput run: PARTS=bench T_BENCH=560 T_TOTAL=570 (the run stops at the
