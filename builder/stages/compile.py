@@ -236,14 +236,18 @@ def _compile_kernels(ctx: StageContext, manifest: bundle.Manifest, out: Path) ->
 
 
 def kernel_shapes(manifest: bundle.Manifest):
-    """The shapes that decide which kernel variants the engine launches (plugins.common.EngineShapes)."""
+    """The shapes that decide which kernel variants the engine launches (plugins.common.EngineShapes):
+    one rank's under engine.tp_size (its heads, KV heads and MLP slice; every rank has the same), so a
+    tensor-parallel engine finds its cubins too instead of compiling them at start."""
     from plugins.common import ACT_TYPES, EngineShapes
     m, q, e = manifest.model, manifest.quantization, manifest.engine
     act = ACT_TYPES[m.dtype]   # ModelConfig has checked the dtype
+    tp = e.tp_size             # divides these (builder/config.py checks it with tp_rules)
     return EngineShapes(
         act=act, kv="fp8e4nv" if e.kv_cache_dtype.startswith("fp8") else act,
-        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, hidden_size=m.hidden_size,
-        intermediate_size=m.intermediate_size, block_size=e.kv_block_size, quant_format=q.format,
+        num_heads=m.num_heads // tp, num_kv_heads=m.num_kv_heads // tp, head_dim=m.head_dim,
+        hidden_size=m.hidden_size, intermediate_size=m.intermediate_size // tp, block_size=e.kv_block_size,
+        quant_format=q.format,
         group_size=q.group_size, speculative=manifest.speculative is not None)
 
 

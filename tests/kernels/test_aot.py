@@ -173,3 +173,23 @@ def test_unusable_cubins_fall_back_to_jit_with_correct_results(bundle, recwarn, 
     torch.testing.assert_close(rms_norm(x, w, 1e-5, aot=ks), rms_norm_ref(x, w, 1e-5))
     assert "using Triton JIT" in str(recwarn.pop(RuntimeWarning).message)
     assert meta["key"] not in ks.kernels and not ks.launched   # never retried, never counted
+
+
+def test_a_tensor_parallel_bundle_compiles_one_ranks_shapes():
+    """engine.tp_size 3 (SmolLM2: 9 heads, 3 KV heads, intermediate 1536): the kernels are planned for
+    what each rank launches (3 heads, 1 KV head, 512 MLP columns, hidden whole), so a rank finds
+    its cubins and compiles nothing at start; tp 1 plans the whole model's, as before."""
+    from types import SimpleNamespace
+
+    from builder.stages.compile import kernel_shapes
+
+    def manifest(tp: int):
+        return SimpleNamespace(
+            model=SimpleNamespace(dtype="bfloat16", num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576,
+                                  intermediate_size=1536),
+            quantization=SimpleNamespace(format="nvfp4", group_size=None),
+            engine=SimpleNamespace(kv_cache_dtype="fp8_e4m3", kv_block_size=16, tp_size=tp), speculative=object())
+    assert kernel_shapes(manifest(1)) == ENGINE
+    rank = kernel_shapes(manifest(3))
+    assert (rank.num_heads, rank.num_kv_heads, rank.intermediate_size, rank.hidden_size) == (3, 1, 512, 576)
+    assert {v.key for v in aot.plan(rank)} != {v.key for v in aot.plan(ENGINE)}
