@@ -26,7 +26,7 @@ from builder.memory import RUNTIME_BASE, MemoryEstimate, largest_tensor
 from builder.stages.base import StageContext, StageError
 from builder.weights import Checkpoint, runtime_tensors
 
-STAGE_VERSION = 2
+STAGE_VERSION = 3   # 3: rank<i>.safetensors and per-rank kernel shapes under engine.tp_size
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 
