@@ -127,7 +127,7 @@ class TPDriver:
         """``device``: ``cpu`` (every rank; gloo), or the first of ``tp_size`` consecutive GPUs, one per
         rank (NCCL). ``num_blocks`` None: planned from RAM (CPU) or each GPU's free memory."""
         try:
-            check_tp(spec.model, spec.quant_format, tp_size)
+            check_tp(spec.model, spec.quant_format, tp_size, spec.manifest.quantization.group_size)
         except ShardError as exc:
             raise EngineError(f"engine.tp_size: {exc}") from exc
         self.devices = rank_devices(device, tp_size)
