@@ -41,6 +41,11 @@ never names them (so removing the declaration cannot change the code; ptxas then
 well-formed). This is narrower than tripy's workaround, which drops any unreferenced parameter and would
 shift the positions of TensorRT's own arguments.
 
+Floats: RMSNorm's eps is baked in as a constexpr per bundle (the compiled code is then the native
+kernel's with an immediate); the softmax scale is an fp32[1] input, because as a constexpr 0.125 let
+LLVM reorder the decode's q scaling around its fp16 conversion (kernels.py). The tests compare each
+plugin's instructions with the natively compiled variant's: equal, plus that scale's one load.
+
 Modules: `kernels` (the TensorRT-order wrappers around the unchanged kernels), `convention` (which
 params are inputs / int32 scalars / outputs for each planned variant, compile), `ptx` (entry parser and
 checker), `ptxas` (assemble for sm_90a / sm_100a).

@@ -54,7 +54,7 @@ def _in_subprocess(shapes: EngineShapes, floats: TrtFloats, sms: list[int], out_
         shp, res = Path(tmp) / "shapes.json", Path(tmp) / "metas.json"
         shp.write_text(json.dumps(dataclasses.asdict(shapes)))
         cmd = [sys.executable, "-m", "plugins.tensorrt.compile", str(shp), str(out_dir), "--sms", *map(str, sms),
-               "--rms-eps", repr(floats.rms_eps), "--sm-scale", repr(floats.sm_scale), "--metas", str(res)]
+               "--rms-eps", repr(floats.rms_eps), "--metas", str(res)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode:
             raise ConventionError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else
@@ -69,12 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out_dir")
     ap.add_argument("--sms", type=int, nargs="+", default=[90, 100])
     ap.add_argument("--rms-eps", type=float, required=True)
-    ap.add_argument("--sm-scale", type=float, required=True)
     ap.add_argument("--metas", help="write the list of .json contents here (default: stdout)")
     a = ap.parse_args(argv)
     try:
         metas = compile_all(shapes_from_dict(json.loads(Path(a.shapes).read_text())),
-                            TrtFloats(a.rms_eps, a.sm_scale), a.sms, a.out_dir)
+                            TrtFloats(a.rms_eps), a.sms, a.out_dir)
     except ValueError as exc:   # ConventionError / PtxasError / AotError: one line naming the kernel
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -4,8 +4,9 @@ For each kernel a TensorRT plugin would launch (paged attention decode + split +
 prefill with and without the EAGLE tree mask, rope + paged KV write, W4A16 GEMM, fused add + RMSNorm
 (+ FP8 quant)), `SPECS` says which parameters are input tensors, which are int32 scalars (TensorRT
 extra args, computed from shapes), which are outputs, which float scalars are baked in as constexprs
-(`TrtFloats`, from the bundle's model config), which outputs alias an input (in place), and which
-inputs a variant never reads (the graph feeds a 1-element constant there). `trt_plan(shapes, floats)`
+(`TrtFloats`: RMSNorm's eps, from the bundle's model config), which are fp32[1] inputs instead (the
+softmax scale: kernels.py says why), which outputs alias an input (in place), and which inputs a
+variant never reads (the graph feeds a 1-element constant there). `trt_plan(shapes, floats)`
 maps `plugins.aot.plan(shapes)` onto them, so the variants are the native ones with the same
 constexprs; `compile_trt(tv, sm)` compiles the TensorRT-order wrapper (plugins/tensorrt/kernels.py),
 refuses a variant that needs scratch memory, strips Triton's scratch pointers and checks the entry.
@@ -15,7 +16,6 @@ the fused kernels above replace them, or TensorRT has a layer for them.
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -33,13 +33,9 @@ TRITON_SCRATCH_PARAMS = 2   # global scratch, profile scratch (Triton 3.7)
 
 @dataclass(frozen=True)
 class TrtFloats:
-    """The float scalars TensorRT cannot pass, from the bundle's model config (constexprs per bundle)."""
+    """The float scalars baked into the PTX as constexprs, from the bundle's model config. (The softmax
+    scale is not one: it is an fp32[1] input, `sm_scale_ptr`, whose value the graph holds.)"""
     rms_eps: float
-    sm_scale: float
-
-    @staticmethod
-    def for_model(head_dim: int, rms_eps: float, sm_scale: float | None = None) -> "TrtFloats":
-        return TrtFloats(float(rms_eps), float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim))
 
 
 def _never(cx: dict) -> tuple[str, ...]:
@@ -54,6 +50,7 @@ class TrtSpec:
     scalars: tuple[str, ...]
     outputs: tuple[str, ...]
     floats: dict = field(default_factory=dict)       # wrapper constexpr -> TrtFloats field
+    extra_types: dict = field(default_factory=dict)  # inputs the native kernel has not (float scalars as tensors)
     aliases: dict = field(default_factory=dict)      # output -> the input it aliases (in place)
     unused: Callable[[dict], tuple[str, ...]] = _never   # inputs a variant with these constexprs never reads
     grid: str = ""                    # what the plugin's KernelLaunchParams grid is, in the kernel's terms
@@ -65,19 +62,21 @@ class TrtSpec:
 
 _DECODE_IN = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "k_scale_ptr", "v_scale_ptr")
 _PREFILL_IN = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "query_start_ptr", "context_lens_ptr",
-               "tree_mask_ptr", "k_scale_ptr", "v_scale_ptr")
+               "tree_mask_ptr", "k_scale_ptr", "v_scale_ptr", "sm_scale_ptr")
+SM_SCALE_INPUT = {"sm_scale_ptr": "*fp32"}   # fp32[1]: the value the native kernels take as an argument
+SCALAR_INPUTS = {"sm_scale_ptr"}             # 1-element inputs: never assumed 16-byte aligned
 
 SPECS = {
     "paged_decode": TrtSpec(
-        "kiln_paged_decode", K.trt_paged_decode, _DECODE_IN + ("out_scale_ptr",),
+        "kiln_paged_decode", K.trt_paged_decode, _DECODE_IN + ("out_scale_ptr", "sm_scale_ptr"),
         ("stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_bt", "tokens_per_split", "num_splits"),
-        ("out_ptr",), floats={"SM_SCALE": "sm_scale"},
+        ("out_ptr",), extra_types=SM_SCALE_INPUT,
         unused=lambda cx: () if cx["OUT_FP8"] else ("out_scale_ptr",),
         grid="(Hkv, B, 1) if HEADS_FIRST else (B, Hkv, 1)"),
     "paged_decode_split": TrtSpec(
-        "kiln_paged_decode_split", K.trt_paged_decode_split, _DECODE_IN,
+        "kiln_paged_decode_split", K.trt_paged_decode_split, _DECODE_IN + ("sm_scale_ptr",),
         ("stride_qb", "stride_qh", "stride_bt", "tokens_per_split", "num_splits"),
-        ("part_acc_ptr", "part_ml_ptr"), floats={"SM_SCALE": "sm_scale"},
+        ("part_acc_ptr", "part_ml_ptr"), extra_types=SM_SCALE_INPUT,
         grid="(Hkv, B, num_splits) if HEADS_FIRST else (B, Hkv, num_splits)"),
     "paged_decode_reduce": TrtSpec(
         "kiln_paged_decode_reduce", K.trt_paged_decode_reduce,
@@ -86,7 +85,7 @@ SPECS = {
     "paged_prefill": TrtSpec(
         "kiln_paged_prefill", K.trt_paged_prefill, _PREFILL_IN,
         ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_tm"), ("out_ptr",),
-        floats={"SM_SCALE": "sm_scale"}, unused=lambda cx: () if cx["HAS_TREE"] else ("tree_mask_ptr",),
+        extra_types=SM_SCALE_INPUT, unused=lambda cx: () if cx["HAS_TREE"] else ("tree_mask_ptr",),
         grid="(cdiv(max_q_len, BLOCK), B, Hkv)"),
     "rope_kv_write": TrtSpec(
         "kiln_rope_kv_write", K.trt_rope_kv_write,
@@ -146,7 +145,8 @@ def trt_variant(spec: TrtSpec, v: Variant, floats: TrtFloats) -> TrtVariant:
     names = list(spec.wrapper.arg_names)
     assert tuple(names[:len(spec.params)]) == spec.params, f"{spec.plugin}: spec and wrapper disagree"
     native = v.types
-    types = {p: native[p] if p in native else native[_alias_target(spec, p)] for p in spec.params}
+    types = {p: native[p] if p in native else spec.extra_types.get(p) or native[_alias_target(spec, p)]
+             for p in spec.params}
     for p in spec.scalars:
         if types[p] != "i32":   # TensorRT's extra args are int32 SymExprs; a float must be a constexpr
             raise ConventionError(f"{v.key}: scalar {p} is {types[p]}; TensorRT passes only int32 scalars")
@@ -183,7 +183,7 @@ def compile_trt(tv: TrtVariant, sm: int) -> TrtKernel:
     ConventionError naming the kernel (scratch memory needed, clusters, or an entry that does not fit)."""
     spec = tv.spec
     sig = dict(tv.types, **{n: "constexpr" for n in tv.constexprs})
-    aligned = set(aot.aligned_params(sig))
+    aligned = set(aot.aligned_params(sig)) - SCALAR_INPUTS
     divisible = set(tv.native.divisible) & set(spec.scalars)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in aligned or n in divisible}
     try:

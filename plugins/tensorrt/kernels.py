@@ -2,14 +2,14 @@
 
 TensorRT launches an AOT plugin's PTX with the plugin's input pointers, then its int32 extra arguments,
 then its output pointers, and nothing else (see plugins/tensorrt/__init__.py). Kiln's kernels take their
-outputs first and float scalars (eps, softmax scale) as arguments, so each wrapper here reorders the
-parameters, takes the floats as constexprs (baked into the PTX per bundle) and calls the unchanged
-kernel, which Triton inlines: the code is the native kernel's except for the entry's parameter list
-and what LLVM derives from a known float. Measured: with a softmax scale of 0.125 (head_dim 64) the
-fp16-dot decode variant multiplies q by 0.125 after its fp16 conversion instead of before (exact for
-normal fp16 values; it differs only where q * 0.125 is fp16-subnormal or |q| > 65504), while a
-scale of 0.1 stays a fp32 multiply as natively. Constexpr names are the native kernel's (so a plan
-Variant's constexprs apply unchanged) plus EPS / SM_SCALE. In-place ops (rope + KV write) take the
+outputs first and float scalars as arguments, so each wrapper here reorders the parameters and calls
+the unchanged kernel, which Triton inlines. The floats: RMSNorm's eps is a constexpr (EPS, baked into
+the PTX per bundle; the compiled code is the native kernel's with an immediate for the parameter); the
+softmax scale is an fp32[1] input tensor (`sm_scale_ptr`), loaded and passed on as the runtime value
+the native kernel gets, because baked in as a constexpr it changed the code: with 0.125 (head_dim 64)
+LLVM moved the fp16-dot decode's q scaling past its fp16 conversion (mul.f16x2 instead of mul.f32),
+which rounds differently where q * scale is fp16-subnormal. Constexpr names are the native kernel's
+(so a plan Variant's constexprs apply unchanged) plus EPS. In-place ops (rope + KV write) take the
 buffer both as an input and as an output that TensorRT aliases to it (`TensorDesc.aliased()`); the
 kernel writes through the output pointer.
 """
@@ -27,30 +27,32 @@ from ..rope_kv import rope_kv_write_kernel
 
 @triton.jit
 def trt_paged_decode(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-                     out_scale_ptr, stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, tokens_per_split,
-                     num_splits, out_ptr,
-                     SM_SCALE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                     KV_FP8: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr, DOT_F16: tl.constexpr,
-                     HEADS_FIRST: tl.constexpr, V_U16: tl.constexpr):
+                     out_scale_ptr, sm_scale_ptr, stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+                     tokens_per_split, num_splits, out_ptr,
+                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, KV_FP8: tl.constexpr, SPLIT: tl.constexpr,
+                     OUT_FP8: tl.constexpr, DOT_F16: tl.constexpr, HEADS_FIRST: tl.constexpr, V_U16: tl.constexpr):
     # unsplit: the partial buffers are never touched, so the output stands in for them (as natively)
+    sm_scale = tl.load(sm_scale_ptr)
     paged_decode_kernel(out_ptr, out_ptr, out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                        k_scale_ptr, v_scale_ptr, out_scale_ptr, SM_SCALE, stride_qb, stride_qh, stride_ob, stride_oh,
+                        k_scale_ptr, v_scale_ptr, out_scale_ptr, sm_scale, stride_qb, stride_qh, stride_ob, stride_oh,
                         stride_bt, tokens_per_split, num_splits, NUM_KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE,
                         TILE, KV_FP8, SPLIT, OUT_FP8, DOT_F16, HEADS_FIRST, V_U16)
 
 
 @triton.jit
 def trt_paged_decode_split(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-                           stride_qb, stride_qh, stride_bt, tokens_per_split, num_splits, part_acc_ptr, part_ml_ptr,
-                           SM_SCALE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                           GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                           TILE: tl.constexpr, KV_FP8: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr,
-                           DOT_F16: tl.constexpr, HEADS_FIRST: tl.constexpr, V_U16: tl.constexpr):
+                           sm_scale_ptr, stride_qb, stride_qh, stride_bt, tokens_per_split, num_splits, part_acc_ptr,
+                           part_ml_ptr,
+                           NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, KV_FP8: tl.constexpr,
+                           SPLIT: tl.constexpr, OUT_FP8: tl.constexpr, DOT_F16: tl.constexpr,
+                           HEADS_FIRST: tl.constexpr, V_U16: tl.constexpr):
     # split: only the partials are written (the reduction plugin writes the output), so the output
     # pointer, its strides and out_scale are not parameters; the partials stand in for the unused ones
+    sm_scale = tl.load(sm_scale_ptr)
     paged_decode_kernel(part_acc_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                        seq_lens_ptr, k_scale_ptr, v_scale_ptr, k_scale_ptr, SM_SCALE, stride_qb, stride_qh, 0, 0,
+                        seq_lens_ptr, k_scale_ptr, v_scale_ptr, k_scale_ptr, sm_scale, stride_qb, stride_qh, 0, 0,
                         stride_bt, tokens_per_split, num_splits, NUM_KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE,
                         TILE, KV_FP8, SPLIT, OUT_FP8, DOT_F16, HEADS_FIRST, V_U16)
 
@@ -65,13 +67,14 @@ def trt_paged_decode_reduce(part_acc_ptr, part_ml_ptr, act_ptr, out_scale_ptr, s
 
 @triton.jit
 def trt_paged_prefill(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
-                      tree_mask_ptr, k_scale_ptr, v_scale_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                      stride_tm, out_ptr,
-                      SM_SCALE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                      GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-                      TILE: tl.constexpr, KV_FP8: tl.constexpr, HAS_TREE: tl.constexpr):
+                      tree_mask_ptr, k_scale_ptr, v_scale_ptr, sm_scale_ptr, stride_qt, stride_qh, stride_ot,
+                      stride_oh, stride_bt, stride_tm, out_ptr,
+                      NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+                      KV_FP8: tl.constexpr, HAS_TREE: tl.constexpr):
+    sm_scale = tl.load(sm_scale_ptr)
     paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr,
-                         context_lens_ptr, tree_mask_ptr, k_scale_ptr, v_scale_ptr, SM_SCALE, stride_qt, stride_qh,
+                         context_lens_ptr, tree_mask_ptr, k_scale_ptr, v_scale_ptr, sm_scale, stride_qt, stride_qh,
                          stride_ot, stride_oh, stride_bt, stride_tm, NUM_KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM,
                          BLOCK_SIZE, BLOCK, TILE, KV_FP8, HAS_TREE)
 

@@ -6,6 +6,7 @@ Pure text processing (no Triton, no CUDA), so a bundle's PTX can be checked anyw
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 
@@ -121,3 +122,21 @@ def check_entry(ptx: str, entry: str, inputs: int, scalars: int, outputs: int, n
         if w == "i32" and (p.pointer or p.array or p.type not in SCALAR_TYPES):
             raise ConventionError(f"{name}: {label(i)} is .{p.kind}, TensorRT passes a 32-bit integer")
     return params
+
+
+_NOT_INSTRUCTIONS = ("//", ".", "$", "{", "}", ")", "ld.param")
+
+
+def instructions(ptx: str, entry: str) -> Counter:
+    """Opcode counts of the entry's body without its parameter loads: two compiles of the same code
+    that differ only in their parameter lists have equal counts (labels, directives, debug sections
+    and register declarations are skipped)."""
+    _, _, end = _entry_span(ptx, entry)
+    counts: Counter = Counter()
+    for line in _body(ptx, end).splitlines():
+        line = line.strip()
+        if line and not line.startswith(_NOT_INSTRUCTIONS) and not line.endswith(":"):
+            words = line.split()
+            op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]   # predicated
+            counts[op.rstrip(";")] += 1
+    return counts

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,14 +25,14 @@ from plugins.common import EngineShapes, Variant
 from plugins.paged_prefill import paged_prefill_kernel
 from plugins.tensorrt import convention as C
 from plugins.tensorrt.compile import compile_all, file_stem
-from plugins.tensorrt.ptx import ConventionError, check_entry, entry_params, strip_scratch
+from plugins.tensorrt.ptx import ConventionError, check_entry, entry_params, instructions, strip_scratch
 from plugins.tensorrt.ptxas import PtxasError, assemble
 
 ENGINE = EngineShapes(  # SmolLM2-135M, NVFP4 + fp8 KV + EAGLE (bf16), as tests/kernels/test_aot.py
     act="bf16", kv="fp8e4nv", num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576, intermediate_size=1536,
     block_size=16, quant_format="nvfp4", group_size=None, speculative=True)
 FP8_ENGINE = dataclasses.replace(ENGINE, quant_format="fp8")   # adds fp8-writing decode and quantizing norms
-FLOATS = C.TrtFloats.for_model(64, 1e-5)   # SmolLM2: rms_norm_eps 1e-5, softmax scale 1/sqrt(64)
+FLOATS = C.TrtFloats(rms_eps=1e-5)   # SmolLM2's rms_norm_eps
 ROOT = Path(__file__).resolve().parents[2]
 PLUGINS = {"kiln_paged_decode", "kiln_paged_decode_split", "kiln_paged_decode_reduce", "kiln_paged_prefill",
            "kiln_rope_kv_write", "kiln_w4a16_gemm", "kiln_add_rms_norm_quant", "kiln_rms_norm_quant"}
@@ -75,6 +76,11 @@ def _emit_negative(out: Path) -> None:
         (out / f"{name}.json").write_text(json.dumps({
             "name": md.name, "num_warps": md.num_warps, "num_ctas": md.num_ctas, "shared": md.shared,
             "global_scratch_size": md.global_scratch_size, "profile_scratch_size": md.profile_scratch_size}))
+    # the native variants the plugins wrap, for comparing the compiled code
+    for tv in C.trt_plan(ENGINE, FLOATS):
+        k, meta = aot.compile_variant(tv.native, 90)
+        (out / "native").mkdir(exist_ok=True)
+        (out / "native" / f"{aot.variant_file_stem(tv.native)}.ptx").write_text(k.asm["ptx"])
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +103,8 @@ def negative(tmp_path_factory):
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, __file__, str(out)], env=env, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return {n: ((out / f"{n}.ptx").read_text(), json.loads((out / f"{n}.json").read_text())) for n in NEGATIVE}
+    found = {n: ((out / f"{n}.ptx").read_text(), json.loads((out / f"{n}.json").read_text())) for n in NEGATIVE}
+    return dict(found, native=out / "native")
 
 
 def test_plan_names_the_ops_of_the_issue():
@@ -152,8 +159,22 @@ def test_floats_are_baked_into_the_ptx(plugins):
     for m in metas:
         if "EPS" in m["floats"]:
             assert eps in _ptx(out, m) and m["floats"]["EPS"] == 1e-5, m["key"]
-        if "SM_SCALE" in m["floats"]:
-            assert m["floats"]["SM_SCALE"] == 0.125
+        if m["plugin"] in ("kiln_paged_decode", "kiln_paged_decode_split", "kiln_paged_prefill"):
+            # the softmax scale is an input (fp32[1]) TensorRT passes like any tensor, never an .f32 param
+            assert ["sm_scale_ptr", "*fp32"] in m["inputs"] and not m["floats"], m["key"]
+
+
+def test_plugin_code_is_the_native_kernels(plugins, negative):
+    """Same instructions as the natively compiled variant (sm_90), parameter loads aside: reordering the
+    parameters and baking eps in changed nothing else; the softmax scale input adds its one load."""
+    metas, out = plugins
+    natives = {v.key: v for v in aot.plan(ENGINE)}
+    for m in [m for m in metas if m["sm"] == 90 and m["dir"] == "nvfp4"]:
+        v = natives[m["native_key"]]
+        native_ptx = (negative["native"] / f"{aot.variant_file_stem(v)}.ptx").read_text()
+        ours, theirs = instructions(_ptx(out, m), m["entry"]), instructions(native_ptx, v.fn.__name__)
+        extra = Counter({"ld.global.b32": 1, "mov.u32": 1}) if ["sm_scale_ptr", "*fp32"] in m["inputs"] else Counter()
+        assert ours == theirs + extra, (m["key"], ours - theirs, theirs - ours)
 
 
 @pytest.mark.parametrize("sm", [90, 100])
