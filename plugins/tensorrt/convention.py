@@ -86,7 +86,8 @@ SPECS = {
         "kiln_paged_prefill", K.trt_paged_prefill, _PREFILL_IN,
         ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_tm"), ("out_ptr",),
         extra_types=SM_SCALE_INPUT, unused=lambda cx: () if cx["HAS_TREE"] else ("tree_mask_ptr",),
-        grid="(cdiv(max_q_len, BLOCK), B, Hkv)"),
+        grid="(cdiv(max_q_len, BLOCK), B, Hkv); programs past a sequence's queries exit, so TensorRT may "
+             "size dim 0 from the token count"),
     "rope_kv_write": TrtSpec(
         "kiln_rope_kv_write", K.trt_rope_kv_write,
         ("qkv_in_ptr", "k_cache_in_ptr", "v_cache_in_ptr", "pos_ptr", "slot_ptr", "cos_sin_ptr", "k_scale_ptr",
@@ -191,7 +192,11 @@ def compile_trt(tv: TrtVariant, sm: int) -> TrtKernel:
                            options={"num_warps": tv.native.num_warps, "num_stages": tv.native.num_stages})
     except Exception as exc:  # triton raises many types; the variant and SM are what the user needs
         raise ConventionError(f"TensorRT compile of {tv.key} for sm_{sm} failed: {exc}") from exc
-    return finish(tv, sm, k.asm["ptx"], k.metadata)
+    kernel = finish(tv, sm, k.asm["ptx"], k.metadata)
+    # what the compile assumed and the plugin must guarantee at run time (the native launcher checks
+    # it per call; TensorRT cannot): 16-byte aligned data pointers, integer args multiples of 16
+    kernel.meta.update(aligned=sorted(aligned & set(sig)), divisible=sorted(divisible))
+    return kernel
 
 
 def finish(tv: TrtVariant, sm: int, ptx: str, md) -> TrtKernel:

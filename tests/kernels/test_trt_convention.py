@@ -245,6 +245,15 @@ def test_ptxas_errors_name_the_kernel_and_carry_its_message(negative):
         assemble(broken, 90, "k2")
 
 
+def test_cli_refuses_bad_shapes_in_one_line(tmp_path, capsys):
+    from plugins.tensorrt.compile import main
+    bad = tmp_path / "shapes.json"
+    bad.write_text(json.dumps({"act": "bf16"}))
+    assert main([str(bad), str(tmp_path / "out"), "--rms-eps", "1e-5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: shapes: fields") and "\n" not in err and not (tmp_path / "out").exists()
+
+
 def test_no_tensorrt_import_in_the_package():
     for f in (ROOT / "plugins" / "tensorrt").glob("*.py"):
         assert not re.search(r"^\s*(import|from)\s+tensorrt\b", f.read_text(), re.M), f
