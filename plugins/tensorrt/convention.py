@@ -149,7 +149,7 @@ def trt_variant(spec: TrtSpec, v: Variant, floats: TrtFloats) -> TrtVariant:
     types = {p: native[p] if p in native else spec.extra_types.get(p) or native[_alias_target(spec, p)]
              for p in spec.params}
     for p in spec.scalars:
-        if types[p] != "i32":   # TensorRT's extra args are int32 SymExprs; a float must be a constexpr
+        if types[p] != "i32":   # TensorRT's extra args are int32 SymExprs: a float is a constexpr or input
             raise ConventionError(f"{v.key}: scalar {p} is {types[p]}; TensorRT passes only int32 scalars")
     cx = dict(v.constexprs, **{c: getattr(floats, f) for c, f in spec.floats.items()})
     missing = set(names[len(spec.params):]) - set(cx)
@@ -195,7 +195,7 @@ def compile_trt(tv: TrtVariant, sm: int) -> TrtKernel:
     kernel = finish(tv, sm, k.asm["ptx"], k.metadata)
     # what the compile assumed and the plugin must guarantee at run time (the native launcher checks
     # it per call; TensorRT cannot): 16-byte aligned data pointers, integer args multiples of 16
-    kernel.meta.update(aligned=sorted(aligned & set(sig)), divisible=sorted(divisible))
+    kernel.meta.update(aligned=sorted(aligned), divisible=sorted(divisible))
     return kernel
 
 

@@ -92,7 +92,8 @@ def strip_scratch(ptx: str, entry: str, count: int = 2) -> str:
 SCALAR_TYPES = ("u32", "s32", "b32")   # how an int32 SymExpr arrives: 4 bytes; Triton declares i32 as .u32
 
 
-def check_entry(ptx: str, entry: str, inputs: int, scalars: int, outputs: int, names: list[str] | None = None) -> list[PtxParam]:
+def check_entry(ptx: str, entry: str, inputs: int, scalars: int, outputs: int,
+                names: list[str] | None = None) -> list[PtxParam]:
     """Check that `entry` declares exactly TensorRT's arguments: `inputs` pointers, `scalars` 32-bit
     integers, `outputs` pointers, nothing before, between or after. `names` (the kernel's argument
     names in that order) only make the error messages readable. -> the parameters."""
