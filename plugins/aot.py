@@ -192,12 +192,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # AotError, or a shapes file that is not JSON
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    text = json.dumps(entries, indent=1)
-    if a.entries:
-        Path(a.entries).write_text(text)
+    emit_json(entries, a.entries)
+    return 0
+
+
+def emit_json(obj, path: str | None) -> None:
+    """A CLI's result: to ``path`` when given (the builder reads it back), else to stdout."""
+    text = json.dumps(obj, indent=1)
+    if path:
+        Path(path).write_text(text)
     else:
         print(text)
-    return 0
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..aot import shapes_from_dict
+from ..aot import emit_json, shapes_from_dict
 from ..common import EngineShapes
 from .convention import TrtFloats, compile_trt, trt_plan
 from .ptx import ConventionError
@@ -77,11 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:   # ConventionError / PtxasError / AotError: one line naming the kernel
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    text = json.dumps(metas, indent=1)
-    if a.metas:
-        Path(a.metas).write_text(text)
-    else:
-        print(text)
+    emit_json(metas, a.metas)
     return 0
 
 
