@@ -99,6 +99,8 @@ class EngineSettings:
     overlap_scheduling: str | bool = field(default="auto", metadata=OMIT)
     # engine.cpu_dtype of the config (backend/model/cpu_dtype.py: auto = measured at load); omitted while auto
     cpu_dtype: str = field(default="auto", metadata=OMIT)
+    # what runs a step (backend/model/runtimes.py): native | onnx-reference | tensorrt; omitted while native
+    runtime: str = field(default="native", metadata=OMIT)
 
     def resolved(self, model: ModelConfig, quantization: Quantization) -> "EngineSettings":
         """These settings with every model-dependent default (None) filled in."""
@@ -155,6 +157,23 @@ class Speculative:
 
 
 @dataclass(frozen=True)
+class TensorRT:
+    """The TensorRT target (``tensorrt.enabled``): the decoder's ONNX graph beside the weights it points
+    into (``graph``, relative to the bundle: onnx refuses external data outside a model's folder), the
+    plugin PTX and the optimization profiles under ``dir``; ``plan`` and ``version`` stay null until
+    ``python -m builder.tensorrt_build`` has run on a host with TensorRT."""
+    graph: str = "decoder.onnx"
+    dir: str = "tensorrt"
+    opset: int = 21
+    plugins: tuple[str, ...] = ()        # plugin names the graph's custom nodes use (op types)
+    sms: tuple[int, ...] = ()
+    workspace_gib: float = 8.0           # the plan build's defaults (tensorrt.* of the build config)
+    timing_cache: str | None = None
+    plan: str | None = None
+    version: str | None = None
+
+
+@dataclass(frozen=True)
 class Verify:
     """The verify stage's figures (null until it ran); ``speculative``: the draft's, when there is one."""
     top1_agreement: float
@@ -183,6 +202,7 @@ class Manifest:
     targets: Targets = field(default_factory=Targets)
     kernels: tuple[Kernel, ...] = ()
     speculative: Speculative | None = None
+    tensorrt: TensorRT | None = field(default=None, metadata=OMIT)
     tools: dict[str, str | None] = field(default_factory=dict)
     hashes: dict[str, str | None] = field(default_factory=dict)
     verify: Verify | None = None

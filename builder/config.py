@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from backend.model.tp_rules import MAX_TP_SIZE, SHARDABLE_FORMATS, allowed_tp_sizes, group_problem, tp_problem
+from builder.config_tensorrt import RUNTIMES, TensorRTConfig, check_tensorrt
 from builder.schema import ConfigError, all_key_paths, build, opt
 
 __all__ = ["BuildConfig", "ConfigError", "check_against_model", "QUANT_FORMATS"]
@@ -142,6 +143,8 @@ class EngineConfig:
     # compute dtype on a CPU: auto = bf16 where the CPU has bf16 instructions and one decoder layer
     # measured faster in it at load, else fp32 (backend/model/cpu_dtype.py); ignored on a GPU
     cpu_dtype: str = opt("auto", choices=("auto", "float32", "bfloat16"))
+    # what runs a step (backend/model/runtimes.py); the graph runtimes need tensorrt.enabled
+    runtime: str = opt("native", choices=RUNTIMES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,10 +215,14 @@ class OutputConfig:
 
 # Sections that do not change what the engine computes; left out of the config hash.
 _UNHASHED_SECTIONS = ("output",)
+# Sections added after bundles were built, left out of every hash while disabled (builds without them
+# stay byte-identical, their hashes and caches included).
+_HASH_NEUTRAL_SECTIONS = {"tensorrt": ("enabled", False)}
 # Keys added after bundles were built, left out of the hashes while they hold their default: every
 # existing build (and test cache) keeps its hash, a non-default value still rebuilds what it changes.
 _HASH_NEUTRAL_DEFAULTS = {("engine", "overlap_scheduling"): "auto", ("engine", "cpu_dtype"): "auto",
-                          ("verify", "path"): "auto", ("verify", "device"): "auto", ("serving", "device"): "auto"}
+                          ("verify", "path"): "auto", ("verify", "device"): "auto", ("serving", "device"): "auto",
+                          ("engine", "runtime"): "native"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +233,7 @@ class BuildConfig:
     engine: EngineConfig = opt(EngineConfig())
     verify: VerifyConfig = opt(VerifyConfig())
     serving: ServingConfig = opt(ServingConfig())
+    tensorrt: TensorRTConfig = opt(TensorRTConfig())
     output: OutputConfig = opt(OutputConfig())
     # Where the config came from: "<file>" in errors, stem for the default output folder.
     file: str = dataclasses.field(default="<config>", compare=False, metadata={"internal": True})
@@ -261,6 +269,7 @@ class BuildConfig:
         cfg = build(cls, data, file)
         cfg = dataclasses.replace(cfg, file=file)
         cfg._check_combinations()
+        check_tensorrt(cfg)
         return cfg
 
     def _check_combinations(self) -> None:
@@ -319,10 +328,13 @@ class BuildConfig:
         d.pop("file")
         return json.loads(json.dumps(d))
 
-    def section_hash(self, section: str) -> str:
+    def section_hash(self, section: str) -> str | None:
         """sha256 of one section's normalized JSON: stable across runs, key order and YAML layout.
-        ``section`` may be a dotted path to one key of a section (``speculative.train``)."""
+        ``section`` may be a dotted path to one key of a section (``speculative.train``); None for a
+        disabled hash-neutral section (``tensorrt`` while off)."""
         d: Any = self._hashable()
+        if section in _HASH_NEUTRAL_SECTIONS and section not in d:
+            return None   # a disabled section shapes nothing (callers leave it out of their hashes)
         for part in section.split("."):
             if not isinstance(d, dict) or part not in d:
                 raise KeyError(f"unknown config section {section!r}; sections: {', '.join(self.to_dict())}")
@@ -339,6 +351,9 @@ class BuildConfig:
         for (section, key), default in _HASH_NEUTRAL_DEFAULTS.items():
             if d[section][key] == default:
                 del d[section][key]
+        for section, (key, off) in _HASH_NEUTRAL_SECTIONS.items():
+            if d[section][key] == off:
+                del d[section]
         return d
 
     @property

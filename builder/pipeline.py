@@ -114,7 +114,7 @@ def stage_key(spec: StageSpec, cfg: BuildConfig, results: dict[str, StageResult]
     payload = {
         "pipeline": PIPELINE_VERSION,
         "stage": spec.name,
-        "sections": {s: cfg.section_hash(s) for s in spec.sections},
+        "sections": {s: h for s in spec.sections if (h := cfg.section_hash(s)) is not None},
         "depends": {d: results[d].key if d in results else "" for d in spec.depends},
         "fingerprint": fingerprint,
     }

@@ -37,7 +37,8 @@ from backend.engine.sampler import Sampler, SampleRow, make_generator
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler, SchedulerOutput
 from backend.logs import for_request, get_logger
-from backend.model.runner import EngineError, ModelRunner, load_engine_spec
+from backend.model.runner import EngineError, load_engine_spec
+from backend.model.runtimes import runner_class
 
 _LOG = get_logger("engine.executor")
 # Latency samples kept for stats() (a ring: serving reads percentiles of recent traffic).
@@ -94,11 +95,20 @@ class Executor:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         self.spec = load_engine_spec(bundle_path, engine_overrides, verify_hashes=verify_hashes)
+        speculating = speculator is not None or (speculative and self.spec.manifest.speculative is not None)
+        runtime = self.spec.engine.runtime
+        if runtime != "native" and (self.spec.engine.tp_size > 1 or speculating):
+            what = "engine.tp_size > 1" if self.spec.engine.tp_size > 1 else "speculative decoding"
+            raise EngineError(f"engine.runtime {runtime} with {what} is not implemented (one graph, one "
+                              f"device, no draft graph yet); allowed: engine.runtime native, or speculative=False")
         if self.spec.engine.tp_size > 1:
-            self.runner = _tp_driver(self.spec, device, dtype, speculator is not None or (
-                speculative and self.spec.manifest.speculative is not None))
-        else:
-            self.runner = ModelRunner(self.spec, device=device, dtype=dtype, weights=weights)
+            self.runner = _tp_driver(self.spec, device, dtype, speculating)
+        else:   # engine.runtime: backend/model/runtimes.py (the graph runtimes are imported only when chosen)
+            try:
+                cls = runner_class(runtime)
+            except ValueError as exc:
+                raise EngineError(str(exc)) from exc
+            self.runner = cls(self.spec, device=device, dtype=dtype, weights=weights)
         eng, cfg = self.spec.engine, self.spec.model   # typed, defaults resolved (backend/bundle.py)
         self.max_seq_len = eng.max_seq_len
         self.max_input_len = eng.max_input_len

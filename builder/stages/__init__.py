@@ -28,7 +28,7 @@ STAGES: tuple[StageSpec, ...] = (
               ("model", "speculative.method", "speculative.draft", "speculative.aux_layers", "speculative.train"),
               ("import", "quantize")),
     StageSpec("compile", "builder.stages.compile", "engine",
-              ("model", "quantization", "speculative", "engine"), ("import", "quantize", "draft")),
+              ("model", "quantization", "speculative", "engine", "tensorrt"), ("import", "quantize", "draft")),
     StageSpec("verify", "builder.stages.verify", "work/verify",
               ("verify",), ("import", "compile"), engine_json_key="verify"),
     StageSpec("package", "builder.stages.package", "model_repository",

@@ -159,6 +159,11 @@ def _manifest(ctx: StageContext, model: dict, fmt: str, kv_algo, group_size, unq
     # Without ``aot`` the runtime JIT-compiles the same kernels (the draft stage's short-lived target)
     if aot:
         manifest = manifest.replace(kernels=_compile_kernels(ctx, manifest, out))
+    if aot and cfg.tensorrt.enabled:
+        from builder.tensorrt.target import write_target   # imports onnx: only builds that ask for it
+        with ctx.progress("TensorRT target: decoder.onnx, plugin PTX, profiles", 1) as advance:
+            manifest = manifest.replace(tensorrt=write_target(out, manifest, kernel_shapes(manifest), cfg.tensorrt))
+            advance()
     return manifest.replace(files=bundle.file_hashes(out))
 
 
@@ -172,7 +177,8 @@ def _display_path(file: str) -> str:
 
 def _sections_hash(cfg, stage: str) -> str:
     from builder.stages import get
-    parts = {s: cfg.section_hash(s) for s in get(stage).sections}
+    # a disabled hash-neutral section (tensorrt) is left out: the hash is what it was before it existed
+    parts = {s: h for s in get(stage).sections if (h := cfg.section_hash(s)) is not None}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -192,6 +198,7 @@ def _engine_section(cfg) -> dict:
         "cuda_graphs": e.cuda_graphs, "overlap_scheduling": e.overlap_scheduling, "cpu_dtype": e.cpu_dtype,
         "enable_prefix_caching": e.enable_prefix_caching, "enable_chunked_prefill": e.enable_chunked_prefill,
         "scheduler_policy": e.scheduler_policy, "tp_size": e.tp_size, "attention_backend": e.attention_backend,
+        "runtime": e.runtime,
     }
 
 

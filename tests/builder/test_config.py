@@ -355,7 +355,8 @@ def test_overlap_scheduling_default_keeps_existing_build_hashes():
     base = BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-fp8.yaml")
     d = base.to_dict()
     del d["engine"]["overlap_scheduling"]
-    del d["engine"]["cpu_dtype"]   # the other key added since, neutral the same way
+    del d["engine"]["cpu_dtype"]   # the other keys added since, neutral the same way
+    del d["engine"]["runtime"]
     from builder.config import _sha256_json
     assert base.section_hash("engine") == _sha256_json(d["engine"])
     on = BuildConfig.from_yaml(REPO / "configs" / "smollm2-135m-fp8.yaml", ["engine.overlap_scheduling=false"])

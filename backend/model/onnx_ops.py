@@ -1,0 +1,74 @@
+"""Kiln's custom ONNX nodes for onnx's ReferenceEvaluator, backed by the kernels' PyTorch references.
+
+The decoder graph (builder/tensorrt/onnx_export.py) has two nodes no ONNX operator expresses; on a
+TensorRT host they are the AOT plugins, here they run ``plugins/reference`` (the functions every Triton
+kernel is tested against). Arrays cross as views, not copies (bf16 and fp8 through their integer
+bits), so ``kiln_rope_kv_write`` writes into the very pool the runner owns and returns it as its
+``*_cache_out`` outputs: the aliasing TensorRT gets by binding both to one address.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+from onnx.reference.op_run import OpRun
+
+from plugins.reference.attention import paged_prefill_ref
+from plugins.reference.fused import rope_write_kv_ref
+
+# numpy dtypes torch cannot take directly -> (the integer view numpy can share, torch dtype)
+_VIA_BITS = {np.dtype(ml_dtypes.bfloat16): (np.int16, torch.bfloat16),
+             np.dtype(ml_dtypes.float8_e4m3fn): (np.uint8, torch.float8_e4m3fn)}
+_TO_NUMPY = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16), torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn)}
+
+
+def to_torch(a: np.ndarray) -> torch.Tensor:
+    """A tensor sharing ``a``'s memory (a copy only when ``a`` is not contiguous)."""
+    a = np.ascontiguousarray(a)
+    if a.dtype in _VIA_BITS:
+        bits, dt = _VIA_BITS[a.dtype]
+        return torch.from_numpy(a.view(bits)).view(dt)
+    return torch.from_numpy(a)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """An array sharing ``t``'s memory (``t`` on the CPU, contiguous)."""
+    if t.dtype in _TO_NUMPY:
+        bits, dt = _TO_NUMPY[t.dtype]
+        return t.view(bits).numpy().view(dt)
+    return t.numpy()
+
+
+def _scale(a: np.ndarray, cache: torch.Tensor) -> torch.Tensor | None:
+    """A layer's KV scale, which only an fp8 pool reads (others get a 1-element placeholder)."""
+    return to_torch(a).float().reshape(()) if cache.dtype == torch.float8_e4m3fn else None
+
+
+class kiln_rope_kv_write(OpRun):  # noqa: N801 - the class name is the op type the evaluator matches
+    op_domain = "kiln"
+
+    def _run(self, qkv, k_cache, v_cache, positions, slot_mapping, cos_sin, k_scale, v_scale,
+             num_heads=None, num_kv_heads=None, head_dim=None, plugin_namespace=None):
+        kc, vc = to_torch(k_cache), to_torch(v_cache)
+        out = np.array(qkv, copy=True)   # q is rotated in place: never in the caller's array
+        rope_write_kv_ref(to_torch(out), to_torch(positions), to_torch(cos_sin), kc, vc, to_torch(slot_mapping),
+                          int(num_heads), int(num_kv_heads), _scale(k_scale, kc), _scale(v_scale, vc))
+        return out, k_cache, v_cache
+
+
+class kiln_paged_prefill(OpRun):  # noqa: N801
+    op_domain = "kiln"
+
+    def _run(self, qkv, k_cache, v_cache, block_tables, query_start_loc, context_lens, tree_mask, k_scale,
+             v_scale, sm_scale, num_heads=None, num_kv_heads=None, head_dim=None, plugin_namespace=None):
+        t, hq, d = qkv.shape[0], int(num_heads), int(head_dim)
+        q = to_torch(qkv)[:, :hq * d].reshape(t, hq, d)
+        kc, vc = to_torch(k_cache), to_torch(v_cache)
+        tree = to_torch(tree_mask) if tree_mask.shape[1] else None   # width 0: plain causal
+        out = paged_prefill_ref(q, kc, vc, to_torch(block_tables), to_torch(query_start_loc),
+                                to_torch(context_lens), float(sm_scale.reshape(-1)[0]), _scale(k_scale, kc),
+                                _scale(v_scale, vc), tree)
+        return (to_numpy(out.reshape(t, hq * d).contiguous()),)
+
+
+CUSTOM_OPS = [kiln_rope_kv_write, kiln_paged_prefill]

@@ -1,0 +1,53 @@
+"""The one forward-pass seam: ``engine.runtime`` picks what runs a step, the executor sees one interface.
+
+Every runtime implements ``StepRunner``: it owns the KV pool tensors that the executor's block manager
+hands out by block id, and runs one step from the same ``(input_ids, AttentionMetadata,
+logits_indices)`` the scheduler produced, returning fp32 logits for the requested rows (and the hidden
+states of ``capture_hidden_layers``, for an EAGLE-3 draft). The scheduler, block manager, sampler and
+serving glue never know which runtime ran the step.
+
+- ``native``: Kiln's own model (backend/model/runner.py; ``engine.tp_size`` > 1: the TP driver).
+- ``onnx-reference``: the bundle's ``decoder.onnx`` run by onnx's ReferenceEvaluator on the CPU, the
+  Kiln custom nodes backed by the kernels' PyTorch references (backend/model/onnx_runner.py): what a
+  TensorRT plan would compute, checked without TensorRT.
+- ``tensorrt``: the bundle's ``engine/tensorrt/engine.plan`` (backend/model/trt_runner.py; needs a
+  host with TensorRT and a GPU).
+Each graph runtime module is imported only when selected (onnx and tensorrt are not runtime
+dependencies of the native path).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+# engine.runtime -> "module:class"; the class is built as cls(spec, device=..., dtype=..., weights=...)
+RUNTIMES: dict[str, str] = {
+    "native": "backend.model.runner:ModelRunner",
+    "onnx-reference": "backend.model.onnx_runner:OnnxReferenceRunner",
+    "tensorrt": "backend.model.trt_runner:TensorRTRunner",
+}
+
+
+class StepRunner(Protocol):
+    device: "torch.device"
+    dtype: "torch.dtype"
+    block_size: int
+    num_blocks: int
+    kv_caches: list[tuple["torch.Tensor", "torch.Tensor"]]
+
+    @property
+    def kv_cache_bytes(self) -> int: ...
+
+    def execute(self, input_ids: "torch.Tensor", meta, logits_indices: "torch.Tensor",
+                capture_hidden_layers: tuple[int, ...] = ()) -> tuple["torch.Tensor", dict[int, "torch.Tensor"]]: ...
+
+
+def runner_class(runtime: str):
+    """The class that implements ``engine.runtime`` (its module imported now, not before)."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"engine.runtime: {runtime!r}; allowed: {', '.join(RUNTIMES)}")
+    module, _, name = RUNTIMES[runtime].partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,178 @@
+"""The decoder of an engine bundle as one ONNX graph (opset 21) for TensorRT, weights left in place.
+
+The graph computes what the native runner's unfused layer computes (backend/model/llama.py
+``decoder_layer``), op for op: RMSNorm in fp32 cast back before the weight multiply, the QKV / O /
+gate-up / down linears, SiLU x up, residual adds, the final norm, the logits rows, the lm_head. Two
+steps have no ONNX or TensorRT layer and are Kiln plugins (custom nodes, see onnx_graph.py):
+``kiln_rope_kv_write`` (rotary embedding of q and k, k and v written into the paged pool at the
+step's slots, fp8 with the layer's scales) and ``kiln_paged_prefill`` (varlen paged attention over
+context + new tokens, causal, with the EAGLE tree mask; decode is its one-query case). Their inputs
+are ordered as plugins/tensorrt/convention.py's SPECS, so TensorRT hands the AOT PTX exactly those.
+
+FP8 linears are explicit Q/DQ (TensorRT 11 networks are strongly typed): the activation quantized
+with the calibrated per-tensor fp32 input scale and dequantized, the fp8 weight dequantized with its
+per-output-row scale, the product in fp32 then cast to the compute dtype. Where the graph's compute
+dtype (the model's) enters is a ``Cast`` after every weight and before every output, so a runtime can
+evaluate the same graph in float32 by retargeting those casts (backend/model/onnx_runner.py does, for
+parity with the native runner in fp32). Inputs, outputs and dims: backend/model/graph_io.py.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from backend import bundle
+from backend.model import graph_io
+from backend.model.layers import RotaryEmbedding
+
+from .onnx_graph import KILN_DOMAIN, Graph, value_info
+from .safetensors_refs import read_refs
+
+OPSET = 21
+GRAPH = "decoder.onnx"
+DTYPES = {"bfloat16": TensorProto.BFLOAT16, "float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT}
+KV_TYPES = dict(DTYPES, fp8_e4m3=TensorProto.FLOAT8E4M3FN, float8_e4m3fn=TensorProto.FLOAT8E4M3FN)
+# quantization formats the graph expresses; the 4-bit and int8 ones need plugins not exported yet
+FORMATS = ("none", "fp8")
+PLUGINS = ("kiln_rope_kv_write", "kiln_paged_prefill")
+
+
+class ExportError(ValueError):
+    """The bundle cannot be exported: one line naming the tensor, key or format."""
+
+
+def _dense(g: Graph, x: str, w: str, p: str, cd: int) -> str:
+    wt = g.cast(g.weight(w), cd, f"{p}.weight.cast")
+    return g.op("MatMul", [x, g.op("Transpose", [wt], f"{p}.weight.t", perm=[1, 0])], f"{p}.matmul")
+
+
+def _fp8(g: Graph, x: str, w: str, p: str, cd: int) -> str:
+    """Q/DQ: fp8(x / s_in) * s_in in fp32 times the dequantized weight, cast to the compute dtype."""
+    s_in = g.weight(f"{p}.input_scale")
+    zero = g.const("fp8_zero", np.array(0, dtype=_fp8_numpy()))
+    xf = g.cast(x, TensorProto.FLOAT, f"{p}.input.f32")
+    xq = g.op("QuantizeLinear", [xf, s_in, zero], f"{p}.input.q", saturate=1)
+    xd = g.op("DequantizeLinear", [xq, s_in], f"{p}.input.dq")
+    wd = g.op("DequantizeLinear", [g.weight(w), g.weight(f"{p}.weight_scale")], f"{p}.weight.dq", axis=0)
+    y = g.op("MatMul", [xd, g.op("Transpose", [wd], f"{p}.weight.t", perm=[1, 0])], f"{p}.matmul")
+    return g.cast(y, cd, f"{p}.out.cast")
+
+
+def _fp8_numpy():
+    import ml_dtypes   # onnx's own dependency: numpy has no fp8 type
+    return ml_dtypes.float8_e4m3fn
+
+
+# a linear's stored weight dtype -> how the graph multiplies by it (per linear: an fp8 bundle keeps
+# the quantization.exclude modules dense)
+LINEARS = {"BF16": _dense, "F16": _dense, "F32": _dense, "F8_E4M3": _fp8}
+
+
+def linear(g: Graph, x: str, p: str, cd: int) -> str:
+    w = f"{p}.weight"
+    if not g.has(w):
+        raise ExportError(f"{g.location}: missing tensor {w!r}")
+    kind = g.refs[w].dtype
+    if kind not in LINEARS:
+        raise ExportError(f"{g.location}: {w} is {kind}: the ONNX export handles dense and fp8 linears; "
+                          f"allowed quantization.format with tensorrt.enabled: {', '.join(FORMATS)}")
+    y = LINEARS[kind](g, x, w, p, cd)
+    if g.has(f"{p}.bias"):
+        y = g.op("Add", [y, g.cast(g.weight(f"{p}.bias"), cd, f"{p}.bias.cast")], f"{p}.bias.add")
+    return y
+
+
+def rms_norm(g: Graph, x: str, w: str, p: str, cd: int) -> str:
+    """HF Llama's RMSNorm: normalize in fp32, cast back, then multiply by the weight."""
+    xf = g.cast(x, TensorProto.FLOAT, f"{p}.f32")
+    ms = g.op("ReduceMean", [g.op("Mul", [xf, xf], f"{p}.sq"), g.const("axis_last", np.array([-1], np.int64))],
+              f"{p}.mean", keepdims=1)
+    inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ms, "rms_eps"], f"{p}.eps")], f"{p}.sqrt")], f"{p}.rsqrt")
+    y = g.cast(g.op("Mul", [xf, inv], f"{p}.scale"), cd, f"{p}.cast")
+    return g.op("Mul", [g.cast(g.weight(w), cd, f"{p}.weight.cast"), y], f"{p}.weight.mul")
+
+
+def _kv_scale(g: Graph, i: int, kind: str, kv_fp8: bool) -> str:
+    return g.weight(f"layers.{i}.attn.{kind}_scale") if kv_fp8 else "kv_scale_unused"
+
+
+def decoder_layer(g: Graph, c, i: int, h: str, cd: int, kv_fp8: bool) -> str:
+    p = f"layers.{i}"
+    x = rms_norm(g, h, f"{p}.input_norm.weight", f"{p}.input_norm", cd)
+    qkv = linear(g, x, f"{p}.qkv", cd)
+    ks, vs = _kv_scale(g, i, "k", kv_fp8), _kv_scale(g, i, "v", kv_fp8)
+    heads = dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+    roped, k_out, v_out = g.plugin(
+        "kiln_rope_kv_write", [qkv, graph_io.k_cache(i), graph_io.v_cache(i), "positions", "slot_mapping",
+                               "cos_sin", ks, vs], f"{p}.rope_kv_write",
+        [f"{p}.qkv_roped", graph_io.k_cache_out(i), graph_io.v_cache_out(i)], **heads)
+    attn = g.plugin("kiln_paged_prefill", [roped, k_out, v_out, "block_tables", "query_start_loc", "context_lens",
+                                           "tree_mask", ks, vs, "sm_scale"], f"{p}.attention", [f"{p}.attn"],
+                    **heads)[0]
+    h = g.op("Add", [h, linear(g, attn, f"{p}.o", cd)], f"{p}.attn.residual")
+    x = rms_norm(g, h, f"{p}.post_attn_norm.weight", f"{p}.post_attn_norm", cd)
+    gate, up = g.node("Split", [linear(g, x, f"{p}.gate_up", cd)], f"{p}.gate_up.split", 2, axis=-1, num_outputs=2)
+    act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.sigmoid")], f"{p}.silu"), up], f"{p}.act")
+    return g.op("Add", [h, linear(g, act, f"{p}.down", cd)], f"{p}.mlp.residual")
+
+
+def decoder_model(bundle_dir: Path, manifest: bundle.Manifest, capture_layers: tuple[int, ...] = ()) -> onnx.ModelProto:
+    """The graph of ``bundle_dir``'s decoder (external data relative to ``bundle_dir``)."""
+    c, q, e = manifest.model, manifest.quantization, manifest.engine
+    if q.format not in FORMATS:
+        raise ExportError(f"{bundle_dir / bundle.MANIFEST}: quantization.format {q.format} has no ONNX export "
+                          f"yet (its W4A16/int8 GEMM plugin is not in the graph); allowed: {', '.join(FORMATS)}")
+    if manifest.weights != (bundle.WEIGHTS,):
+        raise ExportError(f"{bundle_dir}: engine.tp_size {e.tp_size}: the ONNX export is one graph for one device; "
+                          f"allowed: engine.tp_size=1 with tensorrt.enabled")
+    if e.kv_cache_dtype not in KV_TYPES:
+        raise ExportError(f"engine.kv_cache_dtype {e.kv_cache_dtype!r}; allowed: {', '.join(KV_TYPES)}")
+    cd, kv_type = DTYPES[c.dtype], KV_TYPES[e.kv_cache_dtype]
+    kv_fp8 = kv_type == TensorProto.FLOAT8E4M3FN
+    g = Graph(bundle.WEIGHTS, read_refs(bundle_dir / bundle.WEIGHTS))
+    g.const("rms_eps", np.array(c.rms_norm_eps, np.float32))
+    g.const("sm_scale", np.array([1.0 / math.sqrt(c.head_dim)], np.float32))
+    g.const("kv_scale_unused", np.ones(1, np.float32))   # a non-fp8 pool: the kernels never read it
+    rope = RotaryEmbedding(c.head_dim, e.max_seq_len, c.rope_theta, c.rope_scaling)
+    half = c.head_dim // 2   # [max_seq_len, 2, D/2] fp32, the fused native path's table
+    g.const("cos_sin", np.stack([rope.cos[:, :half].numpy(), rope.sin[:, :half].numpy()], axis=1))
+
+    h = g.cast(g.op("Gather", [g.weight("embed_tokens.weight"), "input_ids"], "embed", axis=0), cd, "embed.cast")
+    outputs = []
+    for i in range(c.num_layers):
+        h = decoder_layer(g, c, i, h, cd, kv_fp8)
+        if i in capture_layers:
+            outputs.append(value_info(g.op("Identity", [h], graph_io.hidden_out(i)), cd, ("tokens", c.hidden_size)))
+    x = rms_norm(g, h, "norm.weight", "norm", cd)
+    rows = g.op("Gather", [x, "logits_indices"], "logits_rows", axis=0)
+    head = "embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+    logits = g.cast(_dense(g, rows, head, "lm_head", cd), TensorProto.FLOAT, graph_io.LOGITS)
+
+    kv_shape = ("blocks", e.kv_block_size, c.num_kv_heads, c.head_dim)
+    types = {"int64": TensorProto.INT64, "int32": TensorProto.INT32, "bool": TensorProto.BOOL}
+    inputs = [value_info(n, types[t], dims) for n, t, dims in graph_io.STEP_INPUTS]
+    for i in range(c.num_layers):
+        inputs += [value_info(graph_io.k_cache(i), kv_type, kv_shape), value_info(graph_io.v_cache(i), kv_type, kv_shape)]
+        outputs += [value_info(graph_io.k_cache_out(i), kv_type, kv_shape),
+                    value_info(graph_io.v_cache_out(i), kv_type, kv_shape)]
+    outputs.insert(0, value_info(logits, TensorProto.FLOAT, ("rows", c.vocab_size)))
+    graph = helper.make_graph(g.nodes, "kiln_decoder", inputs, outputs, initializer=list(g.initializers.values()))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(KILN_DOMAIN, 1)],
+                              producer_name="kiln", producer_version=manifest.kiln_version or "")
+    model.doc_string = (f"Kiln decoder of {manifest.config_file or bundle_dir}: inputs/outputs as "
+                        f"backend/model/graph_io.py; external data relative to the bundle root")
+    return model
+
+
+def export_decoder(bundle_dir: Path, manifest: bundle.Manifest, capture_layers: tuple[int, ...] = ()) -> dict:
+    """Write ``bundle_dir/decoder.onnx``; returns what engine.json records about it."""
+    model = decoder_model(bundle_dir, manifest, capture_layers)
+    onnx.save_model(model, bundle_dir / GRAPH)
+    # the whole check, external data included, now that the graph sits beside the weights it names
+    # (onnx resolves them against the graph's folder)
+    onnx.checker.check_model(str(bundle_dir / GRAPH))
+    return {"graph": GRAPH, "opset": OPSET, "plugins": list(PLUGINS)}
