@@ -8,6 +8,8 @@ bits), so ``kiln_rope_kv_write`` writes into the very pool the runner owns and r
 """
 from __future__ import annotations
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import torch
@@ -23,12 +25,14 @@ _TO_NUMPY = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16), torch.float8_e4m
 
 
 def to_torch(a: np.ndarray) -> torch.Tensor:
-    """A tensor sharing ``a``'s memory (a copy only when ``a`` is not contiguous)."""
+    """A tensor sharing ``a``'s memory (a copy only when ``a`` is not contiguous). The evaluator's
+    constants are read-only arrays: the ops below write only the pool and their own outputs, so
+    torch's warning about non-writable memory is silenced rather than paid for with a copy."""
     a = np.ascontiguousarray(a)
-    if a.dtype in _VIA_BITS:
-        bits, dt = _VIA_BITS[a.dtype]
-        return torch.from_numpy(a.view(bits)).view(dt)
-    return torch.from_numpy(a)
+    bits, dt = _VIA_BITS.get(a.dtype, (None, None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a.view(bits)).view(dt) if bits else torch.from_numpy(a)
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
