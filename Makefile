@@ -19,7 +19,7 @@ OPENAI_PORT ?= 9000
 # Python backend stub (which runs the first python3 on PATH) sees the same packages.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup build test clean distclean serve bench bench-openai bench-engine bench-overhead bench-kernels bench-eagle bench-eagle-cost gpu-check-prepare gpu-check bench-gpu mlperf run submission validate soak
+.PHONY: help setup build engine-plan test clean distclean serve bench bench-openai bench-engine bench-overhead bench-kernels bench-eagle bench-eagle-cost gpu-check-prepare gpu-check bench-gpu mlperf run submission validate soak
 
 help: ## List the commands
 	@echo "Kiln: ahead-of-time LLM engine builder and Triton Inference Server backend"
@@ -44,6 +44,9 @@ setup: $(STAMP) ## Create .venv with every dependency (idempotent; ~2 min the fi
 
 build: $(STAMP) ## Build CONFIG into build/<stem>/ (engine bundle + Triton model repository)
 	$(PY) -m builder build $(CONFIG) $(OVERRIDES) --output $(OUT) $(BUILD_ARGS)
+
+engine-plan: $(STAMP) ## On a TensorRT host: build OUT's TensorRT plan (a bundle built with OVERRIDES="tensorrt.enabled=true"); PLAN_ARGS="--workspace-gib 16 --timing-cache build/trt.cache"
+	$(PY) -m builder.tensorrt_build $(OUT)/engine $(PLAN_ARGS)
 
 validate: $(STAMP) ## Validate every config in configs/
 	$(PY) -m builder validate configs/*.yaml
