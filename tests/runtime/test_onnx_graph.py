@@ -163,3 +163,17 @@ def test_fp8_graph_is_within_the_formats_own_noise(fp8_bundle):
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert kl(ref, got) <= 1.5 * kl(ref, bf16) + 5e-3, (kl(ref, got), kl(ref, bf16))
     assert agree >= 0.75, agree
+
+
+def test_without_tensorrt_the_bundle_is_unchanged(bf16_bundle, build_bundle):
+    """The same config without ``tensorrt.enabled``: no graph, no tensorrt/ folder, no tensorrt or runtime
+    key in engine.json, and every file it has is byte-identical to the TensorRT build's (the target only
+    adds files)."""
+    from backend import bundle as b
+    plain_dir = build_bundle("smollm2-135m-bf16", ["verify.enabled=false"])
+    plain, trt = b.read(plain_dir), b.read(bf16_bundle)
+    doc = json.loads((plain_dir / "engine.json").read_text())
+    assert "tensorrt" not in doc and "runtime" not in doc["engine"]
+    assert not (plain_dir / "decoder.onnx").exists() and not (plain_dir / "tensorrt").exists()
+    assert {f: trt.files[f] for f in plain.files} == plain.files
+    assert set(trt.files) - set(plain.files) == {f for f in trt.files if f == "decoder.onnx" or f.startswith("tensorrt/")}
