@@ -15,7 +15,9 @@ IS `TensorDesc` (or an attribute type): string annotations would fail, so the si
 here from `variants.GRAPH_IO` with the real classes (`__signature__`) rather than written as `def`s
 under `from __future__ import annotations`. Assumed, not run here (no TensorRT on our machines): that
 the ONNX parser strips `plugin_namespace` (and `aot`) and passes the node's int attributes, and that a
-plugin with only an AOT implementation is built as AOT.
+plugin with only an AOT implementation is built as AOT. TensorRT's AOT plugin class calls `aot_impl`
+with every attribute by position in the node's order (read in NVIDIA's tensorrt.plugin source), so the
+attributes are declared in the order the ONNX node holds them (`variants.GraphIO.attrs`).
 """
 from __future__ import annotations
 
@@ -120,11 +122,11 @@ def _describe_prefill(trtp: ModuleType, a: dict):
 def _aot(trtp: ModuleType, name: str, meta: dict, graph: GraphConsts, a: dict) -> tuple:
     import tensorrt as trt
     io = GRAPH_IO[name]
-    heads = (a["num_heads"], a["num_kv_heads"], a["head_dim"])
-    if heads != (graph.num_heads, graph.num_kv_heads, graph.head_dim):
-        raise VariantError(f"{name}: node attributes (num_heads, num_kv_heads, head_dim) = {heads}, the bundle's "
-                           f"model has {(graph.num_heads, graph.num_kv_heads, graph.head_dim)}; "
-                           f"graph and plugins must come from one build")
+    got = {k: a[k] for k in io.attrs}
+    want = {"head_dim": graph.head_dim, "num_heads": graph.num_heads, "num_kv_heads": graph.num_kv_heads}
+    if got != want:   # a graph from another model, or attributes passed in another order than io.attrs
+        raise VariantError(f"{name}: aot_impl got node attributes {got} (TensorRT passes them by position, "
+                           f"expected in the order {', '.join(io.attrs)}); the bundle's model has {want}")
     types = io_types(name, graph).split(",")
     for (_, gname, _), want in zip(io.inputs, types):
         got = a[gname].dtype

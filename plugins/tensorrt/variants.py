@@ -45,7 +45,9 @@ class GraphConsts:
 class GraphIO:
     inputs: tuple[tuple[str, str, str], ...]    # (kernel parameter, graph name, graph dtype)
     outputs: tuple[tuple[str, str, str], ...]
-    attrs: tuple[str, ...] = ("num_heads", "num_kv_heads", "head_dim")
+    # the node's int attributes in the order the ONNX node stores them (onnx.helper sorts them by name):
+    # TensorRT passes every attribute to aot_impl by position, in that order
+    attrs: tuple[str, ...] = ("head_dim", "num_heads", "num_kv_heads")
 
     @property
     def input_names(self) -> list[str]:

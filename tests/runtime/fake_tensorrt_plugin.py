@@ -192,7 +192,7 @@ def make_module(fake: "Fake") -> types.ModuleType:
     def autotune(plugin_id: str):
         def deco(fn):
             pdef = fake.plugins[plugin_id]
-            _check_schema(fn, pdef, ["outputs"], "autotune")
+            pdef["tune_attrs"] = _check_schema(fn, pdef, ["outputs"], "autotune")
             pdef["autotune"] = fn
             return fn
         return deco
@@ -216,14 +216,16 @@ def make_module(fake: "Fake") -> types.ModuleType:
 
 def build_time_calls(fake: "Fake", plugin_id: str, inputs: dict[str, tuple[tuple[int, ...], str]], attrs: dict,
                      dtypes: dict):
-    """What TensorRT does with a registered plugin while building: describe the outputs, autotune, and
-    ask the AOT implementation for its kernel (inputs: name -> (shape, DataType name)). -> (outputs,
-    autotune combinations, aot_impl's 4-tuple)."""
+    """What TensorRT does with a registered plugin while building, called as tensorrt.plugin's plugin
+    class calls them: the register function with the attributes by keyword; autotune with the inputs,
+    its own attributes and the outputs by position; aot_impl with the inputs, EVERY attribute in the
+    node's order (``attrs``' order: the ONNX node's), the outputs and the tactic, all by position.
+    (inputs: name -> (shape, DataType name)) -> (outputs, autotune combinations, aot_impl's 4-tuple)."""
     pdef = fake.plugins[plugin_id]
     descs = [TensorDesc(inputs[n][0], dtypes[inputs[n][1]]) for n in pdef["inputs"]]
     outs = pdef["register"](*descs, **attrs)
     outs = outs if isinstance(outs, tuple) else (outs,)
     assert len(outs) == pdef["num_outputs"]
-    combos = pdef["autotune"](*descs, outputs=outs)
-    kernel = pdef["aot_impl"](*descs, **{a: attrs[a] for a in pdef["aot_attrs"]}, outputs=outs, tactic=0)
+    combos = pdef["autotune"](*descs, *[attrs[a] for a in pdef["tune_attrs"]], outs)
+    kernel = pdef["aot_impl"](*descs, *attrs.values(), outs, 0)
     return outs, combos, kernel

@@ -158,8 +158,16 @@ def test_sm_and_inputs_refused(engine_dir, monkeypatch, capsys):
 
 # ---- plugin variants and their launch ------------------------------------------------------------
 
-def test_graph_io_is_the_convention():
+def test_graph_io_is_the_convention(engine_dir):
+    """GRAPH_IO against SPECS, and against the exported graph's kiln nodes: their inputs and outputs, and
+    their int attributes in the order TensorRT will hand them to aot_impl (by position)."""
+    import onnx
     from plugins.tensorrt.convention import SPECS
+    for node in onnx.load(str(engine_dir / "decoder.onnx"), load_external_data=False).graph.node:
+        if node.domain == "kiln":
+            io = GRAPH_IO[node.op_type]
+            assert (len(node.input), len(node.output)) == (len(io.inputs), len(io.outputs))
+            assert [a.name for a in node.attribute if a.name not in ("plugin_namespace", "aot")] == list(io.attrs)
     for key in ("rope_kv_write", "paged_prefill"):
         spec, io = SPECS[key], GRAPH_IO[SPECS[key].plugin]
         assert tuple(p for p, _, _ in io.inputs) == spec.inputs and tuple(p for p, _, _ in io.outputs) == spec.outputs
@@ -237,7 +245,7 @@ def test_register_through_mock_tensorrt(ptx, monkeypatch):
     fake = fake_tensorrt.install(monkeypatch)
     chosen = R.register(ptx, SM, list(trt_bundle.PLUGINS), GRAPH)
     R.register(ptx, SM, list(trt_bundle.PLUGINS), GRAPH)     # once per process: the second is a no-op
-    attrs = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
+    attrs = {"head_dim": 32, "num_heads": 4, "num_kv_heads": 2}     # the ONNX node's order (sorted)
     t, width = 11, 4
     shapes = {"q": ((t, 256), "BF16"), "k_cache": ((30, 16, 2, 32), "FP8"), "v_cache": ((30, 16, 2, 32), "FP8"),
               "block_tables": ((3, 9), "INT32"), "query_start_loc": ((4,), "INT32"), "context_lens": ((3,), "INT32"),
