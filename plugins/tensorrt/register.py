@@ -127,11 +127,10 @@ def _aot(trtp: ModuleType, name: str, meta: dict, graph: GraphConsts, a: dict) -
     if got != want:   # a graph from another model, or attributes passed in another order than io.attrs
         raise VariantError(f"{name}: aot_impl got node attributes {got} (TensorRT passes them by position, "
                            f"expected in the order {', '.join(io.attrs)}); the bundle's model has {want}")
-    types = io_types(name, graph).split(",")
-    for (_, gname, _), want in zip(io.inputs, types):
-        got = a[gname].dtype
-        if got != getattr(trt.DataType, _TRT_DTYPE.get(want, want)):
-            raise VariantError(f"{name}: input {gname} is {got}, the plugin's PTX ({meta['key']}) takes {want}")
+    for (_, gname, _), takes in zip(io.inputs, io_types(name, graph).split(",")):
+        if a[gname].dtype != getattr(trt.DataType, _TRT_DTYPE.get(takes, takes)):
+            raise VariantError(f"{name}: input {gname} is {a[gname].dtype}, the plugin's PTX ({meta['key']}) "
+                               f"takes {takes}")
     shapes = {g: [a[g].shape_expr[i] for i in range(a[g].ndim)] for g in io.input_names}
 
     def cdiv(x, y):
