@@ -52,7 +52,7 @@ class kiln_rope_kv_write(OpRun):  # noqa: N801 - the class name is the op type t
     op_domain = "kiln"
 
     def _run(self, qkv, k_cache, v_cache, positions, slot_mapping, cos_sin, k_scale, v_scale,
-             num_heads=None, num_kv_heads=None, head_dim=None, plugin_namespace=None):
+             num_heads=None, num_kv_heads=None, head_dim=None, plugin_namespace=None, aot=None):
         kc, vc = to_torch(k_cache), to_torch(v_cache)
         out = np.array(qkv, copy=True)   # q is rotated in place: never in the caller's array
         rope_write_kv_ref(to_torch(out), to_torch(positions), to_torch(cos_sin), kc, vc, to_torch(slot_mapping),
@@ -64,7 +64,7 @@ class kiln_paged_prefill(OpRun):  # noqa: N801
     op_domain = "kiln"
 
     def _run(self, qkv, k_cache, v_cache, block_tables, query_start_loc, context_lens, tree_mask, k_scale,
-             v_scale, sm_scale, num_heads=None, num_kv_heads=None, head_dim=None, plugin_namespace=None):
+             v_scale, sm_scale, num_heads=None, num_kv_heads=None, head_dim=None, plugin_namespace=None, aot=None):
         t, hq, d = qkv.shape[0], int(num_heads), int(head_dim)
         q = to_torch(qkv)[:, :hq * d].reshape(t, hq, d)
         kc, vc = to_torch(k_cache), to_torch(v_cache)

@@ -34,9 +34,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def fingerprint(ctx: StageContext) -> str:
     """The kernels' sources and launch configurations (plugins/*.py, tuning.py among them): the bundle's
     AOT cubins are named by these, so a change there must rebuild this stage, never reuse stale cubins."""
-    root = Path(__file__).resolve().parents[2] / "plugins"
+    root = Path(__file__).resolve().parents[2]
+    files = sorted((root / "plugins").glob("*.py"))
+    if ctx.config.tensorrt.enabled:   # the graph export and the plugin PTX (only then: other keys stay)
+        files += sorted((root / "builder" / "tensorrt").glob("*.py")) + sorted((root / "plugins" / "tensorrt").glob("*.py"))
     h = hashlib.sha256()
-    for f in sorted(root.glob("*.py")):
+    for f in files:
         if not f.name.startswith("bench"):
             h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]

@@ -53,8 +53,10 @@ class Graph:
         return self.node(op, inputs, name, 1, **attrs)[0]
 
     def plugin(self, op: str, inputs: list[str], name: str, outputs: list[str], **attrs) -> list[str]:
-        """A Kiln custom node: TensorRT resolves it as plugin ``PLUGIN_NAMESPACE::op``."""
-        return self.node(op, inputs, name, outputs, domain=KILN_DOMAIN, plugin_namespace=PLUGIN_NAMESPACE, **attrs)
+        """A Kiln custom node: TensorRT resolves it as plugin ``PLUGIN_NAMESPACE::op``; ``aot=1`` asks
+        its ONNX parser for the ahead-of-time implementation (the PTX), as NVIDIA's plugin samples do."""
+        return self.node(op, inputs, name, outputs, domain=KILN_DOMAIN, plugin_namespace=PLUGIN_NAMESPACE, aot=1,
+                         **attrs)
 
     def cast(self, x: str, to: int, name: str) -> str:
         return self.op("Cast", [x], name, to=to)
