@@ -22,8 +22,9 @@ to fp32 summation order (tests/runtime/test_model_hf_parity.py bounds the error 
 
 Batch invariance (docs/contracts.md): a row's result must not depend on the other rows of the
 matmul (the step's other sequences). Both kernels used here give that, bit for bit, at every row
-count (tests/runtime/test_cpu_matmul.py, test_batch_invariance.py): FBGEMM's fp16 GEMM, and oneDNN's
-matmul over a column-major weight given at least two rows (``linear`` runs a single row as two).
+count (tests/runtime/test_cpu_matmul.py, test_batch_invariance.py): FBGEMM's fp16 GEMM given a multiple
+of three rows (``_fp16_rows`` pads: on AVX2 its one- and two-row blocks sum in another order), and
+oneDNN's matmul over a column-major weight given at least two rows (``linear`` runs a single row as two).
 MKL does not: its blocking, and so the order in which a row is summed, follows the row count. So
 the column-major path no longer hands 33 rows and more to MKL, as it did where MKL measured faster
 on an AVX2 machine: a decode step of more than 32 sequences gave each of them other logits than a
@@ -124,7 +125,7 @@ def prepare(w: Weight) -> Weight:
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` through the kernel ``w``'s storage was chosen for."""
     if isinstance(w, HalfWeight):
-        y = _FP16[1](x.float().contiguous(), w.packed)
+        y = _fp16_rows(x.float().reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
         return y if bias is None else y + bias
     if _DNN is not None and x.device.type == "cpu" and x.dtype == torch.float32 and is_column_major(w):
         # Every row count (see batch invariance above), but never one row: oneDNN multiplies a single
@@ -139,6 +140,25 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         # which broke batch invariance from layer 21); two rows agree with any count.
         return F.linear(_twice(x.reshape(1, -1)), w, bias)[:1].view(*x.shape[:-1], -1)
     return F.linear(x, w, bias)
+
+
+# FBGEMM's fp16 GEMM on AVX2 (no AVX-512) splits the rows into blocks and multiplies a block of one or
+# two rows with other micro-kernels than blocks of three to six, which sum in another order: a row's
+# result then depended on the row count (1, 2, and rows left over at the end of 7, 14, 31, 32, 37, 38,
+# ...). A multiple of three rows never leaves such a block: every row of every count 1..130, 255-257,
+# 511, 1000, 1024, 2047, 2048 then gave the bits of the row alone (SmolLM2's shapes, 2026-11-27, AMD
+# EPYC with AVX2 only). On AVX-512 machines all counts agreed already; the padding is harmless there.
+FP16_ROW_MULTIPLE = 3
+
+
+def _fp16_rows(x: torch.Tensor, w: HalfWeight) -> torch.Tensor:
+    """``x [n, in] @ w.T`` with the rows padded (zeros) to a multiple of FP16_ROW_MULTIPLE."""
+    n = x.shape[0]
+    pad = -n % FP16_ROW_MULTIPLE
+    if pad:
+        x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+    y = _FP16[1](x.contiguous(), w.packed)
+    return y[:n] if pad else y
 
 
 def _twice(row: torch.Tensor) -> torch.Tensor:
