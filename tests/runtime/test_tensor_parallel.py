@@ -219,9 +219,13 @@ def test_tp3_matches_tp1_fp8_bundle(build_bundle, tokenizer, tmp_path):
         got[name] = top1, kl
         print(f"fp8 bundle in fp32, teacher-forced, {name} vs TP1: top-1 {top1:.3f}, mean KL {kl:.2g}, "
               f"max |logits diff| = {diff:.3g}")
-    (top1, kl), (_, noise_kl) = got["TP3"], got["TP1 + 1e-5 noise"]
-    # within the band last-bit noise gives this bundle, and far inside the fp8 format's verify gate
-    assert top1 >= FP8_MIN_TOP1 and kl <= FP8_MAX_MEAN_KL and kl <= 2 * noise_kl
+    (top1, kl), (noise_top1, noise_kl) = got["TP3"], got["TP1 + 1e-5 noise"]
+    # within the band last-bit noise gives this bundle ON THIS CPU, and far inside the fp8 format's verify
+    # gate: TP3's top-1 moves with the machine's kernels (0.94 where measured above; 0.891 on an AVX2-only
+    # EPYC, 2026-11-27, the noise band 0.891 there too), so top-1 is held to the band measured in this run
+    # (less two positions), KL to both
+    band = min(FP8_MIN_TOP1, noise_top1 - 2 / a.shape[0])
+    assert top1 >= band and kl <= FP8_MAX_MEAN_KL and kl <= 2 * noise_kl, (top1, band, kl, noise_kl)
     _check_held(config, ranks)
 
 
