@@ -13,6 +13,9 @@ STEM       := $(basename $(notdir $(CONFIG)))
 OUT        ?= build/$(STEM)
 BUILD_ARGS ?=
 PYTEST_ARGS ?=
+# pytest workers for make test; each test file runs whole on one worker (--dist loadfile), so module
+# fixtures (a server, a bundle) are made once; TEST_JOBS=0 runs everything in this process
+TEST_JOBS  ?= 2
 OPENAI_PORT ?= 9000
 
 # Everything Kiln runs goes through the venv; its bin/ comes first on PATH so the Triton
@@ -52,7 +55,7 @@ validate: $(STAMP) ## Validate every config in configs/
 	$(PY) -m builder validate configs/*.yaml
 
 test: $(STAMP) ## Run the test suite (real SmolLM2, ModelOpt and Triton server; no GPU needed)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile) $(PYTEST_ARGS)
 
 serve: $(STAMP) ## Serve build/<stem>/model_repository with Triton on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002) and the OpenAI API on OPENAI_PORT (9000; 0 = off)
 	$(PY) -m harness.serve --model-repository $(OUT)/model_repository --openai-port $(if $(OPENAI_PORT),$(OPENAI_PORT),0)

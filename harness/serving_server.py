@@ -71,11 +71,14 @@ def assemble_backend_dir(tritonserver_root: Path, dest: Path) -> Path:
         if not target.exists():
             raise ServerError(f"{target}: missing from nvidia-pytriton (Python {STUB_PY} stub needed)")
         link = py / name
-        if link.is_symlink() or link.exists():
-            if link.is_symlink() and os.readlink(link) == str(target):
-                continue
-            link.unlink()
-        link.symlink_to(target)
+        if link.is_symlink() and os.readlink(link) == str(target):
+            continue
+        # made beside it and renamed over it: servers started at once (pytest workers) never see a
+        # missing link, nor fail on one another's
+        tmp = py / f".{name}.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(target)
+        os.replace(tmp, link)
     return dest
 
 

@@ -84,7 +84,10 @@ def _share_import(cfg, out: Path) -> None:
         return
     shared = _import_dir()
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.symlink_to(shared, target_is_directory=True)
+    try:
+        target.symlink_to(shared, target_is_directory=True)
+    except FileExistsError:   # another pytest worker linked it a moment ago
+        pass
 
 
 @pytest.fixture(scope="session")

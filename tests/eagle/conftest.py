@@ -2,6 +2,7 @@
 really trained by ModelOpt, briefly (24 steps on the answers to 9 prompts), so it is built in
 well under a minute and cached in build/test-cache/ like every other test bundle."""
 import json
+import os
 
 import pytest
 
@@ -22,7 +23,9 @@ def eagle_overrides(verify: bool) -> list[str]:
     text = "".join(json.dumps({"text": t}) + "\n" for t in TRAIN_TEXTS)
     if not data.is_file() or data.read_text() != text:   # unchanged file => cached draft stage
         data.parent.mkdir(parents=True, exist_ok=True)
-        data.write_text(text)
+        tmp = data.with_name(f".{data.name}.{os.getpid()}")   # whole or absent: workers read it while
+        tmp.write_text(text)                                 # another one writes
+        os.replace(tmp, data)
     # min_draft_prob 0: a draft trained this briefly is rarely confident, and the tests need drafts.
     # cpu_dtype pinned: the serving tests compare the server's output with an executor of their own
     # process, which under auto could each choose another dtype by timing at load.

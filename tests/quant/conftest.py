@@ -8,6 +8,7 @@ sources, so a rerun with nothing changed skips the slow calibration.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -49,8 +50,12 @@ def quantized_export(smollm2_hf_dir):
     def get(name: str) -> tuple[Path, dict]:
         settings = EXPORTS[name]
         out = CACHE / f"export-{name}-{_cache_key(settings, smollm2_hf_dir)}"
-        if not (out / INFO_FILE).is_file():
-            quantize_checkpoint(smollm2_hf_dir, out, settings, progress=lambda *a: None)
+        CACHE.mkdir(parents=True, exist_ok=True)
+        # one writer per export: pytest workers (make test runs several) may ask for the same one at once
+        with open(CACHE / f".{out.name}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out / INFO_FILE).is_file():
+                quantize_checkpoint(smollm2_hf_dir, out, settings, progress=lambda *a: None)
         return out, json.loads((out / INFO_FILE).read_text())
 
     return get

