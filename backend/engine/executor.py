@@ -97,10 +97,12 @@ class Executor:
         self.spec = load_engine_spec(bundle_path, engine_overrides, verify_hashes=verify_hashes)
         speculating = speculator is not None or (speculative and self.spec.manifest.speculative is not None)
         runtime = self.spec.engine.runtime
-        if runtime != "native" and (self.spec.engine.tp_size > 1 or speculating):
-            what = "engine.tp_size > 1" if self.spec.engine.tp_size > 1 else "speculative decoding"
-            raise EngineError(f"engine.runtime {runtime} with {what} is not implemented (one graph, one "
-                              f"device, no draft graph yet); allowed: engine.runtime native, or speculative=False")
+        if runtime != "native" and self.spec.engine.tp_size > 1:
+            raise EngineError(f"engine.runtime {runtime}: the graph is one device's (engine.tp_size "
+                              f"{self.spec.engine.tp_size}); allowed: engine.runtime native, or tp_size 1")
+        if runtime != "native" and speculating:
+            raise EngineError(f"engine.runtime {runtime}: the EAGLE draft has no graph yet; allowed: engine.runtime "
+                              f"native, or speculative=False")
         if self.spec.engine.tp_size > 1:
             self.runner = _tp_driver(self.spec, device, dtype, speculating)
         else:   # engine.runtime: backend/model/runtimes.py (the graph runtimes are imported only when chosen)

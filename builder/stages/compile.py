@@ -165,7 +165,11 @@ def _manifest(ctx: StageContext, model: dict, fmt: str, kv_algo, group_size, unq
     if aot and cfg.tensorrt.enabled:
         from builder.tensorrt.target import write_target   # imports onnx: only builds that ask for it
         with ctx.progress("TensorRT target: decoder.onnx, plugin PTX, profiles", 1) as advance:
-            manifest = manifest.replace(tensorrt=write_target(out, manifest, kernel_shapes(manifest), cfg.tensorrt))
+            try:
+                trt = write_target(out, manifest, kernel_shapes(manifest), cfg.tensorrt)
+            except Exception as exc:  # noqa: BLE001 - export, PTX convention, onnx checker: one line, the cause chained
+                raise StageError(f"{cfg.file}: tensorrt.enabled: {exc}") from exc
+            manifest = manifest.replace(tensorrt=trt)
             advance()
     return manifest.replace(files=bundle.file_hashes(out))
 

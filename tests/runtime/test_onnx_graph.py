@@ -177,3 +177,21 @@ def test_without_tensorrt_the_bundle_is_unchanged(bf16_bundle, build_bundle):
     assert not (plain_dir / "decoder.onnx").exists() and not (plain_dir / "tensorrt").exists()
     assert {f: trt.files[f] for f in plain.files} == plain.files
     assert set(trt.files) - set(plain.files) == {f for f in trt.files if f == "decoder.onnx" or f.startswith("tensorrt/")}
+
+
+def test_graph_runtime_refusals(bf16_bundle, build_bundle):
+    """One line each, naming what to change: a bundle without the graph, a graph on several ranks, an
+    unknown runtime, the graph on a GPU device."""
+    from backend.engine.executor import Executor
+    from backend.model.runner import EngineError
+    plain = build_bundle("smollm2-135m-bf16", ["verify.enabled=false"])
+    with pytest.raises(EngineError, match=r"onnx-reference needs the bundle's decoder\.onnx; rebuild with "
+                                          r"OVERRIDES=\"tensorrt\.enabled=true\""):
+        Executor(plain, start=False, runtime="onnx-reference")
+    with pytest.raises(EngineError, match=r"engine\.runtime onnx-reference: the graph is one device's \(engine\.tp_size "
+                                          r"3\); allowed: engine\.runtime native, or tp_size 1"):
+        Executor(bf16_bundle, start=False, runtime="onnx-reference", tp_size=3)
+    with pytest.raises(EngineError, match=r"engine\.runtime: 'tvm'; allowed: native, onnx-reference, tensorrt"):
+        Executor(bf16_bundle, start=False, runtime="tvm")
+    with pytest.raises(EngineError, match=r"onnx-reference runs on the CPU \(device cuda asked\)"):
+        Executor(bf16_bundle, start=False, runtime="onnx-reference", device="cuda")
