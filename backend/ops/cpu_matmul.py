@@ -125,7 +125,7 @@ def prepare(w: Weight) -> Weight:
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` through the kernel ``w``'s storage was chosen for."""
     if isinstance(w, HalfWeight):
-        y = _fp16_rows(x.float().reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
+        y = _fp16_rows(x.float().reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])   # 0 rows too
         return y if bias is None else y + bias
     if _DNN is not None and x.device.type == "cpu" and x.dtype == torch.float32 and is_column_major(w):
         # Every row count (see batch invariance above), but never one row: oneDNN multiplies a single

@@ -46,7 +46,7 @@ def test_prepare_leaves_other_dtypes_and_ranks_alone():
         assert cpu_matmul.prepare(w) is w
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 32, 33, 100])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 32, 33, 100])   # 0: a step with no logits rows
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_f_linear(rows, exact, bias):
