@@ -99,6 +99,15 @@ def _which_tritonserver() -> Path | None:
     return Path(found) if found else None
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -330,12 +339,15 @@ class TritonServer:
         (Triton keeps answering ready, but every request to that model then fails or hangs)."""
         if self.proc is None:
             return "the server is not running"
-        if self.proc.poll() is not None:
-            return f"tritonserver exited with code {self.proc.returncode}"
+        # stubs first: a stub's death can take tritonserver down with it (it aborted, exit -6, on a
+        # loaded machine) before this poll sees the stub gone; then both are said, the stub first
         watched = getattr(self, "_watched", {})
-        if watched:
-            alive = self.stub_pids()
-            dead = sorted(f"{model} (pid {pid})" for pid, model in watched.items() if pid not in alive)
-            if dead:
-                return f"the Python backend stub of model {', '.join(dead)} died"
+        # by pid, not by parent: stubs that outlive an aborted server are reparented, not dead
+        dead = sorted(f"{model} (pid {pid})" for pid, model in watched.items() if not _running(pid))
+        exited = self.proc.poll() is not None
+        if dead and not (exited and len(dead) == len(watched)):   # not merely gone with the server
+            stub = f"the Python backend stub of model {', '.join(dead)} died"
+            return stub + (f"; tritonserver exited with code {self.proc.returncode}" if exited else "")
+        if exited:
+            return f"tritonserver exited with code {self.proc.returncode}"
         return None
