@@ -33,12 +33,14 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprob
 LIGHT = ["quantization.calibration.num_samples=4", "quantization.calibration.max_seq_len=64",
          "verify.enabled=false"]
 # (config, build overrides, runtime engine overrides)
+# One case per CPU linear path and KV dtype: fp16-packed weights with a bf16 KV cache (bf16), per-row
+# fp8 codes with an fp8 cache (fp8), dequantized fp32 weights through oneDNN (nvfp4), bf16 compute.
+# (fp8 weights with a bf16 cache and int4_awq ran here too and passed; their linears and caches are
+# these cases' own, so they went to keep the suite inside its CI budget.)
 FORMATS = {
     "bf16": ("smollm2-135m-bf16", ["verify.enabled=false"], {}),
     "fp8": ("smollm2-135m-fp8", LIGHT, {}),                                   # the default bundle
-    "fp8-weights-bf16-kv": ("smollm2-135m-fp8", LIGHT, {"kv_cache_dtype": "bfloat16"}),
     "nvfp4": ("smollm2-135m-nvfp4", LIGHT, {}),   # dequantized weights: the column-major oneDNN path
-    "int4_awq": ("smollm2-135m-int4-awq", LIGHT, {}),
     # bf16 compute (engine.cpu_dtype auto chooses it where measured faster): fails without
     # cpu_matmul running a lone bf16 row as two; the other formats passed in bf16 too (by hand)
     "fp8-bf16-compute": ("smollm2-135m-fp8", LIGHT, {"cpu_dtype": "bfloat16"}),

@@ -1,11 +1,12 @@
 """The TensorRT target's decoder graph, checked without TensorRT (#21).
 
-The real SmolLM2 bundles, built by the real pipeline with ``tensorrt.enabled=true``, export
+The real SmolLM2 bf16 bundle, built by the real pipeline with ``tensorrt.enabled=true``, exports
 ``decoder.onnx``; onnx's checker accepts it (weights included), and onnx's ReferenceEvaluator running it
 (engine.runtime onnx-reference: standard nodes by onnx, the two Kiln nodes by the kernels' PyTorch
 references) gives the native runner's logits, step by step, over chunked prefills mixed with decodes,
 and over a tree-masked verify step. bf16 bundle: the graph evaluated in float32 against the native
-runner in float32, equal to rounding. fp8 bundle (fp8 weights, activations and KV cache as Q/DQ):
+runner in float32, equal to rounding. fp8 bundle (fp8 weights, activations and KV cache as Q/DQ; its
+graph exported by the stage's own function):
 quantization is discontinuous, so a last-bit difference upstream flips an fp8 code now and then; the
 graph must sit within the format's own noise band (the native runner in bf16 vs float32).
 """
@@ -34,15 +35,24 @@ def bf16_bundle(build_bundle):
 
 
 @pytest.fixture(scope="module")
-def fp8_bundle(build_bundle):
-    return build_bundle("smollm2-135m-fp8", LIGHT + ["tensorrt.enabled=true"])
+def fp8_graph(build_bundle, tmp_path_factory):
+    """The fp8 bundle the other tests share (fp8 weights, activations and KV cache), its decoder exported
+    by the same function the compile stage calls, into a folder of its own (the stage itself is run by
+    the bf16 build above; this saves a second quantized build)."""
+    import onnx
+    from backend import bundle as b
+    from builder.tensorrt.onnx_export import decoder_model
+    bundle = build_bundle("smollm2-135m-fp8", LIGHT)
+    graph = tmp_path_factory.mktemp("fp8-graph") / "decoder.onnx"
+    onnx.save_model(decoder_model(bundle, b.read(bundle)), graph)
+    return bundle, graph
 
 
-def _runners(bundle, **overrides):
+def _runners(bundle, graph=None, **overrides):
     from backend.model.onnx_runner import OnnxReferenceRunner
     from backend.model.runner import ModelRunner, load_engine_spec
     spec = load_engine_spec(bundle, dict(max_kv_tokens=2048, **overrides))
-    return ModelRunner(spec, dtype=torch.float32), OnnxReferenceRunner(spec)
+    return ModelRunner(spec, dtype=torch.float32), OnnxReferenceRunner(spec, graph=graph)
 
 
 def test_graph_passes_the_checker_and_points_into_the_weights(bf16_bundle):
@@ -140,13 +150,14 @@ def test_graph_runtime_generates_the_native_tokens_with_chunked_prefill(bf16_bun
         assert a.shape == b.shape and (a.numel() == 0 or (a - b).abs().max() < 2e-3)
 
 
-def test_fp8_graph_is_within_the_formats_own_noise(fp8_bundle):
+def test_fp8_graph_is_within_the_formats_own_noise(fp8_graph):
     """fp8 weights + fp8 activations + fp8 KV as Q/DQ. Teacher-forced over a real text: the graph's
     disagreement with the native fp32 runner is no larger than the native runner's own between bf16 and
     fp32 compute (its rounding noise through the fp8 quantizers), with a little slack."""
     from backend.model.runner import ModelRunner, prefill_meta
     from backend.serving.tokenizer import load_tokenizer
-    native, graph = _runners(fp8_bundle)
+    fp8_bundle, path = fp8_graph
+    native, graph = _runners(fp8_bundle, path)
     assert graph.kv_dtype == torch.float8_e4m3fn
     ids = load_tokenizer(fp8_bundle / "tokenizer").encode(TEXT)
     meta = prefill_meta(len(ids), native.block_size, torch.device("cpu"))
