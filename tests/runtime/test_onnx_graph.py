@@ -44,7 +44,7 @@ def fp8_graph(build_bundle, tmp_path_factory):
     from builder.tensorrt.onnx_export import decoder_model
     bundle = build_bundle("smollm2-135m-fp8", LIGHT)
     graph = tmp_path_factory.mktemp("fp8-graph") / "decoder.onnx"
-    onnx.save_model(decoder_model(bundle, b.read(bundle)), graph)
+    onnx.save_model(decoder_model(bundle, b.read(bundle), capture_layers=(1,)), graph)   # an EAGLE aux output
     return bundle, graph
 
 
@@ -162,9 +162,16 @@ def test_fp8_graph_is_within_the_formats_own_noise(fp8_graph):
     ids = load_tokenizer(fp8_bundle / "tokenizer").encode(TEXT)
     meta = prefill_meta(len(ids), native.block_size, torch.device("cpu"))
     rows = torch.arange(len(ids))
-    ref, _ = native.execute(torch.tensor(ids), meta, rows)
-    got, _ = graph.execute(torch.tensor(ids), meta, rows)
-    bf16, _ = ModelRunner(native.spec, dtype=torch.bfloat16).execute(torch.tensor(ids), meta, rows)
+    ref, ref_h = native.execute(torch.tensor(ids), meta, rows, (1,))
+    got, got_h = graph.execute(torch.tensor(ids), meta, rows, (1,))
+    bf16, bf16_h = ModelRunner(native.spec, dtype=torch.bfloat16).execute(torch.tensor(ids), meta, rows, (1,))
+
+    def rel(h):
+        return ((h[1].float() - ref_h[1]).norm() / ref_h[1].norm()).item()
+    # the captured residual stream after layer 1 (an EAGLE-3 aux output): the native one, within the
+    # same band (measured 2026-11-27: graph 5.9e-3, native bf16 vs fp32 3.2e-2)
+    print(f"hidden.1 relative error: graph {rel(got_h):.2e}, native bf16 {rel(bf16_h):.2e}")
+    assert got_h[1].shape == ref_h[1].shape and rel(got_h) <= 1.5 * rel(bf16_h) + 1e-3
 
     def kl(p_logits, q_logits):
         p, q = p_logits.log_softmax(-1), q_logits.float().log_softmax(-1)
