@@ -35,7 +35,21 @@ def _free_models_after_slow_tests(request):
         gc.collect()
 
 
+# The longest files (minutes each on 2 cores, measured in CI), started first: `make test` hands whole
+# files to two workers, and one of these arriving last kept a worker busy alone for minutes at the end.
+LONGEST_FIRST = ("tests/runtime/test_batch_invariance.py", "tests/kernels/test_verify_graphs.py",
+                 "tests/eagle/test_spec_e2e.py", "tests/runtime/test_tensor_parallel.py",
+                 "tests/serving/test_soak.py", "tests/serving/test_spec_serving.py",
+                 "tests/serving/test_cancel_storm.py", "tests/serving/test_serve_cli.py")
+
+
+def _rank(item) -> int:
+    path = Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
+    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_rank)   # stable: every file keeps its tests' order, the rest keep theirs
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
