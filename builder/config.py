@@ -4,13 +4,12 @@
 validated at construction. Every mistake raises :class:`ConfigError` with one line
 ``<file>: <key.path>: <problem>; allowed: <...>``. Checks that need the model's shape (tp_size vs
 heads, KV heads, intermediate size and vocab by the runtime's ``tp_rules``; max_seq_len vs context,
-int4 group size vs in-features) live in :func:`check_against_model`, which the import stage calls
+int4 group size vs in-features) live in ``builder/config_model.py`` (``check_against_model``), which the import stage calls
 once the checkpoint's config is known.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import re
@@ -19,11 +18,12 @@ from typing import Any
 
 import yaml
 
-from backend.model.tp_rules import MAX_TP_SIZE, SHARDABLE_FORMATS, allowed_tp_sizes, group_problem, tp_problem
+from backend.model.tp_rules import MAX_TP_SIZE, SHARDABLE_FORMATS
+from builder.config_overrides import apply_overrides
 from builder.config_tensorrt import RUNTIMES, TensorRTConfig, check_tensorrt
-from builder.schema import ConfigError, all_key_paths, build, opt
+from builder.schema import ConfigError, build, opt
 
-__all__ = ["BuildConfig", "ConfigError", "check_against_model", "QUANT_FORMATS"]
+__all__ = ["BuildConfig", "ConfigError", "QUANT_FORMATS"]
 
 QUANT_FORMATS = ("none", "fp8", "nvfp4", "int4_awq", "int8_sq", "w4a8_awq")
 GROUPED_FORMATS = ("int4_awq", "w4a8_awq")  # formats whose group_size must divide in-features
@@ -265,7 +265,7 @@ class BuildConfig:
         if not isinstance(data, dict):
             raise ConfigError(file, "", f"the top level must be a mapping of sections, got {type(data).__name__}",
                               ", ".join(_section_names()))
-        data = apply_overrides(data, overrides, file)
+        data = apply_overrides(cls, data, overrides, file)
         cfg = build(cls, data, file)
         cfg = dataclasses.replace(cfg, file=file)
         cfg._check_combinations()
@@ -375,81 +375,3 @@ def _sha256_json(obj: Any) -> str:
 
 def _section_names() -> list[str]:
     return [f.name for f in dataclasses.fields(BuildConfig) if f.name != "file"]
-
-
-def _section_paths() -> set[str]:
-    """Key paths that name a whole (sub)section, which an override may replace as a mapping."""
-    leaves = all_key_paths(BuildConfig)
-    return {".".join(p.split(".")[:i]) for p in leaves for i in range(1, p.count(".") + 1)}
-
-
-def apply_overrides(data: dict, overrides: tuple[str, ...] | list[str], file: str) -> dict:
-    """Return a copy of ``data`` with ``key.path=value`` overrides applied (values parsed as YAML)."""
-    data = json.loads(json.dumps(data, default=str))  # deep copy; YAML here is plain data
-    leaves = all_key_paths(BuildConfig)
-    sections = _section_paths()
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(file, item, "override must look like key.path=value",
-                              "e.g. engine.max_batch_size=64")
-        if key not in leaves and key not in sections:
-            close = difflib.get_close_matches(key, leaves, n=1, cutoff=0.6)
-            problem = f"unknown key in override '{item}'" + (f"; did you mean '{close[0]}'?" if close else "")
-            raise ConfigError(file, key, problem, "any key of docs/contracts.md section 1, e.g. "
-                              "quantization.format")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            raise ConfigError(file, key, f"override value {raw!r} is not valid YAML") from None
-        node = data
-        parts = key.split(".")
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        node[parts[-1]] = value
-    return data
-
-
-def check_against_model(cfg: BuildConfig, model: dict[str, Any]) -> None:
-    """Checks that need the checkpoint's shape; ``model`` holds engine.json "model" keys.
-
-    Raises ConfigError in the same one-line style as construction, naming the config key to change.
-    """
-    f, e, q = cfg.file, cfg.engine, cfg.quantization
-    heads = model["num_heads"]
-    problem = tp_problem(model, e.tp_size)   # backend's rules: refused here exactly when the runtime would
-    if problem:
-        raise ConfigError(f, "engine.tp_size", problem, " | ".join(map(str, allowed_tp_sizes(
-            model, quant_format=q.format, group_size=q.group_size))))
-    mpe = model.get("max_position_embeddings")
-    if mpe and e.max_seq_len > mpe:
-        raise ConfigError(f, "engine.max_seq_len", f"{e.max_seq_len} exceeds the model's context of "
-                          f"{mpe} tokens", f"2..{mpe}")
-    in_features = {"hidden_size (qkv, gate_up)": model["hidden_size"],
-                   "num_heads*head_dim (o)": heads * model["head_dim"],
-                   "intermediate_size (down)": model["intermediate_size"]}
-    if q.format in GROUPED_FORMATS:
-        for what, n in in_features.items():
-            if n % q.group_size:
-                ok = [g for g in (16, 32, 64, 128, 256) if all(v % g == 0 for v in in_features.values())]
-                raise ConfigError(f, "quantization.group_size", f"{q.group_size} does not divide the model's "
-                                  f"{what} = {n}", " | ".join(map(str, ok)) or "none fits this model")
-    if q.format == "nvfp4":
-        for what, n in in_features.items():
-            if n % 16:
-                raise ConfigError(f, "quantization.format", f"nvfp4 needs in-features divisible by 16, "
-                                  f"the model's {what} = {n}", "fp8 | int8_sq | none")
-    # after the group checks: a group_size that does not fit the whole model is its own mistake, not tp's
-    problem = group_problem(model, e.tp_size, q.format, q.group_size)
-    if problem:
-        raise ConfigError(f, "engine.tp_size", problem, " | ".join(map(str, allowed_tp_sizes(
-            model, quant_format=q.format, group_size=q.group_size))))
-    aux = cfg.speculative.aux_layers
-    if cfg.speculative.method != "none" and aux is not None:
-        bad = [a for a in aux if not 0 <= a < model["num_layers"]]
-        if bad:
-            raise ConfigError(f, "speculative.aux_layers", f"layer {bad[0]} does not exist",
-                              f"0..{model['num_layers'] - 1}")

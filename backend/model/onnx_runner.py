@@ -20,7 +20,7 @@ import torch
 
 from backend.logs import get_logger
 from backend.model import cpu_dtype, graph_io
-from backend.model.runner import KV_DTYPES, EngineError, EngineSpec, plan_kv_blocks
+from backend.model.runner import KV_DTYPES, EngineError, EngineSpec, kv_pool_bytes, plan_kv_blocks
 
 _LOG = get_logger("model.onnx_runner")
 
@@ -147,7 +147,7 @@ class OnnxReferenceRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+        return kv_pool_bytes(self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor,

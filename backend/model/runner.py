@@ -94,6 +94,11 @@ def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
     return load_file(str(f), device=dev)
 
 
+def kv_pool_bytes(kv_caches) -> int:
+    """Bytes of a runner's KV pool (every layer's K and V tensors): what every runtime reports."""
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches)
+
+
 FP8_KV_NEEDS_SCALES = ("engine.json: kv_cache_dtype fp8 needs layers.{i}.attn.k_scale/v_scale in "
                        "weights.safetensors; rebuild with quantization.kv_cache=fp8")
 
@@ -196,7 +201,7 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+        return kv_pool_bytes(self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor,

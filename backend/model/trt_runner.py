@@ -21,7 +21,7 @@ import torch
 
 from backend.bundle import BundleError
 from backend.model import cpu_dtype, graph_io
-from backend.model.runner import EngineError, EngineSpec, kv_cache_dtypes, plan_kv_blocks
+from backend.model.runner import EngineError, EngineSpec, kv_cache_dtypes, kv_pool_bytes, plan_kv_blocks
 from backend.model.trt_files import (PROFILES, TensorRTFilesError, TensorRTMissing, import_tensorrt, load_profiles,
                                      register_plugins, section)
 from backend.model.trt_session import PlanSession
@@ -98,7 +98,7 @@ class TensorRTRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+        return kv_pool_bytes(self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor,

@@ -16,7 +16,8 @@ from pathlib import Path
 
 
 from builder import sources
-from builder.config import check_against_model, ConfigError
+from builder.config import ConfigError
+from builder.config_model import check_against_model
 from builder.model_spec import model_spec
 from builder.stages.base import StageContext, StageError
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from builder.config import QUANT_FORMATS, BuildConfig, ConfigError, check_against_model
+from builder.config import QUANT_FORMATS, BuildConfig, ConfigError
+from builder.config_model import check_against_model
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
