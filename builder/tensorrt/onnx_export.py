@@ -168,11 +168,11 @@ def decoder_model(bundle_dir: Path, manifest: bundle.Manifest, capture_layers: t
     return model
 
 
-def export_decoder(bundle_dir: Path, manifest: bundle.Manifest, capture_layers: tuple[int, ...] = ()) -> dict:
-    """Write ``bundle_dir/decoder.onnx``; returns what engine.json records about it."""
+def export_decoder(bundle_dir: Path, manifest: bundle.Manifest, capture_layers: tuple[int, ...] = ()) -> onnx.ModelProto:
+    """Write ``bundle_dir/decoder.onnx``, checked; returns the graph (its weights still external)."""
     model = decoder_model(bundle_dir, manifest, capture_layers)
     onnx.save_model(model, bundle_dir / GRAPH)
     # the whole check, external data included, now that the graph sits beside the weights it names
     # (onnx resolves them against the graph's folder)
     onnx.checker.check_model(str(bundle_dir / GRAPH))
-    return {"graph": GRAPH, "opset": OPSET, "plugins": list(PLUGINS)}
+    return model

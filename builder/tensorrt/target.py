@@ -37,11 +37,10 @@ def profiles_doc(manifest: bundle.Manifest, model: onnx.ModelProto) -> dict:
 def write_target(out: Path, manifest: bundle.Manifest, shapes, tcfg) -> bundle.TensorRT:
     """Everything of the TensorRT target into bundle folder ``out``; returns engine.json's section.
     ``shapes``: the bundle's EngineShapes (the AOT kernels' plan); ``tcfg``: the ``tensorrt`` config."""
-    export_decoder(out, manifest)
+    model = export_decoder(out, manifest)
     trt = out / TRT_DIR
     sms = list(manifest.targets.sms)
     compile_all(shapes, TrtFloats(manifest.model.rms_norm_eps), sms, trt / "plugins", plugins=PLUGINS)
-    model = onnx.load(str(out / GRAPH), load_external_data=False)
     (trt / "profiles.json").write_text(json.dumps(profiles_doc(manifest, model), indent=1) + "\n")
     return bundle.TensorRT(graph=GRAPH, dir=TRT_DIR, opset=OPSET, plugins=PLUGINS, sms=tuple(sms),
                            workspace_gib=tcfg.workspace_gib, timing_cache=tcfg.timing_cache)
