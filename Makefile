@@ -13,9 +13,10 @@ STEM       := $(basename $(notdir $(CONFIG)))
 OUT        ?= build/$(STEM)
 BUILD_ARGS ?=
 PYTEST_ARGS ?=
-# pytest workers for make test; each test file runs whole on one worker (--dist loadfile), so module
-# fixtures (a server, a bundle) are made once; TEST_JOBS=0 runs everything in this process
-TEST_JOBS  ?= 2
+# pytest workers for make test (TEST_JOBS=2: each file whole on one worker, --dist loadfile). Off by
+# default: two workers' servers can pick the same free port (harness free_port: bind 0, close, reuse),
+# seen once as "Socket already in use" at start-up; the ports must be reserved before this is on again
+TEST_JOBS  ?= 0
 OPENAI_PORT ?= 9000
 
 # Everything Kiln runs goes through the venv; its bin/ comes first on PATH so the Triton
