@@ -15,7 +15,6 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -26,6 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from harness.ports import free_port
 from backend.serving.serving_state import DRAIN_DIR_ENV, DRAIN_REQUEST, engine_marker, idle_marker
 
 __all__ = ["TritonServer", "TritonBinary", "find_tritonserver", "free_port", "ServerError", "stub_processes"]
@@ -106,12 +106,6 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stub_processes(server_pid: int) -> dict[int, str]:
