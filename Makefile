@@ -13,10 +13,10 @@ STEM       := $(basename $(notdir $(CONFIG)))
 OUT        ?= build/$(STEM)
 BUILD_ARGS ?=
 PYTEST_ARGS ?=
-# pytest workers for make test (TEST_JOBS=2: each file whole on one worker, --dist loadfile). Off by
-# default: two workers' servers can pick the same free port (harness free_port: bind 0, close, reuse),
-# seen once as "Socket already in use" at start-up; the ports must be reserved before this is on again
-TEST_JOBS  ?= 0
+# pytest workers for make test: each file whole on one worker (--dist loadfile), each worker with its
+# share of the cores (tests/conftest.py); servers' ports come from harness/ports.py, which never hands
+# one port to two workers. TEST_JOBS=0: one process.
+TEST_JOBS  ?= 2
 OPENAI_PORT ?= 9000
 
 # Everything Kiln runs goes through the venv; its bin/ comes first on PATH so the Triton

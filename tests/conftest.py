@@ -48,6 +48,19 @@ def _rank(item) -> int:
     return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, each worker gets its share of the cores, in this process (torch) and in
+    what it starts (Triton's stubs read OMP_NUM_THREADS: harness.serving_server only sets a default).
+    Two workers of torch's default two threads each on two cores spin in each other's barriers; a
+    reference computed here and the served result it is compared with use the same thread count."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import torch
+        torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_rank)   # stable: every file keeps its tests' order, the rest keep theirs
     gpu_items = [item for item in items if "gpu" in item.keywords]
