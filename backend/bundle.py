@@ -171,6 +171,8 @@ class TensorRT:
     timing_cache: str | None = None
     plan: str | None = None
     version: str | None = None
+    # the EAGLE-3 draft's graph beside ``graph`` (builder/tensorrt/draft_export.py); absent without a draft
+    draft_graph: str | None = field(default=None, metadata=OMIT)
 
 
 @dataclass(frozen=True)

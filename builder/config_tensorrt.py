@@ -12,9 +12,9 @@ import dataclasses
 
 from builder.schema import ConfigError, opt
 
-# what the ONNX export expresses today (builder/tensorrt/onnx_export.py FORMATS); the 4-bit and int8
-# formats need their GEMM plugins in the graph first
-TRT_FORMATS = ("none", "fp8")
+# what the ONNX export expresses today (builder/tensorrt/onnx_export.py FORMATS: the 4-bit ones through
+# the W4A16 GEMM plugin); int8_sq and w4a8_awq need their GEMM plugins in the graph first
+TRT_FORMATS = ("none", "fp8", "int4_awq", "nvfp4")
 GRAPH_RUNTIMES = ("onnx-reference", "tensorrt")
 RUNTIMES = ("native", *GRAPH_RUNTIMES)
 
@@ -43,6 +43,12 @@ def check_tensorrt(cfg) -> None:
     if e.tp_size > 1:
         raise ConfigError(f, "tensorrt.enabled", f"engine.tp_size={e.tp_size}: the graph is exported for one "
                           "device", "false, or engine.tp_size=1")
-    if cfg.speculative.method != "none":
-        raise ConfigError(f, "tensorrt.enabled", f"speculative.method={cfg.speculative.method}: the EAGLE-3 "
-                          "draft has no graph yet", "false, or speculative.method=none")
+    # an EAGLE-3 draft is exported as draft.onnx; onnx-reference runs it for chains (its attention node
+    # sees every earlier draft row), the TensorRT runner not at all yet (the executor would refuse to start)
+    s = cfg.speculative
+    if s.method != "none" and e.runtime == "tensorrt":
+        raise ConfigError(f, "engine.runtime", f"tensorrt with speculative.method={s.method}: the draft has no "
+                          "plan yet", "native or onnx-reference, or speculative.method=none")
+    if s.method != "none" and e.runtime == "onnx-reference" and s.tree != "chain":
+        raise ConfigError(f, "speculative.tree", f"{s.tree} with engine.runtime=onnx-reference: draft.onnx runs "
+                          "chains only", "chain, or engine.runtime=native")

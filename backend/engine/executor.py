@@ -100,9 +100,9 @@ class Executor:
         if runtime != "native" and self.spec.engine.tp_size > 1:
             raise EngineError(f"engine.runtime {runtime}: the graph is one device's (engine.tp_size "
                               f"{self.spec.engine.tp_size}); allowed: engine.runtime native, or tp_size 1")
-        if runtime != "native" and speculating:
-            raise EngineError(f"engine.runtime {runtime}: the EAGLE draft has no graph yet; allowed: engine.runtime "
-                              f"native, or speculative=False")
+        if runtime == "tensorrt" and speculating:   # onnx-reference runs draft.onnx (backend/speculative/draft_onnx.py)
+            raise EngineError(f"engine.runtime {runtime}: the EAGLE draft has no plan yet; allowed: engine.runtime "
+                              f"native or onnx-reference, or speculative=False")
         if self.spec.engine.tp_size > 1:
             self.runner = _tp_driver(self.spec, device, dtype, speculating)
         else:   # engine.runtime: backend/model/runtimes.py (the graph runtimes are imported only when chosen)

@@ -57,6 +57,28 @@ def hidden_out(i: int) -> str:
     return f"hidden.{i}"
 
 
+# The EAGLE-3 draft's graph (``draft.onnx``, builder/tensorrt/draft_export.py): one draft step over
+# ``tokens`` entries, the same step tensors as the decoder's (positions, slots, block tables and tree
+# mask address the draft's OWN paged pool, ``draft_k_cache``/``draft_v_cache``). Each entry's feature
+# is, for the first ``aux_tokens`` rows, the target's aux layers side by side through ``fc``, for the
+# rest the draft's own pre-norm output of the step before (EAGLE's recurrence), so tokens =
+# aux_tokens + draft_tokens and the caller orders its rows that way. Dims ``aux_width`` (aux layers x
+# hidden) and ``hidden`` are the model's, fixed at export.
+DRAFT_GRAPH = "draft.onnx"
+_STEP = {name: (name, dtype, dims) for name, dtype, dims in STEP_INPUTS}
+DRAFT_INPUTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    _STEP["input_ids"],                                   # the token AFTER each entry's position
+    ("aux_hidden", "model", ("aux_tokens", "aux_width")),
+    ("draft_hidden", "model", ("draft_tokens", "hidden")),
+    *(_STEP[n] for n in ("positions", "slot_mapping", "block_tables", "query_start_loc", "context_lens",
+                         "tree_mask", "logits_indices")),
+)
+DRAFT_K_CACHE, DRAFT_V_CACHE = "draft_k_cache", "draft_v_cache"
+DRAFT_K_CACHE_OUT, DRAFT_V_CACHE_OUT = "draft_k_cache_out", "draft_v_cache_out"
+DRAFT_LOGITS = "draft_logits"          # float32 [rows, draft_vocab]: draft ids (d2t is the host's)
+DRAFT_HIDDEN_OUT = "draft_hidden_out"  # model [tokens, hidden]: pre-norm outputs, the next step's features
+
+
 def step_feeds(input_ids: "torch.Tensor", meta, logits_indices: "torch.Tensor") -> dict[str, "torch.Tensor"]:
     """One step's graph inputs (the pool excluded) from what the executor gives every runner."""
     import torch

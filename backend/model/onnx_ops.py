@@ -1,6 +1,6 @@
 """Kiln's custom ONNX nodes for onnx's ReferenceEvaluator, backed by the kernels' PyTorch references.
 
-The decoder graph (builder/tensorrt/onnx_export.py) has two nodes no ONNX operator expresses; on a
+The decoder graph (builder/tensorrt/onnx_export.py) has three nodes no ONNX operator expresses; on a
 TensorRT host they are the AOT plugins, here they run ``plugins/reference`` (the functions every Triton
 kernel is tested against). Arrays cross as views, not copies (bf16 and fp8 through their integer
 bits), so ``kiln_rope_kv_write`` writes into the very pool the runner owns and returns it as its
@@ -17,6 +17,7 @@ from onnx.reference.op_run import OpRun
 
 from plugins.reference.attention import paged_prefill_ref
 from plugins.reference.fused import rope_write_kv_ref
+from plugins.reference.gemm import dequant_int4_awq, dequant_nvfp4
 
 # numpy dtypes torch cannot take directly -> (the integer view numpy can share, torch dtype)
 _VIA_BITS = {np.dtype(ml_dtypes.bfloat16): (np.int16, torch.bfloat16),
@@ -75,4 +76,32 @@ class kiln_paged_prefill(OpRun):  # noqa: N801
         return (to_numpy(out.reshape(t, hq * d).contiguous()),)
 
 
-CUSTOM_OPS = [kiln_rope_kv_write, kiln_paged_prefill]
+def _int4_awq(weight, weight_scale, weight_scale_2):
+    return dequant_int4_awq(weight, weight_scale)   # its pre_quant_scale is a Mul before the node
+
+
+# the node's `fmt` attribute (the kernel's FMT: plugins/tensorrt/variants.py W4A16) -> the reference's
+# dequantizer; the product is the reference linears' (plugins/reference/gemm.py): x @ W^T in fp32
+_DEQUANT = {0: _int4_awq, 1: dequant_nvfp4}
+
+
+class kiln_w4a16_gemm(OpRun):  # noqa: N801
+    op_domain = "kiln"
+    _packed: tuple = ()
+    _dense: torch.Tensor | None = None
+
+    def _run(self, x, weight, weight_scale, weight_scale_2, fmt=None, group_size=None, plugin_namespace=None,
+             aot=None):
+        assert 2 * weight.shape[1] == group_size * weight_scale.shape[1], (weight.shape, weight_scale.shape, group_size)
+        # the weight tensors are the same arrays every step (initializers, folded constants): dequantized
+        # once per node, as the dense graph's weight casts are folded once (onnx_runner.fold_constants).
+        # Kept by identity, and holding them keeps an id from being reused by another array.
+        packed = (weight, weight_scale, weight_scale_2)
+        if len(self._packed) != 3 or any(a is not b for a, b in zip(self._packed, packed)):
+            self._dense = _DEQUANT[int(fmt)](*(to_torch(a) for a in packed))
+            self._packed = packed
+        xt = to_torch(x)
+        return (to_numpy((xt.float() @ self._dense.t()).to(xt.dtype).contiguous()),)
+
+
+CUSTOM_OPS = [kiln_rope_kv_write, kiln_paged_prefill, kiln_w4a16_gemm]

@@ -1,7 +1,7 @@
 """``engine.runtime: onnx-reference``: a step is the bundle's ``decoder.onnx``, run by onnx's ReferenceEvaluator.
 
 This is the TensorRT target checked without TensorRT: the same graph a plan is built from, its standard
-nodes evaluated by onnx's reference implementation, its two Kiln nodes by the kernels' PyTorch references
+nodes evaluated by onnx's reference implementation, its Kiln nodes by the kernels' PyTorch references
 (backend/model/onnx_ops.py), the KV pool owned here and handed to the graph as inputs, exactly as the
 TensorRT runner binds it. It is slow (numpy, one thread) and exists to prove the graph, not to serve.
 
@@ -113,8 +113,6 @@ class OnnxReferenceRunner:
         if trt is None and graph is None:
             raise EngineError(f"{spec.path}: engine.runtime onnx-reference needs the bundle's decoder.onnx; "
                               f"rebuild with OVERRIDES=\"tensorrt.enabled=true\"")
-        if spec.manifest.speculative is not None:
-            _LOG.warning("engine.runtime onnx-reference: the EAGLE draft has no graph yet; run speculative=False")
         self.graph_path = graph or spec.path / trt.graph
         self.dtype_choice = self._choose_dtype(dtype)
         self.dtype = self.dtype_choice.dtype

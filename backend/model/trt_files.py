@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from backend.bundle import TensorRT, rebuild_hint
 from plugins.common import ACT_TYPES
-from plugins.tensorrt.variants import GraphConsts
+from plugins.tensorrt.variants import W4A16, GraphConsts
 
 if TYPE_CHECKING:
     from backend.bundle import Manifest
@@ -136,8 +136,10 @@ def graph_consts(manifest: "Manifest", profiles: Profiles) -> GraphConsts:
         raise TensorRTFilesError(f"engine.json: engine.kv_cache_dtype {e.kv_cache_dtype!r}: the plugins take a KV "
                                  f"pool of the model dtype or fp8_e4m3; {rebuild_hint(manifest)}")
     tree = "tree" in profiles.dims[0] and profiles.max_dim("tree") > 0
+    q = manifest.quantization   # a 4-bit bundle's packed linears are kiln_w4a16_gemm nodes
     return GraphConsts(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                       block_size=e.kv_block_size, act=act, kv=kv, tree=tree)
+                       block_size=e.kv_block_size, act=act, kv=kv, tree=tree,
+                       w4a16=q.format if q.format in W4A16 else None, group_size=q.group_size)
 
 
 def register_plugins(bundle: Path, manifest: "Manifest", sm: int, profiles: Profiles) -> dict[str, dict]:

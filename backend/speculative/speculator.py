@@ -111,12 +111,22 @@ class EagleSpeculator:
         draft_dir = Path(executor.spec.path) / spec.draft_dir
         cfg, tensors = read_bundle_draft(draft_dir)
         runner = executor.runner
-        model = runner.model
-        if cfg.hidden_size != model.config.hidden_size or cfg.vocab_size != model.config.vocab_size:
+        target = executor.spec.model
+        if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
             raise ValueError(f"{draft_dir}/config.json: draft hidden/vocab {cfg.hidden_size}/{cfg.vocab_size} "
-                             f"!= target {model.config.hidden_size}/{model.config.vocab_size}; rebuild the engine")
-        draft = Eagle3Draft(cfg, tensors, model.embed_tokens, model.lm_head,
-                            model.config.max_position_embeddings + 64, runner.device, runner.dtype)
+                             f"!= target {target.hidden_size}/{target.vocab_size}; rebuild the engine")
+        if executor.spec.engine.runtime == "onnx-reference":   # the bundle's draft.onnx (draft_onnx.py)
+            from backend.speculative.draft_onnx import GraphDraft
+            if (tree or spec.tree) != "chain":
+                raise ValueError(f"speculative.tree: {tree or spec.tree} with engine.runtime onnx-reference: "
+                                 f"draft.onnx runs chains only; allowed: chain")
+            e = executor.spec.engine
+            draft = GraphDraft(Path(executor.spec.path), cfg, tensors.get("d2t"), e.max_batch_size, e.max_seq_len,
+                               runner.dtype)
+        else:
+            model = runner.model
+            draft = Eagle3Draft(cfg, tensors, model.embed_tokens, model.lm_head,
+                                model.config.max_position_embeddings + 64, runner.device, runner.dtype)
         tree = tree or spec.tree
         if min_draft_prob is None:
             min_draft_prob = spec.min_draft_prob if tree == "chain" else 0.0
@@ -126,7 +136,9 @@ class EagleSpeculator:
             top_k if top_k is not None else spec.top_k,
             depth if depth is not None else spec.depth,
             tree_choices if tree_choices is not None else spec.tree_choices, min_draft_prob)
-        return cls(draft, runner.kv_caches, grower, runner)
+        made = cls(draft, runner.kv_caches, grower, runner)
+        made.pool = getattr(draft, "pool", made.pool)   # a graph draft's caches all live in its pool
+        return made
 
     # -- the executor seam ----------------------------------------------------------------------
     def prepare(self, out, inputs) -> None:

@@ -2,16 +2,21 @@
 
 The graph computes what the native runner's unfused layer computes (backend/model/llama.py
 ``decoder_layer``), op for op: RMSNorm in fp32 cast back before the weight multiply, the QKV / O /
-gate-up / down linears, SiLU x up, residual adds, the final norm, the logits rows, the lm_head. Two
+gate-up / down linears, SiLU x up, residual adds, the final norm, the logits rows, the lm_head. Three
 steps have no ONNX or TensorRT layer and are Kiln plugins (custom nodes, see onnx_graph.py):
 ``kiln_rope_kv_write`` (rotary embedding of q and k, k and v written into the paged pool at the
 step's slots, fp8 with the layer's scales) and ``kiln_paged_prefill`` (varlen paged attention over
-context + new tokens, causal, with the EAGLE tree mask; decode is its one-query case). Their inputs
-are ordered as plugins/tensorrt/convention.py's SPECS, so TensorRT hands the AOT PTX exactly those.
+context + new tokens, causal, with the EAGLE tree mask; decode is its one-query case) and
+``kiln_w4a16_gemm`` (a linear on packed 4-bit weights, nvfp4 or int4_awq, unpacked inside the GEMM).
+Their inputs are ordered as plugins/tensorrt/convention.py's SPECS, so TensorRT hands the AOT PTX
+exactly those.
 
 FP8 linears are explicit Q/DQ (TensorRT 11 networks are strongly typed): the activation quantized
 with the calibrated per-tensor fp32 input scale and dequantized, the fp8 weight dequantized with its
-per-output-row scale, the product in fp32 then cast to the compute dtype. Where the graph's compute
+per-output-row scale, the product in fp32 then cast to the compute dtype. 4-bit linears compute what
+the native runner's GPU path does (W4A16, backend/ops/linear.py): AWQ's pre_quant_scale multiplies
+the activation first, nvfp4's activations stay 16-bit (its input_scale is for W4A4, which Hopper has
+no tensor cores for) and its global scale weight_scale_2 is a plugin input. Where the graph's compute
 dtype (the model's) enters is a ``Cast`` after every weight and before every output, so a runtime can
 evaluate the same graph in float32 by retargeting those casts (backend/model/onnx_runner.py does, for
 parity with the native runner in fp32). Inputs, outputs and dims: backend/model/graph_io.py.
@@ -28,6 +33,7 @@ from onnx import TensorProto, helper
 from backend import bundle
 from backend.model import graph_io
 from backend.model.layers import RotaryEmbedding
+from plugins.tensorrt.variants import W4A16
 
 from .onnx_graph import KILN_DOMAIN, Graph, value_info
 from .safetensors_refs import read_refs
@@ -36,21 +42,22 @@ OPSET = 21
 GRAPH = "decoder.onnx"
 DTYPES = {"bfloat16": TensorProto.BFLOAT16, "float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT}
 KV_TYPES = dict(DTYPES, fp8_e4m3=TensorProto.FLOAT8E4M3FN, float8_e4m3fn=TensorProto.FLOAT8E4M3FN)
-# quantization formats the graph expresses; the 4-bit and int8 ones need plugins not exported yet
-FORMATS = ("none", "fp8")
-PLUGINS = ("kiln_rope_kv_write", "kiln_paged_prefill")
+# quantization formats the graph expresses; int8_sq and w4a8_awq need GEMM plugins not exported yet
+FORMATS = ("none", "fp8", *W4A16)
+# every plugin the graph can name, in the order engine.json lists those a graph uses (used_plugins)
+PLUGINS = ("kiln_rope_kv_write", "kiln_paged_prefill", "kiln_w4a16_gemm")
 
 
 class ExportError(ValueError):
     """The bundle cannot be exported: one line naming the tensor, key or format."""
 
 
-def _dense(g: Graph, x: str, w: str, p: str, cd: int) -> str:
+def _dense(g: Graph, x: str, w: str, p: str, cd: int, fmt: str = "none") -> str:
     wt = g.cast(g.weight(w), cd, f"{p}.weight.cast")
     return g.op("MatMul", [x, g.op("Transpose", [wt], f"{p}.weight.t", perm=[1, 0])], f"{p}.matmul")
 
 
-def _fp8(g: Graph, x: str, w: str, p: str, cd: int) -> str:
+def _fp8(g: Graph, x: str, w: str, p: str, cd: int, fmt: str) -> str:
     """Q/DQ: fp8(x / s_in) * s_in in fp32 times the dequantized weight, cast to the compute dtype."""
     s_in = g.weight(f"{p}.input_scale")
     zero = g.const("fp8_zero", np.array(0, dtype=_fp8_numpy()))
@@ -67,20 +74,53 @@ def _fp8_numpy():
     return ml_dtypes.float8_e4m3fn
 
 
-# a linear's stored weight dtype -> how the graph multiplies by it (per linear: an fp8 bundle keeps
-# the quantization.exclude modules dense)
-LINEARS = {"BF16": _dense, "F16": _dense, "F32": _dense, "F8_E4M3": _fp8}
+def _int4_scales(g: Graph, p: str, cd: int) -> tuple[str, str]:
+    # group scales in the model dtype; the int4 variant never reads its second scale, so the graph
+    # feeds weight_scale there again (the native wrapper does the same)
+    s = g.cast(g.weight(f"{p}.weight_scale"), cd, f"{p}.weight_scale.cast")
+    return s, s
 
 
-def linear(g: Graph, x: str, p: str, cd: int) -> str:
+def _nvfp4_scales(g: Graph, p: str, cd: int) -> tuple[str, str]:
+    return g.weight(f"{p}.weight_scale"), g.weight(f"{p}.weight_scale_2")   # fp8 [N, K/16], fp32 []
+
+
+# a 4-bit format -> its two scale inputs of the plugin node (types: plugins/tensorrt/variants.py W4A16)
+W4_SCALES = {"int4_awq": _int4_scales, "nvfp4": _nvfp4_scales}
+
+
+def _w4a16(g: Graph, x: str, w: str, p: str, cd: int, fmt: str) -> str:
+    """Packed 4-bit weight [N, K/2] uint8: the W4A16 GEMM plugin, inputs in SPECS order (x, weight,
+    weight_scale, weight_scale_2), attributes its FMT and scale group (the PTX variant's constexprs)."""
+    if g.has(f"{p}.pre_quant_scale"):   # AWQ smoothing, on the activation as the native GEMM path does
+        x = g.op("Mul", [x, g.cast(g.weight(f"{p}.pre_quant_scale"), cd, f"{p}.pre_quant_scale.cast")],
+                 f"{p}.pre_quant_scale.mul")
+    scale, scale_2 = W4_SCALES[fmt](g, p, cd)
+    group = 2 * g.refs[w].shape[1] // g.refs[f"{p}.weight_scale"].shape[1]
+    return g.plugin("kiln_w4a16_gemm", [x, g.weight(w), scale, scale_2], f"{p}.w4a16_gemm", [f"{p}.w4a16_gemm"],
+                    fmt=W4A16[fmt].fmt, group_size=group)[0]
+
+
+ANY = "*"
+# (a linear's stored weight dtype, the bundle's quantization.format) -> how the graph multiplies by it.
+# Per linear: a quantized bundle keeps its quantization.exclude modules dense, so the dtype decides
+# (ANY format); packed 4-bit weights are uint8 in both 4-bit formats, so there the format decides.
+LINEARS = {("BF16", ANY): _dense, ("F16", ANY): _dense, ("F32", ANY): _dense, ("F8_E4M3", ANY): _fp8,
+           **{("U8", f): _w4a16 for f in W4A16}}
+
+
+def linear(g: Graph, x: str, p: str, cd: int, fmt: str = "none") -> str:
+    """``x @ W^T (+ bias)`` for the bundle linear ``p``; ``fmt``: the bundle's quantization.format (an EAGLE
+    draft's linears are dense: the default)."""
     w = f"{p}.weight"
     if not g.has(w):
         raise ExportError(f"{g.location}: missing tensor {w!r}")
     kind = g.refs[w].dtype
-    if kind not in LINEARS:
-        raise ExportError(f"{g.location}: {w} is {kind}: the ONNX export handles dense and fp8 linears; "
+    emit = LINEARS.get((kind, fmt), LINEARS.get((kind, ANY)))
+    if emit is None:
+        raise ExportError(f"{g.location}: {w} is {kind} in a {fmt} bundle: the ONNX export has no node for it; "
                           f"allowed quantization.format with tensorrt.enabled: {', '.join(FORMATS)}")
-    y = LINEARS[kind](g, x, w, p, cd)
+    y = emit(g, x, w, p, cd, fmt)
     if g.has(f"{p}.bias"):
         y = g.op("Add", [y, g.cast(g.weight(f"{p}.bias"), cd, f"{p}.bias.cast")], f"{p}.bias.add")
     return y
@@ -100,10 +140,10 @@ def _kv_scale(g: Graph, i: int, kind: str, kv_fp8: bool) -> str:
     return g.weight(f"layers.{i}.attn.{kind}_scale") if kv_fp8 else "kv_scale_unused"
 
 
-def decoder_layer(g: Graph, c, i: int, h: str, cd: int, kv_fp8: bool) -> str:
+def decoder_layer(g: Graph, c, i: int, h: str, cd: int, kv_fp8: bool, fmt: str) -> str:
     p = f"layers.{i}"
     x = rms_norm(g, h, f"{p}.input_norm.weight", f"{p}.input_norm", cd)
-    qkv = linear(g, x, f"{p}.qkv", cd)
+    qkv = linear(g, x, f"{p}.qkv", cd, fmt)
     ks, vs = _kv_scale(g, i, "k", kv_fp8), _kv_scale(g, i, "v", kv_fp8)
     heads = dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
     roped, k_out, v_out = g.plugin(
@@ -113,11 +153,12 @@ def decoder_layer(g: Graph, c, i: int, h: str, cd: int, kv_fp8: bool) -> str:
     attn = g.plugin("kiln_paged_prefill", [roped, k_out, v_out, "block_tables", "query_start_loc", "context_lens",
                                            "tree_mask", ks, vs, "sm_scale"], f"{p}.attention", [f"{p}.attn"],
                     **heads)[0]
-    h = g.op("Add", [h, linear(g, attn, f"{p}.o", cd)], f"{p}.attn.residual")
+    h = g.op("Add", [h, linear(g, attn, f"{p}.o", cd, fmt)], f"{p}.attn.residual")
     x = rms_norm(g, h, f"{p}.post_attn_norm.weight", f"{p}.post_attn_norm", cd)
-    gate, up = g.node("Split", [linear(g, x, f"{p}.gate_up", cd)], f"{p}.gate_up.split", 2, axis=-1, num_outputs=2)
+    gate, up = g.node("Split", [linear(g, x, f"{p}.gate_up", cd, fmt)], f"{p}.gate_up.split", 2, axis=-1,
+                      num_outputs=2)
     act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.sigmoid")], f"{p}.silu"), up], f"{p}.act")
-    return g.op("Add", [h, linear(g, act, f"{p}.down", cd)], f"{p}.mlp.residual")
+    return g.op("Add", [h, linear(g, act, f"{p}.down", cd, fmt)], f"{p}.mlp.residual")
 
 
 def decoder_model(bundle_dir: Path, manifest: bundle.Manifest, capture_layers: tuple[int, ...] = ()) -> onnx.ModelProto:
@@ -125,7 +166,7 @@ def decoder_model(bundle_dir: Path, manifest: bundle.Manifest, capture_layers: t
     c, q, e = manifest.model, manifest.quantization, manifest.engine
     if q.format not in FORMATS:
         raise ExportError(f"{bundle_dir / bundle.MANIFEST}: quantization.format {q.format} has no ONNX export "
-                          f"yet (its W4A16/int8 GEMM plugin is not in the graph); allowed: {', '.join(FORMATS)}")
+                          f"yet (its int8/W4A8 GEMM plugin is not in the graph); allowed: {', '.join(FORMATS)}")
     if manifest.weights != (bundle.WEIGHTS,):
         raise ExportError(f"{bundle_dir}: engine.tp_size {e.tp_size}: the ONNX export is one graph for one device; "
                           f"allowed: engine.tp_size=1 with tensorrt.enabled")
@@ -144,7 +185,7 @@ def decoder_model(bundle_dir: Path, manifest: bundle.Manifest, capture_layers: t
     h = g.cast(g.op("Gather", [g.weight("embed_tokens.weight"), "input_ids"], "embed", axis=0), cd, "embed.cast")
     outputs = []
     for i in range(c.num_layers):
-        h = decoder_layer(g, c, i, h, cd, kv_fp8)
+        h = decoder_layer(g, c, i, h, cd, kv_fp8, q.format)
         if i in capture_layers:
             outputs.append(value_info(g.op("Identity", [h], graph_io.hidden_out(i)), cd, ("tokens", c.hidden_size)))
     x = rms_norm(g, h, "norm.weight", "norm", cd)
@@ -166,6 +207,14 @@ def decoder_model(bundle_dir: Path, manifest: bundle.Manifest, capture_layers: t
     model.doc_string = (f"Kiln decoder of {manifest.config_file or bundle_dir}: inputs/outputs as "
                         f"backend/model/graph_io.py; external data relative to the bundle root")
     return model
+
+
+def used_plugins(model: onnx.ModelProto) -> tuple[str, ...]:
+    """The plugins the graph's custom nodes name (what the bundle needs PTX for), in PLUGINS order."""
+    ops = {n.op_type for n in model.graph.node if n.domain == KILN_DOMAIN}
+    unknown = ops - set(PLUGINS)
+    assert not unknown, f"the export wrote nodes no plugin list names: {sorted(unknown)}"
+    return tuple(p for p in PLUGINS if p in ops)
 
 
 def export_decoder(bundle_dir: Path, manifest: bundle.Manifest, capture_layers: tuple[int, ...] = ()) -> onnx.ModelProto:

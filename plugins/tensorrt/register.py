@@ -3,7 +3,8 @@
 `register(plugins_dir, sm, plugins, graph)` defines, for each plugin name (an ONNX op type of the
 decoder graph, namespace "kiln"), the three functions TensorRT's quickly deployable plugins take:
 - `@register("kiln::<name>")`: output descriptors from the inputs' (rope + KV write: its outputs alias
-  its first three inputs; paged prefill: out = [T, num_heads * head_dim] in qkv's dtype);
+  its first three inputs; paged prefill: out = [T, num_heads * head_dim] in qkv's dtype; W4A16 GEMM:
+  out = [M, N] in x's dtype, N the packed weight's rows);
 - `@autotune`: the one type combination the bundle's PTX was compiled for, linear formats;
 - `@aot_impl`: (entry name, the PTX for `sm`, KernelLaunchParams, int32 SymExprs), with the grid and
   scalars of `variants.launch` evaluated on TensorRT's symbolic shapes.
@@ -28,7 +29,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from .variants import GRAPH_IO, GraphConsts, VariantError, io_types, launch, load_metas, read_ptx, select
+from .variants import GRAPH_IO, GraphConsts, VariantError, io_types, launch, load_metas, node_attrs, read_ptx, select
 
 NAMESPACE = "kiln"
 # TensorRT's plugin registry is per process and refuses a second definition of an id: what this
@@ -95,7 +96,7 @@ def _define(trtp: ModuleType, name: str, meta: dict, graph: GraphConsts) -> None
     attrs = [(a, int) for a in io.attrs]
     outs = typing.Tuple[tuple([desc_t] * len(io.outputs))]   # Tuple[TensorDesc, ...] spelled out
     ret = outs if len(io.outputs) > 1 else desc_t
-    describe = _describe_rope if name == "kiln_rope_kv_write" else _describe_prefill
+    describe = _DESCRIBE[name]
     trtp.register(pid)(_with_signature(lambda a: describe(trtp, a), _signature(inputs + attrs, ret)))
 
     combination = io_types(name, graph)
@@ -119,14 +120,24 @@ def _describe_prefill(trtp: ModuleType, a: dict):
     return trtp.from_shape_expr((q.shape_expr[0], a["num_heads"] * a["head_dim"]), dtype=q.dtype)
 
 
+def _describe_w4a16(trtp: ModuleType, a: dict):
+    x = a["x"]
+    return trtp.from_shape_expr((x.shape_expr[0], a["weight"].shape_expr[0]), dtype=x.dtype)
+
+
+# plugin -> its output descriptors from the inputs' (what @register returns)
+_DESCRIBE = {"kiln_rope_kv_write": _describe_rope, "kiln_paged_prefill": _describe_prefill,
+             "kiln_w4a16_gemm": _describe_w4a16}
+
+
 def _aot(trtp: ModuleType, name: str, meta: dict, graph: GraphConsts, a: dict) -> tuple:
     import tensorrt as trt
     io = GRAPH_IO[name]
     got = {k: a[k] for k in io.attrs}
-    want = {"head_dim": graph.head_dim, "num_heads": graph.num_heads, "num_kv_heads": graph.num_kv_heads}
+    want = node_attrs(name, graph)
     if got != want:   # a graph from another model, or attributes passed in another order than io.attrs
         raise VariantError(f"{name}: aot_impl got node attributes {got} (TensorRT passes them by position, "
-                           f"expected in the order {', '.join(io.attrs)}); the bundle's model has {want}")
+                           f"expected in the order {', '.join(io.attrs)}); the bundle's graph has {want}")
     for (_, gname, _), takes in zip(io.inputs, io_types(name, graph).split(",")):
         if a[gname].dtype != getattr(trt.DataType, _TRT_DTYPE.get(takes, takes)):
             raise VariantError(f"{name}: input {gname} is {a[gname].dtype}, the plugin's PTX ({meta['key']}) "

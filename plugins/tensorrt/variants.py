@@ -4,15 +4,17 @@
 inputs / int32 scalars / outputs, block, shared memory, grid formula). A plan's plugin layer cannot
 choose a variant per call as the native launcher does, so `select` picks, per plugin, the one variant
 whose constexprs match the graph (`GraphConsts`: heads, head dim, KV block size, dtypes, whether the
-tree-mask width can be non-zero) and refuses in one line naming the plugin, the SM and what is missing.
-`launch` computes that variant's grid and int32 scalars from the plugin inputs' shapes, as the native
-host wrappers (plugins/paged_prefill.py, plugins/rope_kv.py) compute them from their tensors: over
-ints here (the tests compare the two), over TensorRT's symbolic shape expressions in register.py (the
-same code, with TensorRT's `cdiv`). Nothing here imports tensorrt or triton.
+tree-mask width can be non-zero, the 4-bit format and group size) and refuses in one line naming the
+plugin, the SM and what is missing. `launch` computes that variant's grid and int32 scalars from the
+plugin inputs' shapes, as the native host wrappers (plugins/paged_prefill.py, plugins/rope_kv.py,
+plugins/gemm_w4a16.py) compute them from their tensors: over ints here (the tests compare the two),
+over TensorRT's symbolic shape expressions in register.py (the same code, with TensorRT's `cdiv`).
+Nothing here imports tensorrt or triton.
 
 The graph side of each plugin (`GRAPH_IO`): the ONNX node's inputs and outputs in SPECS order, each
-with its graph dtype ("act" = the model's compute dtype, "kv" = the KV pool's), and the node's int
-attributes. The kernel's PTX types must agree with them (an fp8 pool is FP8, the tree mask BOOL = u8).
+with its graph dtype ("act" = the model's compute dtype, "kv" = the KV pool's, "w4_scale*" = the 4-bit
+format's scales, `W4A16`), and the node's int attributes. The kernel's PTX types must agree with them
+(an fp8 pool is FP8, the tree mask BOOL = u8, the packed 4-bit weight UINT8 = u8).
 """
 from __future__ import annotations
 
@@ -39,6 +41,31 @@ class GraphConsts:
     act: str            # the model's compute dtype as a Triton name: bf16 | fp16 | fp32
     kv: str             # the KV pool's element type: act or fp8e4nv
     tree: bool          # the tree-mask width can be > 0 (speculative verification steps)
+    w4a16: str | None = None        # the format of the graph's packed 4-bit linears (a W4A16 key), or None
+    group_size: int | None = None   # int4_awq's quantization.group_size (nvfp4's blocks are always 16)
+
+
+@dataclass(frozen=True)
+class W4A16Format:
+    """A 4-bit weight format as the W4A16 GEMM plugin node takes it."""
+    fmt: int                 # the kernel's FMT constexpr = the node's `fmt` attribute (plugins/gemm_w4a16.py)
+    scale: str               # weight_scale's graph dtype
+    scale_2: str             # weight_scale_2's
+    group: int | None        # the scale group along K; None: the bundle's quantization.group_size
+
+
+# int4_awq has no second scale: the graph feeds weight_scale there again, as the native wrapper does
+W4A16 = {"int4_awq": W4A16Format(0, "act", "act", None), "nvfp4": W4A16Format(1, "FP8", "FP32", 16)}
+
+
+def w4a16_of(g: GraphConsts) -> tuple[W4A16Format, int]:
+    """The graph's 4-bit format and its scale group size, or VariantError when it has none."""
+    w = W4A16.get(g.w4a16 or "")
+    group = (w.group or g.group_size) if w else None
+    if w is None or not group:
+        raise VariantError(f"kiln_w4a16_gemm: the graph's 4-bit format is {g.w4a16!r} (group size "
+                           f"{g.group_size}); the plugin takes {', '.join(W4A16)} with a group size")
+    return w, group
 
 
 @dataclass(frozen=True)
@@ -66,37 +93,90 @@ GRAPH_IO: dict[str, GraphIO] = {
          ("context_lens_ptr", "context_lens", "INT32"), ("tree_mask_ptr", "tree_mask", "BOOL"),
          ("k_scale_ptr", "k_scale", "FP32"), ("v_scale_ptr", "v_scale", "FP32"), ("sm_scale_ptr", "sm_scale", "FP32")),
         (("out_ptr", "out", "act"),)),
+    "kiln_w4a16_gemm": GraphIO(
+        (("x_ptr", "x", "act"), ("w_ptr", "weight", "UINT8"), ("ws_ptr", "weight_scale", "w4_scale"),
+         ("ws2_ptr", "weight_scale_2", "w4_scale_2")), (("out_ptr", "out", "act"),), attrs=("fmt", "group_size")),
 }
 
 # Triton element type -> TensorRT DataType name as AutoTuneCombination spells it ("FP32" for float32,
 # "FP16" for float16, otherwise the trt.DataType member name); a bool tensor reaches a kernel as u8
 TRT_TYPE = {"bf16": "BF16", "fp16": "FP16", "fp32": "FP32", "fp8e4nv": "FP8", "i32": "INT32", "i64": "INT64",
             "u8": "BOOL"}
+# a PTX pointer type the graph may bind to more than one TensorRT type (u8: a bool mask, packed nibbles)
+PTX_TAKES = {"u8": ("BOOL", "UINT8")}
 # The grid each plugin's .json states (the part before any ';' comment) and this module implements
 GRID = {"kiln_rope_kv_write": "(cdiv(num_tokens, TOKENS), 1, 1)",
-        "kiln_paged_prefill": "(cdiv(max_q_len, BLOCK), B, Hkv)"}
+        "kiln_paged_prefill": "(cdiv(max_q_len, BLOCK), B, Hkv)",
+        "kiln_w4a16_gemm": "(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), 1)"}
 
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+# the GRAPH_IO dtypes that depend on the graph (the rest are TensorRT type names already)
+_KINDS: dict[str, Callable[[GraphConsts], str]] = {
+    "act": lambda g: TRT_TYPE[g.act], "kv": lambda g: TRT_TYPE[g.kv],
+    "w4_scale": lambda g: graph_type(w4a16_of(g)[0].scale, g),
+    "w4_scale_2": lambda g: graph_type(w4a16_of(g)[0].scale_2, g)}
+
+
 def graph_type(kind: str, g: GraphConsts) -> str:
     """A GRAPH_IO dtype as the TensorRT type name."""
-    return TRT_TYPE[g.act] if kind == "act" else TRT_TYPE[g.kv] if kind == "kv" else kind
+    return _KINDS[kind](g) if kind in _KINDS else kind
+
+
+def ptx_takes(ptx_type: str) -> tuple[str, ...]:
+    """The TensorRT types a kernel parameter of Triton type `ptx_type` (``*bf16``) can be bound to."""
+    t = ptx_type.lstrip("*")
+    return PTX_TAKES.get(t, (TRT_TYPE.get(t, t),))
+
+
+def _heads(g: GraphConsts) -> dict[str, int]:
+    return {"head_dim": g.head_dim, "num_heads": g.num_heads, "num_kv_heads": g.num_kv_heads}
+
+
+def _w4a16_attrs(g: GraphConsts) -> dict[str, int]:
+    w, group = w4a16_of(g)
+    return {"fmt": w.fmt, "group_size": group}
+
+
+# plugin -> the node attributes (GraphIO.attrs) the graph gives it
+_ATTRS: dict[str, Callable[[GraphConsts], dict[str, int]]] = {
+    "kiln_rope_kv_write": _heads, "kiln_paged_prefill": _heads, "kiln_w4a16_gemm": _w4a16_attrs}
+
+
+def node_attrs(plugin: str, g: GraphConsts) -> dict[str, int]:
+    """The int attributes of the graph's `plugin` nodes, by name (what aot_impl must receive)."""
+    return _ATTRS[plugin](g)
+
+
+def _want_prefill(g: GraphConsts) -> dict[str, int]:
+    group = g.num_heads // g.num_kv_heads
+    return dict(NUM_KV_HEADS=g.num_kv_heads, GROUP=group, GROUP_PAD=next_pow2(group), HEAD_DIM=g.head_dim,
+                BLOCK_SIZE=g.block_size, KV_FP8=int(g.kv == "fp8e4nv"), HAS_TREE=int(g.tree))
+
+
+def _want_rope(g: GraphConsts) -> dict[str, int]:
+    return dict(NUM_Q_HEADS=g.num_heads, NUM_KV_HEADS=g.num_kv_heads, Q_PAD=next_pow2(g.num_heads),
+                KV_PAD=next_pow2(g.num_kv_heads), HALF=g.head_dim // 2, KV_FP8=int(g.kv == "fp8e4nv"))
+
+
+def _want_w4a16(g: GraphConsts) -> dict[str, int]:
+    # one launch per node: the unsplit variant (convention.spec_for never makes the split-K one a plugin)
+    a = _w4a16_attrs(g)
+    return dict(FMT=a["fmt"], GROUP=a["group_size"], SPLIT=0)
+
+
+_WANT: dict[str, Callable[[GraphConsts], dict[str, int]]] = {
+    "kiln_paged_prefill": _want_prefill, "kiln_rope_kv_write": _want_rope, "kiln_w4a16_gemm": _want_w4a16}
 
 
 def want_constexprs(plugin: str, g: GraphConsts) -> dict[str, int]:
     """The constexprs the graph fixes for `plugin` (tile sizes are the compiled variant's own choice)."""
-    fp8 = int(g.kv == "fp8e4nv")
-    if plugin == "kiln_paged_prefill":
-        group = g.num_heads // g.num_kv_heads
-        return dict(NUM_KV_HEADS=g.num_kv_heads, GROUP=group, GROUP_PAD=next_pow2(group), HEAD_DIM=g.head_dim,
-                    BLOCK_SIZE=g.block_size, KV_FP8=fp8, HAS_TREE=int(g.tree))
-    if plugin == "kiln_rope_kv_write":
-        return dict(NUM_Q_HEADS=g.num_heads, NUM_KV_HEADS=g.num_kv_heads, Q_PAD=next_pow2(g.num_heads),
-                    KV_PAD=next_pow2(g.num_kv_heads), HALF=g.head_dim // 2, KV_FP8=fp8)
-    raise VariantError(f"{plugin}: not a plugin this Kiln registers with TensorRT (known: {', '.join(GRAPH_IO)})")
+    if plugin not in _WANT:
+        raise VariantError(f"{plugin}: not a plugin this Kiln registers with TensorRT (known: {', '.join(GRAPH_IO)})")
+    return _WANT[plugin](g)
 
 
 _KEY = re.compile(r"^(\w+)\[(.*)\]w(\d+)s(\d+)$")
@@ -143,7 +223,7 @@ def _type_mismatches(meta: dict, g: GraphConsts) -> list[str]:
             return [f"parameter {mname} where this Kiln expects {param} (rebuild the plugins)"]
         if param in meta.get("unused_inputs", ()):
             continue
-        if TRT_TYPE.get(mtype.lstrip("*")) != graph_type(kind, g):
+        if graph_type(kind, g) not in ptx_takes(mtype):
             bad.append(f"{gname} {mtype}")
     if len(meta["inputs"]) + len(meta["outputs"]) != len(io.inputs) + len(io.outputs):
         bad.append(f"{len(meta['inputs'])} inputs + {len(meta['outputs'])} outputs")
@@ -218,7 +298,16 @@ def _prefill(cx: dict, s: dict[str, Sequence[Dim]], cdiv: Callable) -> tuple[tup
     return (cdiv(s["q"][0], cx["BLOCK"]), s["context_lens"][0], hkv), scalars
 
 
-_LAUNCH = {"kiln_rope_kv_write": _rope, "kiln_paged_prefill": _prefill}
+def _w4a16(cx: dict, s: dict[str, Sequence[Dim]], cdiv: Callable) -> tuple[tuple, dict]:
+    # x [M, K] and out [M, N] are contiguous; the packed weight [N, K/2] and its scales [N, K/group] are
+    # whole initializers. Unsplit: the one K slice is K in whole BLOCK_K tiles, as the native wrapper sets it.
+    m, k, n = s["x"][0], s["x"][1], s["weight"][0]
+    scalars = {"M": m, "N": n, "K": k, "k_per_split": cdiv(k, cx["BLOCK_K"]) * cx["BLOCK_K"], "stride_xm": k,
+               "stride_om": n, "stride_wn": s["weight"][1], "stride_sn": s["weight_scale"][1]}
+    return (cdiv(m, cx["BLOCK_M"]), cdiv(n, cx["BLOCK_N"]), 1), scalars
+
+
+_LAUNCH = {"kiln_rope_kv_write": _rope, "kiln_paged_prefill": _prefill, "kiln_w4a16_gemm": _w4a16}
 
 
 def _constant(x: Dim) -> int | None:
@@ -255,5 +344,6 @@ def io_types(plugin: str, g: GraphConsts) -> str:
     return ",".join(graph_type(kind, g) for _, _, kind in io.inputs + io.outputs)
 
 
-__all__ = ["GRAPH_IO", "GraphConsts", "GraphIO", "Launch", "VariantError", "io_types", "launch", "load_metas",
-           "parse_key", "read_ptx", "select", "want_constexprs"]
+__all__ = ["GRAPH_IO", "W4A16", "GraphConsts", "GraphIO", "Launch", "VariantError", "W4A16Format", "io_types",
+           "launch", "load_metas", "node_attrs", "parse_key", "ptx_takes", "read_ptx", "select", "w4a16_of",
+           "want_constexprs"]

@@ -186,6 +186,44 @@ def test_ptxas_assembles_every_plugin(plugins, sm):
         assert cubin[:4] == b"\x7fELF" and len(cubin) == m["ptxas"]["cubin_bytes"], m["key"]
 
 
+def test_w4a16_variant_is_chosen_from_the_node_attributes_and_launched_as_natively(plugins, monkeypatch):
+    """The registration's choice (variants.select) for a graph of 4-bit linears: the compiled W4A16 plugin
+    whose FMT and GROUP are the node's ``fmt`` / ``group_size`` attributes (variants.node_attrs), its PTX
+    types those of the node's inputs; another format is refused in one line naming what differs. Its
+    launch for concrete shapes is the native host wrapper's (its launch intercepted, no kernel runs)."""
+    import torch
+
+    from plugins import gemm_w4a16
+    from plugins.tensorrt.variants import GraphConsts, VariantError, launch, load_metas, node_attrs, parse_key, select
+    _, out = plugins
+    g = GraphConsts(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, act="bf16", kv="fp8e4nv", tree=True,
+                    w4a16="nvfp4")
+    metas = load_metas(out / "nvfp4", 90)
+    meta = select(metas, "kiln_w4a16_gemm", 90, g)
+    assert node_attrs("kiln_w4a16_gemm", g) == {"fmt": gemm_w4a16.FMT_NVFP4, "group_size": 16}
+    cx = parse_key(meta["key"])
+    assert (cx["FMT"], cx["GROUP"], cx["SPLIT"]) == (gemm_w4a16.FMT_NVFP4, 16, 0)
+    assert meta["inputs"] == [["x_ptr", "*bf16"], ["w_ptr", "*u8"], ["ws_ptr", "*fp8e4nv"], ["ws2_ptr", "*fp32"]]
+    int4 = GraphConsts(**{**g.__dict__, "w4a16": "int4_awq", "group_size": 64})
+    with pytest.raises(VariantError, match=r"^kiln_w4a16_gemm for sm_90: no compiled variant with FMT=0, GROUP=64, "
+                                           r"SPLIT=0 .* has FMT=1, GROUP=16, weight_scale \*fp8e4nv, "
+                                           r"weight_scale_2 \*fp32;"):
+        select(metas, "kiln_w4a16_gemm", 90, int4)
+    for m, n, k in ((17, 576, 1536), (200, 3072, 576)):   # M above the small-M kernel's (native) rows
+        seen = {}
+        monkeypatch.setattr(gemm_w4a16, "launch", lambda fn, grid, args, cx, num_warps=4, num_stages=3, aot=None:
+                            seen.update(grid=tuple(grid), args=args, cx={c: int(v) for c, v in cx.items()},
+                                        warps=num_warps))
+        gemm_w4a16.w4a16_linear(torch.zeros(m, k, dtype=torch.bfloat16), "nvfp4",
+                                torch.zeros(n, k // 2, dtype=torch.uint8),
+                                torch.ones(n, k // 16).to(torch.float8_e4m3fn), torch.ones(()))
+        got = launch(meta, {"x": (m, k), "weight": (n, k // 2), "weight_scale": (n, k // 16)})
+        assert parse_key(meta["key"]) == seen["cx"] and got.grid == seen["grid"]
+        assert got.scalars == tuple(seen["args"][5:13]) and got.block == (32 * seen["warps"], 1, 1)
+    # a decode row: the plugin runs this variant for every M (natively M <= 16 has its own kernel)
+    assert launch(meta, {"x": (1, 576), "weight": (3072, 288), "weight_scale": (3072, 36)}).grid == (1, 48, 1)
+
+
 def test_extra_parameter_is_refused(plugins):
     metas, out = plugins
     m = next(m for m in metas if m["plugin"] == "kiln_add_rms_norm_quant" and m["sm"] == 90)

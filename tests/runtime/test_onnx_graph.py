@@ -18,15 +18,11 @@ import struct
 import pytest
 import torch
 
+from tests.runtime.graph_helpers import LIGHT, TEXT, runners
+
 pytestmark = pytest.mark.slow
 
-LIGHT = ["quantization.calibration.num_samples=4", "quantization.calibration.max_seq_len=64", "verify.enabled=false"]
 TRT = ["tensorrt.enabled=true", "verify.enabled=false"]
-TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-        "combined movable metal type, oil-based ink and a screw press. Within fifty years, presses were "
-        "working in more than two hundred cities across Europe, and the price of books fell sharply. Scholars "
-        "could compare editions, merchants printed price lists, and governments issued proclamations to be "
-        "read aloud in every market square. The spread of literacy that followed changed how people learned")
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +42,6 @@ def fp8_graph(build_bundle, tmp_path_factory):
     graph = tmp_path_factory.mktemp("fp8-graph") / "decoder.onnx"
     onnx.save_model(decoder_model(bundle, b.read(bundle), capture_layers=(1,)), graph)   # an EAGLE aux output
     return bundle, graph
-
-
-def _runners(bundle, graph=None, **overrides):
-    from backend.model.onnx_runner import OnnxReferenceRunner
-    from backend.model.runner import ModelRunner, load_engine_spec
-    spec = load_engine_spec(bundle, dict(max_kv_tokens=2048, **overrides))
-    return ModelRunner(spec, dtype=torch.float32), OnnxReferenceRunner(spec, graph=graph)
 
 
 def test_graph_passes_the_checker_and_points_into_the_weights(bf16_bundle):
@@ -108,7 +97,7 @@ def _tree_step(ctx: int, tokens: list[int], tree: torch.Tensor | None):
 def test_bf16_graph_equals_native_over_prefill_and_tree_verify(bf16_bundle):
     from backend.model.runner import prefill_meta
     from backend.serving.tokenizer import load_tokenizer
-    native, graph = _runners(bf16_bundle)
+    native, graph = runners(bf16_bundle)
     assert graph.dtype == torch.float32 and graph.kv_dtype == torch.float32
     ids = load_tokenizer(bf16_bundle / "tokenizer").encode(TEXT)[:40]   # 3 KV blocks
     meta = prefill_meta(len(ids), native.block_size, torch.device("cpu"))
@@ -157,7 +146,7 @@ def test_fp8_graph_is_within_the_formats_own_noise(fp8_graph):
     from backend.model.runner import ModelRunner, prefill_meta
     from backend.serving.tokenizer import load_tokenizer
     fp8_bundle, path = fp8_graph
-    native, graph = _runners(fp8_bundle, path)
+    native, graph = runners(fp8_bundle, path)
     assert graph.kv_dtype == torch.float8_e4m3fn
     ids = load_tokenizer(fp8_bundle / "tokenizer").encode(TEXT)
     meta = prefill_meta(len(ids), native.block_size, torch.device("cpu"))

@@ -16,6 +16,7 @@ import torch
 
 from backend.model.config import ModelConfig
 from backend.model.tp_shard import shard_tensor
+from tests.runtime.graph_helpers import share_quantize
 from tests.runtime.test_tp_shard import _same
 
 TP = 3
@@ -67,22 +68,8 @@ def _bundles(build_bundle, fmt: str) -> tuple[Path, Path]:
     config, overrides = BUNDLES[fmt]
     one = Path(build_bundle(config, overrides))
     three = overrides + [f"engine.tp_size={TP}"]
-    _share_quantize(one, config, three)
+    share_quantize(one, config, three)
     return one, Path(build_bundle(config, three))
-
-
-def _share_quantize(one: Path, config: str, overrides: list[str]) -> None:
-    """Point the tp_size=3 build's quantize stage at the tp_size=1 build's, as conftest shares the
-    import: its key covers only the model and quantization sections, the same in both, so the
-    calibration (about a minute per format on 2 cores) runs once. Build folders as conftest names them."""
-    from builder.config import BuildConfig
-    done = one.parent / "work" / "quantize"
-    cfg = BuildConfig.from_yaml(Path(__file__).resolve().parents[2] / "configs" / f"{config}.yaml", overrides)
-    target = one.parent.parent / f"{config}-{cfg.config_hash()[:12]}" / "work" / "quantize"
-    if not done.is_dir() or target.exists() or target.is_symlink():
-        return
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.symlink_to(done, target_is_directory=True)
 
 
 @pytest.mark.slow
