@@ -23,14 +23,14 @@ from backend.speculative.grow import TreeGrower
 from backend.speculative.speculator import EagleSpeculator
 from backend.speculative.tree import TokenTree
 
-TINY = dict(bench_gpu.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4,
+TINY = dict(bench_gpu.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512)
 ENGINE = {"max_batch_size": 8, "max_num_tokens": 256, "max_seq_len": 256, "max_input_len": 64,
           "kv_block_size": 16, "kv_cache_dtype": "fp8_e4m3", "max_kv_tokens": 4096,
           "attention_backend": "triton", "enable_prefix_caching": False}
 K = 4
 LENS = (5, 17, 33, 3, 40)
-NEW = (20, 30, 12, 24, 18)
+NEW = (12, 16, 8, 14, 10)
 VOCAB = TINY["vocab_size"]
 TREE = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
 
