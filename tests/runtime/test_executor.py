@@ -13,21 +13,6 @@ pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def _mixed_prompts(varied_prompts, n=16):
-    return [varied_prompts[i % len(varied_prompts)] + [28 + i] for i in range(n)]
-
-
-def test_batch_invariance_with_chunked_prefill(make_executor, varied_prompts):
-    # A 48-token step budget forces the long prompts to be prefilled in chunks mixed with decodes.
-    ex = make_executor(max_num_tokens=48, enable_prefix_caching=False)
-    prompts = _mixed_prompts(varied_prompts)
-    assert max(len(p) for p in prompts) > 3 * 48
-    batched = [r.token_ids for r in ex.generate(prompts, GREEDY)]
-    alone = [ex.generate([p], GREEDY)[0].token_ids for p in prompts]
-    assert batched == alone
-    assert all(len(t) == GREEDY.max_tokens for t in batched)
-
-
 def test_prefix_caching_same_outputs_fewer_prefill_tokens(make_executor, varied_prompts):
     shared = varied_prompts[10]  # ~140 tokens: several full blocks
     prompts = [shared + [28 + i, 29 + i] for i in range(6)]
