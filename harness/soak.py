@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 epilog="Loopback only; bounded by --requests and --deadline.")
     p.add_argument("--config", default="configs/smollm2-135m-fp8.yaml", help="engine config to build and serve")
     p.add_argument("--output", default=None, help="build folder (default build/soak-<config stem>)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for the soak's build, as make build's OVERRIDES (repeatable)")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--cancel-fraction", type=float, default=0.10)
@@ -88,7 +90,8 @@ def build(args: argparse.Namespace) -> Path:
     # pool is a fraction of what the soak's requests need, not of the config's longest sequence
     seq = -(-(PROMPT_BUDGET + args.max_tokens) // 16) * 16
     cfg = BuildConfig.from_yaml(args.config, [f"engine.max_kv_tokens={kv}", f"engine.max_seq_len={seq}",
-                                              f"engine.max_input_len={PROMPT_BUDGET}", "verify.enabled=false"])
+                                              f"engine.max_input_len={PROMPT_BUDGET}", "verify.enabled=false",
+                                              *args.override])
     out = Path(args.output or REPO / "build" / f"soak-{Path(args.config).stem}")
     run_pipeline(cfg, out, log=lambda m: print(f"[build] {m}", flush=True))
     return out

@@ -16,11 +16,17 @@ from harness.model_names import DEFAULT as NAMES
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 
-def test_soak_passes_at_ci_size(tmp_path):
+def test_soak_passes_at_ci_size(tmp_path, smollm2_hf_dir):
     out = tmp_path / "soak.json"
+    # the shared SmolLM2 import, as every test build links it (tests/conftest.py): same model section
+    (tmp_path / "build" / "work").mkdir(parents=True)
+    (tmp_path / "build" / "work" / "import").symlink_to(smollm2_hf_dir, target_is_directory=True)
     code = soak.main(["--requests", "48", "--concurrency", "12", "--cancel-fraction", "0.25",
                       "--malformed-fraction", "0.1", "--max-tokens", "12", "--deadline", "240",
-                      "--output", str(tmp_path / "build"), "--out", str(out)])
+                      "--output", str(tmp_path / "build"), "--out", str(out),
+                      # a light calibration: the soak judges serving, not the quantization's quality
+                      "--override", "quantization.calibration.num_samples=4",
+                      "--override", "quantization.calibration.max_seq_len=64"])
     doc = json.loads(out.read_text())
     assert code == 0, json.dumps({k: doc[k] for k in ("checks", "outcomes", "failures")}, indent=1)
     kinds = {k.split(":")[0] for k in doc["outcomes"]}
