@@ -25,15 +25,15 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from backend import bundle
 from backend.model import graph_io
 from backend.model.layers import RotaryEmbedding
 from backend.speculative.checkpoint import DraftConfig
 
-from .onnx_export import DTYPES, OPSET, ExportError, linear, rms_norm
-from .onnx_graph import KILN_DOMAIN, Graph, value_info
+from .onnx_export import DTYPES, ExportError, finish_model, linear, rms_norm
+from .onnx_graph import Graph, value_info
 from .safetensors_refs import external_initializer, read_refs
 
 GRAPH = graph_io.DRAFT_GRAPH
@@ -122,12 +122,9 @@ def draft_model(bundle_dir: Path, manifest: bundle.Manifest) -> onnx.ModelProto:
     outputs = [value_info(logits, TensorProto.FLOAT, ("rows", c.draft_vocab_size)),
                value_info(h, cd, ("tokens", c.hidden_size)),
                value_info(graph_io.DRAFT_K_CACHE_OUT, cd, kv_shape), value_info(graph_io.DRAFT_V_CACHE_OUT, cd, kv_shape)]
-    graph = helper.make_graph(g.nodes, "kiln_eagle3_draft", inputs, outputs, initializer=list(g.initializers.values()))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(KILN_DOMAIN, 1)],
-                              producer_name="kiln", producer_version=manifest.kiln_version or "")
-    model.doc_string = (f"Kiln EAGLE-3 draft of {manifest.config_file or bundle_dir}: inputs/outputs as "
+    return finish_model(g, "kiln_eagle3_draft", inputs, outputs, manifest,
+                        f"Kiln EAGLE-3 draft of {manifest.config_file or bundle_dir}: inputs/outputs as "
                         f"backend/model/graph_io.py DRAFT_*; external data relative to the bundle root")
-    return model
 
 
 def export_draft(bundle_dir: Path, manifest: bundle.Manifest) -> onnx.ModelProto:

@@ -201,11 +201,18 @@ def decoder_model(bundle_dir: Path, manifest: bundle.Manifest, capture_layers: t
         outputs += [value_info(graph_io.k_cache_out(i), kv_type, kv_shape),
                     value_info(graph_io.v_cache_out(i), kv_type, kv_shape)]
     outputs.insert(0, value_info(logits, TensorProto.FLOAT, ("rows", c.vocab_size)))
-    graph = helper.make_graph(g.nodes, "kiln_decoder", inputs, outputs, initializer=list(g.initializers.values()))
+    return finish_model(g, "kiln_decoder", inputs, outputs, manifest,
+                        f"Kiln decoder of {manifest.config_file or bundle_dir}: inputs/outputs as "
+                        f"backend/model/graph_io.py; external data relative to the bundle root")
+
+
+def finish_model(g: Graph, name: str, inputs: list, outputs: list, manifest: bundle.Manifest,
+                 doc: str) -> onnx.ModelProto:
+    """The model of graph ``g``'s nodes and initializers: opset OPSET plus Kiln's plugin domain."""
+    graph = helper.make_graph(g.nodes, name, inputs, outputs, initializer=list(g.initializers.values()))
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(KILN_DOMAIN, 1)],
                               producer_name="kiln", producer_version=manifest.kiln_version or "")
-    model.doc_string = (f"Kiln decoder of {manifest.config_file or bundle_dir}: inputs/outputs as "
-                        f"backend/model/graph_io.py; external data relative to the bundle root")
+    model.doc_string = doc
     return model
 
 
