@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 
-import numpy as np
 import onnx
 from onnx import TensorProto
 
 from backend import bundle
 from backend.model import graph_io
-from backend.model.layers import RotaryEmbedding
 from backend.speculative.checkpoint import DraftConfig
 
-from .onnx_export import DTYPES, ExportError, finish_model, linear, rms_norm
+from .onnx_export import (DTYPES, ExportError, finish_model, layer_constants, linear, paged_attention, rms_norm,
+                          silu_mul)
 from .onnx_graph import Graph, value_info
 from .safetensors_refs import external_initializer, read_refs
 
@@ -79,12 +77,7 @@ def draft_model(bundle_dir: Path, manifest: bundle.Manifest) -> onnx.ModelProto:
     c, e, m = draft_config(bundle_dir, manifest), manifest.engine, manifest.model
     cd = DTYPES[m.dtype]   # the draft runs in the target's compute dtype, its pool too (draft_model.py)
     g = BundleGraph({"": bundle.WEIGHTS, DRAFT: f"{manifest.speculative.draft_dir}/{bundle.WEIGHTS}"}, bundle_dir)
-    g.const("rms_eps", np.array(c.rms_norm_eps, np.float32))
-    g.const("sm_scale", np.array([1.0 / math.sqrt(c.head_dim)], np.float32))
-    g.const("kv_scale_unused", np.ones(1, np.float32))   # the draft's pool is never fp8
-    rope = RotaryEmbedding(c.head_dim, e.max_seq_len + POSITION_MARGIN, c.rope_theta, c.rope_scaling)
-    half = c.head_dim // 2
-    g.const("cos_sin", np.stack([rope.cos[:, :half].numpy(), rope.sin[:, :half].numpy()], axis=1))
+    layer_constants(g, c, e.max_seq_len + POSITION_MARGIN)   # the draft's pool is never fp8
 
     emb = g.cast(g.op("Gather", [g.weight("embed_tokens.weight"), "input_ids"], "embed", axis=0), cd, "embed.cast")
     fused = linear(g, "aux_hidden", DRAFT + "fc", cd)
@@ -93,19 +86,13 @@ def draft_model(bundle_dir: Path, manifest: bundle.Manifest) -> onnx.ModelProto:
     x = g.op("Concat", [rms_norm(g, emb, _L + "input_layernorm.weight", "embed.input_norm", cd),
                         rms_norm(g, hin, _L + "hidden_norm.weight", "feature.hidden_norm", cd)], "layer_input", axis=-1)
     qkv = g.op("Concat", [linear(g, x, f"{_L}self_attn.{n}_proj", cd) for n in "qkv"], "qkv", axis=-1)
-    heads = dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
-    unused = "kv_scale_unused"
-    roped, k_out, v_out = g.plugin(
-        "kiln_rope_kv_write", [qkv, graph_io.DRAFT_K_CACHE, graph_io.DRAFT_V_CACHE, "positions", "slot_mapping",
-                               "cos_sin", unused, unused], "rope_kv_write",
-        ["qkv_roped", graph_io.DRAFT_K_CACHE_OUT, graph_io.DRAFT_V_CACHE_OUT], **heads)
-    attn = g.plugin("kiln_paged_prefill", [roped, k_out, v_out, "block_tables", "query_start_loc", "context_lens",
-                                           "tree_mask", unused, unused, "sm_scale"], "attention", ["attn"], **heads)[0]
+    attn = paged_attention(g, c, qkv, (graph_io.DRAFT_K_CACHE, graph_io.DRAFT_V_CACHE),
+                           (graph_io.DRAFT_K_CACHE_OUT, graph_io.DRAFT_V_CACHE_OUT),
+                           ("kv_scale_unused", "kv_scale_unused"), "layer")
     h = g.op("Add", [feat, linear(g, attn, f"{_L}self_attn.o_proj", cd)], "attn.residual")
     y = rms_norm(g, h, _L + "post_attention_layernorm.weight", "post_attn_norm", cd)
     gate, up = (linear(g, y, f"{_L}mlp.{n}_proj", cd) for n in ("gate", "up"))
-    act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate], "sigmoid")], "silu"), up], "act")
-    h = g.op("Add", [h, linear(g, act, f"{_L}mlp.down_proj", cd)], graph_io.DRAFT_HIDDEN_OUT)
+    h = g.op("Add", [h, linear(g, silu_mul(g, gate, up, "mlp"), f"{_L}mlp.down_proj", cd)], graph_io.DRAFT_HIDDEN_OUT)
     rows = g.op("Gather", [rms_norm(g, h, DRAFT + "norm.weight", "norm", cd), "logits_indices"], "logits_rows", axis=0)
     if c.has_lm_head:   # the draft's own head: dense, like every draft linear
         logits = linear(g, rows, DRAFT + "lm_head", cd)

@@ -140,25 +140,49 @@ def _kv_scale(g: Graph, i: int, kind: str, kv_fp8: bool) -> str:
     return g.weight(f"layers.{i}.attn.{kind}_scale") if kv_fp8 else "kv_scale_unused"
 
 
+def paged_attention(g: Graph, c, qkv: str, caches: tuple[str, str], caches_out: tuple[str, str],
+                    scales: tuple[str, str], p: str) -> str:
+    """The two Kiln nodes of one attention: q and k rotated and k, v written into the paged pool
+    (``caches`` in, aliased by ``caches_out``), then varlen paged attention over it with the tree mask.
+    ``c``: the layer's heads (a model or draft config); ``scales``: the pool's fp8 k/v scales or the placeholder."""
+    heads = dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+    roped, k_out, v_out = g.plugin(
+        "kiln_rope_kv_write", [qkv, *caches, "positions", "slot_mapping", "cos_sin", *scales], f"{p}.rope_kv_write",
+        [f"{p}.qkv_roped", *caches_out], **heads)
+    return g.plugin("kiln_paged_prefill", [roped, k_out, v_out, "block_tables", "query_start_loc", "context_lens",
+                                           "tree_mask", *scales, "sm_scale"], f"{p}.attention", [f"{p}.attn"],
+                    **heads)[0]
+
+
+def silu_mul(g: Graph, gate: str, up: str, p: str) -> str:
+    """SwiGLU's activation: SiLU(gate) x up."""
+    return g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.sigmoid")], f"{p}.silu"), up], f"{p}.act")
+
+
+def layer_constants(g: Graph, c, max_positions: int) -> None:
+    """What every layer's norms and Kiln nodes read: rms_eps, sm_scale, the placeholder scale of a
+    non-fp8 pool (the kernels never read it) and the rotary table [max_positions, 2, D/2] in fp32,
+    the fused native path's. ``c``: a model or draft config."""
+    g.const("rms_eps", np.array(c.rms_norm_eps, np.float32))
+    g.const("sm_scale", np.array([1.0 / math.sqrt(c.head_dim)], np.float32))
+    g.const("kv_scale_unused", np.ones(1, np.float32))
+    rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling)
+    half = c.head_dim // 2
+    g.const("cos_sin", np.stack([rope.cos[:, :half].numpy(), rope.sin[:, :half].numpy()], axis=1))
+
+
 def decoder_layer(g: Graph, c, i: int, h: str, cd: int, kv_fp8: bool, fmt: str) -> str:
     p = f"layers.{i}"
     x = rms_norm(g, h, f"{p}.input_norm.weight", f"{p}.input_norm", cd)
     qkv = linear(g, x, f"{p}.qkv", cd, fmt)
-    ks, vs = _kv_scale(g, i, "k", kv_fp8), _kv_scale(g, i, "v", kv_fp8)
-    heads = dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
-    roped, k_out, v_out = g.plugin(
-        "kiln_rope_kv_write", [qkv, graph_io.k_cache(i), graph_io.v_cache(i), "positions", "slot_mapping",
-                               "cos_sin", ks, vs], f"{p}.rope_kv_write",
-        [f"{p}.qkv_roped", graph_io.k_cache_out(i), graph_io.v_cache_out(i)], **heads)
-    attn = g.plugin("kiln_paged_prefill", [roped, k_out, v_out, "block_tables", "query_start_loc", "context_lens",
-                                           "tree_mask", ks, vs, "sm_scale"], f"{p}.attention", [f"{p}.attn"],
-                    **heads)[0]
+    scales = _kv_scale(g, i, "k", kv_fp8), _kv_scale(g, i, "v", kv_fp8)
+    attn = paged_attention(g, c, qkv, (graph_io.k_cache(i), graph_io.v_cache(i)),
+                           (graph_io.k_cache_out(i), graph_io.v_cache_out(i)), scales, p)
     h = g.op("Add", [h, linear(g, attn, f"{p}.o", cd, fmt)], f"{p}.attn.residual")
     x = rms_norm(g, h, f"{p}.post_attn_norm.weight", f"{p}.post_attn_norm", cd)
     gate, up = g.node("Split", [linear(g, x, f"{p}.gate_up", cd, fmt)], f"{p}.gate_up.split", 2, axis=-1,
                       num_outputs=2)
-    act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.sigmoid")], f"{p}.silu"), up], f"{p}.act")
-    return g.op("Add", [h, linear(g, act, f"{p}.down", cd, fmt)], f"{p}.mlp.residual")
+    return g.op("Add", [h, linear(g, silu_mul(g, gate, up, p), f"{p}.down", cd, fmt)], f"{p}.mlp.residual")
 
 
 def decoder_model(bundle_dir: Path, manifest: bundle.Manifest, capture_layers: tuple[int, ...] = ()) -> onnx.ModelProto:
@@ -175,12 +199,7 @@ def decoder_model(bundle_dir: Path, manifest: bundle.Manifest, capture_layers: t
     cd, kv_type = DTYPES[c.dtype], KV_TYPES[e.kv_cache_dtype]
     kv_fp8 = kv_type == TensorProto.FLOAT8E4M3FN
     g = Graph(bundle.WEIGHTS, read_refs(bundle_dir / bundle.WEIGHTS))
-    g.const("rms_eps", np.array(c.rms_norm_eps, np.float32))
-    g.const("sm_scale", np.array([1.0 / math.sqrt(c.head_dim)], np.float32))
-    g.const("kv_scale_unused", np.ones(1, np.float32))   # a non-fp8 pool: the kernels never read it
-    rope = RotaryEmbedding(c.head_dim, e.max_seq_len, c.rope_theta, c.rope_scaling)
-    half = c.head_dim // 2   # [max_seq_len, 2, D/2] fp32, the fused native path's table
-    g.const("cos_sin", np.stack([rope.cos[:, :half].numpy(), rope.sin[:, :half].numpy()], axis=1))
+    layer_constants(g, c, e.max_seq_len)
 
     h = g.cast(g.op("Gather", [g.weight("embed_tokens.weight"), "input_ids"], "embed", axis=0), cd, "embed.cast")
     outputs = []

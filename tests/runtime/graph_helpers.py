@@ -1,4 +1,4 @@
-"""Shared by the decoder-graph tests (test_onnx_graph.py, test_onnx_w4a16.py) and the tests that build a
+"""Shared by the decoder-graph tests (test_onnx_graph.py, test_onnx_w4a16.py, test_onnx_draft.py) and the tests that build a
 second config of a quantized bundle on one calibration (test_tensor_parallel.py)."""
 from __future__ import annotations
 
@@ -22,6 +22,20 @@ def runners(bundle: Path, graph: Path | None = None, weights: dict | None = None
     from backend.model.runner import ModelRunner, load_engine_spec
     spec = load_engine_spec(bundle, dict(max_kv_tokens=2048, **overrides))
     return ModelRunner(spec, dtype=torch.float32, weights=weights), OnnxReferenceRunner(spec, graph=graph)
+
+
+def prefill_parity(native, graph, ids: list[int]) -> torch.Tensor:
+    """One prefill of ``ids`` through both runners: logits within 2e-3 with the same argmax, and the
+    graph wrote the runner's own pool (its blocks within 1e-3 of the native ones). Returns the native logits."""
+    from backend.model.runner import prefill_meta
+    meta = prefill_meta(len(ids), native.block_size, torch.device("cpu"))
+    want, _ = native.execute(torch.tensor(ids), meta, torch.arange(len(ids)))
+    got, _ = graph.execute(torch.tensor(ids), meta, torch.arange(len(ids)))
+    assert (got - want).abs().max() < 2e-3 and torch.equal(got.argmax(-1), want.argmax(-1))
+    blocks = -(-len(ids) // native.block_size)
+    for (kn, vn), (kg, vg) in zip(native.kv_caches, graph.kv_caches):
+        assert (kn[:blocks] - kg[:blocks]).abs().max() < 1e-3 and (vn[:blocks] - vg[:blocks]).abs().max() < 1e-3
+    return want
 
 
 def decode_meta(ctx: int, block_size: int):

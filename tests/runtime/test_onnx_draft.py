@@ -19,10 +19,11 @@ import struct
 import pytest
 import torch
 
+from tests.runtime.graph_helpers import TEXT as GRAPH_TEXT
+
 pytestmark = pytest.mark.slow
 
-TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-        "combined movable metal type, oil-based ink and a screw press.")
+TEXT = GRAPH_TEXT[:GRAPH_TEXT.index(" Within")]   # its first sentence
 TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runtime.graph_helpers import LIGHT, TEXT, decode_meta, runners, share_quantize
+from tests.runtime.graph_helpers import LIGHT, TEXT, decode_meta, prefill_parity, runners, share_quantize
 
 CONFIGS = {"nvfp4": "smollm2-135m-nvfp4", "int4_awq": "smollm2-135m-int4-awq"}
 GROUP = {"nvfp4": 16, "int4_awq": 64}            # configs/smollm2-135m-int4-awq.yaml group_size
@@ -180,7 +180,7 @@ def test_compile_stage_writes_the_plugin_and_registration_launches_it(w4_bundle,
 def test_graph_equals_native_w4a16_over_prefill_and_decode(w4_bundle, tmp_path):
     import onnx
     from backend import bundle as b
-    from backend.model.runner import load_weights, prefill_meta
+    from backend.model.runner import load_weights
     from backend.serving.tokenizer import load_tokenizer
     from builder.tensorrt.onnx_export import decoder_model
     fmt, path = w4_bundle
@@ -193,12 +193,7 @@ def test_graph_equals_native_w4a16_over_prefill_and_decode(w4_bundle, tmp_path):
     native, graph = runners(path, tmp_path / "decoder.onnx", weights=w4a16, **kv)
     assert graph.dtype == torch.float32 and graph.kv_dtype == native.kv_dtype == torch.float32
     ids = load_tokenizer(path / "tokenizer").encode(TEXT)[:20]   # 2 KV blocks
-    meta = prefill_meta(len(ids), native.block_size, torch.device("cpu"))
-    want, _ = native.execute(torch.tensor(ids), meta, torch.arange(len(ids)))
-    got, _ = graph.execute(torch.tensor(ids), meta, torch.arange(len(ids)))
-    assert (got - want).abs().max() < 2e-3 and torch.equal(got.argmax(-1), want.argmax(-1))
-    for (kn, vn), (kg, vg) in zip(native.kv_caches, graph.kv_caches):   # the graph wrote the runner's pool
-        assert (kn[:2] - kg[:2]).abs().max() < 1e-3 and (vn[:2] - vg[:2]).abs().max() < 1e-3
+    want = prefill_parity(native, graph, ids)
     step = torch.tensor([int(want[-1].argmax())])
     dmeta = decode_meta(len(ids), native.block_size)
     want_d, _ = native.execute(step, dmeta, torch.arange(1))
