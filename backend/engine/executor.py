@@ -30,6 +30,7 @@ import torch
 from backend.engine.events import GenerationResult, RequestHandle, TokenEvent
 from backend.engine.inputs import InputPreparer, StepInputs
 from backend.engine.kv_cache import BlockManager
+from backend.engine.loop_thread import start_built, stop_at_exit, stopped
 from backend.engine.logits_out import generation_rows, stash_context, take_context
 from backend.engine.overlap import overlap_loop
 from backend.engine.request import FINISH_REASONS, Request, RequestStatus
@@ -91,7 +92,21 @@ class Executor:
         ``weights`` reuses tensors already loaded from this bundle (several executors, one copy).
         ``start=False`` runs no thread: the caller drives ``step()`` (``generate`` does it).
         ``verify_hashes`` checks every bundle file's sha256 against engine.json first.
-        ``speculative=False`` keeps a bundle's EAGLE draft unused (otherwise it is attached)."""
+        ``speculative=False`` keeps a bundle's EAGLE draft unused (otherwise it is attached).
+        With ``start``, the loop thread itself loads the engine (``backend/engine/loop_thread.py``
+        says why) while this thread waits; load errors are raised here either way."""
+        self._thread: threading.Thread | None = None
+        build = (lambda: self._build(bundle_path, device, dtype, speculator, weights, verify_hashes,
+                                     speculative, engine_overrides))
+        if start:
+            self._thread = start_built(build, self._loop, "kiln-executor")
+            stop_at_exit(self)
+        else:
+            build()
+
+    def _build(self, bundle_path, device: str, dtype: torch.dtype | str | None, speculator: Speculator | None,
+               weights: dict[str, torch.Tensor] | None, verify_hashes: bool, speculative: bool,
+               engine_overrides: dict[str, Any]) -> None:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         self.spec = load_engine_spec(bundle_path, engine_overrides, verify_hashes=verify_hashes)
@@ -152,9 +167,6 @@ class Executor:
         self._started = time.monotonic()
         self._step_started: float | None = None  # set while a step runs: health() spots a stuck one
         self._dead: str | None = None            # why the loop thread ended, if it failed
-        self._thread: threading.Thread | None = None
-        if start:
-            self.start()
 
     @property
     def speculator(self) -> Speculator | None:
@@ -173,11 +185,6 @@ class Executor:
         self._speculator = spec
 
     # -- public API ---------------------------------------------------------------------------
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="kiln-executor", daemon=True)
-            self._thread.start()
-
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                request_id: str | None = None,
                on_event: Callable[[TokenEvent], None] | None = None) -> RequestHandle:
@@ -251,6 +258,7 @@ class Executor:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop; requests still unfinished get a final ``cancelled`` event."""
+        stopped(self)
         with self._lock:
             self._stop = True
             self._wake.notify()
