@@ -58,7 +58,9 @@ def _fbgemm_fp16():
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         return None
     try:
-        return torch.ops.quantized.linear_prepack_fp16, torch.ops.quantized.linear_dynamic_fp16
+        # the overload itself, not its packet: the packet's Python dispatch checks every argument
+        # for fake script objects first (~10 us a call, 121 calls a SmolLM2 decode step)
+        return torch.ops.quantized.linear_prepack_fp16.default, torch.ops.quantized.linear_dynamic_fp16.default
     except (AttributeError, RuntimeError):
         return None
 
@@ -156,7 +158,7 @@ def _fp16_rows(x: torch.Tensor, w: HalfWeight) -> torch.Tensor:
     n = x.shape[0]
     pad = -n % FP16_ROW_MULTIPLE
     if pad:
-        x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+        x = F.pad(x, (0, 0, 0, pad))   # zero rows below; one op where new_zeros + cat were two
     y = _FP16[1](x.contiguous(), w.packed)
     return y[:n] if pad else y
 

@@ -1,4 +1,5 @@
-"""backend/ops/fp8.py: the CPU table lookup must give PyTorch's fp8 conversion bits exactly."""
+"""backend/ops/fp8.py: the CPU table lookup must give PyTorch's fp8 conversion bits exactly (both
+paths are run on every input: the table, forced with TABLE_MIN 0, and the size-chosen one)."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,15 @@ import torch
 from backend.ops import fp8
 
 
+@pytest.fixture(params=["table", "by size"])
+def table_min(request, monkeypatch):
+    if request.param == "table":
+        monkeypatch.setattr(fp8, "TABLE_MIN", 0)
+    return fp8.TABLE_MIN
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fake_quant_equals_the_conversion_round_trip(dtype):
+def test_fake_quant_equals_the_conversion_round_trip(dtype, table_min):
     """Activations quantized with a static scale, past the range included (saturated, not NaN),
     then dequantized: the same bits as x / s -> e4m3 -> float32 -> x s -> dtype."""
     torch.manual_seed(0)
@@ -22,7 +30,7 @@ def test_fake_quant_equals_the_conversion_round_trip(dtype):
     assert bool(got.isfinite().all()) and float(got.abs().max()) == float((448 * scale).to(dtype))
 
 
-def test_dequantize_every_code_in_any_shape():
+def test_dequantize_every_code_in_any_shape(table_min):
     codes = torch.arange(256, dtype=torch.uint8).view(fp8.FP8).view(4, 8, 8)
     scale = torch.tensor(3.5)
     got = fp8.dequantize(codes, scale, torch.float32)
