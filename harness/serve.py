@@ -27,6 +27,9 @@ from harness.serve_gpus import PlacementError, check_repository_gpus
 from harness.openai.process import OpenAIServer
 
 EXIT_MODEL_FAILED = 3  # the server or one of its model stubs died while serving
+# After a failure, how long Triton gets to exit on SIGTERM before it is killed: the dead stub's
+# requests never end, so its exit timeout would pass in full and then it crashes on the way out.
+FAILED_STOP_GRACE_S = 3.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -117,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 130 if stop.is_set() else 1
     oai = None
+    failed = False
     try:
         model = ""
         if a.openai_port:
@@ -140,12 +144,13 @@ def main(argv: list[str] | None = None) -> int:
                 # (systemd, Kubernetes) sees the exit and restarts it.
                 print(f"error: {failure}; stopping the server (exit code {EXIT_MODEL_FAILED}); "
                       f"log {srv.log_file}:\n{srv.log_tail()}", file=sys.stderr)
+                failed = True
                 return EXIT_MODEL_FAILED
     finally:
         print("stopping ...", flush=True)
         if oai is not None:
             oai.stop()
-        code = srv.stop()
+        code = srv.stop(FAILED_STOP_GRACE_S if failed else None)
         print(f"stopped (tritonserver exit code {code})", flush=True)
     return 0
 

@@ -277,9 +277,10 @@ class TritonServer:
         time.sleep(DRAIN_SETTLE_S)
         return True
 
-    def stop(self) -> int | None:
+    def stop(self, grace_s: float | None = None) -> int | None:
         """Drain the engines (``drain``), then SIGTERM the server's process group (server + stubs),
-        SIGKILL after the exit timeout."""
+        SIGKILL after the exit timeout, or after ``grace_s``: once a stub has died (``failure``),
+        the requests it held never end, so Triton would only wait out its exit timeout for them."""
         if self.proc is None:
             return None
         code = self.proc.poll()
@@ -290,7 +291,7 @@ class TritonServer:
             except ProcessLookupError:
                 pass
             try:
-                code = self.proc.wait(timeout=self.exit_timeout + 20)
+                code = self.proc.wait(timeout=self.exit_timeout + 20 if grace_s is None else grace_s)
             except subprocess.TimeoutExpired:
                 code = None
         # stubs left behind (a crashed or hung one) share the group: make sure none survive
