@@ -22,9 +22,9 @@ to fp32 summation order (tests/runtime/test_model_hf_parity.py bounds the error 
 
 Batch invariance (docs/contracts.md): a row's result must not depend on the other rows of the
 matmul (the step's other sequences). Both kernels used here give that, bit for bit, at every row
-count (tests/runtime/test_cpu_matmul.py, test_batch_invariance.py): FBGEMM's fp16 GEMM given a multiple
-of three rows (``_fp16_rows`` pads: on AVX2 its one- and two-row blocks sum in another order), and
-oneDNN's matmul over a column-major weight given at least two rows (``linear`` runs a single row as two).
+count (tests/runtime/test_cpu_matmul.py, test_batch_invariance.py): FBGEMM's fp16 GEMM padded to a
+multiple of three rows where a count would end in a block of one or two (``_fp16_rows``: on AVX2 those
+sum in another order), and oneDNN's matmul over a column-major weight given at least two rows (``linear`` runs a single row as two).
 MKL does not: its blocking, and so the order in which a row is summed, follows the row count. So
 the column-major path no longer hands 33 rows and more to MKL, as it did where MKL measured faster
 on an AVX2 machine: a decode step of more than 32 sequences gave each of them other logits than a
@@ -147,16 +147,26 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
 # FBGEMM's fp16 GEMM on AVX2 (no AVX-512) splits the rows into blocks and multiplies a block of one or
 # two rows with other micro-kernels than blocks of three to six, which sum in another order: a row's
 # result then depended on the row count (1, 2, and rows left over at the end of 7, 14, 31, 32, 37, 38,
-# ...). A multiple of three rows never leaves such a block: every row of every count 1..130, 255-257,
-# 511, 1000, 1024, 2047, 2048 then gave the bits of the row alone (SmolLM2's shapes, 2026-11-27, AMD
-# EPYC with AVX2 only). On AVX-512 machines all counts agreed already; the padding is harmless there.
-FP16_ROW_MULTIPLE = 3
+# ...). Those counts all leave 1 or 2 over a multiple of six, so such a count is padded (zero rows) up
+# to the next multiple of three and every other count runs as it is: every row of every count 1..130,
+# 255-257, 511, 1000, 1024 then gave the bits of the row alone, at SmolLM2's four shapes and 4096x4096,
+# one and two threads (2026-11-27, AMD EPYC with AVX2 only). Padding every count to a multiple of three,
+# as before, gave the same bits but multiplied 18 rows for a 16-sequence decode step. On AVX-512
+# machines all counts agreed already; the padding is harmless there.
+FP16_BLOCK_ROWS = 6
+
+
+def fp16_pad_rows(n: int) -> int:
+    """Zero rows ``_fp16_rows`` adds to ``n``: up to the next multiple of three when ``n`` leaves 1 or
+    2 rows over a multiple of FP16_BLOCK_ROWS, else none."""
+    over = n % FP16_BLOCK_ROWS
+    return 3 - over if over in (1, 2) else 0
 
 
 def _fp16_rows(x: torch.Tensor, w: HalfWeight) -> torch.Tensor:
-    """``x [n, in] @ w.T`` with the rows padded (zeros) to a multiple of FP16_ROW_MULTIPLE."""
+    """``x [n, in] @ w.T``, with the rows ``fp16_pad_rows`` asks for added (zeros) and dropped again."""
     n = x.shape[0]
-    pad = -n % FP16_ROW_MULTIPLE
+    pad = fp16_pad_rows(n)
     if pad:
         x = F.pad(x, (0, 0, 0, pad))   # zero rows below; one op where new_zeros + cat were two
     y = _FP16[1](x.contiguous(), w.packed)

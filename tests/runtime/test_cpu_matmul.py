@@ -97,8 +97,9 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(exact):
     row = torch.randn(1, 1536, generator=g)
     alone = cpu_matmul.linear(row, p)
     # the last rows too: on AVX2, FBGEMM multiplies the one or two rows left over at the end of 7, 14,
-    # 31, 32, 37, 38 ... rows (and 1 or 2 rows alone) with other kernels (cpu_matmul._fp16_rows)
-    for rows in (2, 3, 7, 14, 16, 31, 32, 33, 38, 64, 100, 512, 2048):
+    # 31, 32, 37, 38 ... rows (and 1 or 2 rows alone) with other kernels (cpu_matmul._fp16_rows); the
+    # counts it runs unpadded (4, 5, 10, 16, 17, 64, 100 ...) must agree too
+    for rows in (2, 3, 4, 5, 7, 8, 10, 11, 13, 14, 16, 17, 31, 32, 33, 38, 64, 100, 512, 2048):
         for at in sorted({rows // 2, rows - 1}):
             batch = x[:rows].clone()
             batch[at] = row[0]
@@ -116,6 +117,12 @@ def test_bf16_rows_do_not_depend_on_the_other_rows():
         full = cpu_matmul.linear(x, w)
         assert torch.equal(cpu_matmul.linear(x[:1], w), full[:1]), seed
         assert torch.equal(cpu_matmul.linear(x[0], w), full[0]), seed   # a 1-D row too
+
+
+def test_fp16_padding_only_where_a_block_of_one_or_two_rows_would_be_left():
+    pads = {n: cpu_matmul.fp16_pad_rows(n) for n in range(0, 20)}
+    assert pads == {0: 0, 1: 2, 2: 1, 3: 0, 4: 0, 5: 0, 6: 0, 7: 2, 8: 1, 9: 0, 10: 0, 11: 0, 12: 0, 13: 2,
+                    14: 1, 15: 0, 16: 0, 17: 0, 18: 0, 19: 2}
 
 
 @needs_fbgemm
