@@ -9,8 +9,9 @@ the GEMMs. Loading an engine on the caller's thread (Triton's stub main thread, 
 backend.generate``) and then stepping it on a loop thread made exactly two teams: measured on the
 2-core development VM (AVX2 EPYC, 2026-11-27), FBGEMM's fp16 qkv+down pair at 3 rows took 898 us
 on the loop thread against 255 us when the loop thread owned the only team, 2001 against 736 us at
-18 rows; the fp8 SmolLM2 served by Triton at 16 streams ran at ~55 output tok/s against ~100 for
-the same executor stepped on the thread that loaded it.
+18 rows. The fp8 SmolLM2 executor alone, 32 MT-bench prompts 16 at a time, loaded on the main
+thread and stepped on its loop thread: 72 output tok/s; loaded by its loop thread: 104-116; served
+by Triton at 16 streams: 53-66 before, 78-93 after.
 
 So the thread that will run the loop also loads the model, and the caller only waits for it (its
 exceptions are raised on the caller's thread, as a constructor's should be). The caller's thread
@@ -18,9 +19,9 @@ must then not run large torch ops of its own on the engine's behalf (``submit`` 
 
 A process that exits while the loop thread is inside a step (a script's last ``generate`` returns
 once every request's final event is out, before the step that sent them has finished) aborted
-with "terminate called without an active exception" (exit code 134): Python's finalization ends a
-daemon thread that wakes up by unwinding it, through C++ frames that do not allow it. So every
-started loop is stopped and joined at interpreter exit (``stop_at_exit``), before finalization.
+with "terminate called without an active exception" (exit code 134), now and then (Python stops
+a daemon thread that is still running at finalization abruptly). So every started loop is stopped
+and joined at interpreter exit (``stop_at_exit``), before finalization.
 """
 from __future__ import annotations
 
