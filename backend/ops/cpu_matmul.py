@@ -127,7 +127,13 @@ def prepare(w: Weight) -> Weight:
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` through the kernel ``w``'s storage was chosen for."""
     if isinstance(w, HalfWeight):
-        y = _fp16_rows(x.float().reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])   # 0 rows too
+        # a decode step's [rows, in] float32 input as it is: each no-op conversion or view is one more
+        # dispatched op, 121 linears a step
+        x2 = x if x.dtype == torch.float32 else x.float()
+        if x2.dim() == 2:
+            y = _fp16_rows(x2, w)
+        else:
+            y = _fp16_rows(x2.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])   # 0 rows too
         return y if bias is None else y + bias
     if _DNN is not None and x.device.type == "cpu" and x.dtype == torch.float32 and is_column_major(w):
         # Every row count (see batch invariance above), but never one row: oneDNN multiplies a single

@@ -23,13 +23,14 @@ TABLE_MIN = 8192
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x / scale`` to e4m3, saturated: a value past the calibrated range clips, never NaN."""
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return ((x if x.dtype == torch.float32 else x.float()) / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(codes.float() * scale).to(dtype)``, bit for bit; by table lookup on CPU."""
     if codes.device.type != "cpu" or codes.numel() < TABLE_MIN:
-        return (codes.float() * scale).to(dtype)
+        values = codes.float().mul_(scale)
+        return values if dtype == torch.float32 else values.to(dtype)
     table = (FP8_VALUES * scale.float()).to(dtype)
     return table.index_select(0, codes.view(torch.uint8).reshape(-1).int()).view(codes.shape)
 
