@@ -27,7 +27,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(codes.float() * scale).to(dtype)``, bit for bit; by table lookup on CPU."""
+    """``(codes.float() * scale).to(dtype)``, bit for bit; by table lookup on CPU from TABLE_MIN values."""
     if codes.device.type != "cpu" or codes.numel() < TABLE_MIN:
         values = codes.float().mul_(scale)
         return values if dtype == torch.float32 else values.to(dtype)
