@@ -2,7 +2,9 @@
 
 Rules (the serving contract):
 * ``execute()`` only converts and enqueues; it never waits for tokens.
-* Responses are sent from the executor's callback thread through each request's response sender.
+* Responses are built on the executor's callback thread and sent, in order, by one responder
+  thread (backend/serving/responder.py says why); every response to a running request goes through
+  it, errors from other threads included, so none overtakes another.
 * Every request gets exactly one FINAL response: the last data response carries the FINAL flag; a
   bad request, an executor error or a cancellation by its client gets an error response with the
   FINAL flag. A request stopped by a ``stop_request`` ends like tensorrtllm_backend's: a normal
@@ -39,20 +41,17 @@ import threading
 import time
 from typing import Any, Callable
 
-import numpy as np
-
 from backend.bundle import load_bundle
 from backend.logs import for_request, get_logger
-from backend.serving.acceptance import acceptance_tensors, draft_counts
-from backend.serving.batching import rows
+from backend.serving.acceptance import draft_counts
 from backend.serving.convert import EngineLimits, InvalidRequest
 from backend.serving.detok import CONTEXT_TOKENS, StreamDetokenizer
-from backend.serving.engine_outputs import response_tensors, send_empty_final, send_error
+from backend.serving.engine_outputs import send_empty_final, send_error
 from backend.serving.engine_stream import INBAND_ERRORS, Stream, chosen_logprobs, inband_errors
 from backend.serving.row_group import RowGroup
-from backend.serving.engine_request import ENGINE_READ_NAMES, parse_engine_request
+from backend.serving.engine_request import is_stop_request, parse_engine_request, request_rows
 from backend.serving.metrics import ServingMetrics
-from backend.serving.perf_metrics import perf_tensors
+from backend.serving.responder import Responder
 from backend.serving.serving_state import ServingState
 from backend.serving.tokenizer import load_tokenizer
 
@@ -64,6 +63,7 @@ POLL_S = 0.5           # cancellation check period: each check is an IPC round t
                        # which at 64 streams on 2 cores costs more than a late cancel
 STATS_EVERY_S = 0.5    # gauge refresh period while requests run (each one also refreshes them
                        # just before its final response)
+FINAL_SEND_S = 10.0    # how long a failure or shutdown waits for the queued responses to go out
 MIN_STOP_ID_LEN = 16   # a stop_request may name only a request id at least this long (a UUID is 36)
 
 
@@ -120,6 +120,7 @@ class EngineHost:
         self.serving = ServingState(model_name)
         self.draining: str | None = None  # set for good once the engine should stop serving (serving_state)
         self.refresh_metrics()  # the pool's size etc. from the start, not from the first poll
+        self._responder = Responder()
         self._poller = threading.Thread(target=self._poll, name="kiln-engine-poller", daemon=True)
         self._poller.start()
 
@@ -134,32 +135,9 @@ class EngineHost:
                 self._send_error(request.get_response_sender(), f"engine: {type(e).__name__}: {e}",
                                  inband_errors(request))
 
-    def _rows(self, request) -> list[dict[str, np.ndarray]]:
-        """The request's inputs, one dict per row (NVIDIA's clients send B rows with --batch-inputs)."""
-        out = {}
-        for name in ENGINE_READ_NAMES:
-            t = self.pb.get_input_tensor_by_name(request, name)
-            if t is not None:
-                out[name] = t.as_numpy()
-        per_row = rows(out, self.model_name)
-        if len(per_row) > 1 and not self.decoupled:
-            raise InvalidRequest(f"model '{self.model_name}': batch size {len(per_row)} needs a decoupled model "
-                                 "(one response per row; this repository was built with serving.decoupled="
-                                 "false): send the rows as separate requests, or rebuild with "
-                                 "serving.decoupled=true")
-        return per_row
-
-    def _is_stop(self, request) -> bool:
-        """A control request: ``stop_request`` or NVIDIA's ``stop`` true (its other inputs are dummies)."""
-        for name in ("stop_request", "stop"):
-            t = self.pb.get_input_tensor_by_name(request, name)
-            if t is not None and t.as_numpy().size and bool(t.as_numpy().reshape(-1)[0]):
-                return True
-        return False
-
     def _enqueue(self, request) -> None:
         sender = request.get_response_sender()
-        if self._is_stop(request):
+        if is_stop_request(self.pb, request):
             self._stop_request(request.request_id(), sender)
             return
         inband = inband_errors(request)
@@ -168,7 +146,8 @@ class EngineHost:
             self._send_error(sender, f"engine unavailable: {self.failed or self.draining}", inband)
             return
         try:
-            reqs = [parse_engine_request(r, self.limits, self.vocab_size, self.tok) for r in self._rows(request)]
+            reqs = [parse_engine_request(r, self.limits, self.vocab_size, self.tok)
+                    for r in request_rows(self.pb, request, self.model_name, self.decoupled)]
             params = [self._params(**r.sampling) for r in reqs]
         except (InvalidRequest, ValueError, TypeError) as e:
             self.metrics.errors.count("invalid_request")
@@ -232,19 +211,7 @@ class EngineHost:
                 self._retire(st)
                 self.executor.cancel(st.rid)
                 return
-            now = time.monotonic()
-            if getattr(ev, "request", None) is not None:
-                st.engine_req = ev.request
-            if ev.token_ids:
-                st.first = st.first or now
-                st.last = now
-                st.n_tokens += len(ev.token_ids)
-                self.metrics.tokens(len(ev.token_ids))
-                if st.req.return_log_probs:
-                    st.logprobs.extend(chosen_logprobs(ev))
-                if st.req.top_logprobs:
-                    st.keep_top(ev)
-            st.keep_logits(ev)
+            self.metrics.tokens(st.record(ev, time.monotonic()))
             if getattr(ev, "error", None):
                 for_request(_LOG, st.rid).error("engine error: %s", ev.error)
                 self._finish(st, error=f"engine error: {ev.error}", kind="engine")
@@ -277,33 +244,27 @@ class EngineHost:
                     self._send(st, st.req.prompt_ids + st.ids, [], st.trim, reason, True)
 
     def _send(self, st: Stream, ids, context, trim, reason, final) -> None:
-        lp, st.logprobs = st.logprobs, []  # chunks take every pending token, so all of them
-        st.cum_logprob += float(sum(lp))
-        extra = {}
+        """Called with st.lock held: build the response now (it takes the stream's pending
+        log-probs and logits), send it on the responder thread."""
         if st.group is not None:  # the request ends (FINAL flag) with the response ending its last row
             final = final and (st.group.closed or st.group.row_finished())
-        if st.req.top_logprobs:
-            extra.update(st.take_top())
-        if st.req.return_num_input_tokens:
-            extra["num_input_tokens"] = np.array([len(st.req.prompt_ids)], np.int32)
-        if st.req.return_num_output_tokens:  # generated ids only (a non-streamed output_ids starts with the prompt)
-            echoed = not st.req.streaming and not st.req.exclude_input_in_output
-            extra["num_output_tokens"] = np.array([len(ids) - (len(st.req.prompt_ids) if echoed else 0)], np.int32)
-        if st.req.return_perf_metrics:  # cumulative on every response, as tensorrtllm_backend does
-            extra.update(acceptance_tensors(*draft_counts(self.executor, st.rid)))
-            extra.update(perf_tensors(st.engine_req))
-        tensors = [self.pb.Tensor(k, v) for k, v in
-                   response_tensors(ids, context, trim, lp, st.cum_logprob, reason, extra, st.row,
-                                    *st.take_logits()).items()]
+        draft = draft_counts(self.executor, st.rid) if st.req.return_perf_metrics else None
+        tensors = [self.pb.Tensor(k, v) for k, v in st.outputs(ids, context, trim, reason, draft).items()]
         resp = self.pb.InferenceResponse(output_tensors=tensors)
         st.sent = True
+        self._responder.submit(lambda: self._deliver(st, resp, final))
+
+    def _deliver(self, st: Stream, resp, final: bool) -> None:
+        """On the responder thread."""
         try:
             st.sender.send(resp, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
         except Exception as e:  # noqa: BLE001 - the client went away: stop generating for it
             for_request(_LOG, st.rid).info("response not delivered (%s); cancelling", e)
-            if not final and not st.cancel_asked:
+            with st.lock:
+                if final or st.cancel_asked:
+                    return
                 st.cancel_asked, st.cancel_by = True, "client"
-                self.executor.cancel(st.rid)
+            self.executor.cancel(st.rid)
 
     def _finish(self, st: Stream, error: str, kind: str) -> None:
         """Called with st.lock held. Ends st with an error as its FINAL response (in-band for a
@@ -333,7 +294,8 @@ class EngineHost:
         self.refresh_metrics()
 
     def _send_error(self, sender, message: str, inband: bool = False) -> None:
-        send_error(self.pb, sender, message, inband)
+        # through the responder too: a row of the same request may have responses queued there
+        self._responder.submit(lambda: send_error(self.pb, sender, message, inband))
 
     # ---- poller: cancellation and gauges -------------------------------------------------------
     def _poll(self) -> None:
@@ -394,6 +356,7 @@ class EngineHost:
             with st.lock:
                 if not st.done:
                     self._finish(st, error=f"engine failure: {reason}", kind="engine")
+        self._responder.drain(timeout=FINAL_SEND_S)  # on_fatal may end the process
         if self.on_fatal is not None:
             self.on_fatal(reason)
 
@@ -420,4 +383,6 @@ class EngineHost:
             with st.lock:
                 if not st.done:
                     self._finish(st, error="the engine model is shutting down", kind="unavailable")
+        if not self._responder.close(timeout=FINAL_SEND_S):
+            _LOG.warning("responses still unsent after %.0f s at shutdown", FINAL_SEND_S)
         self.metrics.close()  # now, not while the stub's interpreter shuts down (segfaults there)

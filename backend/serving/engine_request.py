@@ -11,12 +11,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from backend.serving.batching import rows
 from backend.serving.convert import (EngineLimits, InvalidRequest, check_prompt, from_words_list,
                                     read_inputs, sampling_kwargs)
 from backend.serving.detok import Decoder
 from backend.serving.neutral_inputs import ENGINE, check_neutral, neutral_names
 
-__all__ = ["ENGINE_INPUT_NAMES", "ENGINE_READ_NAMES", "EngineRequest", "parse_engine_request"]
+__all__ = ["ENGINE_INPUT_NAMES", "ENGINE_READ_NAMES", "EngineRequest", "is_stop_request", "parse_engine_request",
+           "request_rows"]
 
 ENGINE_INPUT_NAMES = (
     "input_ids", "input_lengths", "request_output_len", "streaming", "temperature", "top_k", "top_p",
@@ -121,3 +123,28 @@ def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits
                          tuple(dict.fromkeys(tuple(w) for w in stop_ids)), bool(v["exclude_input_in_output"]),
                          ctx, gen, bool(v["return_num_input_tokens"]), bool(v["return_num_output_tokens"]),
                          v["top_logprobs"])
+
+
+def request_rows(pb: Any, request: Any, model_name: str, decoupled: bool) -> list[dict[str, np.ndarray]]:
+    """A Triton request's inputs, one dict per row (NVIDIA's clients send B rows with --batch-inputs)."""
+    out = {}
+    for name in ENGINE_READ_NAMES:
+        t = pb.get_input_tensor_by_name(request, name)
+        if t is not None:
+            out[name] = t.as_numpy()
+    per_row = rows(out, model_name)
+    if len(per_row) > 1 and not decoupled:
+        raise InvalidRequest(f"model '{model_name}': batch size {len(per_row)} needs a decoupled model "
+                             "(one response per row; this repository was built with serving.decoupled="
+                             "false): send the rows as separate requests, or rebuild with "
+                             "serving.decoupled=true")
+    return per_row
+
+
+def is_stop_request(pb: Any, request: Any) -> bool:
+    """A control request: ``stop_request`` or NVIDIA's ``stop`` true (its other inputs are dummies)."""
+    for name in ("stop_request", "stop"):
+        t = pb.get_input_tensor_by_name(request, name)
+        if t is not None and t.as_numpy().size and bool(t.as_numpy().reshape(-1)[0]):
+            return True
+    return False

@@ -14,8 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from backend.serving.acceptance import acceptance_tensors
 from backend.serving.detok import StreamDetokenizer
+from backend.serving.engine_outputs import response_tensors
 from backend.serving.engine_request import EngineRequest
+from backend.serving.perf_metrics import perf_tensors
 from backend.serving.row_group import RowGroup
 
 __all__ = ["Stream", "chosen_logprobs", "inband_errors", "INBAND_ERRORS"]
@@ -70,6 +73,44 @@ class Stream:
     group: RowGroup | None = None  # the rows of a request with batch size > 1 (row_group.py)
     row: int = 0            # this stream's row in it (NVIDIA's batch_index)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def record(self, ev: Any, now: float) -> int:
+        """Keep what an executor event brings (its tokens' times, log-probs, top alternatives and
+        logits, until a response takes them); returns the number of new tokens."""
+        if getattr(ev, "request", None) is not None:
+            self.engine_req = ev.request
+        if ev.token_ids:
+            self.first = self.first or now
+            self.last = now
+            self.n_tokens += len(ev.token_ids)
+            if self.req.return_log_probs:
+                self.logprobs.extend(chosen_logprobs(ev))
+            if self.req.top_logprobs:
+                self.keep_top(ev)
+        self.keep_logits(ev)
+        return len(ev.token_ids)
+
+    def outputs(self, ids, context, trim: int, reason: str,
+                draft: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+        """The tensors of the response carrying ``ids`` (``engine_outputs.response_tensors``): it
+        takes every pending log-prob, top alternative and logits row (chunks take every pending
+        token), plus the counts and figures the request asked for; ``draft``: the executor's
+        (proposed, accepted) draft-token counts, for ``return_perf_metrics``."""
+        lp, self.logprobs = self.logprobs, []
+        self.cum_logprob += float(sum(lp))
+        req, extra = self.req, {}
+        if req.top_logprobs:
+            extra.update(self.take_top())
+        if req.return_num_input_tokens:
+            extra["num_input_tokens"] = np.array([len(req.prompt_ids)], np.int32)
+        if req.return_num_output_tokens:  # generated ids only (a non-streamed output_ids starts with the prompt)
+            echoed = not req.streaming and not req.exclude_input_in_output
+            extra["num_output_tokens"] = np.array([len(ids) - (len(req.prompt_ids) if echoed else 0)], np.int32)
+        if req.return_perf_metrics:  # cumulative on every response, as tensorrtllm_backend does
+            extra.update(acceptance_tensors(*(draft or (0, 0))))
+            extra.update(perf_tensors(self.engine_req))
+        return response_tensors(ids, context, trim, lp, self.cum_logprob, reason, extra, self.row,
+                                *self.take_logits())
 
     def keep_top(self, ev: Any) -> None:
         """The top alternatives of each token of an event (``top_logprobs`` requests)."""

@@ -97,3 +97,24 @@ def test_compute_dtype_is_exported_with_the_timings_it_was_chosen_by():
     ServingMetrics(pb, "engine", "1").compute_dtype({"dtype": "bfloat16", "asked": "bfloat16", "timings_ms": {}})
     assert list(_series("kiln_engine_compute_dtype").values()) == [1.0]
     assert not _series("kiln_engine_cpu_dtype_step_ms")   # nothing timed: no series
+
+
+def test_generated_tokens_are_published_in_one_write_before_a_final_response_or_on_refresh():
+    """Counting a step's tokens writes no metric (each write is a round trip to the server); the
+    count reaches kiln_generated_tokens_total at the next refresh, or when a request finishes
+    (before its final response goes out)."""
+    _Family.made = []
+    pb = types.SimpleNamespace(MetricFamily=_Family)
+    sm = ServingMetrics(pb, "engine", "0")
+    writes = []
+    gen = sm.generated
+    gen.increment = lambda v: (writes.append(v), _Metric.increment(gen, v))
+    for n in (1, 1, 2, 0):
+        sm.tokens(n)
+    assert writes == [] and gen.value == 0.0
+    sm.request_done(0.1, 0.01)
+    assert writes == [4] and gen.value == 4.0
+    sm.tokens(3)
+    sm.update({})
+    sm.update({})   # nothing new: no write
+    assert writes == [4, 3] and gen.value == 7.0
