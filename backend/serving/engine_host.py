@@ -244,27 +244,31 @@ class EngineHost:
                     self._send(st, st.req.prompt_ids + st.ids, [], st.trim, reason, True)
 
     def _send(self, st: Stream, ids, context, trim, reason, final) -> None:
-        """Called with st.lock held: build the response now (it takes the stream's pending
-        log-probs and logits), send it on the responder thread."""
+        """Called with st.lock held: take the response's numbers now (the stream's pending
+        log-probs and logits go with it); the responder makes and sends it."""
         if st.group is not None:  # the request ends (FINAL flag) with the response ending its last row
             final = final and (st.group.closed or st.group.row_finished())
         draft = draft_counts(self.executor, st.rid) if st.req.return_perf_metrics else None
-        tensors = [self.pb.Tensor(k, v) for k, v in st.outputs(ids, context, trim, reason, draft).items()]
-        resp = self.pb.InferenceResponse(output_tensors=tensors)
+        outputs = st.outputs(ids, context, trim, reason, draft)
         st.sent = True
-        self._responder.submit(lambda: self._deliver(st, resp, final))
+        self._responder.submit(lambda: self._deliver(st, outputs, final))
 
-    def _deliver(self, st: Stream, resp, final: bool) -> None:
-        """On the responder thread."""
-        try:
-            st.sender.send(resp, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-        except Exception as e:  # noqa: BLE001 - the client went away: stop generating for it
-            for_request(_LOG, st.rid).info("response not delivered (%s); cancelling", e)
-            with st.lock:
+    def _deliver(self, st: Stream, outputs, final: bool) -> None:
+        """On the responder thread, under the stream's lock. Every Python-backend object of a
+        response is made here, not on the loop thread: made there while this thread sent another,
+        the server aborted (boost::interprocess::lock_exception, the soak test with one OpenMP
+        thread, 2 runs in 5); and the poller asks the same request is_cancelled() under the lock."""
+        with st.lock:
+            try:
+                resp = self.pb.InferenceResponse(output_tensors=[self.pb.Tensor(k, v) for k, v in outputs.items()])
+                st.sender.send(resp, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+                return
+            except Exception as e:  # noqa: BLE001 - the client went away: stop generating for it
+                for_request(_LOG, st.rid).info("response not delivered (%s); cancelling", e)
                 if final or st.cancel_asked:
                     return
                 st.cancel_asked, st.cancel_by = True, "client"
-            self.executor.cancel(st.rid)
+        self.executor.cancel(st.rid)
 
     def _finish(self, st: Stream, error: str, kind: str) -> None:
         """Called with st.lock held. Ends st with an error as its FINAL response (in-band for a
