@@ -2,9 +2,7 @@
 
 Rules (the serving contract):
 * ``execute()`` only converts and enqueues; it never waits for tokens.
-* Responses are built on the executor's callback thread and sent, in order, by one responder
-  thread (backend/serving/responder.py says why); every response to a running request goes through
-  it, errors from other threads included, so none overtakes another.
+* Responses are sent from the executor's callback thread through each request's response sender.
 * Every request gets exactly one FINAL response: the last data response carries the FINAL flag; a
   bad request, an executor error or a cancellation by its client gets an error response with the
   FINAL flag. A request stopped by a ``stop_request`` ends like tensorrtllm_backend's: a normal
@@ -51,7 +49,6 @@ from backend.serving.engine_stream import INBAND_ERRORS, Stream, chosen_logprobs
 from backend.serving.row_group import RowGroup
 from backend.serving.engine_request import is_stop_request, parse_engine_request, request_rows
 from backend.serving.metrics import ServingMetrics
-from backend.serving.responder import Responder
 from backend.serving.serving_state import ServingState
 from backend.serving.tokenizer import load_tokenizer
 
@@ -63,7 +60,6 @@ POLL_S = 0.5           # cancellation check period: each check is an IPC round t
                        # which at 64 streams on 2 cores costs more than a late cancel
 STATS_EVERY_S = 0.5    # gauge refresh period while requests run (each one also refreshes them
                        # just before its final response)
-FINAL_SEND_S = 10.0    # how long a failure or shutdown waits for the queued responses to go out
 MIN_STOP_ID_LEN = 16   # a stop_request may name only a request id at least this long (a UUID is 36)
 
 
@@ -120,7 +116,6 @@ class EngineHost:
         self.serving = ServingState(model_name)
         self.draining: str | None = None  # set for good once the engine should stop serving (serving_state)
         self.refresh_metrics()  # the pool's size etc. from the start, not from the first poll
-        self._responder = Responder()
         self._poller = threading.Thread(target=self._poll, name="kiln-engine-poller", daemon=True)
         self._poller.start()
 
@@ -244,31 +239,20 @@ class EngineHost:
                     self._send(st, st.req.prompt_ids + st.ids, [], st.trim, reason, True)
 
     def _send(self, st: Stream, ids, context, trim, reason, final) -> None:
-        """Called with st.lock held: take the response's numbers now (the stream's pending
-        log-probs and logits go with it); the responder makes and sends it."""
+        """Called with st.lock held (the poller asks the same request is_cancelled() under it)."""
         if st.group is not None:  # the request ends (FINAL flag) with the response ending its last row
             final = final and (st.group.closed or st.group.row_finished())
         draft = draft_counts(self.executor, st.rid) if st.req.return_perf_metrics else None
-        outputs = st.outputs(ids, context, trim, reason, draft)
+        tensors = [self.pb.Tensor(k, v) for k, v in st.outputs(ids, context, trim, reason, draft).items()]
+        resp = self.pb.InferenceResponse(output_tensors=tensors)
         st.sent = True
-        self._responder.submit(lambda: self._deliver(st, outputs, final))
-
-    def _deliver(self, st: Stream, outputs, final: bool) -> None:
-        """On the responder thread, under the stream's lock. Every Python-backend object of a
-        response is made here, not on the loop thread: made there while this thread sent another,
-        the server aborted (boost::interprocess::lock_exception, the soak test with one OpenMP
-        thread, 2 runs in 5); and the poller asks the same request is_cancelled() under the lock."""
-        with st.lock:
-            try:
-                resp = self.pb.InferenceResponse(output_tensors=[self.pb.Tensor(k, v) for k, v in outputs.items()])
-                st.sender.send(resp, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-                return
-            except Exception as e:  # noqa: BLE001 - the client went away: stop generating for it
-                for_request(_LOG, st.rid).info("response not delivered (%s); cancelling", e)
-                if final or st.cancel_asked:
-                    return
+        try:
+            st.sender.send(resp, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        except Exception as e:  # noqa: BLE001 - the client went away: stop generating for it
+            for_request(_LOG, st.rid).info("response not delivered (%s); cancelling", e)
+            if not final and not st.cancel_asked:
                 st.cancel_asked, st.cancel_by = True, "client"
-        self.executor.cancel(st.rid)
+                self.executor.cancel(st.rid)
 
     def _finish(self, st: Stream, error: str, kind: str) -> None:
         """Called with st.lock held. Ends st with an error as its FINAL response (in-band for a
@@ -298,8 +282,7 @@ class EngineHost:
         self.refresh_metrics()
 
     def _send_error(self, sender, message: str, inband: bool = False) -> None:
-        # through the responder too: a row of the same request may have responses queued there
-        self._responder.submit(lambda: send_error(self.pb, sender, message, inband))
+        send_error(self.pb, sender, message, inband)
 
     # ---- poller: cancellation and gauges -------------------------------------------------------
     def _poll(self) -> None:
@@ -360,7 +343,6 @@ class EngineHost:
             with st.lock:
                 if not st.done:
                     self._finish(st, error=f"engine failure: {reason}", kind="engine")
-        self._responder.drain(timeout=FINAL_SEND_S)  # on_fatal may end the process
         if self.on_fatal is not None:
             self.on_fatal(reason)
 
@@ -387,6 +369,4 @@ class EngineHost:
             with st.lock:
                 if not st.done:
                     self._finish(st, error="the engine model is shutting down", kind="unavailable")
-        if not self._responder.close(timeout=FINAL_SEND_S):
-            _LOG.warning("responses still unsent after %.0f s at shutdown", FINAL_SEND_S)
         self.metrics.close()  # now, not while the stub's interpreter shuts down (segfaults there)
