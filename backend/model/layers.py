@@ -11,6 +11,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from plugins.cpu import ops as cpu_ops
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x [..., H]`` -> normalized ``[..., H]`` in ``x``'s dtype."""
@@ -92,7 +94,11 @@ class RotaryEmbedding:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, H, D]`` by the per-token angles (``rotate_half`` convention of HF Llama)."""
+    """Rotate ``x [T, H, D]`` by the per-token angles (``rotate_half`` convention of HF Llama): float32
+    on CPU in one call of the CPU kernel (plugins/cpu, the same bits as the six ops below)."""
+    y = cpu_ops.rope(x, cos, sin)
+    if y is not None:
+        return y
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

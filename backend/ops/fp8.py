@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from plugins.cpu import ops as cpu_ops
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 # Every fp8 e4m3 value by its byte (the NaN codes 0x7f and 0xff included).
@@ -35,6 +37,11 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return table.index_select(0, codes.view(torch.uint8).reshape(-1).int()).view(codes.shape)
 
 
-def fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per-tensor static e4m3 activation quantization, returned dequantized in ``x``'s dtype."""
+def fake_quant(x: torch.Tensor, scale: torch.Tensor, scale_value: float | None = None) -> torch.Tensor:
+    """Per-tensor static e4m3 activation quantization, returned dequantized in ``x``'s dtype: float32
+    on CPU in one pass of the CPU kernel (plugins/cpu: the same bits, one call for the ~13 ops below).
+    ``scale_value``: ``float(scale)`` if the caller keeps it (saves reading the tensor every call)."""
+    y = cpu_ops.fake_quant_fp8(x, scale if scale_value is None else scale_value)
+    if y is not None:
+        return y
     return dequantize(quantize(x, scale), scale, x.dtype)

@@ -129,8 +129,9 @@ class QuantLinear:
         """``x @ weight.T + bias`` over the dequantized weight (or the codes, then row-scaled)."""
         if self.out_scale is None:
             return cpu_matmul.linear(x, self.weight, self.bias)
-        y = cpu_matmul.linear(x, self.weight) * self.out_scale
-        return y if self.bias is None else y + self.bias
+        # in place: the product is a new tensor (or a view of one), nobody else holds it
+        y = cpu_matmul.linear(x, self.weight).mul_(self.out_scale)
+        return y if self.bias is None else y.add_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
@@ -163,6 +164,8 @@ class FP8Linear(QuantLinear):
         if ws.numel() == 1:
             ws = ws.expand(w.shape[0])
         self.native = has_fp8_matmul(device)
+        # the scale as a Python float for the CPU kernels (read once here, not at every call)
+        self.input_scale_value = float(self.input_scale)
         if self.native:
             # _scaled_mm wants the weight column-major ([in, out] view of a row-major [out, in]).
             self.weight_fp8 = w
@@ -178,9 +181,20 @@ class FP8Linear(QuantLinear):
         elif not self._per_row_codes(w, ws, dtype, device):
             self.weight = formats.dequantize_fp8(w, ws, dtype=dtype)
 
+    @property
+    def emulated(self) -> bool:
+        """Whether activations are fake-quantized (no fp8 matmul here): then ``forward_fake_quantized``
+        takes an input that already is."""
+        return not self.native
+
+    def forward_fake_quantized(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` for an input already fake-quantized with ``input_scale`` (a fused CPU kernel did
+        it: ``plugins.cpu.ops.mul_fake_quant_fp8``); same numbers. Emulated linears only."""
+        return self.matmul(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.native:
-            return self.matmul(fake_quant_fp8(x, self.input_scale))
+            return self.matmul(fake_quant_fp8(x, self.input_scale, self.input_scale_value))
         xq = (x.float() / self.input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         return self.forward_fp8(xq)
 

@@ -99,6 +99,8 @@ def write_bundle(ctx: StageContext, out: Path, *, with_draft: bool = True, aot: 
     except bundle.BundleError as exc:
         raise StageError(str(exc)) from None
     bundle.write(out, manifest)
+    if aot:
+        _build_cpu_kernels(ctx)
     return {"format": fmt, "files": len(manifest.files), "kernels": len(manifest.kernels),
             "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file()),
             "weights_bytes_per_rank": [(out / f).stat().st_size for f in manifest.weights]}
@@ -247,6 +249,19 @@ def _compile_kernels(ctx: StageContext, manifest: bundle.Manifest, out: Path) ->
     with ctx.progress(f"AOT-compiling kernels for sm {sms}"):
         entries = aot.compile_for_bundle(kernel_shapes(manifest), sms, kdir)
     return list(entries or [])
+
+
+def _build_cpu_kernels(ctx: StageContext) -> None:
+    """The CPU kernels for this machine (plugins/cpu), compiled now into their cache so that serving
+    on this machine loads them without compiling. Not part of the bundle: they are built for the CPU
+    that runs them, by the first process there that lacks them. No compiler is not an error: the CPU
+    path then runs the same numbers on PyTorch ops, which the note says."""
+    from plugins.cpu import build as cpu_build   # noqa: PLC0415
+
+    try:
+        ctx.log(f"CPU kernels: {cpu_build.ensure()}")
+    except cpu_build.CpuKernelBuildError as exc:
+        ctx.log(f"CPU kernels not built: {exc}")
 
 
 def kernel_shapes(manifest: bundle.Manifest):

@@ -92,18 +92,25 @@ class TorchAttentionBackend:
     # reach attention), and reading needs no conversion.
     fp8_as_float = False
     _plan = None   # (the step's metadata, its tile groups): see forward
+    _slots = None  # (the step's slot mapping, whether every slot is >= 0): see write_kv
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         """Scatter ``k, v [T, Hkv, D]`` into the caches at ``slot_mapping [T]`` (-1 = skip)."""
         num_blocks, block_size, hkv, d = k_cache.shape
-        valid = slot_mapping >= 0
-        if not bool(valid.all()):
+        if self._slots is None or self._slots[0] is not slot_mapping:
+            # every layer of a step writes at the same slots (the step's metadata): checked once a
+            # step, three ops a layer fewer; holding the tensor keeps its identity from being reused
+            self._slots = (slot_mapping, bool((slot_mapping >= 0).all()))
+        if not self._slots[1]:
+            valid = slot_mapping >= 0
             slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
         k_flat = k_cache.view(num_blocks * block_size, hkv, d)
         v_flat = v_cache.view(num_blocks * block_size, hkv, d)
         if self.fp8_as_float and k_cache.dtype != FP8_KV_DTYPE:
-            k_new = dequantize_kv(quantize_kv(k, k_scale, FP8_KV_DTYPE), k_scale, k_cache.dtype)
-            v_new = dequantize_kv(quantize_kv(v, v_scale, FP8_KV_DTYPE), v_scale, v_cache.dtype)
+            # fp8.fake_quant is this round trip (in one CPU kernel call for float32)
+            k_new, v_new = (fp8.fake_quant(x, sc) if x.dtype == cache.dtype else
+                            dequantize_kv(quantize_kv(x, sc, FP8_KV_DTYPE), sc, cache.dtype)
+                            for x, sc, cache in ((k, k_scale, k_cache), (v, v_scale, v_cache)))
         else:
             k_new = quantize_kv(k, k_scale, k_cache.dtype)
             v_new = quantize_kv(v, v_scale, v_cache.dtype)
