@@ -126,17 +126,23 @@ class StreamResult:
 
 
 async def grpc_stream(client: Any, model: str, text: str, *, on_piece: Callable[[str], None] | None = None,
-                      cancel_after: int | None = None, request_id: str = "", **params: Any) -> StreamResult:
+                      cancel_after: int | None = None, request_id: str = "", outputs: list[str] | None = None,
+                      **params: Any) -> StreamResult:
     """One streaming request over its own gRPC bidi stream (``tritonclient.grpc.aio`` client).
 
     ``cancel_after=n`` cancels the call after n pieces (the server sees the request cancelled).
+    ``outputs``: the output names to ask for (the server sends only those); None = every output.
     Non-empty pieces only are recorded; the loop ends with the stream (READ_TO_THE_END).
     """
     params.setdefault("stream", True)
     inputs = grpc_inputs(text, **params)
+    request = {"model_name": model, "inputs": inputs, "request_id": request_id}
+    if outputs is not None:
+        from tritonclient.grpc import InferRequestedOutput
+        request["outputs"] = [InferRequestedOutput(name) for name in outputs]
 
     async def requests() -> AsyncIterator[dict]:
-        yield {"model_name": model, "inputs": inputs, "request_id": request_id}
+        yield request
 
     res = StreamResult(start=time.perf_counter())
     it = client.stream_infer(requests())

@@ -81,7 +81,10 @@ async def _run_level(url: str, model: str, prompts: list[str], concurrency: int 
                      max_tokens: int, seed: int) -> tuple[list[StreamResult], float]:
     import tritonclient.grpc.aio as aio
     client = aio.InferenceServerClient(url)
-    kw = dict(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, apply_chat_template=True)
+    # only the text, as a chat client asks: the other eight outputs (log probs, speculation counters,
+    # logits) would be serialized on every streamed token by the server and parsed by this client
+    kw = dict(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, apply_chat_template=True,
+              outputs=["text_output"])
     sem = asyncio.Semaphore(concurrency or len(prompts))
     rng = random.Random(seed)
 
