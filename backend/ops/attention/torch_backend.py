@@ -126,10 +126,14 @@ class TorchAttentionBackend:
             # Every layer of a step attends the same tiles: planned once per step (the metadata is a
             # new object every step; holding it keeps its identity from being reused).
             self._plan = (meta, self._make_plan(meta, k_cache.shape[1], k_cache.shape[0], q.device))
+        groups = self._plan[1]
+        if len(groups) == 1 and groups[0].folded and groups[0].all_rows:
+            # a plain decode step: its one group is every row in order, the folded output is the output
+            return self._forward_folded(q, k_cache, v_cache, groups[0], scale, k_scale, v_scale, None)
         out = torch.empty_like(q)
         bs, hkv, d = k_cache.shape[1:]
         hq = q.shape[1]
-        for grp in self._plan[1]:
+        for grp in groups:
             if grp.folded:
                 self._forward_folded(q, k_cache, v_cache, grp, scale, k_scale, v_scale, out)
                 continue
@@ -152,14 +156,15 @@ class TorchAttentionBackend:
         return out
 
     @staticmethod
-    def _forward_folded(q, k_cache, v_cache, grp: "_TileGroup", scale, k_scale, v_scale, out) -> None:
-        """Plain decode rows, one per tile: each KV head's query heads as the rows of its tile."""
+    def _forward_folded(q, k_cache, v_cache, grp: "_TileGroup", scale, k_scale, v_scale, out):
+        """Plain decode rows, one per tile: each KV head's query heads as the rows of its tile. Writes
+        ``out``'s rows of the group, or with ``out`` None (the group is every row) returns them."""
         bs, hkv, d = k_cache.shape[1:]
         g, hq = len(grp.kls), q.shape[1]
         group = hq // hkv
         rows = max(FOLD_MIN_ROWS, group)
         qf = q.new_zeros(g, hkv, rows, d)
-        qf[:, :, :group] = q.index_select(0, grp.src).view(g, hkv, group, d)
+        qf[:, :, :group] = (q if grp.all_rows else q.index_select(0, grp.src)).view(g, hkv, group, d)
         mask = grp.mask if grp.mask.dtype == q.dtype else grp.mask.to(q.dtype)
         ks, vs = (dequantize_kv(_gather(cache, grp.blocks, grp.block_run), sc, q.dtype).view(-1, bs, hkv, d)
                   for cache, sc in ((k_cache, k_scale), (v_cache, v_scale)))
@@ -169,7 +174,10 @@ class TorchAttentionBackend:
             k, v = (x[b0:b0 + n * nb].view(n, nb * bs, hkv, d)[:, :kl].transpose(1, 2) for x in (ks, vs))
             o[j0:j1] = F.scaled_dot_product_attention(qf[j0:j1], k, v, scale=scale,
                                                       attn_mask=mask[j0:j1, :, :, :kl].expand(n, 1, rows, kl))
+        if out is None:
+            return o[:, :, :group].reshape(g, hq, d)
         out.index_copy_(0, grp.src, o[:, :, :group].reshape(g, hq, d))
+        return out
 
     @staticmethod
     def _make_plan(meta, bs: int, num_blocks: int, dev) -> list["_TileGroup"]:
@@ -230,6 +238,8 @@ class _TileGroup:
             src.extend(range(t0 + lo - c, t0 + hi - c))
             dst.extend(range(j * tile + lo - a, j * tile + hi - a))
         self.src, self.dst = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+        # the group's rows are all of the step's, in order (a plain decode step): no gather or scatter
+        self.all_rows = src == list(range(qsl[-1]))
         longest = self.kls[-1]
         keys = torch.arange(longest, device=dev).view(1, 1, -1)
         rows = torch.tensor([a for _, a in items], device=dev).view(g, 1, 1) + torch.arange(tile, device=dev).view(1, tile, 1)
