@@ -223,8 +223,17 @@ def _fp8_in(linear: QuantLinear) -> torch.Tensor | None:
 
 
 class FakeQuantized(NamedTuple):
-    """An FP8 linear's input already fake-quantized with its input scale (``_down_input``)."""
+    """An FP8 linear's input already fake-quantized with its input scale (``_down_input``). What
+    ``row_linear`` hooks ask of an input (dtype, shape) it answers for its values."""
     values: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
 
 
 def _down_input(down: QuantLinear, gate_up: torch.Tensor) -> torch.Tensor | FakeQuantized:

@@ -136,6 +136,21 @@ class _Counting:
         return getattr(self.lib, name)
 
 
+LIGHT = ["quantization.calibration.num_samples=4", "quantization.calibration.max_seq_len=64",
+         "verify.enabled=false"]   # tests/runtime/test_batch_invariance.py's: the build is shared
+
+
+@pytest.mark.slow
+def test_the_on_off_benchmark_runs_both_ways_and_leaves_the_kernels_on(build_bundle):
+    from harness.bench import cpu_kernels
+
+    res = cpu_kernels.run(Path(build_bundle("smollm2-135m-fp8", LIGHT)), batch=2, rounds=2, max_tokens=2)
+    assert [len(v) for v in res["output_tok_s"].values()] == [2, 2]
+    assert all(x > 0 for v in res["output_tok_s"].values() for x in v)
+    assert res["speedup_of_means"] == round(res["mean_tok_s"]["kernels"] / res["mean_tok_s"]["pytorch_ops"], 3)
+    assert ops.library() is LIB
+
+
 @pytest.mark.slow
 def test_the_fp8_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_kernels(build_bundle, monkeypatch):
     """The default bundle (fp8 weights, activations and KV cache) on CPU: every kernel runs in its
@@ -143,13 +158,11 @@ def test_the_fp8_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_
     from backend.engine.executor import Executor
     from backend.engine.sampling_params import SamplingParams
 
-    light = ["quantization.calibration.num_samples=4", "quantization.calibration.max_seq_len=64",
-             "verify.enabled=false"]   # tests/runtime/test_batch_invariance.py's: the build is shared
-    bundle = Path(build_bundle("smollm2-135m-fp8", light))
+    bundle = Path(build_bundle("smollm2-135m-fp8", LIGHT))
     ex = Executor(bundle, start=False, verify_hashes=False, cpu_dtype="float32", enable_prefix_caching=False)
     layers = ex.spec.model.num_layers
-    prompts = [[1, 2, 3, 4, 5] * k for k in (1, 7, 20)] + [list(range(300, 340))]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5] * 7, list(range(300, 340))]   # three lengths, one step
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     runs = {}
     for kernels in (True, False):
         counting = _Counting(LIB)

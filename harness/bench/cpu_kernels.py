@@ -1,0 +1,80 @@
+"""The CPU kernels (plugins/cpu) on and off, in one process: the engine alone on the serving
+benchmark's work (MT-bench first turns as chat prompts, 16 at a time, 64 forced tokens, prefix cache
+off so every round computes the same), rounds alternating ABBA so that the VM's drift (10-20% within
+minutes) falls on both. ``python -m harness.bench.cpu_kernels``; writes docs/perf/cpu-kernels-ab.json.
+
+Off is what a machine without a C compiler runs (the PyTorch ops, the same numbers:
+tests/kernels/test_cpu_kernels.py)."""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from backend.engine.executor import Executor
+from backend.engine.sampling_params import SamplingParams
+from harness.bench.perfinfo import cpu_machine, git_commit
+from harness.bench.prompts import load_prompts
+from plugins.cpu import ops
+
+
+def _prompts(engine: Path, n: int) -> list[list[int]]:
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(engine / "tokenizer" / "tokenizer.json"))
+    return [tok.encode(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n").ids
+            for t in load_prompts("mtbench")[:n]]
+
+
+def run(engine: Path, batch: int, rounds: int, max_tokens: int) -> dict:
+    lib = ops.library()
+    if lib is None:
+        raise SystemExit("the CPU kernels did not load (see the warning above): nothing to compare")
+    prompts = _prompts(engine, batch)
+    ex = Executor(engine, start=False, max_batch_size=batch, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ex.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))   # warm-up
+    tok_s: dict[str, list[float]] = {"kernels": [], "pytorch_ops": []}
+    try:
+        for r in range(rounds):
+            order = ("kernels", "pytorch_ops") if r % 2 == 0 else ("pytorch_ops", "kernels")   # ABBA
+            for way in order:
+                ops._state[:] = [lib if way == "kernels" else None]   # what ops.library() returns
+                t = time.perf_counter()
+                ex.generate(prompts, params)
+                tok_s[way].append(round(batch * max_tokens / (time.perf_counter() - t), 2))
+                print(f"round {r} {way:12s} {tok_s[way][-1]:7.1f} tok/s", flush=True)
+    finally:
+        ops._state[:] = [lib]
+    mean = {k: round(sum(v) / len(v), 2) for k, v in tok_s.items()}
+    return {"output_tok_s": tok_s, "mean_tok_s": mean,
+            "speedup_of_means": round(mean["kernels"] / mean["pytorch_ops"], 3)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", default="build/smollm2-135m-fp8/engine", help="engine bundle (make build)")
+    ap.add_argument("--batch", type=int, default=16, help="prompts per round, all at once")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds (each runs both ways)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", default="docs/perf/cpu-kernels-ab.json")
+    a = ap.parse_args(argv)
+    load = os.getloadavg()[0]
+    res = {"benchmark": "cpu_kernels", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "command": f"python -m harness.bench.cpu_kernels --engine {a.engine} --batch {a.batch} "
+                      f"--rounds {a.rounds} --max-tokens {a.max_tokens} --out {a.out}",
+           "commit": git_commit(),
+           "machine": {**cpu_machine(), "threads": torch.get_num_threads(), "load_avg_1m_at_start": load},
+           "what": "engine alone (no Triton), greedy, prefix cache off; rounds alternate ABBA",
+           **run(Path(a.engine), a.batch, a.rounds, a.max_tokens)}
+    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    print(f"kernels {res['mean_tok_s']['kernels']} vs PyTorch ops {res['mean_tok_s']['pytorch_ops']} tok/s: "
+          f"{res['speedup_of_means']}x; wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
