@@ -175,3 +175,22 @@ def test_the_fp8_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_
             assert counting.calls["kiln_rope"] >= calls
             assert counting.calls["kiln_mul_fake_quant_fp8"] >= calls
     assert runs[True] == runs[False]
+
+
+def test_the_builder_compiles_the_kernels_or_says_why_not(tmp_path, monkeypatch):
+    """The compile stage (``make build``) fills the cache on the machine that builds, so serving there
+    loads without compiling; without a compiler the build goes on and its log says so."""
+    import types
+
+    from builder.stages import compile as compile_stage
+
+    lines: list[str] = []
+    ctx = types.SimpleNamespace(log=lines.append)
+    monkeypatch.setenv(build.ENV_DIR, str(tmp_path / "ok"))
+    compile_stage._build_cpu_kernels(ctx)
+    assert build.library_path().exists() and lines == [f"CPU kernels: {build.library_path()}"]
+    monkeypatch.setenv(build.ENV_DIR, str(tmp_path / "no-cc"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    compile_stage._build_cpu_kernels(ctx)
+    assert lines[1].startswith("CPU kernels not built: C compiler") and "no-such-cc" in lines[1]
+    assert not build.library_path().exists()
