@@ -39,17 +39,14 @@ def run(engine: Path, batch: int, rounds: int, max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ex.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))   # warm-up
     tok_s: dict[str, list[float]] = {"kernels": [], "pytorch_ops": []}
-    try:
-        for r in range(rounds):
-            order = ("kernels", "pytorch_ops") if r % 2 == 0 else ("pytorch_ops", "kernels")   # ABBA
-            for way in order:
-                ops._state[:] = [lib if way == "kernels" else None]   # what ops.library() returns
+    for r in range(rounds):
+        order = ("kernels", "pytorch_ops") if r % 2 == 0 else ("pytorch_ops", "kernels")   # ABBA
+        for way in order:
+            with ops.using(lib if way == "kernels" else None):
                 t = time.perf_counter()
                 ex.generate(prompts, params)
                 tok_s[way].append(round(batch * max_tokens / (time.perf_counter() - t), 2))
-                print(f"round {r} {way:12s} {tok_s[way][-1]:7.1f} tok/s", flush=True)
-    finally:
-        ops._state[:] = [lib]
+            print(f"round {r} {way:12s} {tok_s[way][-1]:7.1f} tok/s", flush=True)
     mean = {k: round(sum(v) / len(v), 2) for k, v in tok_s.items()}
     return {"output_tok_s": tok_s, "mean_tok_s": mean,
             "speedup_of_means": round(mean["kernels"] / mean["pytorch_ops"], 3)}

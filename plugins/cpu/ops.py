@@ -9,6 +9,9 @@ microseconds, whatever the row count; at prefill sizes the kernels are also fast
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 from . import build
@@ -24,8 +27,16 @@ def library():
     return _state[0]
 
 
-def enabled() -> bool:
-    return library() is not None
+@contextlib.contextmanager
+def using(lib) -> Iterator[None]:
+    """Run with ``lib`` as the loaded kernels (None: the PyTorch ops), then with what was there:
+    for benchmarks and tests that compare the two ways in one process."""
+    before = library()
+    _state[:] = [lib]
+    try:
+        yield
+    finally:
+        _state[:] = [before]
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int] | None:

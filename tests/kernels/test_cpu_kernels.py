@@ -152,7 +152,7 @@ def test_the_on_off_benchmark_runs_both_ways_and_leaves_the_kernels_on(build_bun
 
 
 @pytest.mark.slow
-def test_the_fp8_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_kernels(build_bundle, monkeypatch):
+def test_the_fp8_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_kernels(build_bundle):
     """The default bundle (fp8 weights, activations and KV cache) on CPU: every kernel runs in its
     layers (counted), and greedy tokens and logprobs are those of the PyTorch ops, bit for bit."""
     from backend.engine.executor import Executor
@@ -166,8 +166,8 @@ def test_the_fp8_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_
     runs = {}
     for kernels in (True, False):
         counting = _Counting(LIB)
-        monkeypatch.setattr(ops, "_state", [counting if kernels else None])
-        runs[kernels] = [(r.token_ids, [lp for lp, _ in r.logprobs]) for r in ex.generate(prompts, params)]
+        with ops.using(counting if kernels else None):
+            runs[kernels] = [(r.token_ids, [lp for lp, _ in r.logprobs]) for r in ex.generate(prompts, params)]
         if kernels:
             calls = layers * params.max_tokens   # at least one step per token, every layer in each
             # per layer and step: the qkv, o and gate_up inputs, k and v; rope; SwiGLU's product for down
