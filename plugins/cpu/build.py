@@ -1,4 +1,4 @@
-"""Build and load the CPU kernels (kernels.c) with the machine's C compiler: once per source version.
+"""Build and load the CPU kernels (kernels.c, attention.c) with the machine's C compiler: once per source version.
 
 The library is compiled into a cache keyed by a hash of the source and the flags
 (``build/cache/cpu-kernels/`` in the checkout, or ``KILN_CPU_KERNEL_DIR``), by ``make build`` (the
@@ -23,7 +23,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("kernels.c")
+HERE = Path(__file__).parent
+# compiled together into one library; the header is part of the source hash too
+SOURCES = (HERE / "kernels.c", HERE / "attention.c")
+HEADERS = (HERE / "kiln_cpu.h",)
 # -ffp-contract=off: no multiply-add fused into an FMA (kernels.c gives PyTorch's bits op by op).
 FLAGS = ("-O3", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-Wall", "-Wno-psabi")
 ENV_DISABLE = "KILN_CPU_KERNELS"      # "0": never load (the PyTorch references run)
@@ -37,17 +40,22 @@ class CpuKernelBuildError(RuntimeError):
     """No C compiler, or it failed on kernels.c."""
 
 
-# (argtypes) of each exported function; restype None unless named in _RESTYPES
+# (argtypes) of each exported function; restype None unless named in RESTYPES
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "kiln_fake_quant_fp8": (_P, _I, _P, _I, _I, _F),
     "kiln_mul_fake_quant_fp8": (_P, _I, _P, _I, _P, _I, _I, _F),
     "kiln_rope": (_P, _I, _P, _P, _P, _I, _I, _I),
+    "kiln_add_rms_norm": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _I, _F),
+    "kiln_paged_attention": (_P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F),
 }
+RESTYPES = {"kiln_paged_attention": ctypes.c_int}   # 0, or -1: out of memory
 
 
 def source_hash() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
     h.update(" ".join(FLAGS).encode())
     h.update(platform.machine().encode())
     return h.hexdigest()[:16]
@@ -86,7 +94,7 @@ def ensure() -> Path:
     fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, f'-DKILN_SOURCE_HASH="{source_hash()}"', str(SOURCE), "-o", tmp]
+        cmd = [cc, *FLAGS, f'-DKILN_SOURCE_HASH="{source_hash()}"', *map(str, SOURCES), "-o", tmp]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as exc:
@@ -126,5 +134,5 @@ def _open(path: Path) -> ctypes.CDLL:
         raise CpuKernelBuildError(f"{path} was built from source {built}, not {source_hash()}")
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
+        fn.argtypes, fn.restype = args, RESTYPES.get(name)
     return lib

@@ -12,30 +12,14 @@
  * Layouts: a "rows" argument is a 2-D float32 array of `rows` rows of `cols` values, its rows `stride`
  * floats apart (a column slice of a fused GEMM output needs no copy); outputs are contiguous.
  */
-#include <stdint.h>
-#include <string.h>
+#include "kiln_cpu.h"
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define KILN_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define KILN_CLONES
-#endif
-
-/* KILN_SOURCE_HASH is set by the build: the loader checks the library it opens was built from this
- * file as it is now. */
+/* KILN_SOURCE_HASH is set by the build: the loader checks the library it opens was built from these
+ * files as they are now. */
 #ifndef KILN_SOURCE_HASH
 #define KILN_SOURCE_HASH "unknown"
 #endif
 const char *kiln_cpu_source_hash(void) { return KILN_SOURCE_HASH; }
-
-static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-
-/* m ? a : b, lane by lane (m: all ones or all zeros per lane) */
-static inline v8f pick(v8i m, v8f a, v8f b) { return (v8f)(((v8i)a & m) | ((v8i)b & ~m)); }
 
 /* x / scale to fp8 e4m3 (saturated to +-448, round to nearest even) and back times scale: the bits
  * of PyTorch's ((x / scale).clamp(-448, 448).to(float8_e4m3fn).float() * scale).
@@ -56,30 +40,6 @@ static inline v8f fake_quant8(v8f x, v8f scale) {
     v8u nrm = (au + 0x7FFFFu + ((au >> 20) & 1u)) & ~0xFFFFFu;
     v8u r = (v8u)pick(a < sub_min, sub, (v8f)nrm) | sign;
     return pick(v != v, v, (v8f)r) * scale;     /* NaN: the rounding above may carry out of it */
-}
-
-/* 8 floats from p; fewer (the rest zeros) where a row ends before: n = floats left in the row. Whole
- * vectors are one unaligned load (a constant-size memcpy); only a row's tail takes the copy. */
-static inline v8f load8(const float *p, int64_t n) {
-    v8f v;
-    if (n >= 8) {
-        memcpy(&v, p, sizeof v);
-    } else {
-        float t[8] = {0};
-        memcpy(t, p, (size_t)n * sizeof(float));
-        memcpy(&v, t, sizeof v);
-    }
-    return v;
-}
-
-static inline void store8(float *p, v8f v, int64_t n) {
-    if (n >= 8) {
-        memcpy(p, &v, sizeof v);
-    } else {
-        float t[8];
-        memcpy(t, &v, sizeof v);
-        memcpy(p, t, (size_t)n * sizeof(float));
-    }
 }
 
 /* y = fake_quant(x): an activation or a new key/value row as the fp8 GEMM or fp8 KV cache sees it. */
@@ -128,6 +88,84 @@ void kiln_rope(const float *x, int64_t stride, const float *cos, const float *si
                 store8(yh + j, x1 * load8(c + j, n) + (-x2) * load8(sn + j, n), n);
                 store8(yh + half + j, x2 * load8(c + half + j, n) + x1 * load8(sn + half + j, n), n);
             }
+        }
+    }
+}
+
+/* PyTorch's float32 sum of a contiguous row of squares, x[i] * x[i] each rounded first (``pow(x, 2)``
+ * then ``sum(-1)``), in the order ATen's CPU sum adds them (SumKernel.cpp: ``vectorized_inner_sum``
+ * over vectors of 8 floats, ``row_sum``'s four interleaved accumulators, ``multi_row_sum``'s four
+ * cascade levels, then the scalar tail and the 8 lanes one by one). The order is what makes the bits:
+ * float addition is not associative. 8 lanes is Vectorized<float> on AVX2 and default builds only:
+ * plugins/cpu/ops.py uses this where torch.backends.cpu.get_cpu_capability() is one of those. */
+static inline v8f sq8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v * v; }
+
+static float torch_sum_sq(const float *x, int64_t n) {
+    const int64_t nvec = n / 8, groups = nvec / 4;     /* groups of 4 vectors: row_sum's ilp factor */
+    const int64_t ceil_log2 = groups <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)(groups - 1));
+    const int64_t power = ceil_log2 / 4 > 4 ? ceil_log2 / 4 : 4, step = (int64_t)1 << power, mask = step - 1;
+    v8f acc[4][4];
+    memset(acc, 0, sizeof acc);
+    int64_t i = 0;
+    while (i + step <= groups) {
+        for (int64_t j = 0; j < step; j++, i++)
+            for (int k = 0; k < 4; k++)
+                acc[0][k] += sq8(x + (i * 4 + k) * 8);
+        for (int lv = 1; lv < 4; lv++) {
+            for (int k = 0; k < 4; k++) {
+                acc[lv][k] += acc[lv - 1][k];
+                acc[lv - 1][k] = splat(0.0f);
+            }
+            if (i & (mask << (lv * power)))
+                break;
+        }
+    }
+    for (; i < groups; i++)
+        for (int k = 0; k < 4; k++)
+            acc[0][k] += sq8(x + (i * 4 + k) * 8);
+    for (int lv = 1; lv < 4; lv++)
+        for (int k = 0; k < 4; k++)
+            acc[0][k] += acc[lv][k];
+    for (int64_t v = groups * 4; v < nvec; v++)
+        acc[0][0] += sq8(x + v * 8);
+    for (int k = 1; k < 4; k++)
+        acc[0][0] += acc[0][k];
+    float total = 0.0f, lanes[8];
+    for (int64_t e = nvec * 8; e < n; e++)
+        total += x[e] * x[e];
+    memcpy(lanes, &acc[0][0], sizeof lanes);
+    for (int l = 0; l < 8; l++)
+        total += lanes[l];
+    return total;
+}
+
+/* RMSNorm of each row (PyTorch's F.rms_norm in float32: mean = sum(x * x) / cols, r = 1 / sqrt(mean +
+ * eps), y = (x * r) * w), optionally after the residual add and before an fp8 GEMM's input quantization:
+ *   d != NULL: the row is h = x + d, written to h (the new residual stream), and normed;
+ *   quant != 0: y = fake_quant(norm, scale), what the next FP8 linear would make of the norm itself.
+ * A decoder layer's two norms, their residual adds and their activation quantizations as one pass
+ * (PyTorch: ~12 dispatched ops). x, d: rows `*_stride` floats apart; h, y, w contiguous; cols >= 8. */
+KILN_CLONES
+void kiln_add_rms_norm(const float *x, int64_t x_stride, const float *d, int64_t d_stride, float *h,
+                       const float *w, float *y, int64_t rows, int64_t cols, float eps, int64_t quant,
+                       float scale) {
+    const v8f s = splat(scale);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        if (d) {
+            const float *dr = d + r * d_stride;
+            float *hr = h + r * cols;
+            for (int64_t j = 0; j < cols; j += 8)
+                store8(hr + j, load8(xr + j, cols - j) + load8(dr + j, cols - j), cols - j);
+            xr = hr;
+        }
+        const float rstd = 1.0f / __builtin_sqrtf(torch_sum_sq(xr, cols) / (float)cols + eps);
+        const v8f rv = splat(rstd);
+        float *yr = y + r * cols;
+        for (int64_t j = 0; j < cols; j += 8) {
+            int64_t n = cols - j;
+            v8f v = (load8(xr + j, n) * rv) * load8(w + j, n);
+            store8(yr + j, quant ? fake_quant8(v, s) : v, n);
         }
     }
 }
