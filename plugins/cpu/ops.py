@@ -18,6 +18,8 @@ from . import build
 
 _F32 = torch.float32
 _state: list = []   # [library or None] after the first call
+_attention: list = []   # [library or None] while ``using`` sets the attention kernel apart
+_SAME = object()
 
 
 def library():
@@ -27,16 +29,24 @@ def library():
     return _state[0]
 
 
+def attention_library():
+    """The library ``paged_attention`` calls: ``library()`` unless ``using`` set it apart."""
+    return _attention[0] if _attention else library()
+
+
 @contextlib.contextmanager
-def using(lib) -> Iterator[None]:
-    """Run with ``lib`` as the loaded kernels (None: the PyTorch ops), then with what was there:
-    for benchmarks and tests that compare the two ways in one process."""
-    before = library()
+def using(lib, attention=_SAME) -> Iterator[None]:
+    """Run with ``lib`` as the loaded kernels (None: the PyTorch ops), then with what was there: for
+    benchmarks and tests that compare the two ways in one process. ``attention``: the library for the
+    attention kernel alone, when it differs (its PyTorch path gives other bits: attention.c)."""
+    before, before_attention = library(), list(_attention)
     _state[:] = [lib]
+    _attention[:] = [] if attention is _SAME else [attention]
     try:
         yield
     finally:
         _state[:] = [before]
+        _attention[:] = before_attention
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int] | None:
@@ -97,3 +107,75 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
         lib.kiln_rope(x.data_ptr(), x.stride(0) if t > 1 else h * d, cos.data_ptr(), sin.data_ptr(), y.data_ptr(),
                       t, h, d)
     return y
+
+
+# The sum order kiln_add_rms_norm reproduces is ATen's over 8-float vectors: its AVX2 and default
+# builds. Elsewhere (AVX-512: 16-float vectors) PyTorch's own ops run.
+_SUM_ORDER_KNOWN = torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT", "NO AVX")
+# ATen reduces serially below this many elements (at::internal::GRAIN_SIZE); above it, rows are shared
+# out among threads whole while there are at least as many rows as threads, else a row is split.
+_GRAIN = 32768
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 scale: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(h, y)``: ``h = x + delta`` (``x`` itself when ``delta`` is None), ``y = rms_norm_ref(h, weight,
+    eps)``, fake-quantized with ``scale`` when one is given (``add_rms_norm_fake_quant_ref``). ``x``,
+    ``delta`` ``[T, H]`` (rows may be strided), ``weight [H]`` contiguous, H >= 8."""
+    lib = library()
+    if lib is None or not _SUM_ORDER_KNOWN or x.dim() != 2 or weight.dtype is not _F32 or weight.dim() != 1:
+        return None
+    rx = _rows(x)
+    rd = _rows(delta) if delta is not None else (0, 0, 0)
+    if (rx is None or rd is None or rx[1] < 8 or weight.shape[0] != rx[1] or not weight.is_contiguous()
+            or (delta is not None and delta.shape != x.shape)):
+        return None
+    rows, cols, stride = rx
+    if rows * cols >= _GRAIN and rows < torch.get_num_threads():
+        return None   # ATen would split the sum of a row between threads: another order
+    y = torch.empty(rows, cols, dtype=_F32)
+    h = torch.empty(rows, cols, dtype=_F32) if delta is not None else x
+    if rows:
+        lib.kiln_add_rms_norm(x.data_ptr(), stride, delta.data_ptr() if delta is not None else None, rd[2],
+                              h.data_ptr() if delta is not None else None, weight.data_ptr(), y.data_ptr(),
+                              rows, cols, float(eps), scale is not None, float(scale) if scale is not None else 0.0)
+    return h, y
+
+
+def attention_rows(query_start_loc: list[int], context_lens: list[int]) -> torch.Tensor:
+    """``[3, T]`` int64 for ``paged_attention``: each query row's sequence, cache position (its step's
+    first position plus its place in the step) and its step's first position."""
+    seq, pos, ctx = [], [], []
+    for i, c in enumerate(context_lens):
+        n = query_start_loc[i + 1] - query_start_loc[i]
+        seq += [i] * n
+        pos += range(c, c + n)
+        ctx += [c] * n
+    return torch.tensor([seq, pos, ctx], dtype=torch.int64).view(3, -1)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    rows: torch.Tensor, tree: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+    """Attention of ``q [T, Hq, D]`` over the paged float32 caches ``[blocks, block_size, Hkv, D]``
+    (kernel: plugins/cpu/attention.c), ``rows`` from ``attention_rows``, ``tree`` None or ``[T, M]``
+    bool (which of its step's tokens a row sees) -> ``[T, Hq, D]``; None where it does not apply."""
+    lib = attention_library()
+    if lib is None or q.dim() != 3 or q.dtype is not _F32 or q.device.type != "cpu":
+        return None
+    t, hq, d = q.shape
+    nb, bs, hkv = k_cache.shape[:3]
+    if (k_cache.dtype is not _F32 or v_cache.dtype is not _F32 or k_cache.shape != v_cache.shape
+            or k_cache.shape[3] != d or d % 8 or hq % hkv or q.stride(2) != 1 or q.stride(1) != d
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or block_tables.dtype is not torch.int32 or not block_tables.is_contiguous() or rows.shape != (3, t)):
+        return None
+    if tree is not None:
+        tree = tree.contiguous().view(torch.uint8)
+    out = torch.empty(t, hq, d, dtype=_F32)
+    if t and lib.kiln_paged_attention(
+            q.data_ptr(), q.stride(0) if t > 1 else hq * d, k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.shape[1], rows[0].data_ptr(), rows[1].data_ptr(),
+            rows[2].data_ptr(), tree.data_ptr() if tree is not None else None,
+            tree.shape[1] if tree is not None else 0, out.data_ptr(), 0, t, hq, hkv, d, bs, float(scale)):
+        raise MemoryError("plugins/cpu: kiln_paged_attention could not allocate its scratch")
+    return out

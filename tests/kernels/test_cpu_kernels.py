@@ -83,6 +83,118 @@ def test_rope_gives_the_reference_bits(head_dim):
         _same(ops.rope(x, cos, sin), ref.rope_ref(x, cos, sin))
 
 
+@pytest.mark.parametrize("cols", [8, 13, 64, 576, 1536, 2048, 4100, 8192])
+def test_add_rms_norm_gives_the_reference_bits(cols):
+    """The norm's sum of squares is added in ATen's order (kernels.c: torch_sum_sq), so every row
+    count and width gives F.rms_norm's bits: widths below and above one cascade level (16 groups of 4
+    vectors = 512 floats), a scalar tail, and row counts on both sides of ATen's serial threshold."""
+    g = torch.Generator().manual_seed(cols)
+    for rows in (1, 2, 3, 16, 33):
+        mag = 10.0 ** float(torch.empty(()).uniform_(-4, 4, generator=g))
+        qkv = torch.randn(rows, 2 * cols, generator=g) * mag
+        x, delta = qkv[:, :cols], torch.randn(rows, cols, generator=g) * mag   # x: strided rows
+        w, s = torch.randn(cols, generator=g), torch.tensor(0.03)
+        for d, scale in ((None, None), (delta, None), (None, s), (delta, 0.5)):
+            got, want = ops.add_rms_norm(x, d, w, 1e-6, scale), ref.add_rms_norm_ref(x, d, w, 1e-6, scale)
+            assert got is not None, (rows, cols)
+            _same(got[0], want[0].contiguous())
+            _same(got[1], want[1])
+
+
+def test_add_rms_norm_leaves_rows_aten_would_split_between_threads_to_pytorch():
+    """One row of 40000 floats: ATen sums it in one piece on one thread (the kernel's bits) and in
+    pieces on two (another order: the kernel declines and PyTorch runs)."""
+    x, w = torch.randn(1, 40000), torch.randn(40000)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        _same(ops.add_rms_norm(x, None, w, 1e-5)[1], ref.add_rms_norm_ref(x, None, w, 1e-5)[1])
+        torch.set_num_threads(2)
+        assert ops.add_rms_norm(x, None, w, 1e-5) is None
+        assert ops.add_rms_norm(torch.randn(2, 40000), None, w, 1e-5) is not None   # a row each
+    finally:
+        torch.set_num_threads(before)
+    assert ops.add_rms_norm(torch.randn(4, 7), None, torch.randn(7), 1e-5) is None   # narrower than a vector
+
+
+def _attention_case(seed: int, hq: int = 9, hkv: int = 3, d: int = 64, bs: int = 16, blocks: int = 64):
+    """Random float32 caches and block tables for three sequences: a 40-token prefill from position 0,
+    a decode row at position 100 and a 5-token step at position 50 (a token tree when asked)."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(blocks, bs, hkv, d, generator=g) for _ in range(2))
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:12] for _ in range(3)]).to(torch.int32)
+    qsl, ctx = [0, 40, 41, 46], [0, 100, 50]
+    q = torch.randn(qsl[-1], hq + 2 * hkv, d, generator=g)[:, :hq]    # rows strided: a fused q|k|v
+    return q, k, v, tables, qsl, ctx
+
+
+def _attention_f64(q, k, v, tables, rows, tree, scale):
+    """Each row's softmax(q k^T * scale) v in float64 over the keys it sees."""
+    hq, hkv, d = q.shape[1], k.shape[2], k.shape[3]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for t in range(q.shape[0]):
+        i, pos, c = rows[:, t].tolist()
+        ks, vs = (x.index_select(0, tables[i].long()).view(-1, hkv, d)[:pos + 1] for x in (k, v))
+        seen = torch.ones(pos + 1, dtype=torch.bool)
+        if tree is not None:
+            seen[c:] = tree[t, :pos + 1 - c]
+        ks, vs = (x.repeat_interleave(hq // hkv, 1)[seen].double() for x in (ks, vs))
+        w = (torch.einsum("hd,khd->hk", q[t].double(), ks) * scale).softmax(-1)
+        out[t] = torch.einsum("hk,khd->hd", w, vs)
+    return out
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 8, 128), (4, 1, 32), (6, 2, 24)])
+def test_paged_attention_is_float64_attention_to_float32_rounding(shape):
+    """Prefill, decode and token-tree rows of one call against float64 attention: GQA groups of 3, 1
+    and 4, head sizes with the unrolled (64, 128) and the general loops (32, 24)."""
+    hq, hkv, d = shape
+    q, k, v, tables, qsl, ctx = _attention_case(d, hq, hkv, d)
+    rows = ops.attention_rows(qsl, ctx)
+    tree = torch.zeros(q.shape[0], 40, dtype=torch.bool)
+    for t in range(q.shape[0]):
+        i = max(j for j in range(3) if qsl[j] <= t)
+        tree[t, :t - qsl[i] + 1] = True
+    tree[43, 1] = tree[45, 2] = tree[45, 3] = False        # seq 2: two branches off its first token
+    for tr in (None, tree):
+        got = ops.paged_attention(q, k, v, tables, rows, tr, 0.125)
+        assert got is not None and got.shape == q.shape
+        want = _attention_f64(q, k, v, tables, rows, tr, 0.125)
+        assert float((got.double() - want).abs().max()) < 2e-6
+
+
+def test_a_rows_attention_depends_on_nothing_but_its_keys():
+    """Bit for bit: a row alone equals the row among others (batch invariance by construction), in
+    other blocks of the cache, and a token tree's row equals the same tokens decoded one at a time
+    (the hidden keys left out, the keys it sees in the same lanes)."""
+    q, k, v, tables, qsl, ctx = _attention_case(1)
+    rows = ops.attention_rows(qsl, ctx)
+    full = ops.paged_attention(q, k, v, tables, rows, None, 0.125)
+    # the decode row (token 40) alone
+    alone = ops.paged_attention(q[40:41], k, v, tables[1:2], ops.attention_rows([0, 1], [100]), None, 0.125)
+    assert torch.equal(alone[0], full[40])
+    # prefill row 17 as a decode row at its position, its blocks moved elsewhere in the cache
+    moved = torch.roll(tables[:1], 1, dims=1)
+    k2, v2 = k.clone(), v.clone()
+    k2[moved[0].long()], v2[moved[0].long()] = k[tables[0].long()], v[tables[0].long()]
+    decode = ops.paged_attention(q[17:18], k2, v2, moved, ops.attention_rows([0, 1], [17]), None, 0.125)
+    assert torch.equal(decode[0], full[17])
+    # a tree step of 4 tokens at position 50: token 3 sees its ancestors 0 and 2 (token 1 is a sibling
+    # branch). The same tokens decoded one by one: token 2 at position 51, token 3 at 52.
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    tq = q[41:45]
+    tree_out = ops.paged_attention(tq, k, v, tables[2:3], ops.attention_rows([0, 4], [50]), tree, 0.125)
+    chain_k, chain_v = k.clone(), v.clone()
+    flat = lambda x: x.view(-1, *x.shape[2:])    # noqa: E731 - [blocks * block_size, heads, d]
+    slots = [int(tables[2, p // 16]) * 16 + p % 16 for p in (50, 51, 52, 53)]
+    for x, y in ((chain_k, k), (chain_v, v)):
+        flat(x)[slots[1]] = flat(y)[slots[2]]    # token 2's key and value where a chain puts them
+        flat(x)[slots[2]] = flat(y)[slots[3]]    # then token 3's
+    chain = ops.paged_attention(tq[[0, 2, 3]], chain_k, chain_v, tables[2:3], ops.attention_rows([0, 3], [50]),
+                                None, 0.125)
+    assert torch.equal(chain[2], tree_out[3]) and torch.equal(chain[1], tree_out[2])
+
+
 def test_layouts_and_dtypes_the_kernels_do_not_take_return_none():
     x = torch.randn(4, 6, 8)
     s = torch.tensor(0.1)
@@ -91,12 +203,18 @@ def test_layouts_and_dtypes_the_kernels_do_not_take_return_none():
     assert ops.mul_fake_quant_fp8(x, x[:, :3], s) is None               # shapes differ
     assert ops.rope(x.transpose(0, 1), x[:, :1], x[:, :1]) is None       # heads not contiguous in a row
     assert ops.rope(x, x[:, :1].transpose(0, 2), x[:, :1]) is None       # cos not contiguous
+    q, k, v, tables, qsl, ctx = _attention_case(2)
+    rows = ops.attention_rows(qsl, ctx)
+    assert ops.paged_attention(q.bfloat16(), k, v, tables, rows, None, 0.1) is None       # bf16 compute
+    assert ops.paged_attention(q, k.to(torch.float8_e4m3fn), v, tables, rows, None, 0.1) is None   # fp8 bytes
+    assert ops.paged_attention(q, k, v, tables.long(), rows, None, 0.1) is None           # int64 tables
+    assert ops.paged_attention(q[:, :, :60], k[..., :60], v[..., :60], tables, rows, None, 0.1) is None  # d % 8
 
 
 def test_a_library_built_from_other_source_is_refused(tmp_path):
     out = tmp_path / "other.so"
-    subprocess.run([build.compiler(), *build.FLAGS, '-DKILN_SOURCE_HASH="0000"', str(build.SOURCE), "-o", str(out)],
-                   check=True)
+    subprocess.run([build.compiler(), *build.FLAGS, '-DKILN_SOURCE_HASH="0000"', *map(str, build.SOURCES),
+                    "-o", str(out)], check=True)
     with pytest.raises(build.CpuKernelBuildError, match="built from source 0000"):
         build._open(out)
 
@@ -151,30 +269,71 @@ def test_the_on_off_benchmark_runs_both_ways_and_leaves_the_kernels_on(build_bun
     assert ops.library() is LIB
 
 
-@pytest.mark.slow
-def test_the_fp8_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_kernels(build_bundle):
-    """The default bundle (fp8 weights, activations and KV cache) on CPU: every kernel runs in its
-    layers (counted), and greedy tokens and logprobs are those of the PyTorch ops, bit for bit."""
-    from backend.engine.executor import Executor
+def _greedy(ex, prompts, max_tokens=6):
     from backend.engine.sampling_params import SamplingParams
 
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1)
+    return [(r.token_ids, [lp for lp, _ in r.logprobs]) for r in ex.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def fp8_engine(build_bundle):
+    from backend.engine.executor import Executor
+
     bundle = Path(build_bundle("smollm2-135m-fp8", LIGHT))
-    ex = Executor(bundle, start=False, verify_hashes=False, cpu_dtype="float32", enable_prefix_caching=False)
-    layers = ex.spec.model.num_layers
-    prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5] * 7, list(range(300, 340))]   # three lengths, one step
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
-    runs = {}
-    for kernels in (True, False):
-        counting = _Counting(LIB)
-        with ops.using(counting if kernels else None):
-            runs[kernels] = [(r.token_ids, [lp for lp, _ in r.logprobs]) for r in ex.generate(prompts, params)]
-        if kernels:
-            calls = layers * params.max_tokens   # at least one step per token, every layer in each
-            # per layer and step: the qkv, o and gate_up inputs, k and v; rope; SwiGLU's product for down
-            assert counting.calls["kiln_fake_quant_fp8"] >= 5 * calls
-            assert counting.calls["kiln_rope"] >= calls
-            assert counting.calls["kiln_mul_fake_quant_fp8"] >= calls
-    assert runs[True] == runs[False]
+    return Executor(bundle, start=False, verify_hashes=False, cpu_dtype="float32", enable_prefix_caching=False)
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5] * 7, list(range(300, 340))]   # three lengths, one step
+
+
+@pytest.mark.slow
+def test_the_fp8_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_elementwise_kernels(fp8_engine):
+    """The default bundle (fp8 weights, activations and KV cache) on CPU: every elementwise kernel runs
+    in its layers (counted), and greedy tokens and logprobs are those of the PyTorch ops, bit for bit
+    (the attention kernel runs both times: its PyTorch path gives other bits, next test)."""
+    layers, max_tokens = fp8_engine.spec.model.num_layers, 6
+    counting = _Counting(LIB)
+    with ops.using(counting):
+        on = _greedy(fp8_engine, PROMPTS, max_tokens)
+    with ops.using(None, attention=LIB):
+        off = _greedy(fp8_engine, PROMPTS, max_tokens)
+    calls = layers * max_tokens   # at least one step per token, every layer in each
+    # per layer and step: the o input, k and v; the two norms (with the qkv and gate_up inputs'
+    # quantization); rope; SwiGLU's product for down; attention
+    assert counting.calls["kiln_fake_quant_fp8"] >= 3 * calls
+    assert counting.calls["kiln_add_rms_norm"] >= 2 * calls
+    assert counting.calls["kiln_rope"] >= calls
+    assert counting.calls["kiln_mul_fake_quant_fp8"] >= calls
+    assert counting.calls["kiln_paged_attention"] >= calls
+    assert on == off
+
+
+@pytest.mark.slow
+def test_the_attention_kernel_agrees_with_pytorchs_tiles_on_every_call_of_an_engine_run(fp8_engine, monkeypatch):
+    """The attention kernel against the PyTorch path it replaces (SDPA over padded tiles), on the
+    engine's own calls: prefill, decode and mixed steps, three prompt lengths. They add in other orders,
+    so within float32 rounding of each other, not bit for bit; greedy tokens are not compared: the fp8
+    activations' rounding turns the last bit of a difference into another token within a few steps."""
+    from backend.ops.attention import torch_backend
+
+    forward, worst, calls = torch_backend.TorchAttentionBackend.forward, [0.0], collections.Counter()
+
+    def both(self, q, *args):
+        got = forward(self, q, *args)
+        self._rows = None
+        with ops.using(LIB, attention=None):
+            want = forward(self, q, *args)
+        self._rows = None
+        meta = args[2]
+        calls["prefill" if meta.num_prefills else "decode"] += 1
+        worst[0] = max(worst[0], float(((got - want).abs() / (want.abs() + 1e-2)).max()))
+        return got
+
+    monkeypatch.setattr(torch_backend.TorchAttentionBackend, "forward", both)
+    _greedy(fp8_engine, PROMPTS, 4)
+    assert calls["prefill"] >= fp8_engine.spec.model.num_layers and calls["decode"] >= 3 * fp8_engine.spec.model.num_layers
+    assert worst[0] < 1e-4, worst[0]
 
 
 def test_the_builder_compiles_the_kernels_or_says_why_not(tmp_path, monkeypatch):

@@ -10,6 +10,13 @@ on (which thread, with which scratch buffer, gets a head; measured with 2 thread
 with the key length it is given (its MKL GEMMs block by the matrix sizes). The padded decode batch
 this backend used to run made every sequence's logits depend on its batchmates.
 
+On CPU in float32 with Kiln's CPU kernels loaded (plugins/cpu), every row of every step goes to the
+attention kernel instead (plugins/cpu/attention.c): one row at a time over the paged cache, its
+numbers following from its own keys alone by construction, so none of the tiling below is needed
+(and no padded key, no gathered copy of the cache). A bf16 compute dtype, an fp8-byte cache, a GPU
+or a machine without a C compiler take the tiles, every step alike. Both paths are batch invariant;
+they differ from each other in the last bits (tests/kernels/test_cpu_kernels.py).
+
 Hence every SDPA call here has a shape that follows from each row's position alone. Queries are
 attended in tiles of ``QUERY_TILE`` positions aligned to multiples of it (a decode row is its tile's
 only real row; the other rows are zeros); a tile ending at position ``e`` attends keys
@@ -40,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.ops import fp8
+from plugins.cpu import ops as cpu_ops
 
 FP8_KV_DTYPE = fp8.FP8
 # Query positions per tile and key-length granularity (see the module docstring): a smaller tile
@@ -93,6 +101,7 @@ class TorchAttentionBackend:
     fp8_as_float = False
     _plan = None   # (the step's metadata, its tile groups): see forward
     _slots = None  # (the step's slot mapping, whether every slot is >= 0): see write_kv
+    _rows = None   # (the step's metadata, (block tables, query rows) for the CPU kernel, or None)
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         """Scatter ``k, v [T, Hkv, D]`` into the caches at ``slot_mapping [T]`` (-1 = skip)."""
@@ -122,6 +131,13 @@ class TorchAttentionBackend:
     def forward(self, q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None) -> torch.Tensor:
         """Causal attention of ``q [T, Hq, D]`` over each sequence's cached keys, in query tiles
         (see the module docstring: what a row's numbers depend on, and why)."""
+        if self._rows is None or self._rows[0] is not meta:
+            self._rows = (meta, self._kernel_rows(q, k_cache, meta))
+        if self._rows[1] is not None:
+            tables, rows = self._rows[1]
+            out = cpu_ops.paged_attention(q, k_cache, v_cache, tables, rows, meta.tree_mask, scale)
+            if out is not None:
+                return out
         if self._plan is None or self._plan[0] is not meta:
             # Every layer of a step attends the same tiles: planned once per step (the metadata is a
             # new object every step; holding it keeps its identity from being reused).
@@ -154,6 +170,16 @@ class TorchAttentionBackend:
                                                           scale=scale, enable_gqa=hq != hkv).transpose(1, 2)
             out.index_copy_(0, grp.src, o.view(g * QUERY_TILE, hq, d).index_select(0, grp.dst))
         return out
+
+    @staticmethod
+    def _kernel_rows(q, k_cache, meta) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's block tables and query rows for the CPU attention kernel, or None where it does
+        not apply (no kernels; not float32 on CPU: then every step, every layer takes the tiles)."""
+        if (cpu_ops.attention_library() is None or q.device.type != "cpu" or q.dtype != torch.float32
+                or k_cache.dtype != torch.float32):
+            return None
+        rows = cpu_ops.attention_rows(meta.query_start_loc.tolist(), meta.context_lens.tolist())
+        return meta.block_tables.to(torch.int32).contiguous(), rows
 
     @staticmethod
     def _forward_folded(q, k_cache, v_cache, grp: "_TileGroup", scale, k_scale, v_scale, out):
