@@ -31,7 +31,10 @@ def test_prefix_caching_same_outputs_fewer_prefill_tokens(make_executor, varied_
 
 
 def test_pressure_tiny_pool_preempts_and_frees_everything(make_executor, varied_prompts):
-    prompts = [varied_prompts[i % 12][:24] + [30 + i] for i in range(64)]
+    # 24 requests (each of the 12 prompts twice, each copy its own last token): many times what the
+    # pool holds, so requests wait, grow into each other's blocks and are preempted (asserted below);
+    # 64 cost the suite ~12 s more for the same paths
+    prompts = [varied_prompts[i % 12][:24] + [30 + i] for i in range(24)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     big = make_executor(max_kv_tokens=8192)
     expected = [r.token_ids for r in big.generate(prompts, params)]
