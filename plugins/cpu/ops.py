@@ -9,6 +9,7 @@ microseconds, whatever the row count; at prefill sizes the kernels are also fast
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 from typing import Iterator
 
@@ -142,6 +143,29 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return h, y
 
 
+# A call is split between two threads from this many rows and this much work (keys read, summed over
+# the rows): a prefill of a few hundred tokens; a decode step (one row a sequence) never is.
+_SPLIT_MIN_ROWS = 128
+_SPLIT_MIN_KEYS = 1 << 16
+_pool: list = []
+
+
+def _worker() -> concurrent.futures.ThreadPoolExecutor:
+    if not _pool:
+        _pool.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-cpu-attention"))
+    return _pool[0]
+
+
+def _half_of_the_work(pos: torch.Tensor) -> int:
+    """The row before which half the keys of the call are read (a row at position p reads p + 1), or 0
+    when the call is too small to be worth a second thread."""
+    work = torch.cumsum(pos + 1, 0)
+    total = int(work[-1])
+    if total < _SPLIT_MIN_KEYS:
+        return 0
+    return int(torch.searchsorted(work, total // 2))
+
+
 def attention_rows(query_start_loc: list[int], context_lens: list[int]) -> torch.Tensor:
     """``[3, T]`` int64 for ``paged_attention``: each query row's sequence, cache position (its step's
     first position plus its place in the step) and its step's first position."""
@@ -172,10 +196,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if tree is not None:
         tree = tree.contiguous().view(torch.uint8)
     out = torch.empty(t, hq, d, dtype=_F32)
-    if t and lib.kiln_paged_attention(
-            q.data_ptr(), q.stride(0) if t > 1 else hq * d, k_cache.data_ptr(), v_cache.data_ptr(),
+    args = (q.data_ptr(), q.stride(0) if t > 1 else hq * d, k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.shape[1], rows[0].data_ptr(), rows[1].data_ptr(),
             rows[2].data_ptr(), tree.data_ptr() if tree is not None else None,
-            tree.shape[1] if tree is not None else 0, out.data_ptr(), 0, t, hq, hkv, d, bs, float(scale)):
+            tree.shape[1] if tree is not None else 0, out.data_ptr())
+    tail = (hq, hkv, d, bs, float(scale))
+    half = _half_of_the_work(rows[1]) if t >= _SPLIT_MIN_ROWS and torch.get_num_threads() > 1 else 0
+    if half:
+        # a long prefill: the rows after `half` on a second thread (ctypes lets go of the GIL; PyTorch's
+        # own threads are idle meanwhile). Rows are independent: the same bits either way.
+        other = _worker().submit(lib.kiln_paged_attention, *args, half, t, *tail)
+        failed = lib.kiln_paged_attention(*args, 0, half, *tail)
+        failed = other.result() or failed
+    else:
+        failed = t and lib.kiln_paged_attention(*args, 0, t, *tail)
+    if failed:
         raise MemoryError("plugins/cpu: kiln_paged_attention could not allocate its scratch")
     return out

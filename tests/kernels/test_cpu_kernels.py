@@ -195,6 +195,28 @@ def test_a_rows_attention_depends_on_nothing_but_its_keys():
     assert torch.equal(chain[2], tree_out[3]) and torch.equal(chain[1], tree_out[2])
 
 
+def test_a_long_prefill_is_split_between_two_threads_with_the_same_bits(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(40, 16, 3, 64, generator=g) for _ in range(2))
+    tables = torch.randperm(40, generator=g)[:38].view(1, 38).to(torch.int32)
+    q = torch.randn(600, 9, 64, generator=g)
+    rows = ops.attention_rows([0, 600], [0])
+    before, submitted = torch.get_num_threads(), []
+    real = ops._worker()
+    monkeypatch.setattr(ops, "_worker", lambda: submitted.append(1) or real)
+    try:
+        torch.set_num_threads(1)
+        one = ops.paged_attention(q, k, v, tables, rows, None, 0.125)
+        assert not submitted
+        torch.set_num_threads(2)
+        two = ops.paged_attention(q, k, v, tables, rows, None, 0.125)
+        assert submitted == [1]
+        assert ops._half_of_the_work(rows[1]) == 424    # about 1/sqrt(2) of the rows: half the keys
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
 def test_layouts_and_dtypes_the_kernels_do_not_take_return_none():
     x = torch.randn(4, 6, 8)
     s = torch.tensor(0.1)
