@@ -1,4 +1,8 @@
-"""The PyTorch paged attention backend against a naive per-token reference (no model)."""
+"""The PyTorch paged attention backend against a naive per-token reference (no model).
+
+On CPU in float32 the backend hands every row to the C attention kernel (plugins/cpu/attention.c);
+elsewhere, or without the kernels, it attends in tiles. ``path`` runs a test both ways; ``tiles``
+pins what only the tiles do (their block slicing, the fp8-byte cache they share numbers with)."""
 from __future__ import annotations
 
 import math
@@ -10,6 +14,25 @@ from backend.ops.attention import get_backend, resolve_backend_name
 from backend.ops.attention.metadata import AttentionMetadata
 
 BS, HKV, HQ, D = 4, 2, 6, 16
+
+
+@pytest.fixture
+def tiles():
+    """The tile path on this CPU: the C attention kernel set apart (the elementwise kernels stay)."""
+    from plugins.cpu import ops
+    with ops.using(ops.library(), attention=None):
+        yield
+
+
+@pytest.fixture(params=["kernel", "tiles"])
+def path(request):
+    from plugins.cpu import ops
+    if request.param == "kernel":
+        assert ops.library() is not None, "plugins/cpu: the CPU kernels did not build or load"
+        yield request.param
+    else:
+        with ops.using(ops.library(), attention=None):
+            yield request.param
 
 
 def _setup(ctx, qlens, num_prefills, kv_dtype=torch.float32, scale=None, tree=None, seed=0, fp8_as_float=False,
@@ -80,14 +103,14 @@ def _reference(q, full_k, full_v, ctx, qlens, tree=None):
     ([5, 11, 3, 0], [6, 1, 1, 1], 1),    # prefill mixed with decodes (ragged contexts)
     ([2, 7], [3, 2], 0),                 # ragged decode-like queries (speculative verification)
 ])
-def test_matches_reference(ctx, qlens, num_prefills):
+def test_matches_reference(ctx, qlens, num_prefills, path):
     be, q, kc, vc, meta, fk, fv = _setup(ctx, qlens, num_prefills)
     out = be.forward(q, kc, vc, meta, 1 / math.sqrt(D))
     torch.testing.assert_close(out, _reference(q, fk, fv, ctx, qlens), atol=1e-5, rtol=1e-5)
     assert not (kc == 99.0).any(), "slot -1 must be skipped, not written"
 
 
-def test_tree_mask_restricts_same_step_tokens():
+def test_tree_mask_restricts_same_step_tokens(path):
     ctx, qlens = [6, 4], [4, 3]
     # Seq 0: tokens 1 and 2 are siblings (both children of 0), token 3 is a child of 2.
     tree = torch.zeros(7, 4, dtype=torch.bool)
@@ -118,9 +141,10 @@ def test_fp8_cache_stores_scaled_values_and_dequantizes():
     assert (out - _reference(q, fk, fv, ctx, qlens)).abs().mean() < 0.03
 
 
-def test_fp8_values_kept_in_float_storage_attend_exactly_like_the_fp8_cache():
+def test_fp8_values_kept_in_float_storage_attend_exactly_like_the_fp8_cache(tiles):
     """The runner's CPU layout for fp8 KV: float tensors holding the dequantized fp8 values. Same
-    numbers in, same numbers out, bit for bit, as storing fp8 bytes and dequantizing at read time."""
+    numbers in, same numbers out, bit for bit, as storing fp8 bytes and dequantizing at read time
+    (on the tiles, which take both; the C kernel reads float32 caches only)."""
     ctx, qlens = [9, 0, 30], [4, 6, 1]
     scale = torch.tensor(0.07)
     be8, q, kc8, vc8, meta, _, _ = _setup(ctx, qlens, 1, kv_dtype=torch.float8_e4m3fn, scale=scale)
@@ -176,7 +200,7 @@ def test_fp8_dequantization_table_gives_the_conversions_bits(dtype):
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(HQ, HKV, D), (9, 3, 64), (32, 8, 128)])
-def test_folded_decode_rows_equal_their_prefill_rows_bit_for_bit(hq, hkv, d):
+def test_folded_decode_rows_equal_their_prefill_rows_bit_for_bit(hq, hkv, d, path):
     """On CPU a plain decode step attends each KV head's query heads as the rows of one tile (the
     module docstring): its outputs are those of the same rows attended as prefill tokens (8-row position
     tiles, GQA), bit for bit, at key lengths across several KEY_BUCKETs. The batch-invariance contract
@@ -195,7 +219,8 @@ def test_folded_decode_rows_equal_their_prefill_rows_bit_for_bit(hq, hkv, d):
 
 
 @pytest.mark.parametrize("ctx,qlen,num_prefills", [(0, 37, 1), (21, 5, 1), (40, 1, 0), (3, 1, 0)])
-def test_a_lone_sequences_consecutive_blocks_are_read_in_place_with_the_same_bits(ctx, qlen, num_prefills, monkeypatch):
+def test_a_lone_sequences_consecutive_blocks_are_read_in_place_with_the_same_bits(ctx, qlen, num_prefills, monkeypatch,
+                                                                                 tiles):
     """A prefill, or a lone decode row, whose blocks are consecutive reads them as a slice of the
     cache instead of copying them; the blocks past its own (where a copy reads padding block 0) then
     hold whatever the cache holds there, here other data: masked, so bit for bit the copy's numbers."""
