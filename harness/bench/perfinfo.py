@@ -21,10 +21,25 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+# The CPU features that decide Kiln's CPU paths and HF's speed in bf16 (backend/model/cpu_dtype.py,
+# plugins/cpu): recorded with every CPU result, present or not.
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "avx_vnni")
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, bool]:
+    """Which of ``SIMD_FLAGS`` ``cpuinfo`` lists (all False where it cannot be read)."""
+    try:
+        line = next((ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        line = ""
+    have = set(line.split(":", 1)[-1].split())
+    return {flag: flag in have for flag in SIMD_FLAGS}
+
+
 def cpu_machine() -> dict:
-    """The CPU side of a result's ``machine``: model, cores this process may use, Python."""
+    """The CPU side of a result's ``machine``: model, its SIMD flags, cores this process may use, Python."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
-    return {"cpu": cpu_model(), "cores": cores, "python": platform.python_version()}
+    return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": cores, "python": platform.python_version()}
 
 
 def git_commit() -> str:

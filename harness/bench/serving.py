@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.serving_client import StreamResult, grpc_stream
+from harness.bench.perfinfo import cpu_flags, cpu_model
 from harness.bench.prompts import load_prompts
 from harness.bench.serving_stats import plot, summarize, write_csv
 from harness.model_names import DEFAULT
@@ -105,11 +106,9 @@ async def _run_level(url: str, model: str, prompts: list[str], concurrency: int 
 
 
 def _machine() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
     import os
-    return {"cpu": cpu, "cores": os.cpu_count(), "load_avg_1m_at_start": os.getloadavg()[0],
-            "platform": platform.platform()}
+    return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(),
+            "load_avg_1m_at_start": os.getloadavg()[0], "platform": platform.platform()}
 
 
 def _commit() -> str:
