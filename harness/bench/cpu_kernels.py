@@ -3,8 +3,11 @@ benchmark's work (MT-bench first turns as chat prompts, 16 at a time, 64 forced 
 off so every round computes the same), rounds alternating ABBA so that the VM's drift (10-20% within
 minutes) falls on both. ``python -m harness.bench.cpu_kernels``; writes docs/perf/cpu-kernels-ab.json.
 
-Off is what a machine without a C compiler runs (the PyTorch ops, the same numbers:
-tests/kernels/test_cpu_kernels.py)."""
+Off is what a machine without a C compiler runs: the PyTorch ops (the same numbers as the elementwise
+kernels; attention in SDPA tiles, float32 rounding apart: tests/kernels/test_cpu_kernels.py).
+``--long-prompt N`` also times the prefill of one N-token prompt with the attention kernel and with
+the tiles (the elementwise kernels on both): the kernel's cost on long prompts, where SDPA multiplies
+whole tiles as matrices."""
 from __future__ import annotations
 
 import argparse
@@ -52,6 +55,26 @@ def run(engine: Path, batch: int, rounds: int, max_tokens: int) -> dict:
             "speedup_of_means": round(mean["kernels"] / mean["pytorch_ops"], 3)}
 
 
+def long_prefill(engine: Path, tokens: int, rounds: int) -> dict:
+    """Seconds to prefill one ``tokens``-long prompt (first token out), attention kernel vs tiles, ABBA."""
+    lib = ops.library()
+    ex = Executor(engine, start=False, enable_prefix_caching=False)
+    prompt = [100 + (13 * i) % 5000 for i in range(tokens)]   # ids only: no text needed to time it
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ex.generate([prompt[:64]], params)   # warm-up
+    secs: dict[str, list[float]] = {"attention_kernel": [], "sdpa_tiles": []}
+    for r in range(rounds):
+        order = ("attention_kernel", "sdpa_tiles") if r % 2 == 0 else ("sdpa_tiles", "attention_kernel")
+        for way in order:
+            with ops.using(lib, attention=lib if way == "attention_kernel" else None):
+                t = time.perf_counter()
+                ex.generate([prompt], params)
+                secs[way].append(round(time.perf_counter() - t, 3))
+            print(f"round {r} {way:16s} {secs[way][-1]:6.2f} s to prefill {tokens} tokens", flush=True)
+    return {"prompt_tokens": tokens, "prefill_s": secs,
+            "mean_s": {k: round(sum(v) / len(v), 3) for k, v in secs.items()}}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", default="build/smollm2-135m-fp8/engine", help="engine bundle (make build)")
@@ -59,15 +82,20 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=4, help="rounds (each runs both ways)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="docs/perf/cpu-kernels-ab.json")
+    ap.add_argument("--long-prompt", type=int, default=0, metavar="N",
+                    help="also time one N-token prompt's prefill, attention kernel vs SDPA tiles (0: skip)")
     a = ap.parse_args(argv)
     load = os.getloadavg()[0]
     res = {"benchmark": "cpu_kernels", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "command": f"python -m harness.bench.cpu_kernels --engine {a.engine} --batch {a.batch} "
-                      f"--rounds {a.rounds} --max-tokens {a.max_tokens} --out {a.out}",
+                      f"--rounds {a.rounds} --max-tokens {a.max_tokens} --out {a.out}"
+                      + (f" --long-prompt {a.long_prompt}" if a.long_prompt else ""),
            "commit": git_commit(),
            "machine": {**cpu_machine(), "threads": torch.get_num_threads(), "load_avg_1m_at_start": load},
            "what": "engine alone (no Triton), greedy, prefix cache off; rounds alternate ABBA",
            **run(Path(a.engine), a.batch, a.rounds, a.max_tokens)}
+    if a.long_prompt:
+        res["long_prompt"] = long_prefill(Path(a.engine), a.long_prompt, a.rounds)
     Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
     print(f"kernels {res['mean_tok_s']['kernels']} vs PyTorch ops {res['mean_tok_s']['pytorch_ops']} tok/s: "
           f"{res['speedup_of_means']}x; wrote {a.out}")

@@ -288,7 +288,10 @@ def test_the_on_off_benchmark_runs_both_ways_and_leaves_the_kernels_on(build_bun
     assert [len(v) for v in res["output_tok_s"].values()] == [2, 2]
     assert all(x > 0 for v in res["output_tok_s"].values() for x in v)
     assert res["speedup_of_means"] == round(res["mean_tok_s"]["kernels"] / res["mean_tok_s"]["pytorch_ops"], 3)
-    assert ops.library() is LIB
+    long = cpu_kernels.long_prefill(Path(build_bundle("smollm2-135m-fp8", LIGHT)), tokens=40, rounds=2)
+    assert long["prompt_tokens"] == 40 and [len(v) for v in long["prefill_s"].values()] == [2, 2]
+    assert all(x > 0 for v in long["prefill_s"].values() for x in v)
+    assert ops.library() is LIB and ops.attention_library() is LIB
 
 
 def _greedy(ex, prompts, max_tokens=6):
