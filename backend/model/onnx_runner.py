@@ -20,7 +20,7 @@ import torch
 
 from backend.logs import get_logger
 from backend.model import cpu_dtype, graph_io
-from backend.model.runner import KV_DTYPES, EngineError, EngineSpec, kv_pool_bytes, plan_kv_blocks
+from backend.model.runner import KV_DTYPES, EngineError, EngineSpec, kv_pool_bytes, plan_kv_blocks, zeroed
 
 _LOG = get_logger("model.onnx_runner")
 
@@ -130,7 +130,7 @@ class OnnxReferenceRunner:
         self.block_size = spec.engine.kv_block_size
         self.num_blocks = plan_kv_blocks(spec, self.kv_dtype, cfg.num_kv_heads, None)
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype), torch.zeros(shape, dtype=self.kv_dtype))
+        self.kv_caches = [(zeroed(shape, self.kv_dtype, "cpu"), zeroed(shape, self.kv_dtype, "cpu"))
                           for _ in range(cfg.num_layers)]
         _LOG.info("onnx-reference runner: %s in %s, %d KV blocks", self.graph_path.name, self.dtype, self.num_blocks)
 

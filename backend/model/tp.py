@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from backend.model.config import ModelConfig
 from backend.model.llama import LlamaModel
 from backend.model.runner import (EngineError, EngineSpec, attention_backend, decode_graphs, kv_cache_dtypes,
-                                  load_weights, plan_kv_blocks, step_hidden)
+                                  load_weights, plan_kv_blocks, step_hidden, zeroed)
 from backend.model.tp_shard import shard_config, shard_weights
 from backend.ops import cpu_matmul
 from backend.ops.linear import QuantLinear
@@ -115,8 +115,8 @@ class TPRunner:
             num_blocks = self._agreed_blocks(storage, group)
         self.num_blocks = num_blocks
         shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=storage, device=self.device),
-                           torch.zeros(shape, dtype=storage, device=self.device)) for _ in range(c.num_layers)]
+        self.kv_caches = [(zeroed(shape, storage, self.device), zeroed(shape, storage, self.device))
+                          for _ in range(c.num_layers)]
         # engine.cuda_graphs as on one device; a capture that fails on any rank sends every rank eager
         self.graphs = decode_graphs(spec, self.model, self.kv_caches, backend_name, self.device,
                                     agree=lambda failure: _agree_failure(failure, self.device, group))

@@ -21,7 +21,7 @@ import torch
 
 from backend.bundle import BundleError
 from backend.model import cpu_dtype, graph_io
-from backend.model.runner import EngineError, EngineSpec, kv_cache_dtypes, kv_pool_bytes, plan_kv_blocks
+from backend.model.runner import EngineError, EngineSpec, kv_cache_dtypes, kv_pool_bytes, plan_kv_blocks, zeroed
 from backend.model.trt_files import (PROFILES, TensorRTFilesError, TensorRTMissing, import_tensorrt, load_profiles,
                                      register_plugins, section)
 from backend.model.trt_session import PlanSession
@@ -89,8 +89,8 @@ class TensorRTRunner:
         self.num_blocks = min(plan_kv_blocks(spec, self.kv_storage_dtype, cfg.num_kv_heads, free),
                               min(d["blocks"][2] for d in self.profiles.dims))   # the plan's limit
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_storage_dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.kv_storage_dtype, device=self.device))
+        self.kv_caches = [(zeroed(shape, self.kv_storage_dtype, self.device),
+                           zeroed(shape, self.kv_storage_dtype, self.device))
                           for _ in range(cfg.num_layers)]
         self.context = self.engine.create_execution_context()
         self.session = PlanSession(self.engine, self.context, self.profiles, self.kv_caches, cfg.vocab_size,

@@ -111,15 +111,16 @@ def _exact_in_fp16(w: torch.Tensor) -> bool:
     return bool(torch.equal(w.to(torch.float16).float(), w))
 
 
-def prepare(w: Weight) -> Weight:
+def prepare(w: Weight, exact_fp16: bool = False) -> Weight:
     """``w [out, in]`` -> the same values in the storage its CPU kernel wants where ``applies``
     (a ``HalfWeight`` when every value is exactly an fp16, else column-major); otherwise ``w``.
+    ``exact_fp16``: the caller knows every value is an fp16 (quantization codes), so none is checked.
 
     Idempotent, so a weight shared between owners (a tied lm_head, a draft reusing the target's)
     is converted once and stays one object."""
     if is_packed(w) or not applies(w.device, w.dtype) or w.dim() != 2 or is_column_major(w):
         return w
-    if _FP16 is not None and _exact_in_fp16(w):
+    if _FP16 is not None and (exact_fp16 or _exact_in_fp16(w)):
         return HalfWeight(w)
     return w.t().contiguous().t() if _DNN is not None else w
 
