@@ -120,8 +120,8 @@ _GRAIN = 32768
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  scale: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(h, y)``: ``h = x + delta`` (``x`` itself when ``delta`` is None), ``y = rms_norm_ref(h, weight,
-    eps)``, fake-quantized with ``scale`` when one is given (``add_rms_norm_fake_quant_ref``). ``x``,
+    """``add_rms_norm_ref(x, delta, weight, eps, scale)``: ``(h, y)``, ``h = x + delta`` (``x`` itself when
+    ``delta`` is None), ``y`` RMSNorm of ``h``, fake-quantized with ``scale`` when one is given. ``x``,
     ``delta`` ``[T, H]`` (rows may be strided), ``weight [H]`` contiguous, H >= 8."""
     lib = library()
     if lib is None or not _SUM_ORDER_KNOWN or x.dim() != 2 or weight.dtype is not _F32 or weight.dim() != 1:
@@ -187,7 +187,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if lib is None or q.dim() != 3 or q.dtype is not _F32 or q.device.type != "cpu":
         return None
     t, hq, d = q.shape
-    nb, bs, hkv = k_cache.shape[:3]
+    bs, hkv = k_cache.shape[1:3]
     if (k_cache.dtype is not _F32 or v_cache.dtype is not _F32 or k_cache.shape != v_cache.shape
             or k_cache.shape[3] != d or d % 8 or hq % hkv or q.stride(2) != 1 or q.stride(1) != d
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
