@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenEvent:
     request_id: str
     token_ids: list[int]
@@ -39,7 +39,14 @@ class GenerationResult:
 
 
 class RequestHandle:
-    """Iterate for ``TokenEvent``s (blocking), or pass ``on_event`` to ``submit`` instead."""
+    """Iterate for ``TokenEvent``s (blocking), or pass ``on_event`` to ``submit`` instead.
+
+    ``_deliver`` runs on the engine's loop thread once per request per step (hundreds per step at
+    large batches), so it takes no lock unless a reader is asleep: ``deque.append`` is atomic, and
+    a reader announces itself (``_sleeping``) under the lock and looks at the queue once more before
+    it waits, so an event appended before it announced is seen then, and one appended after finds
+    the announcement and wakes it (the wake needs the lock, which the reader holds until it waits).
+    """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  on_event: Callable[[TokenEvent], None] | None) -> None:
@@ -47,25 +54,39 @@ class RequestHandle:
         self.prompt_token_ids = prompt_token_ids
         self._on_event = on_event
         self._events: deque[TokenEvent] = deque()
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
+        self._sleeping = 0               # readers waiting in _cond (changed only under its lock)
         self.finished = False
 
     def _deliver(self, ev: TokenEvent) -> None:
         if self._on_event is not None:
             self._on_event(ev)
+        else:
+            self._events.append(ev)
+        if ev.finished:
+            self.finished = True
+        if self._sleeping:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _sleep_until(self, ready: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Wait until ``ready()`` (checked under the lock after announcing the wait; see the class)."""
+        if ready():
+            return True
         with self._cond:
-            if self._on_event is None:
-                self._events.append(ev)
-            self.finished = self.finished or ev.finished
-            self._cond.notify_all()
+            self._sleeping += 1
+            try:
+                return self._cond.wait_for(ready, timeout)
+            finally:
+                self._sleeping -= 1
 
     def __iter__(self) -> Iterator[TokenEvent]:
         assert self._on_event is None, "this handle delivers its events to the on_event callback"
+        events = self._events
         while True:
-            with self._cond:
-                while not self._events:
-                    self._cond.wait()
-                ev = self._events.popleft()
+            if not events:
+                self._sleep_until(lambda: bool(events))
+            ev = events.popleft()        # one reader per handle: nobody else pops
             yield ev
             if ev.finished:
                 return
@@ -93,8 +114,7 @@ class RequestHandle:
                                 logprobs or None, last.error, context_logits=context, generation_logits=gen)
 
     def wait(self, timeout: float | None = None) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self.finished, timeout)
+        return self._sleep_until(lambda: self.finished, timeout)
 
 
 __all__ = ["GenerationResult", "RequestHandle", "TokenEvent"]

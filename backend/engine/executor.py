@@ -41,6 +41,8 @@ from backend.logs import for_request, get_logger
 from backend.model.runner import EngineError, load_engine_spec
 from backend.model.runtimes import runner_class
 
+_FINISHED = RequestStatus.FINISHED_STOPPED   # statuses from here on are final (an int comparison per row
+# per step is cheaper than the is_finished property)
 _LOG = get_logger("engine.executor")
 # Latency samples kept for stats() (a ring: serving reads percentiles of recent traffic).
 _SAMPLES = 4096
@@ -381,26 +383,42 @@ class Executor:
             lp = [logprobs[i]] if logprobs is not None and logprobs[i] is not None else None
             if lp:
                 req.output_logprobs.extend(lp)
-            done = req.status.is_finished
+            done = req.status >= _FINISHED
             if done:
                 self._record_latency(req, now)
             self._emit_tokens(req, new, lp, done, gen[i].unsqueeze(0) if i in gen else None)
 
     # -- helpers ------------------------------------------------------------------------------
     def _sample_rows(self, sampling: Sequence[Request]) -> list[SampleRow]:
-        gens, guides = self._generators, self._guides
-        return [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids, gens.get(r.request_id),
-                          guides.get(r.request_id) if guides else None) for r in sampling]
+        # One row per request for its life: what it refers to (params, token lists, generator,
+        # grammar) is fixed at submit, and the lists grow in place
+        return [r.sample_row or self._new_sample_row(r) for r in sampling]
+
+    def _new_sample_row(self, r: Request) -> SampleRow:
+        rid = r.request_id
+        row = r.sample_row = SampleRow(r.params, r.prompt_token_ids, r.output_token_ids,
+                                       self._generators.get(rid), self._guides.get(rid) if self._guides else None)
+        return row
 
     def _emit_tokens(self, req: Request, tokens: list[int], lp: list | None, done: bool,
                      generation_logits: torch.Tensor | None = None) -> None:
+        # Once per request per step: the common case (a token for a request still running) is kept
+        # to one handle lookup and one event.
         rid = req.request_id
         if self._guides and tokens and rid in self._guides:
             self._guides[rid].accept(tokens)    # before the request's next mask is filled
         ctx = take_context(req) if req.context_logits else None
-        self._emit(rid, TokenEvent(rid, tokens, lp, done, FINISH_REASONS.get(req.status) if done else None,
-                                   request=req, context_logits=ctx, generation_logits=generation_logits),
-                   final=done)
+        ev = TokenEvent(rid, tokens, lp, done, FINISH_REASONS.get(req.status) if done else None, None, req, ctx,
+                        generation_logits)
+        if done:
+            self._emit(rid, ev, final=True)
+            return
+        handle = self._handles.get(rid)
+        if handle is not None:
+            try:
+                handle._deliver(ev)
+            except Exception:  # noqa: BLE001 - a consumer's callback bug must not stop the engine
+                for_request(_LOG, rid).exception("the response callback failed")
 
     def _fail_requests(self, reqs: Sequence[Request], msg: str) -> None:
         """End these requests with an error event (a failed step). A request the scheduler already

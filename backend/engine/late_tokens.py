@@ -28,39 +28,47 @@ PLACEHOLDER = -1
 
 
 @dataclass(slots=True)
-class LateRow:
-    request: Request
-    index: int      # row of the step's sampled tokens (the step's sampling order)
-    pos: int        # index of its placeholder in request.output_token_ids
+class LateRows:
+    """The rows of one step whose sampled token the host does not know yet, as parallel lists (no
+    object per row: a step has one per running request)."""
+    requests: list[Request]
+    index: Sequence[int]    # each one's row of the step's sampled tokens (the step's sampling order)
+    pos: list[int]          # each one's placeholder index in request.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.requests)
 
 
-def late_rows(sampling: Sequence[Request], before: Sequence[int]) -> list[LateRow]:
+def late_rows(sampling: Sequence[Request], before: Sequence[int]) -> LateRows:
     """After ``update(out, [PLACEHOLDER] * n)``: the rows that got a placeholder (``before[i]`` =
     output length before the update; rows of requests aborted meanwhile got none)."""
-    return [LateRow(req, i, before[i]) for i, req in enumerate(sampling)
-            if len(req.output_token_ids) > before[i]]
+    if all(len(req.output_token_ids) > b for req, b in zip(sampling, before)):
+        return LateRows(list(sampling), range(len(sampling)), list(before))
+    keep = [i for i, req in enumerate(sampling) if len(req.output_token_ids) > before[i]]
+    return LateRows([sampling[i] for i in keep], keep, [before[i] for i in keep])
 
 
-def fill(scheduler, rows: Sequence[LateRow], tokens: Sequence[int], now: float) -> list[LateRow]:
+def fill(scheduler, rows: LateRows, tokens: Sequence[int], now: float) -> list[tuple[Request, int]]:
     """Put the real tokens in place of the placeholders and apply what needed their values (stop
-    tokens). Returns the rows whose request takes an event (not cancelled or failed meanwhile); a
-    row's request ``is_finished`` when that token was its last."""
+    tokens). Returns (request, sample row) of the rows that take an event (not cancelled or failed
+    meanwhile); a request ``is_finished`` when that token was its last."""
     emit = []
     running = RequestStatus.RUNNING
-    for r in rows:
-        req = r.request
-        tok = tokens[r.index]
-        assert req.output_token_ids[r.pos] == PLACEHOLDER, (req, r.pos)
-        req.output_token_ids[r.pos] = tok
-        req.all_token_ids[len(req.prompt_token_ids) + r.pos] = tok
+    aborted, failed = RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR
+    for req, i, pos in zip(rows.requests, rows.index, rows.pos):
+        tok = tokens[i]
+        out = req.output_token_ids
+        assert out[pos] == PLACEHOLDER, (req, pos)
+        out[pos] = tok
+        req.all_token_ids[len(req.prompt_token_ids) + pos] = tok
         status = req.status
-        if status is RequestStatus.FINISHED_ABORTED or status is RequestStatus.FINISHED_ERROR:
+        if status is aborted or status is failed:
             continue
-        if r.pos == 0:
+        if pos == 0:
             req.first_token_time = now   # update() stamped the placeholder; the token arrives now
         req.last_token_time = now
-        if tok in req.stop_ids and r.pos + 1 > req.params.min_tokens:
-            assert len(req.output_token_ids) == r.pos + 1, "a placeholder after an unfilled one"
+        if tok in req.stop_ids and pos + 1 > req.params.min_tokens:
+            assert len(out) == pos + 1, "a placeholder after an unfilled one"
             req.stop_token = tok
             if status is RequestStatus.FINISHED_LENGTH:
                 # The last token allowed was also a stop token: the synchronous update checks
@@ -68,8 +76,8 @@ def fill(scheduler, rows: Sequence[LateRow], tokens: Sequence[int], now: float) 
                 req.status = RequestStatus.FINISHED_STOPPED
             elif status is running or status is RequestStatus.PREEMPTED:
                 scheduler.abort(req.request_id, RequestStatus.FINISHED_STOPPED)
-        emit.append(r)
+        emit.append((req, i))
     return emit
 
 
-__all__ = ["LateRow", "PLACEHOLDER", "fill", "late_rows"]
+__all__ = ["LateRows", "PLACEHOLDER", "fill", "late_rows"]

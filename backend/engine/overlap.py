@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from backend.engine.late_tokens import PLACEHOLDER, LateRow, fill, late_rows
+from backend.engine.late_tokens import PLACEHOLDER, LateRows, fill, late_rows
 from backend.engine.logits_out import generation_rows, stash_context
-from backend.engine.request import Request
-from backend.engine.sampler import DeviceSample, needs_history
+from backend.engine.request import Request, RequestStatus
+from backend.engine.sampler import DeviceSample
 from backend.engine.scheduler import SchedulerOutput
 from backend.logs import get_logger
 from backend.model.runner import EngineError
@@ -38,6 +38,8 @@ from backend.model.runner import EngineError
 if TYPE_CHECKING:
     from backend.engine.executor import Executor
 
+_FINISHED = RequestStatus.FINISHED_STOPPED   # statuses from here on are final (an int comparison per row
+# per step is cheaper than the is_finished property)
 _LOG = get_logger("engine.overlap")
 
 
@@ -94,7 +96,7 @@ class HostCopy:
 @dataclass
 class InFlight:
     """A step launched whose samples the host has not read yet."""
-    rows: list[LateRow]
+    rows: LateRows
     sample: DeviceSample
     copy: tuple
     needs_history: bool
@@ -104,7 +106,7 @@ class InFlight:
 
     @property
     def requests(self) -> list[Request]:
-        return [r.request for r in self.rows]
+        return self.rows.requests
 
 
 class OverlapLoop:
@@ -180,8 +182,9 @@ class OverlapLoop:
             before = [len(r.output_token_ids) for r in sampling]
             ex.scheduler.update(out, [PLACEHOLDER] * len(sampling))
         lrows = late_rows(sampling, before)
-        self.pending = InFlight(lrows, ds, copy, any(needs_history(r.request.params) for r in lrows),
-                                {r.request.request_id: r.index for r in lrows}, gen)
+        # (rows of requests aborted meanwhile may count too: at worst one step resolves early)
+        self.pending = InFlight(lrows, ds, copy, any(r.history for r in rows),
+                                dict(zip([r.request_id for r in lrows.requests], lrows.index)), gen)
 
     def _resolve_pending(self) -> None:
         """Read the step in flight's samples (waiting for its event), fill its placeholders, emit."""
@@ -193,13 +196,11 @@ class OverlapLoop:
             emit = fill(ex.scheduler, prev.rows, res.token_ids, now)
         self.pending = None
         logprobs = res.logprobs
-        for r in emit:
-            req = r.request
-            i = r.index
+        for req, i in emit:
             lp = [logprobs[i]] if logprobs[i] is not None else None
             if lp:
                 req.output_logprobs.extend(lp)
-            done = req.status.is_finished
+            done = req.status >= _FINISHED
             if done:
                 ex._record_latency(req, now)
             gen = prev.logits.get(i) if prev.logits else None

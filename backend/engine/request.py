@@ -55,7 +55,7 @@ class Request:
         "spec_token_ids", "num_draft_tokens", "num_accepted_draft_tokens", "stop_ids",
         "first_scheduled_time", "first_token_time", "last_token_time", "finished_time",
         "num_preemptions", "error", "stop_token", "token_limit", "sched_seq", "num_new_blocks",
-        "num_reused_blocks", "context_logits", "num_context_logits",
+        "num_reused_blocks", "context_logits", "num_context_logits", "sample_row",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -94,6 +94,7 @@ class Request:
         # Most tokens (prompt + output) this request may reach; the scheduler caps it at max_seq_len.
         self.token_limit = len(self.prompt_token_ids) + params.max_tokens
         self.sched_seq = None              # the scheduler's reusable ScheduledSeq for decode steps
+        self.sample_row = None             # the executor's SampleRow, made at the first sample
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

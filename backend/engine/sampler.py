@@ -39,6 +39,17 @@ class SampleRow:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None   # required when params.seed is set
     guide: object | None = None                # backend.engine.guided.Guide when params.guide is set
+    # What the parameters ask of every step, worked out once (the executor keeps one row per request
+    # for its life): ``plain`` = greedy argmax and nothing else (no logprobs, masks, bias, penalties
+    # or grammar), the whole step's sampling when every row is; ``history``: see needs_history.
+    plain: bool = field(init=False)
+    history: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.history = needs_history(p)
+        self.plain = (p.temperature == 0.0 and not p.logprobs and not p.bad_token_ids and not p.logit_bias
+                      and p.min_tokens == 0 and not _has_penalty(p) and self.guide is None)
 
 
 @dataclass
@@ -105,6 +116,10 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> DeviceSample:
         """Sample without waiting for the device (see the module's note on host syncs)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per sample row"
+        if all(r.plain for r in rows):
+            # Greedy and nothing else (the throughput runs' case): no float copy of the logits, the
+            # argmax of a bf16 row is that of its exact fp32 values, first index on ties alike.
+            return DeviceSample(logits.argmax(dim=-1), [0] * len(rows))
         raw = logits
         logits = logits.float().clone() if self._needs_edit(rows) else logits.float()
         self._apply_bias(logits, rows)

@@ -10,7 +10,10 @@ sampling bookkeeping (greedy pick on the stub's logits and the copy back to Pyth
 
 - ``decode``: ``num_seqs`` sequences all decoding (none finishes inside the window);
 - ``churn``: the same population, but requests finish and are replaced by new 32-512 token prompts,
-  so steps mix chunked prefills, admissions, prefix-cache commits and frees.
+  so steps mix chunked prefills, admissions, prefix-cache commits and frees;
+- ``executor`` and ``executor_overlap``: the whole ``Executor.step`` (the above plus the sampler's
+  rows, the overlapped loop's late tokens and one event per request) with the synchronous and the
+  overlapped loop, ``num_seqs`` requests decoding (``harness/bench/executor_overhead.py``).
 
 Timings are wall clock on whatever machine runs it; on a shared development machine they are noisy
 (the JSON records the CPU and the load average).
@@ -38,6 +41,7 @@ from backend.engine.kv_cache import BlockManager
 from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
+from harness.bench.executor_overhead import run_executor_scenario
 from harness.bench.perfinfo import cpu_model
 
 PARTS = ("schedule", "prepare_inputs", "model_stub", "sample", "update")
@@ -45,8 +49,11 @@ PARTS = ("schedule", "prepare_inputs", "model_stub", "sample", "update")
 _MEASURED_FILES = ("backend/engine/scheduler.py", "backend/engine/scheduler_types.py",
                    "backend/engine/scheduler_policies.py", "backend/engine/kv_cache.py", "backend/engine/inputs.py",
                    "backend/engine/request.py", "backend/engine/sampling_params.py",
-                   "backend/ops/attention/metadata.py", "harness/bench/overhead.py")
+                   "backend/ops/attention/metadata.py", "backend/engine/executor.py", "backend/engine/overlap.py",
+                   "backend/engine/late_tokens.py", "backend/engine/sampler.py", "backend/engine/events.py",
+                   "harness/bench/overhead.py", "harness/bench/executor_overhead.py")
 STUB_VOCAB = 32    # tiny on purpose: the greedy pick must not stand in for a real sampler
+SCENARIOS = ("decode", "churn", "executor", "executor_overlap")
 
 
 class StubModel:
@@ -193,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", type=int, default=3, help="repeat each scenario; report the median")
-    ap.add_argument("--scenarios", default="decode,churn")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated; default: all of "
+                    + ", ".join(SCENARIOS))
     ap.add_argument("--output", default="docs/perf/host-overhead.json",
                     help="results JSON ('-' to print only)")
     ap.add_argument("--profile", action="store_true", help="print the top cProfile entries")
@@ -208,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_seq_len <= 600:
         ap.error("--max-seq-len must exceed 600 (prompts are 32-512 tokens)")
     scenarios = [s for s in args.scenarios.split(",") if s]
-    unknown = sorted(set(scenarios) - {"decode", "churn"})
+    unknown = sorted(set(scenarios) - set(SCENARIOS))
     if unknown:
-        ap.error(f"--scenarios: unknown {', '.join(unknown)}; allowed: decode, churn")
+        ap.error(f"--scenarios: unknown {', '.join(unknown)}; allowed: {', '.join(SCENARIOS)}")
 
     torch.set_num_threads(1)   # the stub and the argmax are tiny; threads only add jitter
     profile = cProfile.Profile() if args.profile else None
@@ -218,28 +226,36 @@ def main(argv: list[str] | None = None) -> int:
     for name in scenarios:
         # Several runs, interleaved with nothing else: on a shared machine one run can be 2x off.
         # The run with the median p50 is reported in full, every run's p50 next to it.
-        runs = [run_scenario(name, args.num_seqs, args.steps, args.block_size, args.max_seq_len,
-                             args.max_num_tokens, args.seed, profile) for _ in range(args.runs)]
+        if name.startswith("executor"):
+            runs = [run_executor_scenario(name == "executor_overlap", args.num_seqs, args.steps, args.block_size,
+                                          args.max_seq_len, args.max_num_tokens, args.seed, profile)
+                    for _ in range(args.runs)]
+        else:
+            runs = [run_scenario(name, args.num_seqs, args.steps, args.block_size, args.max_seq_len,
+                                 args.max_num_tokens, args.seed, profile) for _ in range(args.runs)]
         runs.sort(key=lambda r: r["host_overhead_ms_per_step"]["p50"])
         r = results[name] = runs[len(runs) // 2]
         r["all_runs_host_p50_ms"] = [round(x["host_overhead_ms_per_step"]["p50"], 4) for x in runs]
         h = r["host_overhead_ms_per_step"]
         c = r["cpu_ms_per_step"]
-        print(f"{name:7s} batch={r['mean_batch_size']:.0f} host overhead/step (wall): "
+        parts = f"breakdown (us, p50): {r['breakdown_us_p50']} | " if "breakdown_us_p50" in r else ""
+        print(f"{name:16s} batch={r['mean_batch_size']:.0f} host overhead/step (wall): "
               f"p50 {h['p50']:.3f} ms, mean {h['mean']:.3f} ms, p99 {h['p99']:.3f} ms | "
               f"CPU time: p50 {c['p50']:.3f} ms, mean {c['mean']:.3f} ms | "
-              f"breakdown (us, p50): {r['breakdown_us_p50']} | p50 of each run: "
-              f"{r['all_runs_host_p50_ms']}")
+              f"{parts}p50 of each run: {r['all_runs_host_p50_ms']}")
     if profile is not None:
         pstats.Stats(profile).sort_stats("cumulative").print_stats(25)
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     yardstick = python_speed_ms()
     doc = {
-        "what": "engine step host overhead (scheduler + block manager + input preparation + "
-                "sampling bookkeeping + update) with a stub model returning fixed logits "
-                f"(vocab {STUB_VOCAB}, no compute)",
-        "goal": "<= 0.5 ms per step at 256 running sequences",
+        "what": "engine step host overhead with a stub model returning fixed logits "
+                f"(vocab {STUB_VOCAB}, no compute): decode/churn = scheduler + block manager + input "
+                "preparation + greedy pick + update; executor/executor_overlap = the whole Executor.step "
+                "(also the sampler's rows, late tokens and one event per request), synchronous and "
+                "overlapped loop",
+        "goal": "<= 0.25 ms per step at 256 running sequences (shared/notes/targets.md: scheduler + block "
+                "manager + input preparation + bookkeeping)",
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load_avg_1_5_15": load,
                     "python_1m_loop_ms": round(yardstick, 1),
                     "python": platform.python_version(), "torch": torch.__version__,

@@ -212,10 +212,14 @@ def test_host_overhead_benchmark_runs_and_records_its_context(tmp_path):
     doc = json.loads(out.read_text())
     assert {"machine", "date", "command", "commit", "config", "results"} <= set(doc)
     assert doc["machine"]["cpu"] and "stub" in doc["what"]
-    for name in ("decode", "churn"):
-        r = doc["results"][name]
+    assert set(doc["results"]) == set(bench_overhead.SCENARIOS)
+    for name, r in doc["results"].items():
         assert r["steps"] == 5 and r["mean_batch_size"] == 8
-        assert set(r["breakdown_us_mean"]) == set(bench_overhead.PARTS)
+        if name.startswith("executor"):   # the whole Executor.step, with the loop it names
+            assert r["loop"] == ("overlapped" if name == "executor_overlap" else "synchronous")
+            assert r["us_per_sequence_p50"] > 0
+        else:
+            assert set(r["breakdown_us_mean"]) == set(bench_overhead.PARTS)
         assert r["host_overhead_ms_per_step"]["p50"] > 0 and len(r["all_runs_host_p50_ms"]) == 2
         # Two runs: the reported one is the upper median.
         assert round(r["host_overhead_ms_per_step"]["p50"], 4) == max(r["all_runs_host_p50_ms"])

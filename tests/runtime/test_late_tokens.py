@@ -91,7 +91,7 @@ def run_overlapped(sched, reqs, abort_at=None):
             fill(sched, pending[0], pending[1], 0.0)
             pending = None
             continue
-        known = {r.request.request_id: pending[1][r.index] for r in pending[0]} if pending else {}
+        known = {r.request_id: pending[1][i] for r, i in zip(pending[0].requests, pending[0].index)} if pending else {}
         sampled = _sample(out, known)
         if pending:
             fill(sched, pending[0], pending[1], 0.0)

@@ -25,6 +25,25 @@ def test_greedy_is_argmax_per_row():
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
+def test_the_plain_greedy_path_is_taken_only_when_every_row_is_plain_and_agrees_with_the_general_one():
+    # bf16 logits with ties: the plain path's argmax runs on the bf16 row itself, the general path's
+    # on its fp32 copy; both must give the first index of the row's maximum
+    logits = (_logits(6) * 4).round().to(torch.bfloat16)
+    assert any(int((row == row.max()).sum()) > 1 for row in logits), "the case needs a tie"
+    plain = [_row(SamplingParams(temperature=0.0)) for _ in range(6)]
+    assert all(r.plain for r in plain)
+    fast = Sampler([EOS])(logits, plain)
+    expect = [int((row == row.max()).nonzero()[0]) for row in logits.float()]
+    assert fast.token_ids == expect and fast.logprobs == [None] * 6
+    # one row asking for anything more sends the whole step through the general path: same tokens
+    for extra in (dict(logprobs=1), dict(min_tokens=1), dict(repetition_penalty=1.2), dict(logit_bias={3: 0.5}),
+                  dict(bad_token_ids=[[9]]), dict(temperature=0.5, top_k=1)):
+        row = _row(SamplingParams(**{"temperature": 0.0, **extra}), output=[5])
+        assert not row.plain, extra
+        general = Sampler([EOS])(logits, plain[:5] + [row])
+        assert general.token_ids[:5] == expect[:5], extra
+
+
 def test_seeded_rows_reproduce_alone_and_batched():
     p = SamplingParams(temperature=1.0, seed=42)
     logits = _logits(3, seed=1)

@@ -1,0 +1,97 @@
+"""The whole engine step's host work, through ``Executor.step`` with a model that costs nothing.
+
+``harness.bench.overhead``'s ``decode`` and ``churn`` scenarios time the scheduler, the block manager
+and input preparation alone. A served step does more on the same thread, once per running request:
+the sampler's per-row parameters, ``update``, the overlapped loop's late tokens (placeholders filled
+one step later, ``backend/engine/late_tokens.py``) and one event per request to its handle. On a GPU
+that work decides whether the host keeps up with the device at large batches: with overlap
+scheduling it must fit inside the device's step, without it (speculative decoding) it adds to it.
+
+Here the executor is real (bundle, scheduler, preparer, sampler, events, both loops) and only the
+forward is replaced: ``runner.execute`` returns fixed logits (vocabulary ``STUB_VOCAB``, so the greedy
+argmax stands in for a device op, not for a real vocabulary's sampling on the CPU). Every request
+decodes greedily for the whole window (none finishes), as in the ``decode`` scenario.
+"""
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+STUB_VOCAB = 32
+
+
+def _stub_execute(max_rows: int, vocab: int):
+    logits = torch.randn(max_rows, vocab, generator=torch.Generator().manual_seed(0))
+
+    def execute(input_ids, meta, logits_indices, capture_hidden_layers=()):
+        return logits[: logits_indices.shape[0]], {}
+    return execute
+
+
+def run_executor_scenario(overlap: bool, num_seqs: int, steps: int, block_size: int, max_seq_len: int,
+                          max_num_tokens: int, seed: int, profile=None) -> dict:
+    """``num_seqs`` greedy requests of 32-512 prompt tokens decoding; ``steps`` executor steps timed
+    (wall and thread CPU). The other arguments are ``harness.bench.overhead``'s."""
+    from backend.engine.executor import Executor
+    from harness.bench.gpu import TINY, manifest_bundle, synthetic_fp8_weights
+
+    model = dict(TINY, vocab_size=STUB_VOCAB, max_position_embeddings=max_seq_len)
+    engine = {"max_batch_size": num_seqs, "max_num_tokens": max_num_tokens, "max_seq_len": max_seq_len,
+              "max_input_len": 512, "kv_block_size": block_size, "kv_cache_dtype": "fp8_e4m3",
+              "enable_prefix_caching": True, "enable_chunked_prefill": True,
+              "scheduler_policy": "max_utilization", "overlap_scheduling": overlap,
+              "max_kv_tokens": num_seqs * max_seq_len + 64 * block_size}
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle = manifest_bundle(model, engine, Path(tmp) / "engine")
+        ex = Executor(bundle, weights=synthetic_fp8_weights(model, device="cpu"), start=False,
+                      verify_hashes=False, speculative=False)
+        return _timed(ex, engine, num_seqs, steps, seed, profile)
+
+
+def _timed(ex, engine: dict, num_seqs: int, steps: int, seed: int, profile) -> dict:
+    from backend.engine.sampling_params import SamplingParams
+    rng = random.Random(seed)
+    max_seq_len = engine["max_seq_len"]
+    try:
+        ex.runner.execute = _stub_execute(engine["max_num_tokens"], STUB_VOCAB)
+        # nobody finishes inside the window (as in the decode scenario)
+        params = SamplingParams(max_tokens=max_seq_len - 513, temperature=0.0, ignore_eos=True)
+        for _ in range(num_seqs):
+            ex.submit([rng.randrange(3, STUB_VOCAB) for _ in range(rng.randrange(32, 513))], params)
+        warm = 0
+        sched = ex.scheduler
+        while sched.num_waiting or any(r.is_prefill for r in sched.running) or warm < 20:
+            ex.step()
+            warm += 1
+            assert warm < 10_000
+        wall, cpu = [], []
+        if profile is not None:
+            profile.enable()
+        for _ in range(steps):
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+            n = ex.step()
+            wall.append(time.perf_counter_ns() - t0)
+            cpu.append(time.thread_time_ns() - c0)
+            assert n == num_seqs, f"{n} sequences in a step of the window; every one of {num_seqs} decodes"
+        if profile is not None:
+            profile.disable()
+    finally:
+        ex.shutdown()
+    w = np.array(wall, dtype=np.float64) / 1e6
+    c = np.array(cpu, dtype=np.float64) / 1e6
+    overlap = ex.overlap is not None
+    return {"steps": steps, "warmup_steps": warm, "mean_batch_size": float(num_seqs),
+            "loop": "overlapped" if overlap else "synchronous",
+            "host_overhead_ms_per_step": {"mean": float(w.mean()), "p50": float(np.percentile(w, 50)),
+                                          "p99": float(np.percentile(w, 99))},
+            "cpu_ms_per_step": {"mean": float(c.mean()), "p50": float(np.percentile(c, 50)),
+                                "p99": float(np.percentile(c, 99))},
+            "us_per_sequence_p50": round(float(np.percentile(w, 50)) * 1e3 / num_seqs, 2)}
+
+
+__all__ = ["STUB_VOCAB", "run_executor_scenario"]
