@@ -43,6 +43,7 @@ from backend.model.runtimes import runner_class
 
 _FINISHED = RequestStatus.FINISHED_STOPPED   # statuses from here on are final (an int comparison per row
 # per step is cheaper than the is_finished property)
+_ABORTED = RequestStatus.FINISHED_ABORTED
 _LOG = get_logger("engine.executor")
 # Latency samples kept for stats() (a ring: serving reads percentiles of recent traffic).
 _SAMPLES = 4096
@@ -378,7 +379,7 @@ class Executor:
         now = time.monotonic()
         for i, req in enumerate(sampling):
             new = req.output_token_ids[before[i]:]
-            if req.status is RequestStatus.FINISHED_ABORTED or not new:
+            if req.status is _ABORTED or not new:
                 continue
             lp = [logprobs[i]] if logprobs is not None and logprobs[i] is not None else None
             if lp:
