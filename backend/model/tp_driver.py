@@ -51,6 +51,30 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(1)
 
 
+def _store_dir() -> str:
+    """A fresh folder for this driver's rendezvous file under ``<tmp>/kiln-tp``, named after this
+    process. ``shutdown`` removes it; a driver whose process was killed (SIGKILL of a Triton stub, a
+    supervisor's kill) cannot, so each new driver first removes the folders of processes that no
+    longer exist."""
+    root = Path(tempfile.gettempdir()) / "kiln-tp"
+    root.mkdir(exist_ok=True)
+    for d in root.iterdir():
+        pid = d.name.split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:      # another user's process: alive
+        return True
+    return True
+
+
 def rank_devices(device: str | torch.device, tp_size: int) -> list[torch.device]:
     """Each rank's device: all on the CPU, or consecutive GPUs from the one named (``cuda:2`` with
     tp 2 -> cuda:2, cuda:3: the GPUs ``backend/serving/placement.py`` gives an engine instance)."""
@@ -147,7 +171,7 @@ class TPDriver:
             raise EngineError("tensor parallelism: this process already has a torch.distributed group; "
                               "one TPDriver per process")
         self.tp_size = tp_size
-        self._tmp = tempfile.mkdtemp(prefix="kiln-tp-")
+        self._tmp = _store_dir()
         store = f"file://{Path(self._tmp) / 'store'}"
         ctx = mp.get_context("spawn")    # fork would copy this process's threads and torch state
         name = str(dtype).removeprefix("torch.") if dtype is not None else None

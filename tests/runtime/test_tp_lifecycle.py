@@ -5,15 +5,18 @@ Real processes on the real SmolLM2 bundle (three ranks joined by gloo on this CP
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from backend.model import tp_driver
 from tests.serving.serve_process import alive
 
 pytestmark = pytest.mark.slow
@@ -73,6 +76,12 @@ def test_workers_exit_when_rank0_dies_without_a_word(smollm2_bundle, how):
         while any(map(alive, workers)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not any(map(alive, workers)), f"workers outlived rank 0 ({how})"
+        # its rendezvous folder outlived it (nothing ran to remove it); the next driver's sweep does
+        left = list((Path(tempfile.gettempdir()) / "kiln-tp").glob(f"{proc.pid}-*"))
+        assert len(left) == 1
+        fresh = tp_driver._store_dir()
+        shutil.rmtree(fresh)
+        assert not left[0].exists() and Path(fresh).name.startswith(f"{os.getpid()}-")
     finally:
         if proc.poll() is None:
             proc.kill()
