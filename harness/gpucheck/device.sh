@@ -19,9 +19,11 @@
 #   sweep         150     harness.bench.kernels --sweep-only SWEEP_KERNELS (default paged_decode_fp8);
 #                         SWEEP_APPLY=<kernel>/<variant> runs the later parts with its winner (KILN_TUNING)
 #   ncu            60     Nsight Compute on the FP8-KV decode (NCU_CASE, NCU_CFGS: ';'-separated JSON)
-#   bench   200 s -> 140  harness.bench.gpu: 8B-shaped FP8 engine, single stream (graphs) and the 1000/1000
+#   bench   200 s -> 115  harness.bench.gpu: 8B-shaped FP8 engine, single stream (graphs) and the 1000/1000
 #                         throughput run (KV pool 0.95 of free memory, concurrency bounded by KV) cut
-#                         to the part's limit (--budget-s): partial, and the result says so
+#                         to the part's limit (--budget-s): partial, and the result says so; before it
+#                  25     harness.bench.overhead at 512 sequences: this host's time per engine step with a
+#                         zero-cost model (scheduler parts, and the whole Executor.step in both loops)
 #   spec    180 s ->  70  harness.bench.eagle_cost: EAGLE-3 pass cost at k = 0, 4 (SPEC_ARGS)
 #   perf    360 s -> 100  harness.bench.decode_perf (fused vs unfused decode step, 1, 64, 512) + the launch
 #                         count on the real GPU (30 s of it); the fused-kernel tests are skipped when
@@ -111,8 +113,13 @@ if want ncu; then
     --section MemoryWorkloadAnalysis $PY -m harness.bench.decode_ncu --case "${NCU_CASE:-fp8-b512-ctx1536}" "${ARGS[@]}"
 fi
 if want bench; then
+  # this host's share first: the whole executor step with a zero-cost model at 512 sequences, both
+  # loops (harness.bench.overhead): does the host keep up with the ~500-sequence steps of the run?
+  L=$(cap "${T_HOST:-25}")
+  part host-overhead "$L" host-overhead.log $PY -m harness.bench.overhead --num-seqs 512 --steps 200 \
+    --output "$OUT/host-overhead.json"
   # --budget-s: the throughput run ends in time for the result to be written inside the part's limit
-  L=$(cap "${T_BENCH:-140}")
+  L=$(cap "${T_BENCH:-115}")
   TL=${TIME_LIMIT:-${MAX_SECONDS:-}}
   part bench-gpu "$L" bench-gpu.log $PY -m harness.bench.gpu --budget-s "$(( L - 5 ))" ${TL:+--time-limit "$TL"} \
     --skip-eager --out "$OUT/gpu-bench.json" ${BENCH_ARGS:-}
