@@ -160,13 +160,42 @@ def _tp1(bundle: Path, prompts: list[list[int]], forced=None, noise: float = 0.0
     return runner.model.config, greedy(runner.execute, runner.block_size, prompts, STEPS, forced=forced)
 
 
-def _tp3(bundle: Path, prompts: list[list[int]], tmp_path: Path, forced=None) -> list[dict]:
+def _tp3(runs: list[tuple[Path, list[list[int]], list[list[int]] | None]], tmp_path: Path) -> list[list[dict]]:
+    """``runs``: (bundle, prompts, forced tokens or None), run one after another by ``greedy_worker`` in
+    ONE spawn of the TP ranks -> per run, what each rank saved."""
     from backend.model.tp import spawn
-    from backend.model.tp_generate import greedy_worker
-    out = tmp_path / "tp"
-    blocks = -(-(max(map(len, prompts)) + STEPS) // 16) + 1
-    spawn(greedy_worker, TP, (str(bundle), prompts, STEPS, blocks, "float32", str(out), None, forced))
-    return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(TP)]
+    from tests.runtime.tp_helpers import greedy_worker_runs
+    args = []
+    for i, (bundle, prompts, forced) in enumerate(runs):
+        blocks = -(-(max(map(len, prompts)) + STEPS) // 16) + 1
+        args.append((str(bundle), prompts, STEPS, blocks, "float32", str(tmp_path / f"tp{i}"), None, forced))
+    spawn(greedy_worker_runs, TP, (args,))
+    return [[torch.load(f"{tmp_path / f'tp{i}'}.rank{r}", weights_only=False) for r in range(TP)]
+            for i in range(len(runs))]
+
+
+# The teacher-forced TP3 runs of test_tp3_matches_tp1_fp8_bundle and test_tp3_matches_tp1_grouped_and_smoothed_bundles,
+# with how many of TEXTS each takes (two for the grouped formats: see above)
+GROUPED = ["int4_awq"]
+FORCED_PROMPTS = {"fp8": 4, **{fmt: 2 for fmt in GROUPED}}
+
+
+@pytest.fixture(scope="module")
+def forced_tp3(build_bundle, tokenizer, tmp_path_factory):
+    """fmt -> (TP1 config, TP1's greedy results, the three ranks' outputs teacher-forced on TP1's tokens)
+    for every format of FORCED_PROMPTS, all TP3 runs in one spawn: each spawn re-imports torch in three
+    processes and joins a gloo group before its first step (~10 s on 2 cores, more beside another pytest
+    worker), and the two tests spawned one each. Each run still builds its own ranks from its own
+    tp_size=3 bundle (greedy_worker, as before)."""
+    runs = {}
+    for fmt, n in FORCED_PROMPTS.items():
+        one, three = _bundles(build_bundle, fmt)
+        prompts = [tokenizer.encode(t).ids for t in TEXTS[:n]]
+        config, ref = _tp1(one, prompts)
+        runs[fmt] = (three, prompts, config, ref)
+    ranks = _tp3([(three, prompts, [g.tokens for g in ref]) for three, prompts, _, ref in runs.values()],
+                 tmp_path_factory.mktemp("tp3"))
+    return {fmt: (config, ref, got) for (fmt, (_, _, config, ref)), got in zip(runs.items(), ranks)}
 
 
 def _agreement(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
@@ -192,11 +221,10 @@ def _check_held(config: ModelConfig, ranks: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_tp3_matches_tp1_fp8_bundle(build_bundle, tokenizer, tmp_path):
-    bundle, three = _bundles(build_bundle, "fp8")
+def test_tp3_matches_tp1_fp8_bundle(build_bundle, tokenizer, forced_tp3):
+    bundle, _ = _bundles(build_bundle, "fp8")
     prompts = [tokenizer.encode(t).ids for t in TEXTS]
-    config, ref = _tp1(bundle, prompts)
-    ranks = _tp3(three, prompts, tmp_path, forced=[g.tokens for g in ref])
+    config, ref, ranks = forced_tp3["fp8"]
     _, noisy = _tp1(bundle, prompts, forced=[g.tokens for g in ref], noise=1e-5)
     a = torch.cat([g.logits for g in ref])
     got = {}
@@ -217,60 +245,64 @@ def test_tp3_matches_tp1_fp8_bundle(build_bundle, tokenizer, tmp_path):
 
 
 @pytest.mark.slow
-def test_tp_driver_rank0_schedules_workers_follow_and_a_dead_worker_fails_loudly(smollm2_bundle, tokenizer):
-    """``TPDriver``: this process is rank 0 and broadcasts each step's inputs to two spawned workers;
-    the same greedy tokens as TP1, logits within LOGIT_ATOL; a killed worker makes the next step raise
-    (no hang), and shutdown leaves no process, no store and no group behind. The single-file bundle with tp_size 3 asked at
-    run time: each rank reads it whole and keeps its share (a bundle built for tp reads rank files)."""
+def test_executor_tp3_serves_tp1_tokens_its_driver_follows_and_a_dead_worker_fails_loudly(
+        make_executor, build_bundle, smollm2_bundle, tokenizer, varied_prompts):
+    """``Executor`` of a bundle built with engine.tp_size=3: the scheduler, block manager and sampler on
+    rank 0, the model on three ranks (each reading its rank file); a batch of mixed prompts (chunked
+    prefill, batched decode) gives TP1's tokens. Then its runner, ``TPDriver``, on its own: this process is
+    rank 0 and broadcasts each step's inputs to two spawned workers; driven by the greedy loop, the same
+    greedy tokens as TP1, logits within LOGIT_ATOL; a killed worker makes the next step raise (no hang),
+    and shutdown leaves no process, no store and no group behind (and this thread's torch threads as
+    they were).
+
+    One start of the workers serves both (they were two tests, each spawning two workers that import torch
+    and load their weights). The driver ran the single-file bundle with tp_size 3 asked at run time, each
+    rank reading it whole and keeping its share: the rank files read here are bit for bit that share
+    (test_tp3_bundle_is_the_tp1_tensors_resharded: tp_shard's split, which the run-time path applies,
+    shard_weights), and that path itself runs in test_tp_lifecycle.py (this model) and test_tp_fused.py
+    (TP against TP1 logits)."""
     import time
 
     import torch.distributed as dist
 
-    from backend.model.runner import EngineError, load_engine_spec
+    from backend.engine.executor import Executor
+    from backend.engine.sampling_params import SamplingParams
+    from backend.model.runner import EngineError
     from backend.model.tp_driver import TPDriver
     from backend.model.tp_generate import greedy
-    prompts = [tokenizer.encode(t).ids for t in TEXTS[:2]]
-    _, ref = _tp1(smollm2_bundle, prompts)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [varied_prompts[i] for i in (0, 1, 10, 12)]
+    engine = {"max_kv_tokens": 2048, "max_batch_size": 8, "max_num_tokens": 64}
+    want = [r.token_ids for r in make_executor(**engine).generate(prompts, params)]
+    greedy_prompts = [tokenizer.encode(t).ids for t in TEXTS[:2]]
+    _, ref = _tp1(smollm2_bundle, greedy_prompts)
     threads = torch.get_num_threads()
-    driver = TPDriver(load_engine_spec(smollm2_bundle), TP, num_blocks=8, dtype=torch.float32)
+    # start=False: generate steps it on this thread, so the driver is built here and its thread setting
+    # is this thread's (restored by shutdown, checked below)
+    ex = Executor(_bundles(build_bundle, "none")[1], dtype=torch.float32, verify_hashes=False, start=False, **engine)
+    driver = ex.runner
     try:
-        got = greedy(driver.execute, driver.block_size, prompts, STEPS)
+        assert isinstance(driver, TPDriver) and ex.spec.engine.tp_size == TP
+        assert ex.runner.num_blocks >= 2048 // ex.runner.block_size
+        assert [r.token_ids for r in ex.generate(prompts, params)] == want
+        # every request finished: the greedy loop may use the cache's blocks 0..
+        got = greedy(driver.execute, driver.block_size, greedy_prompts, STEPS)
         assert [g.tokens for g in got] == [g.tokens for g in ref]
         diff = max(float((a.logits - b.logits).abs().max()) for a, b in zip(ref, got))
-        print(f"bf16 bundle in fp32, {len(prompts)} prompts x {STEPS} steps: max |logits TP3 - TP1| = {diff:.3g}")
+        print(f"bf16 bundle in fp32, {len(greedy_prompts)} prompts x {STEPS} steps: "
+              f"max |logits TP3 - TP1| = {diff:.3g}")
         assert diff < LOGIT_ATOL
         assert driver.runner.kv_caches[0][0].shape[2] == 1                  # 3 KV heads / 3 ranks
         driver.workers[0].kill()
         start = time.monotonic()
         with pytest.raises(EngineError, match="tensor parallelism: "):
-            greedy(driver.execute, driver.block_size, prompts[:1], 2)
+            greedy(driver.execute, driver.block_size, greedy_prompts[:1], 2)
         assert time.monotonic() - start < 30
     finally:
-        driver.shutdown()
+        ex.shutdown()
     assert not any(p.is_alive() for p in driver.workers)
     assert not Path(driver._tmp).exists() and not dist.is_initialized()
     assert torch.get_num_threads() == threads
-
-
-@pytest.mark.slow
-def test_executor_tp3_serves_the_same_greedy_tokens_as_tp1(make_executor, build_bundle, varied_prompts):
-    """``Executor`` of a bundle built with engine.tp_size=3: the scheduler, block manager and sampler on
-    rank 0, the model on three ranks (each reading its rank file); a batch of mixed prompts (chunked
-    prefill, batched decode) gives TP1's tokens, and shutdown stops the workers."""
-    from backend.engine.executor import Executor
-    from backend.engine.sampling_params import SamplingParams
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    prompts = [varied_prompts[i] for i in (0, 1, 10, 12)]
-    engine = {"max_kv_tokens": 2048, "max_batch_size": 8, "max_num_tokens": 64}
-    want = [r.token_ids for r in make_executor(**engine).generate(prompts, params)]
-    ex = Executor(_bundles(build_bundle, "none")[1], dtype=torch.float32, verify_hashes=False, **engine)
-    try:
-        assert ex.spec.engine.tp_size == TP
-        assert ex.runner.num_blocks >= 2048 // ex.runner.block_size
-        assert [r.token_ids for r in ex.generate(prompts, params)] == want
-    finally:
-        ex.shutdown()
-    assert not any(p.is_alive() for p in ex.runner.workers)
 
 
 @pytest.mark.slow
@@ -285,9 +317,9 @@ def test_executor_refuses_a_tp_size_that_does_not_divide_the_heads(smollm2_bundl
 # int8_sq and nvfp4 (measured above) are not run here, to keep the suite's time (~30 s each: int8_sq's
 # bundle is a quantize build of its own, nvfp4's activations are emulated per block of 16); their
 # sharding is checked per tensor (dense shares, the runtime linears' partial sums) by the pure tests
-# above. Add them to this list to run them.
-@pytest.mark.parametrize("fmt", ["int4_awq"])
-def test_tp3_matches_tp1_grouped_and_smoothed_bundles(build_bundle, tokenizer, tmp_path, fmt):
+# above. Add them to GROUPED to run them.
+@pytest.mark.parametrize("fmt", GROUPED)
+def test_tp3_matches_tp1_grouped_and_smoothed_bundles(build_bundle, forced_tp3, fmt):
     """The formats whose scales are more than per row: AWQ's group scales and pre-quant scales on o/down,
     nvfp4's fp8 block scales and global scale, SmoothQuant's smoothing scales. Built with tp_size=3,
     each rank file is the tp_size=1 bundle's tensors re-sharded, bit for bit, and three gloo ranks
@@ -307,9 +339,7 @@ def test_tp3_matches_tp1_grouped_and_smoothed_bundles(build_bundle, tokenizer, t
         assert set(got) == set(full)
         bad = [n for n, t in full.items() if not _same(got[n], shard_tensor(n, t, config, TP, r))]
         assert not bad, f"rank {r}: {bad[:3]}"
-    prompts = [tokenizer.encode(t).ids for t in TEXTS[:2]]
-    _, ref = _tp1(one, prompts)
-    ranks = _tp3(three, prompts, tmp_path, forced=[g.tokens for g in ref])
+    _, ref, ranks = forced_tp3[fmt]
     top1, kl, diff = _agreement(torch.cat([g.logits for g in ref]),
                                 torch.cat([g["logits"] for g in ranks[0]["results"]]))
     print(f"{fmt} bundle in fp32, teacher-forced, TP3 vs TP1: top-1 {top1:.3f}, mean KL {kl:.2g}, "
