@@ -77,18 +77,27 @@ def test_greedy_tokens_and_logprobs_do_not_depend_on_the_batch(bundle_case, vari
     assert max(map(len, prompts)) > 3 * 48 and min(map(len, prompts)) < 8
     ex = _executor(bundle, weights, **runtime)
     alone = [_generate(ex, [p])[0] for p in prompts]
-    # 40 sequences in one batch: every prompt 3 or 4 times (no prefix caching: each copy computes),
-    # shuffled, so decode steps have 40 rows and each prompt sits among others of other lengths.
+    # Every prompt 3 or 4 times, shuffled: the chunked and KV-pressure runs below take their copies from it.
     order = [i for i in range(len(prompts)) for _ in range(3 + (i % 2))][:40]
     random.Random(0).shuffle(order)
     assert len(order) == 40
-    together = _generate(ex, [prompts[i] for i in order])
+    # 38 sequences in one batch: that order with the long prompt once (no prefix caching: each copy
+    # computes), so decode steps have 38 rows (above 32; and a count the fp16 kernel pads to 39) and each
+    # prompt sits among others of other lengths. The long prompt's two other copies were 294 of the
+    # step's 778 prefill rows (rows cost alike in every step: bf16 compute spent ~8 s on them) and
+    # repeated what the first checks, a long context among short ones; the chunked run below keeps
+    # two copies of it, where the second reuses the first's cached blocks.
+    long = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batch = [i for j, i in enumerate(order) if i != long or j == order.index(long)]
+    assert len(batch) == 38 and long in batch
+    together = _generate(ex, [prompts[i] for i in batch])
     ex.shutdown()
-    for j, i in enumerate(order):
+    for j, i in enumerate(batch):
         assert together[j] == alone[i], f"{name}: prompt {i} (copy at {j}) changed with its batch"
     # Prefill in 48-token steps: chunk boundaries depend on the other prompts; prefix caching on: the
     # copies reuse each other's blocks, computed in another batch and another chunking.
     ex = _executor(bundle, weights, max_num_tokens=48, enable_prefix_caching=True, **runtime)
+    assert order[:24].count(long) == 2
     chunked = _generate(ex, [prompts[i] for i in order[:24]])
     ex.shutdown()
     for j, i in enumerate(order[:24]):
