@@ -13,7 +13,7 @@ Overlap scheduling (``engine.overlap_scheduling``: auto = on for CUDA without sp
 schedules and prepares step n+1 while the device runs step n, and learns step n's tokens one step
 late through one asynchronous copy (``backend/engine/overlap.py``); same tokens, same events.
 
-Speculative decoding seam: an optional ``speculator`` (see ``Speculator``) proposes draft tokens
+Speculative decoding seam: an optional ``speculator`` (``speculator_seam.Speculator``) proposes draft tokens
 after each step (``propose``) and turns the target model's logits for ``1 + k`` rows per sequence
 into accepted tokens (``verify``). Without one, one token is sampled per sequence.
 """
@@ -23,12 +23,12 @@ import itertools
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from backend.engine.events import GenerationResult, RequestHandle, TokenEvent
-from backend.engine.inputs import InputPreparer, StepInputs
+from backend.engine.inputs import InputPreparer
 from backend.engine.kv_cache import BlockManager
 from backend.engine.loop_thread import start_built, stop_at_exit, stopped
 from backend.engine.logits_out import generation_rows, stash_context, take_context
@@ -37,6 +37,7 @@ from backend.engine.request import FINISH_REASONS, Request, RequestStatus
 from backend.engine.sampler import Sampler, SampleRow, make_generator
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler, SchedulerOutput
+from backend.engine.speculator_seam import Speculator
 from backend.logs import for_request, get_logger
 from backend.model.runner import EngineError, load_engine_spec
 from backend.model.runtimes import runner_class
@@ -47,31 +48,6 @@ _ABORTED = RequestStatus.FINISHED_ABORTED
 _LOG = get_logger("engine.executor")
 # Latency samples kept for stats() (a ring: serving reads percentiles of recent traffic).
 _SAMPLES = 4096
-
-
-class Speculator(Protocol):
-    """What the executor calls when speculative decoding is on (implemented in ``backend/speculative``).
-
-    * ``capture_hidden_layers``: target layers whose outputs ``propose`` needs.
-    * ``prepare(out, inputs)``: before the forward; may set ``inputs.meta.tree_mask`` for token trees.
-    * ``verify(out, logits, rows, sampler)``: ``logits`` has ``1 + num_spec_tokens`` rows per sampling
-      sequence (scheduled order); returns, per sampling sequence, the accepted draft tokens followed by
-      one token sampled from the target (the list the scheduler's ``update`` takes).
-    * ``propose(out, inputs, captured, finished)``: after ``update``; sets ``request.spec_token_ids``
-      for running requests (the scheduler reserves slots for them next step). ``captured[i]`` is the
-      output of target layer ``i`` for EVERY token of the step (``[T, hidden]``, the step's token
-      order: ``inputs.meta.query_start_loc`` delimits sequences); ``inputs.logits_counts`` tells how
-      many rows each sampling sequence had. Requests with ``params.speculative = False`` must get
-      no drafts.
-    Greedy requests must produce exactly the tokens they would without speculation.
-    """
-    capture_hidden_layers: tuple[int, ...]
-
-    def prepare(self, out: SchedulerOutput, inputs: StepInputs) -> None: ...
-    def verify(self, out: SchedulerOutput, logits: torch.Tensor, rows: list[SampleRow],
-               sampler: Sampler) -> list[list[int]]: ...
-    def propose(self, out: SchedulerOutput, inputs: StepInputs, captured: dict[int, torch.Tensor],
-                finished: list[Request]) -> None: ...
 
 
 def _tp_driver(spec, device: str, dtype: torch.dtype | None, speculative: bool):
@@ -466,4 +442,4 @@ class Executor:
                 self._tpot.append((now - req.first_token_time) / (n - 1))
 
 
-__all__ = ["Executor", "GenerationResult", "RequestHandle", "Speculator", "TokenEvent"]
+__all__ = ["Executor", "GenerationResult", "RequestHandle", "TokenEvent"]

@@ -45,7 +45,7 @@ class HiddenRecorder:
         rows = self._rows.pop(request_id)
         return rows[:self._filled.pop(request_id)]
 
-    # -- the executor seam (backend/engine/executor.py ``Speculator``) ----------------------------
+    # -- the executor seam (backend/engine/speculator_seam.py ``Speculator``) ----------------------------
     def prepare(self, out, inputs) -> None:
         pass
 
