@@ -8,6 +8,7 @@ same greedy loop.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -277,6 +278,10 @@ def test_executor_tp3_serves_tp1_tokens_its_driver_follows_and_a_dead_worker_fai
     greedy_prompts = [tokenizer.encode(t).ids for t in TEXTS[:2]]
     _, ref = _tp1(smollm2_bundle, greedy_prompts)
     threads = torch.get_num_threads()
+    # a thread count the driver would not choose (it takes cores / ranks, at least 1), so that its
+    # restoring this one at shutdown is seen (a pytest worker runs 1 thread, which it may choose)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // TP) + 1)
+    mine = torch.get_num_threads()
     # start=False: generate steps it on this thread, so the driver is built here and its thread setting
     # is this thread's (restored by shutdown, checked below)
     ex = Executor(_bundles(build_bundle, "none")[1], dtype=torch.float32, verify_hashes=False, start=False, **engine)
@@ -300,9 +305,11 @@ def test_executor_tp3_serves_tp1_tokens_its_driver_follows_and_a_dead_worker_fai
         assert time.monotonic() - start < 30
     finally:
         ex.shutdown()
+        restored = torch.get_num_threads()
+        torch.set_num_threads(threads)
     assert not any(p.is_alive() for p in driver.workers)
     assert not Path(driver._tmp).exists() and not dist.is_initialized()
-    assert torch.get_num_threads() == threads
+    assert restored == mine
 
 
 @pytest.mark.slow
