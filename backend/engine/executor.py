@@ -33,7 +33,7 @@ from backend.engine.kv_cache import BlockManager
 from backend.engine.loop_thread import start_built, stop_at_exit, stopped
 from backend.engine.logits_out import generation_rows, stash_context, take_context
 from backend.engine.overlap import overlap_loop
-from backend.engine.request import FINISH_REASONS, Request, RequestStatus
+from backend.engine.request import FINAL, FINISH_REASONS, Request, RequestStatus
 from backend.engine.sampler import Sampler, SampleRow, make_generator
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler, SchedulerOutput
@@ -42,8 +42,6 @@ from backend.logs import for_request, get_logger
 from backend.model.runner import EngineError, load_engine_spec
 from backend.model.runtimes import runner_class
 
-_FINISHED = RequestStatus.FINISHED_STOPPED   # statuses from here on are final (an int comparison per row
-# per step is cheaper than the is_finished property)
 _ABORTED = RequestStatus.FINISHED_ABORTED
 _LOG = get_logger("engine.executor")
 # Latency samples kept for stats() (a ring: serving reads percentiles of recent traffic).
@@ -360,7 +358,7 @@ class Executor:
             lp = [logprobs[i]] if logprobs is not None and logprobs[i] is not None else None
             if lp:
                 req.output_logprobs.extend(lp)
-            done = req.status >= _FINISHED
+            done = req.status >= FINAL
             if done:
                 self._record_latency(req, now)
             self._emit_tokens(req, new, lp, done, gen[i].unsqueeze(0) if i in gen else None)

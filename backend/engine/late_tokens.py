@@ -35,9 +35,6 @@ class LateRows:
     index: Sequence[int]    # each one's row of the step's sampled tokens (the step's sampling order)
     pos: list[int]          # each one's placeholder index in request.output_token_ids
 
-    def __len__(self) -> int:
-        return len(self.requests)
-
 
 def late_rows(sampling: Sequence[Request], before: Sequence[int]) -> LateRows:
     """After ``update(out, [PLACEHOLDER] * n)``: the rows that got a placeholder (``before[i]`` =

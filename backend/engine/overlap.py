@@ -29,7 +29,7 @@ import torch
 
 from backend.engine.late_tokens import PLACEHOLDER, LateRows, fill, late_rows
 from backend.engine.logits_out import generation_rows, stash_context
-from backend.engine.request import Request, RequestStatus
+from backend.engine.request import FINAL, Request
 from backend.engine.sampler import DeviceSample
 from backend.engine.scheduler import SchedulerOutput
 from backend.logs import get_logger
@@ -38,8 +38,6 @@ from backend.model.runner import EngineError
 if TYPE_CHECKING:
     from backend.engine.executor import Executor
 
-_FINISHED = RequestStatus.FINISHED_STOPPED   # statuses from here on are final (an int comparison per row
-# per step is cheaper than the is_finished property)
 _LOG = get_logger("engine.overlap")
 
 
@@ -200,7 +198,7 @@ class OverlapLoop:
             lp = [logprobs[i]] if logprobs[i] is not None else None
             if lp:
                 req.output_logprobs.extend(lp)
-            done = req.status >= _FINISHED
+            done = req.status >= FINAL
             if done:
                 ex._record_latency(req, now)
             gen = prev.logits.get(i) if prev.logits else None

@@ -36,6 +36,10 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
 
+# Statuses from here on are final: ``status >= FINAL`` is the hot loops' form of ``is_finished`` (an int
+# comparison per request per step, not a property call)
+FINAL = RequestStatus.FINISHED_STOPPED
+
 # The finish_reason strings of the executor contract (docs/contracts.md section 4).
 FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -172,4 +176,4 @@ class Request:
                 f"blocks={len(self.block_ids)})")
 
 
-__all__ = ["FINISH_REASONS", "Request", "RequestStatus"]
+__all__ = ["FINAL", "FINISH_REASONS", "Request", "RequestStatus"]

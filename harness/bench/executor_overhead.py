@@ -8,9 +8,10 @@ that work decides whether the host keeps up with the device at large batches: wi
 scheduling it must fit inside the device's step, without it (speculative decoding) it adds to it.
 
 Here the executor is real (bundle, scheduler, preparer, sampler, events, both loops) and only the
-forward is replaced: ``runner.execute`` returns fixed logits (vocabulary ``STUB_VOCAB``, so the greedy
-argmax stands in for a device op, not for a real vocabulary's sampling on the CPU). Every request
-decodes greedily for the whole window (none finishes), as in the ``decode`` scenario.
+forward is replaced: ``runner.execute`` returns overhead.py's ``StubModel`` logits (vocabulary
+``STUB_VOCAB``, so the greedy argmax stands in for a device op, not for a real vocabulary's sampling
+on the CPU). Every request decodes greedily for the whole window (none finishes), as in the
+``decode`` scenario.
 """
 from __future__ import annotations
 
@@ -20,21 +21,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-
-STUB_VOCAB = 32
-
-
-def _stub_execute(max_rows: int, vocab: int):
-    logits = torch.randn(max_rows, vocab, generator=torch.Generator().manual_seed(0))
-
-    def execute(input_ids, meta, logits_indices, capture_hidden_layers=()):
-        return logits[: logits_indices.shape[0]], {}
-    return execute
-
-
-def _drop(event) -> None:
-    pass
 
 
 def run_executor_scenario(overlap: bool, num_seqs: int, steps: int, block_size: int, max_seq_len: int,
@@ -43,6 +29,7 @@ def run_executor_scenario(overlap: bool, num_seqs: int, steps: int, block_size: 
     (wall and thread CPU). The other arguments are ``harness.bench.overhead``'s."""
     from backend.engine.executor import Executor
     from harness.bench.gpu import TINY, manifest_bundle, synthetic_fp8_weights
+    from harness.bench.overhead import STUB_VOCAB   # (imported here: overhead.py imports this module)
 
     model = dict(TINY, vocab_size=STUB_VOCAB, max_position_embeddings=max_seq_len)
     engine = {"max_batch_size": num_seqs, "max_num_tokens": max_num_tokens, "max_seq_len": max_seq_len,
@@ -59,17 +46,20 @@ def run_executor_scenario(overlap: bool, num_seqs: int, steps: int, block_size: 
 
 def _timed(ex, engine: dict, num_seqs: int, steps: int, seed: int, profile) -> dict:
     from backend.engine.sampling_params import SamplingParams
+    from harness.bench.gpu import drop_event
+    from harness.bench.overhead import STUB_VOCAB, StubModel
     rng = random.Random(seed)
     max_seq_len = engine["max_seq_len"]
     try:
-        ex.runner.execute = _stub_execute(engine["max_num_tokens"], STUB_VOCAB)
+        stub = StubModel(engine["max_num_tokens"], STUB_VOCAB)
+        ex.runner.execute = lambda ids, meta, rows, capture_hidden_layers=(): (stub(ids, meta, rows), {})
         # nobody finishes inside the window (as in the decode scenario)
         params = SamplingParams(max_tokens=max_seq_len - 513, temperature=0.0, ignore_eos=True)
         for _ in range(num_seqs):
             # events go to a callback that drops them, as a server's consumer takes them: a handle
             # keeping them would grow the heap Python's collector scans, step after step
             ex.submit([rng.randrange(3, STUB_VOCAB) for _ in range(rng.randrange(32, 513))], params,
-                      on_event=_drop)
+                      on_event=drop_event)
         warm = 0
         sched = ex.scheduler
         while sched.num_waiting or any(r.is_prefill for r in sched.running) or warm < 20:
@@ -101,4 +91,4 @@ def _timed(ex, engine: dict, num_seqs: int, steps: int, seed: int, profile) -> d
             "us_per_sequence_p50": round(float(np.percentile(w, 50)) * 1e3 / num_seqs, 2)}
 
 
-__all__ = ["STUB_VOCAB", "run_executor_scenario"]
+__all__ = ["run_executor_scenario"]
