@@ -3,6 +3,14 @@
 Rules (the serving contract):
 * ``execute()`` only converts and enqueues; it never waits for tokens.
 * Responses are sent from the executor's callback thread through each request's response sender.
+  A send is a round trip to the server (``docs/perf/serving-ceiling.json``: with a model that costs
+  almost nothing, most of the loop's time), yet moving it off the loop thread failed twice on
+  Triton 24.10's stub, so do not try again without a stress run of many servers: responses made on
+  the loop thread and sent by a responder thread aborted the server (boost ``lock_exception``, the
+  soak test 2-3 runs in 5; commits 739280e..a81b105); made and sent by four responder threads, the
+  stub died of heap corruption ("malloc(): unaligned fastbin chunk detected") in 2 of 5 benchmark
+  runs. One responder thread making and sending everything passed 5 soak runs but was no faster on
+  the CPU (the model's compute, not the sends, bounds it there).
 * Every request gets exactly one FINAL response: the last data response carries the FINAL flag; a
   bad request, an executor error or a cancellation by its client gets an error response with the
   FINAL flag. A request stopped by a ``stop_request`` ends like tensorrtllm_backend's: a normal
