@@ -203,6 +203,10 @@ class ServingConfig:
     # a step running longer than this is a hung device: its requests end with an error and the
     # engine's stub exits (harness.serve then stops the server); 0 turns the watchdog off
     step_timeout_s: float = opt(300.0, min=0.0)
+    # true: the engine model's responses are made and sent by a thread of their own
+    # (backend/serving/responder.py): each send is a round trip to the server process, which the
+    # engine's loop would otherwise wait for between steps; false: the loop thread sends them
+    response_thread: bool = opt(True)
     http_port: int = opt(8000, min=1, max=65535)
     grpc_port: int = opt(8001, min=1, max=65535)
     metrics_port: int = opt(8002, min=1, max=65535)

@@ -2,15 +2,15 @@
 
 Rules (the serving contract):
 * ``execute()`` only converts and enqueues; it never waits for tokens.
-* Responses are sent from the executor's callback thread through each request's response sender.
-  A send is a round trip to the server (``docs/perf/serving-ceiling.json``: with a model that costs
-  almost nothing, most of the loop's time), yet moving it off the loop thread failed twice on
-  Triton 24.10's stub, so do not try again without a stress run of many servers: responses made on
-  the loop thread and sent by a responder thread aborted the server (boost ``lock_exception``, the
-  soak test 2-3 runs in 5; commits 739280e..a81b105); made and sent by four responder threads, the
-  stub died of heap corruption ("malloc(): unaligned fastbin chunk detected") in 2 of 5 benchmark
-  runs. One responder thread making and sending everything passed 5 soak runs but was no faster on
-  the CPU (the model's compute, not the sends, bounds it there).
+* The executor's callback thread computes each response's outputs; one responder thread
+  (``responder.py``, ``serving.response_thread``) makes the Triton response and sends it through the
+  request's response sender, in the order queued. A send is a round trip to the server, which the
+  loop no longer waits for (``docs/perf/serving-ceiling-profile.json``: 47% of the loop's time with
+  a model that costs almost nothing). Exactly one thread makes, sends and drops the Python-backend
+  objects of responses: other splits failed on Triton 24.10's stub, so keep it so. Responses made on
+  the loop thread and sent by a responder aborted the server (boost ``lock_exception``, the soak test
+  2-3 runs in 5; commits 739280e..a81b105), and four sending threads died of heap corruption
+  ("malloc(): unaligned fastbin chunk detected", 2 runs in 5).
 * Every request gets exactly one FINAL response: the last data response carries the FINAL flag; a
   bad request, an executor error or a cancellation by its client gets an error response with the
   FINAL flag. A request stopped by a ``stop_request`` ends like tensorrtllm_backend's: a normal
@@ -45,6 +45,7 @@ import itertools
 import os
 import threading
 import time
+from functools import partial
 from typing import Any, Callable
 
 from backend.bundle import load_bundle
@@ -52,11 +53,12 @@ from backend.logs import for_request, get_logger
 from backend.serving.acceptance import draft_counts
 from backend.serving.convert import EngineLimits, InvalidRequest
 from backend.serving.detok import CONTEXT_TOKENS, StreamDetokenizer
-from backend.serving.engine_outputs import send_empty_final, send_error
+from backend.serving.engine_outputs import error_response, send_empty_final, send_error
 from backend.serving.engine_stream import INBAND_ERRORS, Stream, chosen_logprobs, inband_errors
 from backend.serving.row_group import RowGroup
 from backend.serving.engine_request import is_stop_request, parse_engine_request, request_rows
 from backend.serving.metrics import ServingMetrics
+from backend.serving.responder import Responder
 from backend.serving.serving_state import ServingState
 from backend.serving.tokenizer import load_tokenizer
 
@@ -85,10 +87,12 @@ class EngineHost:
                  nv_instance: str | None = None,
                  executor_factory: Callable[..., Any] | None = None, step_timeout_s: float = 0.0,
                  on_fatal: Callable[[str], None] | None = None,
-                 decoupled: bool = True):
+                 decoupled: bool = True, response_thread: bool = True):
         """``step_timeout_s`` > 0: a step running longer counts as a hung engine. When the engine
         fails (its loop thread died, or a step hung) every in-flight request gets a final error,
-        new ones are refused, and ``on_fatal(reason)`` runs (the Triton model exits its stub)."""
+        new ones are refused, and ``on_fatal(reason)`` runs (the Triton model exits its stub).
+        ``response_thread``: responses are made and sent by the responder's thread (``responder.py``),
+        not the loop thread."""
         self.pb = pb
         # a request with batch size B > 1 is answered row by row: only a decoupled model may
         self.decoupled = decoupled
@@ -121,6 +125,7 @@ class EngineHost:
         self._active: dict[str, Stream] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.responder = Responder(response_thread)
         self.serving = ServingState(model_name)
         self.draining: str | None = None  # set for good once the engine should stop serving (serving_state)
         self.refresh_metrics()  # the pool's size etc. from the start, not from the first poll
@@ -179,7 +184,8 @@ class EngineHost:
                     st.done = True
                     self.metrics.errors.count("invalid_request" if isinstance(e, ValueError) else "unavailable")
                     if group is None or group.close():  # a row's error ends its whole request
-                        self._send_error(sender, str(e) if isinstance(e, ValueError) else f"engine: {e}", inband)
+                        # through the responder: an earlier row's responses may still be queued there
+                        self._queue_error(st, str(e) if isinstance(e, ValueError) else f"engine: {e}")
 
     def _stop_request(self, triton_id: str, sender) -> None:
         if not triton_id:
@@ -247,20 +253,35 @@ class EngineHost:
                     self._send(st, st.req.prompt_ids + st.ids, [], st.trim, reason, True)
 
     def _send(self, st: Stream, ids, context, trim, reason, final) -> None:
-        """Called with st.lock held (the poller asks the same request is_cancelled() under it)."""
+        """Called with st.lock held: takes the response's outputs now (st's pending log-probs and
+        logits go with them); the responder makes the response and sends it."""
         if st.group is not None:  # the request ends (FINAL flag) with the response ending its last row
             final = final and (st.group.closed or st.group.row_finished())
         draft = draft_counts(self.executor, st.rid) if st.req.return_perf_metrics else None
-        tensors = [self.pb.Tensor(k, v) for k, v in st.outputs(ids, context, trim, reason, draft).items()]
-        resp = self.pb.InferenceResponse(output_tensors=tensors)
+        outputs = st.outputs(ids, context, trim, reason, draft)
         st.sent = True
-        try:
-            st.sender.send(resp, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-        except Exception as e:  # noqa: BLE001 - the client went away: stop generating for it
-            for_request(_LOG, st.rid).info("response not delivered (%s); cancelling", e)
-            if not final and not st.cancel_asked:
-                st.cancel_asked, st.cancel_by = True, "client"
-                self.executor.cancel(st.rid)
+        on_error = None if final else partial(self._undelivered, st)
+        self.responder.send(st.sender, partial(self._response, outputs),
+                            self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0, on_error)
+
+    def _response(self, outputs: dict) -> Any:
+        """The Triton response carrying ``outputs`` (numpy), made on the responder's thread."""
+        return self.pb.InferenceResponse(output_tensors=[self.pb.Tensor(k, v) for k, v in outputs.items()])
+
+    def _undelivered(self, st: Stream, e: BaseException) -> None:
+        """A non-final response could not be sent: the client went away, so stop generating for it.
+        On the responder's thread (or inline, under st.lock: it is reentrant)."""
+        for_request(_LOG, st.rid).info("response not delivered (%s); cancelling", e)
+        with st.lock:
+            if st.done or st.cancel_asked:
+                return
+            st.cancel_asked, st.cancel_by = True, "client"
+        self.executor.cancel(st.rid)
+
+    def _queue_error(self, st: Stream, message: str) -> None:
+        """st's FINAL error response, behind its earlier responses."""
+        self.responder.send(st.sender, partial(error_response, self.pb, message, st.inband),
+                            self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _finish(self, st: Stream, error: str, kind: str) -> None:
         """Called with st.lock held. Ends st with an error as its FINAL response (in-band for a
@@ -272,7 +293,7 @@ class EngineHost:
         if st.inband:
             self._send(st, [], [], 0, f"error: {error}", True)
         else:
-            self._send_error(st.sender, error)
+            self._queue_error(st, error)
 
     def _retire(self, st: Stream) -> None:
         """Called with st.lock held, BEFORE st's final response is sent: forgets st and publishes
@@ -351,6 +372,8 @@ class EngineHost:
             with st.lock:
                 if not st.done:
                     self._finish(st, error=f"engine failure: {reason}", kind="engine")
+        # the final errors must be out before on_fatal ends the process (not waited for beyond this)
+        self.responder.flush(timeout=10.0)
         if self.on_fatal is not None:
             self.on_fatal(reason)
 
@@ -377,4 +400,5 @@ class EngineHost:
             with st.lock:
                 if not st.done:
                     self._finish(st, error="the engine model is shutting down", kind="unavailable")
+        self.responder.close(timeout=10.0)  # every FINAL out before Triton's finalize() returns
         self.metrics.close()  # now, not while the stub's interpreter shuts down (segfaults there)

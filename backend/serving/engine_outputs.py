@@ -33,7 +33,7 @@ import numpy as np
 
 from backend.serving.batching import batched
 
-__all__ = ["response_tensors", "send_error", "send_empty_final"]
+__all__ = ["error_response", "response_tensors", "send_error", "send_empty_final"]
 
 
 _NO_CONTEXT_LOGITS = np.zeros((1, 0, 0), np.float32)
@@ -65,14 +65,18 @@ def response_tensors(ids: Sequence[int], context: Sequence[int], trim: int, logp
     return out
 
 
-def send_error(pb: Any, sender: Any, message: str, inband: bool = False) -> None:
-    """A request's FINAL response: an error, or for ``inband`` (the bls model's requests) a data
-    response whose finish_reason is "error: <message>" (no stream state exists yet: empty outputs)."""
+def error_response(pb: Any, message: str, inband: bool = False) -> Any:
+    """An error response, or for ``inband`` (the bls model's requests) a data response whose
+    finish_reason is "error: <message>" (empty outputs)."""
     if inband:
-        resp = pb.InferenceResponse(output_tensors=[
+        return pb.InferenceResponse(output_tensors=[
             pb.Tensor(k, v) for k, v in response_tensors([], [], 0, [], 0.0, f"error: {message}").items()])
-    else:
-        resp = pb.InferenceResponse(output_tensors=[], error=pb.TritonError(message))
+    return pb.InferenceResponse(output_tensors=[], error=pb.TritonError(message))
+
+
+def send_error(pb: Any, sender: Any, message: str, inband: bool = False) -> None:
+    """A request's FINAL response (``error_response``) where no stream state exists yet."""
+    resp = error_response(pb, message, inband)
     try:
         sender.send(resp, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
     except Exception:  # noqa: BLE001 - nobody left to tell

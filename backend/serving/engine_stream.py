@@ -72,7 +72,8 @@ class Stream:
     sent: bool = False      # a response went out (an ensemble may be running a later step on it)
     group: RowGroup | None = None  # the rows of a request with batch size > 1 (row_group.py)
     row: int = 0            # this stream's row in it (NVIDIA's batch_index)
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    # reentrant: a failed inline send (no responder thread) calls back under the lock its caller holds
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
 
     def record(self, ev: Any, now: float) -> int:
         """Keep what an executor event brings (its tokens' times, log-probs, top alternatives and

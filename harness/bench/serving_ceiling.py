@@ -10,8 +10,9 @@ this builds (once, under build/bench/serving-ceiling/) a random-weight Llama of 
 * the executor alone, every request submitted at once with max_batch_size = ``--concurrency``:
   what the engine can do (the peer);
 * the real Triton server, gRPC streaming to the ensemble at ``--concurrency`` streams, once per
-  ``serving.stream_interval`` value (tokens per streamed response; the repository is re-rendered
-  and a fresh server started for each).
+  ``serving.stream_interval`` value (tokens per streamed response) and ``serving.response_thread``
+  value (``--response-thread``: on, off or both, off first), the repository re-rendered and a fresh
+  server started for each; ``--rounds`` repeats them all, the order reversed every other round.
 
 Engine tokens are counted exactly (completed requests x max_tokens), not by re-tokenizing the
 random model's text. The gap between the two is the serving path: per streamed response one
@@ -25,6 +26,7 @@ import asyncio
 import datetime as dt
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=160)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--stream-intervals", default="1,4", help="comma-separated serving.stream_interval values")
+    p.add_argument("--response-thread", choices=("on", "off", "both"), default="on",
+                   help="serving.response_thread of the served runs (both: an A/B, off first)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the served runs (order reversed each round)")
     p.add_argument("--output", default=None, help="results JSON (default <workdir>/serving-ceiling-<time>.json)")
     p.add_argument("--note", default="")
     a = p.parse_args(argv)
@@ -54,14 +59,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--stream-intervals: {a.stream_intervals!r}; allowed: comma-separated integers >= 1")
     if not a.intervals or min(a.intervals) < 1:
         p.error(f"--stream-intervals: {a.stream_intervals!r}; allowed: comma-separated integers >= 1")
-    if a.concurrency < 1 or a.num_prompts < 1 or a.max_tokens < 2:
-        p.error("--concurrency and --num-prompts must be >= 1, --max-tokens >= 2")
+    if a.concurrency < 1 or a.num_prompts < 1 or a.max_tokens < 2 or a.rounds < 1:
+        p.error("--concurrency, --num-prompts and --rounds must be >= 1, --max-tokens >= 2")
+    a.threads = {"on": [True], "off": [False], "both": [False, True]}[a.response_thread]
     return a
 
 
-def build(workdir: Path, stream_interval: int) -> Path:
-    """The tiny bundle and its repository rendered with ``stream_interval`` (only the package stage
-    runs again once the engine exists); returns the build folder."""
+def build(workdir: Path, stream_interval: int, response_thread: bool = True) -> Path:
+    """The tiny bundle and its repository rendered with ``stream_interval`` and ``response_thread``
+    (only the package stage runs again once the engine exists); returns the build folder."""
     ckpt = workdir / "checkpoint"
     if not (ckpt / "config.json").is_file():
         from harness.bench.build_memory import _tokenizer_dir  # the builder's own SmolLM2 import
@@ -69,7 +75,8 @@ def build(workdir: Path, stream_interval: int) -> Path:
         write_random_llama(ckpt, _tokenizer_dir(workdir), **SHAPE)
     out = workdir / "build"
     cmd = [sys.executable, "-m", "builder", "build", "configs/smollm2-135m-bf16.yaml", f"model.source={ckpt}",
-           "verify.enabled=false", f"serving.stream_interval={stream_interval}", "--output", str(out)]
+           "verify.enabled=false", f"serving.stream_interval={stream_interval}",
+           f"serving.response_thread={'true' if response_thread else 'false'}", "--output", str(out)]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return out
 
@@ -133,21 +140,27 @@ def main(argv: list[str] | None = None) -> int:
     alone = executor_alone(first / "engine", [tok.encode(p, chat=True) for p in prompts], a.max_tokens,
                            a.concurrency)
     print(f"executor alone: {alone['output_tok_s']:.0f} tok/s (best of {alone['output_tok_s_each_run']})", flush=True)
-    served = {}
-    for k in a.intervals:
-        r = through_triton(build(workdir, k), prompts, a)
-        r["share_of_executor"] = r["output_tok_s"] / alone["output_tok_s"]
-        served[str(k)] = r
-        print(f"Triton, stream_interval {k}: {r['output_tok_s']:.0f} tok/s "
-              f"({r['share_of_executor']:.2f} of the executor alone), errors {r['errors']}, "
-              f"CPU ms per token {r['cpu_ms_per_token']}", flush=True)
+    plan = [(k, t) for k in a.intervals for t in a.threads]
+    served = []
+    for rnd in range(a.rounds):
+        for k, t in (plan if rnd % 2 == 0 else plan[::-1]):
+            r = {"round": rnd, "stream_interval": k, "response_thread": t,
+                 **through_triton(build(workdir, k, t), prompts, a)}
+            r["share_of_executor"] = r["output_tok_s"] / alone["output_tok_s"]
+            served.append(r)
+            print(f"Triton, stream_interval {k}, response_thread {t}: {r['output_tok_s']:.0f} tok/s "
+                  f"({r['share_of_executor']:.2f} of the executor alone), errors {r['errors']}, "
+                  f"CPU ms per token {r['cpu_ms_per_token']}", flush=True)
+    medians = {f"stream_interval={k},response_thread={str(t).lower()}": statistics.median(
+        r["output_tok_s"] for r in served if (r["stream_interval"], r["response_thread"]) == (k, t)) for k, t in plan}
     report = {"what": "serving-path cost with a near-zero-cost model: the executor alone vs the same engine "
                       "through the real Triton server (ensemble, gRPC streaming), same prompts, exact token counts",
               "date": started.isoformat(timespec="seconds"), "commit": _commit(), "machine": machine,
               "command": "python -m harness.bench.serving_ceiling " + " ".join(sys.argv[1:] if argv is None else argv),
               "note": a.note, "model": {"random_llama": SHAPE, "tokenizer": "SmolLM2", "quantization": "none"},
-              "settings": {"concurrency": a.concurrency, "num_prompts": a.num_prompts, "max_tokens": a.max_tokens},
-              "executor_alone": alone, "triton_by_stream_interval": served}
+              "settings": {"concurrency": a.concurrency, "num_prompts": a.num_prompts, "max_tokens": a.max_tokens,
+                           "rounds": a.rounds},
+              "executor_alone": alone, "triton_median_output_tok_s": medians, "triton_runs": served}
     out = Path(a.output) if a.output else workdir / f"serving-ceiling-{started:%Y%m%d-%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -291,10 +291,11 @@ def test_removed_model_name_key_says_what_to_use(tmp_path):
     assert "model_names: {ensemble: smollm2}" in msg
 
 
-def test_decoupled_is_a_bool_defaulting_to_true():
-    assert BuildConfig.from_dict({}).serving.decoupled is True
-    assert BuildConfig.from_dict({"serving": {"decoupled": False}}).serving.decoupled is False
-    assert "serving.decoupled" in error_of(BuildConfig.from_dict, {"serving": {"decoupled": "yes"}}, "x.yaml")
+@pytest.mark.parametrize("key", ["decoupled", "response_thread"])
+def test_serving_switches_are_bools_defaulting_to_true(key):
+    assert getattr(BuildConfig.from_dict({}).serving, key) is True
+    assert getattr(BuildConfig.from_dict({"serving": {key: False}}).serving, key) is False
+    assert f"serving.{key}" in error_of(BuildConfig.from_dict, {"serving": {key: "yes"}}, "x.yaml")
 
 
 def test_render_repository_refuses_escaping_model_names(tmp_path):

@@ -1,0 +1,116 @@
+"""The engine model's responder (backend/serving/responder.py): responses made and sent off the loop.
+
+The senders here are stand-ins that record or block, because what is under test is the queueing: one
+FIFO (a request's responses in order, its FINAL last), the caller never waiting for a send, the
+response made on the responder's thread, failures reported, flush and close. The real response sender
+goes through the real Triton server in every serving test (test_server, test_ensemble_cancel, the soak),
+all with the default (the responder's thread on).
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from backend.serving.responder import Responder
+
+
+class Recorder:
+    def __init__(self, block: threading.Event | None = None, fail_on=()):
+        self.got: list = []
+        self.block = block
+        self.fail_on = set(fail_on)
+        self.entered = threading.Event()
+
+    def send(self, response, flags=0):
+        self.entered.set()
+        if self.block is not None:
+            assert self.block.wait(10), "never released"
+        if response in self.fail_on:
+            raise RuntimeError(f"client gone before {response}")
+        self.got.append((response, flags, threading.current_thread().name))
+
+
+def made(value, where: list | None = None):
+    def make():
+        if where is not None:
+            where.append(threading.current_thread().name)
+        return value
+    return make
+
+
+def test_responses_go_out_in_the_order_they_were_queued_made_on_the_responder():
+    r = Responder(True)
+    try:
+        senders, where = [Recorder() for _ in range(4)], []
+        for i in range(100):
+            for s in senders:
+                r.send(s, made(i, where), 1 if i == 99 else 0)
+        assert r.flush(10)
+        for s in senders:
+            assert s.got == [(i, 1 if i == 99 else 0, "kiln-responder") for i in range(100)]
+        assert set(where) == {"kiln-responder"}
+    finally:
+        r.close(10)
+
+
+def test_the_caller_does_not_wait_for_a_slow_send():
+    r = Responder(True)
+    release = threading.Event()
+    try:
+        slow = Recorder(block=release)
+        r.send(slow, made("a"), 0)
+        r.send(slow, made("b"), 0)       # queued behind the blocked send: returns at once
+        assert slow.entered.wait(10)
+        assert r.flush(0.05) is False    # still stuck in the first send
+        assert slow.got == []
+        release.set()
+        assert r.flush(10)
+        assert [x for x, _, _ in slow.got] == ["a", "b"]
+    finally:
+        release.set()
+        r.close(10)
+
+
+def test_a_failed_make_or_send_is_reported_and_the_rest_still_goes_out():
+    r = Responder(True)
+    errors = []
+
+    def broken():
+        raise ValueError("cannot make")
+    try:
+        s = Recorder(fail_on={"b"})
+        for x in "abc":
+            r.send(s, made(x), 0, on_error=lambda e, x=x: errors.append((x, str(e))))
+        r.send(s, broken, 0, on_error=lambda e: errors.append(("made", str(e))))
+        r.send(s, made("d"), 0, on_error=lambda e: 1 / 0)  # a failing handler is logged, not fatal
+        r.send(s, made("e"), 0)
+        assert r.flush(10)
+        assert errors == [("b", "client gone before b"), ("made", "cannot make")]
+        assert [x for x, _, _ in s.got] == ["a", "c", "d", "e"]
+    finally:
+        r.close(10)
+
+
+def test_close_sends_what_was_queued_then_refuses_more():
+    r = Responder(True)
+    release = threading.Event()
+    s = Recorder(block=release)
+    for i in range(5):
+        r.send(s, made(i), 0)
+    threading.Timer(0.1, release.set).start()
+    r.close(10)
+    assert [x for x, _, _ in s.got] == [0, 1, 2, 3, 4]
+    assert not r._worker.is_alive()
+    with pytest.raises(AssertionError, match="closed"):
+        r.send(s, made(5), 0)
+
+
+def test_unthreaded_makes_and_sends_inline_on_the_callers_thread():
+    r = Responder(False)
+    errors = []
+    s = Recorder(fail_on={"b"})
+    r.send(s, made("a"), 0)
+    r.send(s, made("b"), 0, on_error=errors.append)
+    assert s.got == [("a", 0, threading.current_thread().name)] and len(errors) == 1
+    assert r.flush(0) is True and r._worker is None
