@@ -3,14 +3,12 @@
 Rules (the serving contract):
 * ``execute()`` only converts and enqueues; it never waits for tokens.
 * The executor's callback thread computes each response's outputs; one responder thread
-  (``responder.py``, ``serving.response_thread``) makes the Triton response and sends it through the
-  request's response sender, in the order queued. A send is a round trip to the server, which the
-  loop no longer waits for (``docs/perf/serving-ceiling-profile.json``: 47% of the loop's time with
-  a model that costs almost nothing). Exactly one thread makes, sends and drops the Python-backend
-  objects of responses: other splits failed on Triton 24.10's stub, so keep it so. Responses made on
-  the loop thread and sent by a responder aborted the server (boost ``lock_exception``, the soak test
-  2-3 runs in 5; commits 739280e..a81b105), and four sending threads died of heap corruption
-  ("malloc(): unaligned fastbin chunk detected", 2 runs in 5).
+  (``responder.py``, ``serving.response_thread``) makes the response and sends it, in the order
+  queued, so the loop never waits for a send's round trip to the server (47% of its time with a
+  model that costs almost nothing: ``docs/perf/serving-ceiling-profile.json``). Exactly one thread
+  makes, sends and drops responses' Python-backend objects: responses made on the loop and sent by a
+  responder aborted Triton 24.10's stub (boost ``lock_exception``, 739280e..a81b105), and four
+  sending threads corrupted its heap ("malloc(): unaligned fastbin chunk detected").
 * Every request gets exactly one FINAL response: the last data response carries the FINAL flag; a
   bad request, an executor error or a cancellation by its client gets an error response with the
   FINAL flag. A request stopped by a ``stop_request`` ends like tensorrtllm_backend's: a normal
@@ -91,8 +89,7 @@ class EngineHost:
         """``step_timeout_s`` > 0: a step running longer counts as a hung engine. When the engine
         fails (its loop thread died, or a step hung) every in-flight request gets a final error,
         new ones are refused, and ``on_fatal(reason)`` runs (the Triton model exits its stub).
-        ``response_thread``: responses are made and sent by the responder's thread (``responder.py``),
-        not the loop thread."""
+        ``response_thread``: the responder's thread makes and sends responses, not the loop's."""
         self.pb = pb
         # a request with batch size B > 1 is answered row by row: only a decoupled model may
         self.decoupled = decoupled
