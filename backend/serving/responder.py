@@ -32,11 +32,10 @@ _STOP = object()
 
 class Responder:
     def __init__(self, threaded: bool, name: str = "kiln-responder") -> None:
-        self.threaded = bool(threaded)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        self._worker = None
-        if self.threaded:
+        self._worker = None              # None: made and sent inline
+        if threaded:
             self._worker = threading.Thread(target=self._run, name=name, daemon=True)
             self._worker.start()
 
@@ -44,7 +43,7 @@ class Responder:
              on_error: Callable[[BaseException], None] | None = None) -> None:
         """Send ``make()`` (the response) through ``sender`` after everything queued before it.
         ``on_error(exc)`` runs on the sending thread when making or sending fails (the client went away)."""
-        if not self.threaded:
+        if self._worker is None:
             self._deliver(sender, make, flags, on_error)
             return
         assert not self._closed, "responder closed"
@@ -52,7 +51,7 @@ class Responder:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far has been sent (False: ``timeout`` passed first)."""
-        if not self.threaded:
+        if self._worker is None:
             return True
         mark = threading.Event()
         self._queue.put(mark)

@@ -34,6 +34,7 @@ from typing import Any
 
 from harness.bench.prompts import load_prompts
 from harness.bench.serving import WARMUP_PROMPT, _commit, _machine, _run_level, level_prompts
+from harness.bench.serving_stats import summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = {"hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "intermediate": 128, "tie": True}
@@ -118,13 +119,12 @@ def through_triton(build_dir: Path, prompts: list[str], a: argparse.Namespace) -
         before = cpu_seconds(list(roles))
         results, wall = asyncio.run(_run_level(srv.grpc_url, model, prompts, a.concurrency, None, a.max_tokens, 0))
         after = cpu_seconds(list(roles))
-    done = [r for r in results if r.error is None]
-    tokens = len(done) * a.max_tokens
-    tpot = sorted((r.latency - r.ttft) / (a.max_tokens - 1) for r in done if r.ttft is not None)
-    cpu = {roles[p]: round((after[p] - before[p]) * 1e3 / max(tokens, 1), 3) for p in roles if p in before and p in after}
-    return {"output_tok_s": tokens / wall, "seconds": wall, "completed": len(done),
-            "errors": len(results) - len(done), "tpot_s_p50": tpot[len(tpot) // 2] if tpot else None,
-            "cpu_ms_per_token": cpu}
+    # exact counts: every completed request generated max_tokens (min_tokens = max_tokens)
+    row = summarize(results, [a.max_tokens if r.error is None else 0 for r in results], wall, 2.0, 0.2)
+    tokens = max(row["output_tokens"], 1)
+    cpu = {roles[p]: round((after[p] - before[p]) * 1e3 / tokens, 3) for p in roles if p in before and p in after}
+    return {"output_tok_s": row["output_token_throughput"], "seconds": wall, "completed": row["completed"],
+            "errors": row["errors"], "tpot_s_p50": row["tpot_s"]["p50"], "cpu_ms_per_token": cpu}
 
 
 def main(argv: list[str] | None = None) -> int:
