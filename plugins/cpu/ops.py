@@ -110,9 +110,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     return y
 
 
-# The sum order kiln_add_rms_norm reproduces is ATen's over 8-float vectors: its AVX2 and default
-# builds. Elsewhere (AVX-512: 16-float vectors) PyTorch's own ops run.
-_SUM_ORDER_KNOWN = torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT", "NO AVX")
+# The sum order kiln_add_rms_norm reproduces is that of ATen's sum kernel over 8-float vectors: its
+# AVX2 and default builds. ATen has no AVX-512 sum kernel (SumKernel.cpp registers none: slower and
+# less accurate there), so a process running its AVX-512 kernels still sums with the AVX2 one:
+# measured bit for bit on a Xeon with AVX-512 (tests/kernels/test_cpu_kernels.py runs wherever the
+# suite runs). Any other capability (another architecture's vectors): PyTorch's own ops run.
+_SUM_ORDER_KNOWN = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "DEFAULT", "NO AVX")
 # ATen reduces serially below this many elements (at::internal::GRAIN_SIZE); above it, rows are shared
 # out among threads whole while there are at least as many rows as threads, else a row is split.
 _GRAIN = 32768

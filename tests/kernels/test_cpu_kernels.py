@@ -338,8 +338,11 @@ def test_the_fp8_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_
 def test_the_attention_kernel_agrees_with_pytorchs_tiles_on_every_call_of_an_engine_run(fp8_engine, monkeypatch):
     """The attention kernel against the PyTorch path it replaces (SDPA over padded tiles), on the
     engine's own calls: prefill, decode and mixed steps, three prompt lengths. They add in other orders,
-    so within float32 rounding of each other, not bit for bit; greedy tokens are not compared: the fp8
-    activations' rounding turns the last bit of a difference into another token within a few steps."""
+    so within float32 rounding of each other, not bit for bit: measured against the call's largest
+    output (an output near zero is a sum that cancelled, whose rounding is that of its terms; on an
+    Intel Xeon one 0.0021 came out 2.9e-6 off beside outputs of 4.3, a few float32 steps of those).
+    Greedy tokens are not compared: the fp8 activations' rounding turns the last bit of a difference
+    into another token within a few steps."""
     from backend.ops.attention import torch_backend
 
     forward, worst, calls = torch_backend.TorchAttentionBackend.forward, [0.0], collections.Counter()
@@ -352,13 +355,13 @@ def test_the_attention_kernel_agrees_with_pytorchs_tiles_on_every_call_of_an_eng
         self._rows = None
         meta = args[2]
         calls["prefill" if meta.num_prefills else "decode"] += 1
-        worst[0] = max(worst[0], float(((got - want).abs() / (want.abs() + 1e-2)).max()))
+        worst[0] = max(worst[0], float((got - want).abs().max() / want.abs().max()))
         return got
 
     monkeypatch.setattr(torch_backend.TorchAttentionBackend, "forward", both)
     _greedy(fp8_engine, PROMPTS, 4)
     assert calls["prefill"] >= fp8_engine.spec.model.num_layers and calls["decode"] >= 3 * fp8_engine.spec.model.num_layers
-    assert worst[0] < 1e-4, worst[0]
+    assert worst[0] < 1e-5, worst[0]   # float32 steps are 6e-8 of a value: ~160 of them
 
 
 def test_the_builder_compiles_the_kernels_or_says_why_not(tmp_path, monkeypatch):

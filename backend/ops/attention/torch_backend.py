@@ -32,12 +32,14 @@ exchange no sequence is padded to the step's longest.
 
 Plain decode rows on CPU (one query row per sequence, no draft tokens) are cheaper still: the query
 heads sharing a KV head become the rows of one tile of ``max(FOLD_MIN_ROWS, group)`` rows, attended
-with that KV head alone. The CPU kernel computes each row of a tile of 4 rows or more on its own
-(its numbers do not depend on the tile's other rows, their count, the row's place in the tile or which
-head it belongs to; 1 to 3 rows take another path with other numbers), so a folded row equals the same
-row in an 8-row tile of its head: measured bit for bit over head shapes, key lengths and batches, and
-held by tests/runtime/test_batch_invariance.py end to end. SmolLM2's 9 query heads over 3 KV heads
-then compute 12 rows per sequence instead of 72, and no query head is expanded for GQA.
+with that KV head alone. A tile has at least ``QUERY_TILE`` rows, as a prefill tile has: the CPU kernel's
+GEMMs block by the row count, and a row's numbers do not depend on the tile's other rows, their values,
+its place in the tile or which head it belongs to only among tiles of one row count. (Tiles of 4 rows
+were enough on an AMD EPYC; on an Intel Xeon with AVX-512 a 4- or 5-row tile of 128-wide heads gave
+other bits than the 8-row tile.) So a folded row equals the same row in an 8-row tile of its head:
+tested bit for bit over head shapes and key lengths (tests/runtime/test_attention_torch.py) and end to
+end (tests/runtime/test_batch_invariance.py). SmolLM2's 9 query heads over 3 KV heads then compute 24
+rows per sequence instead of 72, and no query head is expanded for GQA.
 """
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ FP8_KV_DTYPE = fp8.FP8
 # makes decode cheaper and long prefills dearer; a coarser bucket means fewer calls, more masked keys.
 QUERY_TILE = 8
 KEY_BUCKET = 128
-FOLD_MIN_ROWS = 4   # the fewest rows per tile whose numbers do not depend on the tile (module docstring)
+# The fewest rows of a folded tile: a prefill tile's, so that both run the same GEMM shapes (module docstring)
+FOLD_MIN_ROWS = QUERY_TILE
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None, cache_dtype: torch.dtype) -> torch.Tensor:
