@@ -207,6 +207,11 @@ class ServingConfig:
     # (backend/serving/responder.py): each send is a round trip to the server process, which the
     # engine's loop would otherwise wait for between steps; false: the loop thread sends them
     response_thread: bool = opt(True)
+    # true (with response_thread): a stream's tokens that come while its previous response still waits
+    # for the responder join that response, so a responder that cannot keep up with the engine sends
+    # fewer, larger responses instead of falling further behind; false: one response per
+    # stream_interval tokens, however far behind
+    coalesce_responses: bool = opt(True)
     http_port: int = opt(8000, min=1, max=65535)
     grpc_port: int = opt(8001, min=1, max=65535)
     metrics_port: int = opt(8002, min=1, max=65535)
@@ -226,6 +231,7 @@ _HASH_NEUTRAL_SECTIONS = {"tensorrt": ("enabled", False)}
 # existing build (and test cache) keeps its hash, a non-default value still rebuilds what it changes.
 _HASH_NEUTRAL_DEFAULTS = {("engine", "overlap_scheduling"): "auto", ("engine", "cpu_dtype"): "auto",
                           ("verify", "path"): "auto", ("verify", "device"): "auto", ("serving", "device"): "auto",
+                          ("serving", "coalesce_responses"): True,
                           ("engine", "runtime"): "native"}
 
 

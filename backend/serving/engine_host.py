@@ -5,7 +5,9 @@ Rules (the serving contract):
 * The executor's callback thread computes each response's outputs; one responder thread
   (``responder.py``, ``serving.response_thread``) makes the response and sends it, in the order
   queued, so the loop never waits for a send's round trip to the server (47% of its time with a
-  model that costs almost nothing: ``docs/perf/serving-ceiling-profile.json``). Exactly one thread
+  model that costs almost nothing: ``docs/perf/serving-ceiling-profile.json``). Tokens of a stream
+  whose previous response still waits for the responder join that response
+  (``serving.coalesce_responses``), so a busy responder sends fewer, larger responses. Exactly one thread
   makes, sends and drops responses' Python-backend objects: responses made on the loop and sent by a
   responder aborted Triton 24.10's stub (boost ``lock_exception``, 739280e..a81b105), and four
   sending threads corrupted its heap ("malloc(): unaligned fastbin chunk detected").
@@ -51,7 +53,7 @@ from backend.logs import for_request, get_logger
 from backend.serving.acceptance import draft_counts
 from backend.serving.convert import EngineLimits, InvalidRequest
 from backend.serving.detok import CONTEXT_TOKENS, StreamDetokenizer
-from backend.serving.engine_outputs import error_response, send_empty_final, send_error
+from backend.serving.engine_outputs import error_response, merge_outputs, send_empty_final, send_error
 from backend.serving.engine_stream import INBAND_ERRORS, Stream, chosen_logprobs, inband_errors
 from backend.serving.row_group import RowGroup
 from backend.serving.engine_request import is_stop_request, parse_engine_request, request_rows
@@ -85,11 +87,12 @@ class EngineHost:
                  nv_instance: str | None = None,
                  executor_factory: Callable[..., Any] | None = None, step_timeout_s: float = 0.0,
                  on_fatal: Callable[[str], None] | None = None,
-                 decoupled: bool = True, response_thread: bool = True):
+                 decoupled: bool = True, response_thread: bool = True, coalesce_responses: bool = True):
         """``step_timeout_s`` > 0: a step running longer counts as a hung engine. When the engine
         fails (its loop thread died, or a step hung) every in-flight request gets a final error,
         new ones are refused, and ``on_fatal(reason)`` runs (the Triton model exits its stub).
-        ``response_thread``: the responder's thread makes and sends responses, not the loop's."""
+        ``response_thread``: the responder's thread makes and sends responses, not the loop's;
+        ``coalesce_responses``: a stream's responses waiting for it go out as one (``responder.py``)."""
         self.pb = pb
         # a request with batch size B > 1 is answered row by row: only a decoupled model may
         self.decoupled = decoupled
@@ -122,7 +125,7 @@ class EngineHost:
         self._active: dict[str, Stream] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.responder = Responder(response_thread)
+        self.responder = Responder(response_thread, coalesce=coalesce_responses)
         self.serving = ServingState(model_name)
         self.draining: str | None = None  # set for good once the engine should stop serving (serving_state)
         self.refresh_metrics()  # the pool's size etc. from the start, not from the first poll
@@ -258,11 +261,14 @@ class EngineHost:
         outputs = st.outputs(ids, context, trim, reason, draft)
         st.sent = True
         on_error = None if final else partial(self._undelivered, st)
-        self.responder.send(st.sender, partial(self._response, outputs),
-                            self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0, on_error)
+        # a part: when st's previous response still waits for the responder, these tokens join it
+        self.responder.send_part(st.rid, st.sender, outputs, self._response,
+                                 self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0, on_error)
 
-    def _response(self, outputs: dict) -> Any:
-        """The Triton response carrying ``outputs`` (numpy), made on the responder's thread."""
+    def _response(self, parts: list[dict]) -> Any:
+        """The Triton response carrying ``parts`` (numpy outputs of one stream's consecutive
+        responses, joined), made on the responder's thread."""
+        outputs = merge_outputs(parts)
         return self.pb.InferenceResponse(output_tensors=[self.pb.Tensor(k, v) for k, v in outputs.items()])
 
     def _undelivered(self, st: Stream, e: BaseException) -> None:
@@ -278,7 +284,7 @@ class EngineHost:
     def _queue_error(self, st: Stream, message: str) -> None:
         """st's FINAL error response, behind its earlier responses."""
         self.responder.send(st.sender, partial(error_response, self.pb, message, st.inband),
-                            self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                            self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, key=st.rid)
 
     def _finish(self, st: Stream, error: str, kind: str) -> None:
         """Called with st.lock held. Ends st with an error as its FINAL response (in-band for a

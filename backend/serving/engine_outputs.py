@@ -23,17 +23,24 @@ Every response carries, batch dimension first (``max_batch_size`` > 0, one seque
   for the same reason as the log-probabilities.
 * With ``return_perf_metrics``: the acceptance and perf figures, each ``[1, 1]``.
 
+Responses of one stream that waited behind a send go out as one (``responder.py``): ``merge_outputs``
+joins them by the rule each output has in ``MERGE_RULES`` (tokens and their per-token outputs
+concatenated, counts added, running totals and the final response's fields taken from the last).
+
 Numpy only: the Triton calls go through the ``pb`` (``triton_python_backend_utils``) a caller passes.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from backend.serving.acceptance import ACCEPTANCE_OUTPUTS
 from backend.serving.batching import batched
+from backend.serving.perf_metrics import PERF_OUTPUTS
 
-__all__ = ["error_response", "response_tensors", "send_error", "send_empty_final"]
+__all__ = ["MERGE_RULES", "error_response", "merge_outputs", "response_tensors", "send_error",
+           "send_empty_final"]
 
 
 _NO_CONTEXT_LOGITS = np.zeros((1, 0, 0), np.float32)
@@ -63,6 +70,53 @@ def response_tensors(ids: Sequence[int], context: Sequence[int], trim: int, logp
     for name, value in (extra or {}).items():
         out[name] = batched(value)
     return out
+
+
+def _concat(axis: int) -> Callable[[list[np.ndarray]], np.ndarray]:
+    """Per-token outputs: joined along the token axis. Empty parts are left out (a part without
+    tokens, or logits a request did not ask for, is zero-sized in other dimensions too)."""
+    def join(parts: list[np.ndarray]) -> np.ndarray:
+        full = [p for p in parts if p.size]
+        if len(full) <= 1:
+            return full[0] if full else parts[-1]
+        return np.concatenate(full, axis=axis)
+    return join
+
+
+def _add(parts: list[np.ndarray]) -> np.ndarray:
+    return np.sum(parts, axis=0, dtype=parts[0].dtype)
+
+
+def _first(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0]
+
+
+def _last(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[-1]
+
+
+# How each output of consecutive responses of one stream becomes the output of one response.
+MERGE_RULES: dict[str, Callable[[list[np.ndarray]], np.ndarray]] = {
+    "output_ids": _concat(2), "output_log_probs": _concat(2), "generation_logits": _concat(2),
+    "output_top_ids": _concat(2), "output_top_logprobs": _concat(2),
+    "context_logits": _concat(1),       # only a request's first response carries them
+    "sequence_length": _add, "num_output_tokens": _add,
+    "context_ids": _first,              # the tokens before the first part's: decoding continues from them
+    # running totals and the final response's fields: the last part's
+    "cum_log_probs": _last, "text_trim": _last, "finish_reason": _last, "batch_index": _last,
+    "sequence_index": _last, "num_input_tokens": _last,
+    **{name: _last for name in ACCEPTANCE_OUTPUTS + PERF_OUTPUTS},
+}
+
+
+def merge_outputs(parts: Sequence[Mapping[str, np.ndarray]]) -> Mapping[str, np.ndarray]:
+    """One response's outputs from consecutive responses of one stream, all but the last not final
+    (no finish reason, no text cut). Every part has the same outputs (the request's options fix them)."""
+    if len(parts) == 1:
+        return parts[0]
+    for p in parts[:-1]:
+        assert p["finish_reason"][0, 0] == b"" and p["text_trim"][0, 0] == 0, "only the last part may end"
+    return {name: MERGE_RULES[name]([p[name] for p in parts]) for name in parts[0]}
 
 
 def error_response(pb: Any, message: str, inband: bool = False) -> Any:

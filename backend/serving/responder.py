@@ -13,13 +13,20 @@ once. Here every Python-backend object of a response is made, sent and dropped o
 the loop thread did alone before. One FIFO also keeps each request's responses in order, its FINAL one
 last, with no per-request bookkeeping.
 
+Coalescing (``send_part``, ``serving.coalesce_responses``): a stream's data responses that wait in the
+queue behind a send become one response when the responder reaches them (``engine_outputs.merge_outputs``
+joins their tokens). An idle responder sends each as it comes, so no token waits longer than it would
+have; a busy one sends fewer, larger responses, and every process on the path (this stub, the server,
+postprocessing, the client) pays its per-response cost once per group instead of once per token. That
+is what lets the server keep up with an engine that makes tokens faster than one thread can send them.
+
 ``Responder(False)`` makes and sends inline on the caller's thread (what the engine did before).
 """
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 from backend.logs import get_logger
 
@@ -30,24 +37,69 @@ _LOG = get_logger("serving.responder")
 _STOP = object()
 
 
+class _Parts:
+    """A queued response made of one or more parts; parts join it until the responder takes it."""
+    __slots__ = ("key", "sender", "make", "parts", "flags", "on_error")
+
+    def __init__(self, key, sender, make, part, flags, on_error) -> None:
+        self.key, self.sender, self.make = key, sender, make
+        self.parts, self.flags, self.on_error = [part], flags, on_error
+
+    def __call__(self) -> Any:
+        return self.make(self.parts)
+
+
 class Responder:
-    def __init__(self, threaded: bool, name: str = "kiln-responder") -> None:
+    def __init__(self, threaded: bool, name: str = "kiln-responder", coalesce: bool = True) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._coalesce = coalesce
+        # key -> its queued response that parts may still join (the responder has not taken it)
+        self._open: dict[Hashable, _Parts] = {}
+        self._open_lock = threading.Lock()
+        self.responses = 0               # responses made (sent or failed)
+        self.parts = 0                   # parts they carried (parts - responses = coalesced away)
         self._worker = None              # None: made and sent inline
         if threaded:
             self._worker = threading.Thread(target=self._run, name=name, daemon=True)
             self._worker.start()
 
     def send(self, sender: Any, make: Callable[[], Any], flags: int,
-             on_error: Callable[[BaseException], None] | None = None) -> None:
+             on_error: Callable[[BaseException], None] | None = None, key: Hashable | None = None) -> None:
         """Send ``make()`` (the response) through ``sender`` after everything queued before it.
-        ``on_error(exc)`` runs on the sending thread when making or sending fails (the client went away)."""
+        ``on_error(exc)`` runs on the sending thread when making or sending fails (the client went away).
+        ``key``: the stream it belongs to; no later part of that stream joins a response queued before it."""
+        if key is not None and self._open:
+            with self._open_lock:
+                self._open.pop(key, None)
         if self._worker is None:
             self._deliver(sender, make, flags, on_error)
             return
         assert not self._closed, "responder closed"
         self._queue.put((sender, make, flags, on_error))
+
+    def send_part(self, key: Hashable, sender: Any, part: Any, make: Callable[[list], Any], flags: int,
+                  on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Like ``send``, for one part of a stream's data: when the stream (``key``) still has a response
+        waiting in the queue that is not FINAL, ``part`` joins it, else it is queued as a new one.
+        ``make(parts)`` makes the response from its parts, in order; ``flags`` and ``on_error`` are the
+        last part's. Inline, or with coalescing off, every part is a response of its own."""
+        if self._worker is None or not self._coalesce:
+            self.send(sender, _Parts(key, sender, make, part, flags, on_error), flags, on_error)
+            return
+        assert not self._closed, "responder closed"
+        with self._open_lock:
+            item = self._open.get(key)
+            if item is not None:
+                item.parts.append(part)
+                item.flags, item.on_error = flags, on_error
+            else:
+                item = _Parts(key, sender, make, part, flags, on_error)
+                self._queue.put(item)
+            if flags:                    # a FINAL response ends the stream: nothing may join it
+                self._open.pop(key, None)
+            else:
+                self._open[key] = item
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far has been sent (False: ``timeout`` passed first)."""
@@ -66,9 +118,10 @@ class Responder:
             self._queue.put(_STOP)
             self._worker.join(timeout)
 
-    @staticmethod
-    def _deliver(sender: Any, make: Callable[[], Any], flags: int,
+    def _deliver(self, sender: Any, make: Callable[[], Any], flags: int,
                  on_error: Callable[[BaseException], None] | None) -> None:
+        self.responses += 1
+        self.parts += len(make.parts) if isinstance(make, _Parts) else 1
         try:
             sender.send(make(), flags=flags)
         except Exception as e:  # noqa: BLE001 - the client went away (or the request was released)
@@ -88,5 +141,10 @@ class Responder:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
+            if isinstance(item, _Parts):
+                with self._open_lock:    # taken: later parts of its stream start a new response
+                    if self._open.get(item.key) is item:
+                        del self._open[item.key]
+                item = (item.sender, item, item.flags, item.on_error)
             deliver(*item)
             del item   # the request's objects go now, on this thread, not when the next item comes

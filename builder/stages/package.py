@@ -123,6 +123,7 @@ def template_values(serving, engine_dir: str, max_batch_size: int = 64, tp_size:
         "stream_interval": serving.stream_interval,
         "step_timeout_s": serving.step_timeout_s,
         "response_thread": "true" if serving.response_thread else "false",
+        "coalesce_responses": "true" if serving.coalesce_responses else "false",
         # serving.device cuda: one KIND_GPU group per instance and the GPUs each owns (DP x TP)
         "engine_instance_groups": groups,
         "engine_instance_gpus": gpus,

@@ -11,8 +11,10 @@ this builds (once, under build/bench/serving-ceiling/) a random-weight Llama of 
   what the engine can do (the peer);
 * the real Triton server, gRPC streaming to the ensemble at ``--concurrency`` streams, once per
   ``serving.stream_interval`` value (tokens per streamed response) and ``serving.response_thread``
-  value (``--response-thread``: on, off or both, off first), the repository re-rendered and a fresh
-  server started for each; ``--rounds`` repeats them all, the order reversed every other round.
+  value (``--response-thread``: on, off or both, off first) and ``serving.coalesce_responses`` value
+  (``--coalesce``, likewise), the repository re-rendered and a fresh server started for each;
+  ``--rounds`` repeats them all, the order reversed every other round. Each run also records the
+  streamed text pieces per request (the responses that reached the client, coalesced or not).
 
 Engine tokens are counted exactly (completed requests x max_tokens), not by re-tokenizing the
 random model's text. The gap between the two is the serving path: per streamed response one
@@ -50,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-intervals", default="1,4", help="comma-separated serving.stream_interval values")
     p.add_argument("--response-thread", choices=("on", "off", "both"), default="on",
                    help="serving.response_thread of the served runs (both: an A/B, off first)")
+    p.add_argument("--coalesce", choices=("on", "off", "both"), default="on",
+                   help="serving.coalesce_responses of the served runs (both: an A/B, off first)")
     p.add_argument("--rounds", type=int, default=1, help="repeat the served runs (order reversed each round)")
     p.add_argument("--output", default=None, help="results JSON (default <workdir>/serving-ceiling-<time>.json)")
     p.add_argument("--note", default="")
@@ -62,13 +66,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--stream-intervals: {a.stream_intervals!r}; allowed: comma-separated integers >= 1")
     if a.concurrency < 1 or a.num_prompts < 1 or a.max_tokens < 2 or a.rounds < 1:
         p.error("--concurrency, --num-prompts and --rounds must be >= 1, --max-tokens >= 2")
-    a.threads = {"on": [True], "off": [False], "both": [False, True]}[a.response_thread]
+    switch = {"on": [True], "off": [False], "both": [False, True]}
+    a.threads, a.coalesces = switch[a.response_thread], switch[a.coalesce]
     return a
 
 
-def build(workdir: Path, stream_interval: int, response_thread: bool = True) -> Path:
-    """The tiny bundle and its repository rendered with ``stream_interval`` and ``response_thread``
-    (only the package stage runs again once the engine exists); returns the build folder."""
+def _flag(on: bool) -> str:
+    return "true" if on else "false"
+
+
+def build(workdir: Path, stream_interval: int, response_thread: bool = True, coalesce: bool = True) -> Path:
+    """The tiny bundle and its repository rendered with ``stream_interval``, ``response_thread`` and
+    ``coalesce`` (only the package stage runs again once the engine exists); returns the build folder."""
     ckpt = workdir / "checkpoint"
     if not (ckpt / "config.json").is_file():
         from harness.bench.build_memory import _tokenizer_dir  # the builder's own SmolLM2 import
@@ -77,7 +86,8 @@ def build(workdir: Path, stream_interval: int, response_thread: bool = True) -> 
     out = workdir / "build"
     cmd = [sys.executable, "-m", "builder", "build", "configs/smollm2-135m-bf16.yaml", f"model.source={ckpt}",
            "verify.enabled=false", f"serving.stream_interval={stream_interval}",
-           f"serving.response_thread={'true' if response_thread else 'false'}", "--output", str(out)]
+           f"serving.response_thread={_flag(response_thread)}", f"serving.coalesce_responses={_flag(coalesce)}",
+           "--output", str(out)]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return out
 
@@ -123,8 +133,10 @@ def through_triton(build_dir: Path, prompts: list[str], a: argparse.Namespace) -
     row = summarize(results, [a.max_tokens if r.error is None else 0 for r in results], wall, 2.0, 0.2)
     tokens = max(row["output_tokens"], 1)
     cpu = {roles[p]: round((after[p] - before[p]) * 1e3 / tokens, 3) for p in roles if p in before and p in after}
+    done = [r for r in results if r.error is None]
     return {"output_tok_s": row["output_token_throughput"], "seconds": wall, "completed": row["completed"],
-            "errors": row["errors"], "tpot_s_p50": row["tpot_s"]["p50"], "cpu_ms_per_token": cpu}
+            "errors": row["errors"], "tpot_s_p50": row["tpot_s"]["p50"], "cpu_ms_per_token": cpu,
+            "pieces_per_request": sum(len(r.pieces) for r in done) / max(len(done), 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,19 +152,22 @@ def main(argv: list[str] | None = None) -> int:
     alone = executor_alone(first / "engine", [tok.encode(p, chat=True) for p in prompts], a.max_tokens,
                            a.concurrency)
     print(f"executor alone: {alone['output_tok_s']:.0f} tok/s (best of {alone['output_tok_s_each_run']})", flush=True)
-    plan = [(k, t) for k in a.intervals for t in a.threads]
+    # coalescing only exists with the responder's thread
+    plan = list(dict.fromkeys((k, t, c and t) for k in a.intervals for t in a.threads for c in a.coalesces))
     served = []
     for rnd in range(a.rounds):
-        for k, t in (plan if rnd % 2 == 0 else plan[::-1]):
-            r = {"round": rnd, "stream_interval": k, "response_thread": t,
-                 **through_triton(build(workdir, k, t), prompts, a)}
+        for k, t, c in (plan if rnd % 2 == 0 else plan[::-1]):
+            r = {"round": rnd, "stream_interval": k, "response_thread": t, "coalesce_responses": c,
+                 **through_triton(build(workdir, k, t, c), prompts, a)}
             r["share_of_executor"] = r["output_tok_s"] / alone["output_tok_s"]
             served.append(r)
-            print(f"Triton, stream_interval {k}, response_thread {t}: {r['output_tok_s']:.0f} tok/s "
+            print(f"Triton, stream_interval {k}, response_thread {t}, coalesce {c}: {r['output_tok_s']:.0f} tok/s "
                   f"({r['share_of_executor']:.2f} of the executor alone), errors {r['errors']}, "
-                  f"CPU ms per token {r['cpu_ms_per_token']}", flush=True)
-    medians = {f"stream_interval={k},response_thread={str(t).lower()}": statistics.median(
-        r["output_tok_s"] for r in served if (r["stream_interval"], r["response_thread"]) == (k, t)) for k, t in plan}
+                  f"{r['pieces_per_request']:.1f} pieces per request, CPU ms per token {r['cpu_ms_per_token']}",
+                  flush=True)
+    medians = {f"stream_interval={k},response_thread={_flag(t)},coalesce_responses={_flag(c)}": statistics.median(
+        r["output_tok_s"] for r in served
+        if (r["stream_interval"], r["response_thread"], r["coalesce_responses"]) == (k, t, c)) for k, t, c in plan}
     report = {"what": "serving-path cost with a near-zero-cost model: the executor alone vs the same engine "
                       "through the real Triton server (ensemble, gRPC streaming), same prompts, exact token counts",
               "date": started.isoformat(timespec="seconds"), "commit": _commit(), "machine": machine,

@@ -291,7 +291,7 @@ def test_removed_model_name_key_says_what_to_use(tmp_path):
     assert "model_names: {ensemble: smollm2}" in msg
 
 
-@pytest.mark.parametrize("key", ["decoupled", "response_thread"])
+@pytest.mark.parametrize("key", ["decoupled", "response_thread", "coalesce_responses"])
 def test_serving_switches_are_bools_defaulting_to_true(key):
     assert getattr(BuildConfig.from_dict({}).serving, key) is True
     assert getattr(BuildConfig.from_dict({"serving": {key: False}}).serving, key) is False

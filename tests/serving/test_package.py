@@ -17,7 +17,7 @@ def values(**serving):
 
 def test_renders_every_model_with_config_values(tmp_path):
     names = render_repository(values(model_names={"ensemble": "smollm2"}, engine_instances=2, stream_interval=4,
-                                     response_thread=False), tmp_path)
+                                     response_thread=False, coalesce_responses=False), tmp_path)
     assert sorted(names) == sorted(["preprocessing", "tensorrt_llm", "postprocessing", "smollm2", "tensorrt_llm_bls"])
     for name in names:
         cfg = (tmp_path / name / "config.pbtxt").read_text()
@@ -27,9 +27,11 @@ def test_renders_every_model_with_config_values(tmp_path):
     assert "count: 2 kind: KIND_CPU" in engine
     assert 'key: "stream_interval" value: { string_value: "4" }' in engine
     assert 'key: "response_thread" value: { string_value: "false" }' in engine
+    assert 'key: "coalesce_responses" value: { string_value: "false" }' in engine
     render_repository(values(), tmp_path / "default")
-    assert 'key: "response_thread" value: { string_value: "true" }' in (
-        tmp_path / "default" / "tensorrt_llm" / "config.pbtxt").read_text()
+    default = (tmp_path / "default" / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert 'key: "response_thread" value: { string_value: "true" }' in default
+    assert 'key: "coalesce_responses" value: { string_value: "true" }' in default
     assert 'string_value: "../engine"' in engine and "decoupled: true" in engine
     assert 'name: "smollm2"' in (tmp_path / "smollm2" / "config.pbtxt").read_text()
     assert (tmp_path / "tensorrt_llm" / "1" / "model.py").read_text() == (TEMPLATE_ROOT / "engine/1/model.py").read_text()

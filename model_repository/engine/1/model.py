@@ -25,6 +25,7 @@ class TritonPythonModel:
                                nv_instance=args["model_instance_name"] if instance_count(cfg) > 1 else None,
                                step_timeout_s=float(parameter(cfg, "step_timeout_s", "300")),
                                response_thread=parameter(cfg, "response_thread", "true") == "true",
+                               coalesce_responses=parameter(cfg, "coalesce_responses", "true") == "true",
                                on_fatal=exit_stub, decoupled=self.decoupled)
 
     def execute(self, requests):
