@@ -54,6 +54,7 @@ from backend.serving.batching import rows, stack_rows
 from backend.serving.perf_metrics import PERF_OUTPUTS
 from backend.serving.convert import InvalidRequest
 from backend.serving.engine_host import INBAND_ERRORS
+from backend.serving.engine_outputs import requested_outputs
 from backend.serving.metrics import RequestErrors
 from backend.serving.postprocess import postprocess
 from backend.serving.preprocess import TEXT_MODEL_INPUTS, Preprocessor
@@ -100,6 +101,7 @@ class _Reply:
     def __init__(self, pb: Any, request: Any):
         self.pb = pb
         self.sender = request.get_response_sender()
+        self.wanted = requested_outputs(request)
         self.open = True
         self.gone = False
 
@@ -108,6 +110,8 @@ class _Reply:
             return
         flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         self.open = not final  # the flag counts as sent even if the send fails: never send again
+        if self.wanted is not None:  # dropped here, with the GIL held (engine_outputs.requested_outputs)
+            tensors = [t for t in tensors if t.name() in self.wanted]
         try:
             self.sender.send(self.pb.InferenceResponse(output_tensors=tensors), flags=flags)
         except Exception:  # noqa: BLE001 - the client went away

@@ -10,7 +10,10 @@ Rules (the serving contract):
   (``serving.coalesce_responses``), so a busy responder sends fewer, larger responses. Exactly one thread
   makes, sends and drops responses' Python-backend objects: responses made on the loop and sent by a
   responder aborted Triton 24.10's stub (boost ``lock_exception``, 739280e..a81b105), and four
-  sending threads corrupted its heap ("malloc(): unaligned fastbin chunk detected").
+  sending threads corrupted its heap ("malloc(): unaligned fastbin chunk detected"). That message came
+  back once joined responses were first sent, and had a cause in the stub: ``send()`` drops the outputs
+  the request did not ask for after releasing the GIL, freeing their arrays unlocked when nothing
+  else held them. Responses now carry only the requested outputs (``engine_outputs.requested_outputs``).
 * Every request gets exactly one FINAL response: the last data response carries the FINAL flag; a
   bad request, an executor error or a cancellation by its client gets an error response with the
   FINAL flag. A request stopped by a ``stop_request`` ends like tensorrtllm_backend's: a normal
@@ -53,7 +56,8 @@ from backend.logs import for_request, get_logger
 from backend.serving.acceptance import draft_counts
 from backend.serving.convert import EngineLimits, InvalidRequest
 from backend.serving.detok import CONTEXT_TOKENS, StreamDetokenizer
-from backend.serving.engine_outputs import error_response, merge_outputs, send_empty_final, send_error
+from backend.serving.engine_outputs import (error_response, make_response, merge_outputs, requested_outputs,
+                                            send_empty_final, send_error)
 from backend.serving.engine_stream import INBAND_ERRORS, Stream, chosen_logprobs, inband_errors
 from backend.serving.row_group import RowGroup
 from backend.serving.engine_request import is_stop_request, parse_engine_request, request_rows
@@ -141,7 +145,7 @@ class EngineHost:
                 for_request(_LOG, request.request_id() or "-").exception("could not enqueue the request")
                 self.metrics.errors.count("internal")
                 self._send_error(request.get_response_sender(), f"engine: {type(e).__name__}: {e}",
-                                 inband_errors(request))
+                                 inband_errors(request), request)
 
     def _enqueue(self, request) -> None:
         sender = request.get_response_sender()
@@ -151,7 +155,7 @@ class EngineHost:
         inband = inband_errors(request)
         if self.failed is not None or self.draining is not None:
             self.metrics.errors.count("unavailable")
-            self._send_error(sender, f"engine unavailable: {self.failed or self.draining}", inband)
+            self._send_error(sender, f"engine unavailable: {self.failed or self.draining}", inband, request)
             return
         try:
             reqs = [parse_engine_request(r, self.limits, self.vocab_size, self.tok)
@@ -159,7 +163,7 @@ class EngineHost:
             params = [self._params(**r.sampling) for r in reqs]
         except (InvalidRequest, ValueError, TypeError) as e:
             self.metrics.errors.count("invalid_request")
-            self._send_error(sender, str(e), inband)
+            self._send_error(sender, str(e), inband, request)
             return
         # every row is checked before any starts: a bad row refuses the whole request
         group = RowGroup(len(reqs)) if len(reqs) > 1 else None
@@ -170,7 +174,7 @@ class EngineHost:
         rid = self._prefix + str(next(self._ids))
         st = Stream(rid, request.request_id(), request, sender, req,
                     StreamDetokenizer(self.tok, req.prompt_ids, req.stop_strings, self.interval, req.stop_ids),
-                    time.monotonic(), inband=inband, group=group, row=row)
+                    time.monotonic(), inband=inband, group=group, row=row, wanted=requested_outputs(request))
         with self._lock:
             self._active[rid] = st
         try:
@@ -262,14 +266,13 @@ class EngineHost:
         st.sent = True
         on_error = None if final else partial(self._undelivered, st)
         # a part: when st's previous response still waits for the responder, these tokens join it
-        self.responder.send_part(st.rid, st.sender, outputs, self._response,
+        self.responder.send_part(st.rid, st.sender, outputs, partial(self._response, st.wanted),
                                  self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0, on_error)
 
-    def _response(self, parts: list[dict]) -> Any:
+    def _response(self, wanted: frozenset[str] | None, parts: list[dict]) -> Any:
         """The Triton response carrying ``parts`` (numpy outputs of one stream's consecutive
-        responses, joined), made on the responder's thread."""
-        outputs = merge_outputs(parts)
-        return self.pb.InferenceResponse(output_tensors=[self.pb.Tensor(k, v) for k, v in outputs.items()])
+        responses, joined), the outputs its request asked for only, made on the responder's thread."""
+        return make_response(self.pb, merge_outputs(parts), wanted)
 
     def _undelivered(self, st: Stream, e: BaseException) -> None:
         """A non-final response could not be sent: the client went away, so stop generating for it.
@@ -283,7 +286,7 @@ class EngineHost:
 
     def _queue_error(self, st: Stream, message: str) -> None:
         """st's FINAL error response, behind its earlier responses."""
-        self.responder.send(st.sender, partial(error_response, self.pb, message, st.inband),
+        self.responder.send(st.sender, partial(error_response, self.pb, message, st.inband, st.wanted),
                             self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, key=st.rid)
 
     def _finish(self, st: Stream, error: str, kind: str) -> None:
@@ -313,8 +316,9 @@ class EngineHost:
             pass
         self.refresh_metrics()
 
-    def _send_error(self, sender, message: str, inband: bool = False) -> None:
-        send_error(self.pb, sender, message, inband)
+    def _send_error(self, sender, message: str, inband: bool = False, request=None) -> None:
+        """``request``: an in-band error carries only the outputs it asked for (``requested_outputs``)."""
+        send_error(self.pb, sender, message, inband, requested_outputs(request) if inband and request else None)
 
     # ---- poller: cancellation and gauges -------------------------------------------------------
     def _poll(self) -> None:

@@ -39,8 +39,8 @@ from backend.serving.acceptance import ACCEPTANCE_OUTPUTS
 from backend.serving.batching import batched
 from backend.serving.perf_metrics import PERF_OUTPUTS
 
-__all__ = ["MERGE_RULES", "error_response", "merge_outputs", "response_tensors", "send_error",
-           "send_empty_final"]
+__all__ = ["MERGE_RULES", "error_response", "make_response", "merge_outputs", "requested_outputs",
+           "response_tensors", "send_error", "send_empty_final"]
 
 
 _NO_CONTEXT_LOGITS = np.zeros((1, 0, 0), np.float32)
@@ -119,18 +119,36 @@ def merge_outputs(parts: Sequence[Mapping[str, np.ndarray]]) -> Mapping[str, np.
     return {name: MERGE_RULES[name]([p[name] for p in parts]) for name in parts[0]}
 
 
-def error_response(pb: Any, message: str, inband: bool = False) -> Any:
+def requested_outputs(request: Any) -> frozenset[str] | None:
+    """The outputs ``request`` asked for (None: every output). Its response sender delivers only those
+    and drops the others itself, but in Triton 24.10's stub it drops them after releasing the GIL
+    (``ResponseSender::Send``: ``gil_scoped_release``, then ``PruneOutputTensors``): a dropped tensor
+    whose numpy array had no other reference frees that array with no GIL held, which corrupted the
+    stub's heap ("malloc(): unaligned fastbin chunk detected") once responses were joined
+    (``merge_outputs`` makes new arrays). So responses carry only these (``make_response``)."""
+    names = request.requested_output_names()
+    return frozenset(names) if names else None
+
+
+def make_response(pb: Any, outputs: Mapping[str, np.ndarray], wanted: frozenset[str] | None) -> Any:
+    """The Triton response carrying the outputs of ``outputs`` that the request asked for (``wanted``:
+    ``requested_outputs``): the sender then has nothing to drop (``requested_outputs`` says why)."""
+    return pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in outputs.items()
+                                                if wanted is None or k in wanted])
+
+
+def error_response(pb: Any, message: str, inband: bool = False, wanted: frozenset[str] | None = None) -> Any:
     """An error response, or for ``inband`` (the bls model's requests) a data response whose
-    finish_reason is "error: <message>" (empty outputs)."""
+    finish_reason is "error: <message>" (empty outputs; only the ``wanted`` ones)."""
     if inband:
-        return pb.InferenceResponse(output_tensors=[
-            pb.Tensor(k, v) for k, v in response_tensors([], [], 0, [], 0.0, f"error: {message}").items()])
+        return make_response(pb, response_tensors([], [], 0, [], 0.0, f"error: {message}"), wanted)
     return pb.InferenceResponse(output_tensors=[], error=pb.TritonError(message))
 
 
-def send_error(pb: Any, sender: Any, message: str, inband: bool = False) -> None:
+def send_error(pb: Any, sender: Any, message: str, inband: bool = False,
+               wanted: frozenset[str] | None = None) -> None:
     """A request's FINAL response (``error_response``) where no stream state exists yet."""
-    resp = error_response(pb, message, inband)
+    resp = error_response(pb, message, inband, wanted)
     try:
         sender.send(resp, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
     except Exception:  # noqa: BLE001 - nobody left to tell

@@ -72,6 +72,7 @@ class Stream:
     sent: bool = False      # a response went out (an ensemble may be running a later step on it)
     group: RowGroup | None = None  # the rows of a request with batch size > 1 (row_group.py)
     row: int = 0            # this stream's row in it (NVIDIA's batch_index)
+    wanted: frozenset | None = None  # the outputs its request asked for (None: all): engine_outputs.requested_outputs
     # reentrant: a failed inline send (no responder thread) calls back under the lock its caller holds
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
 

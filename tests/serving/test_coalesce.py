@@ -4,7 +4,8 @@ tokens, output by output, whatever the request asked for.
 
 The streams here are the engine model's real ``Stream`` objects fed real ``TokenEvent``s and a real
 engine ``Request``; no Triton objects are involved (the response is made from these outputs
-afterwards). The real server runs the same code in every serving test.
+afterwards). The real server runs the same code in every serving test. Last, the response is made
+with the outputs its request asked for only.
 """
 from __future__ import annotations
 
@@ -120,3 +121,37 @@ def test_only_the_last_part_may_end_the_stream():
     cut = dict(parts[0], text_trim=np.array([[3]], np.int32))
     with pytest.raises(AssertionError, match="only the last part"):
         merge_outputs([cut, parts[1]])
+
+
+class _Recording:
+    """Stands in for triton_python_backend_utils (what is under test is which tensors we make; the real
+    module runs in every serving test): records the names of the tensors a response was made with."""
+
+    class Tensor:
+        def __init__(self, name, value):
+            self.name_, self.value = name, value
+
+    class InferenceResponse:
+        def __init__(self, output_tensors, error=None):
+            self.names = [t.name_ for t in output_tensors]
+
+
+def test_a_response_carries_only_the_outputs_its_request_asked_for():
+    """The sender would drop the others with the GIL released (engine_outputs.requested_outputs): a
+    joined response's new arrays freed that way corrupted the stub's heap."""
+    from backend.serving.engine_outputs import error_response, make_response, requested_outputs
+
+    outputs = merge_outputs(_responses(_events(2, per_event=1), [1, 1], {}))
+    wanted = frozenset({"output_ids", "finish_reason", "not_an_output"})
+    assert make_response(_Recording, outputs, wanted).names == ["output_ids", "finish_reason"]
+    assert make_response(_Recording, outputs, None).names == list(outputs)
+    assert error_response(_Recording, "boom", inband=True, wanted=wanted).names == ["output_ids", "finish_reason"]
+
+    class Request:
+        def __init__(self, names):
+            self.names = names
+
+        def requested_output_names(self):
+            return self.names
+    assert requested_outputs(Request(["output_ids", "sequence_length"])) == {"output_ids", "sequence_length"}
+    assert requested_outputs(Request([])) is None
