@@ -5,15 +5,12 @@ Rules (the serving contract):
 * The executor's callback thread computes each response's outputs; one responder thread
   (``responder.py``, ``serving.response_thread``) makes the response and sends it, in the order
   queued, so the loop never waits for a send's round trip to the server (47% of its time with a
-  model that costs almost nothing: ``docs/perf/serving-ceiling-profile.json``). Tokens of a stream
-  whose previous response still waits for the responder join that response
-  (``serving.coalesce_responses``), so a busy responder sends fewer, larger responses. Exactly one thread
-  makes, sends and drops responses' Python-backend objects: responses made on the loop and sent by a
-  responder aborted Triton 24.10's stub (boost ``lock_exception``, 739280e..a81b105), and four
-  sending threads corrupted its heap ("malloc(): unaligned fastbin chunk detected"). That message came
-  back once joined responses were first sent, and had a cause in the stub: ``send()`` drops the outputs
-  the request did not ask for after releasing the GIL, freeing their arrays unlocked when nothing
-  else held them. Responses now carry only the requested outputs (``engine_outputs.requested_outputs``).
+  model that costs almost nothing: ``docs/perf/serving-ceiling-profile.json``); a stream's tokens that
+  come while its previous response still waits join it (``serving.coalesce_responses``). Exactly one
+  thread makes, sends and drops responses' Python-backend objects: responses made on the loop and sent
+  by a responder aborted Triton 24.10's stub (boost ``lock_exception``, 739280e..a81b105); four sending
+  threads, and later joined responses, corrupted its heap ("malloc(): unaligned fastbin chunk"), the
+  latter through ``send()`` freeing unrequested outputs without the GIL (``engine_outputs.requested_outputs``).
 * Every request gets exactly one FINAL response: the last data response carries the FINAL flag; a
   bad request, an executor error or a cancellation by its client gets an error response with the
   FINAL flag. A request stopped by a ``stop_request`` ends like tensorrtllm_backend's: a normal
@@ -66,7 +63,7 @@ from backend.serving.responder import Responder
 from backend.serving.serving_state import ServingState
 from backend.serving.tokenizer import load_tokenizer
 
-__all__ = ["EngineHost", "INBAND_ERRORS", "MIN_STOP_ID_LEN", "chosen_logprobs", "exit_stub"]
+__all__ = ["EngineHost", "INBAND_ERRORS", "MIN_STOP_ID_LEN", "chosen_logprobs"]
 
 _LOG = get_logger("serving.engine")
 
@@ -75,14 +72,6 @@ POLL_S = 0.5           # cancellation check period: each check is an IPC round t
 STATS_EVERY_S = 0.5    # gauge refresh period while requests run (each one also refreshes them
                        # just before its final response)
 MIN_STOP_ID_LEN = 16   # a stop_request may name only a request id at least this long (a UUID is 36)
-
-
-def exit_stub(reason: str) -> None:
-    """``on_fatal`` inside Triton: end this Python backend stub at once (after the final errors went
-    out). Triton then reports the model's stub unhealthy, and harness.serve stops the server with
-    exit code 3 so that a supervisor restarts it; threads stuck in a device call cannot be joined."""
-    _LOG.critical("exiting the engine's stub process: %s", reason)
-    os._exit(70)
 
 
 class EngineHost:
@@ -95,8 +84,7 @@ class EngineHost:
         """``step_timeout_s`` > 0: a step running longer counts as a hung engine. When the engine
         fails (its loop thread died, or a step hung) every in-flight request gets a final error,
         new ones are refused, and ``on_fatal(reason)`` runs (the Triton model exits its stub).
-        ``response_thread``: the responder's thread makes and sends responses, not the loop's;
-        ``coalesce_responses``: a stream's responses waiting for it go out as one (``responder.py``)."""
+        ``response_thread``, ``coalesce_responses``: the responder's (``responder.py``)."""
         self.pb = pb
         # a request with batch size B > 1 is answered row by row: only a decoupled model may
         self.decoupled = decoupled
@@ -317,7 +305,6 @@ class EngineHost:
         self.refresh_metrics()
 
     def _send_error(self, sender, message: str, inband: bool = False, request=None) -> None:
-        """``request``: an in-band error carries only the outputs it asked for (``requested_outputs``)."""
         send_error(self.pb, sender, message, inband, requested_outputs(request) if inband and request else None)
 
     # ---- poller: cancellation and gauges -------------------------------------------------------

@@ -1,14 +1,17 @@
-"""Reading a model's config.pbtxt parameters inside the Python backend's ``initialize(args)``."""
+"""What a Triton model.py needs from inside the Python backend: its config.pbtxt parameters (read in
+``initialize(args)``) and, for the engine, how to end its stub when the engine fails."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
 from backend.bundle import MANIFEST
+from backend.logs import get_logger
 from backend.serving.placement import Placement, place_instance, visible_gpus
 
-__all__ = ["model_config", "parameter", "engine_dir", "instance_count", "instance_placement"]
+__all__ = ["model_config", "parameter", "engine_dir", "exit_stub", "instance_count", "instance_placement"]
 
 
 def model_config(args: dict[str, Any]) -> dict[str, Any]:
@@ -54,3 +57,11 @@ def instance_placement(args: dict[str, Any], cfg: dict[str, Any], bundle_dir: st
     return place_instance(args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id") or 0),
                           parameter(cfg, "device", "cpu"), parameter(cfg, "instance_gpus", ""),
                           read(bundle_dir).engine.tp_size, visible)
+
+
+def exit_stub(reason: str) -> None:
+    """``on_fatal`` inside Triton: end this Python backend stub at once (after the final errors went
+    out). Triton then reports the model's stub unhealthy, and harness.serve stops the server with
+    exit code 3 so that a supervisor restarts it; threads stuck in a device call cannot be joined."""
+    get_logger("serving.engine").critical("exiting the engine's stub process: %s", reason)
+    os._exit(70)

@@ -3,8 +3,9 @@ Logic: backend/serving/engine_host.py; its device: backend/serving/placement.py.
 import triton_python_backend_utils as pb_utils
 
 from backend.logs import route_to_triton
-from backend.serving.engine_host import EngineHost, exit_stub
-from backend.serving.model_args import engine_dir, instance_count, instance_placement, model_config, parameter
+from backend.serving.engine_host import EngineHost
+from backend.serving.model_args import (engine_dir, exit_stub, instance_count, instance_placement, model_config,
+                                        parameter)
 from backend.serving.transaction import is_decoupled, streaming_refused
 
 
