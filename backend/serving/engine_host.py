@@ -376,7 +376,8 @@ class EngineHost:
         # snapshot taken earlier can then never overwrite a later one.
         try:
             with self._metrics_lock:
-                self.metrics.update(self.executor.stats())
+                self.metrics.update({**self.executor.stats(), "responses_sent": self.responder.responses,
+                                     "response_parts": self.responder.parts})
         except Exception:  # noqa: BLE001 - metrics must never take the model down
             _LOG.exception("metrics update failed")
 

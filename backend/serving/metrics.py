@@ -61,6 +61,11 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
                                "recomputed later)", ("preemptions", "num_preemptions")),
     "kiln_engine_step_errors_total": ("Engine steps that raised (their requests ended with an error; the "
                                       "engine kept serving)", ("step_errors",)),
+    # the engine model's responder (backend/serving/responder.py), not the executor
+    "kiln_engine_responses_total": ("Responses the engine model sent", ("responses_sent",)),
+    "kiln_engine_response_parts_total": ("Token groups those responses carried: more than the responses when "
+                                         "groups waiting to be sent were joined (serving.coalesce_responses)",
+                                         ("response_parts",)),
 }
 
 # kind label of kiln_request_errors_total: why a request did not end normally

@@ -132,11 +132,19 @@ def test_64_concurrent_streams_complete_and_free_the_kv_pool(triton_server):
     # min_tokens: a sampled EOS as the very first token would make an empty (but correct) answer
     jobs = [(MODELS[i % 2], texts[i % len(texts)] + f" ({i})",
              dict(max_tokens=2 + i % 4, min_tokens=2 + i % 4, temperature=0.7, seed=i)) for i in range(64)]
+    sent = ("kiln_engine_responses_total", "kiln_engine_response_parts_total")
+    before = [metric(triton_server, name) for name in sent]
     results = run(_streams(triton_server.grpc_url, jobs))
     assert [r.error for r in results] == [None] * 64
     assert all(r.pieces for r in results)
     used, free, total = wait_kv_idle(triton_server)
     assert total > 0 and used == 0 and free == total
+    # the responder's counters (refreshed by the engine's poller): every stream had at least one
+    # response, and a response carries one token group or more (more when groups were joined)
+    deadline = time.monotonic() + 10
+    while (grew := [metric(triton_server, n) - b for n, b in zip(sent, before)])[0] < 64 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert 64 <= grew[0] <= grew[1], grew
 
 
 # Not "ensemble": Triton 24.10 checks an ensemble's cancellation only between steps and never cancels
