@@ -8,6 +8,7 @@ all with the default (the responder's thread on).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -120,28 +121,37 @@ def joined(parts):
     return "+".join(parts)
 
 
-def test_parts_waiting_behind_a_send_join_into_one_response():
-    r = Responder(True)
+@contextlib.contextmanager
+def busy(r: Responder):
+    """``r`` stuck in another stream's send for the block (what is queued meanwhile waits behind it;
+    inline there is nothing to wait behind); afterwards everything queued is sent and ``r`` closed."""
     release = threading.Event()
-    errors = []
+    threaded = r._worker is not None
+    blocker = Recorder(block=release if threaded else None)
     try:
-        blocker, a, b = Recorder(block=release), Recorder(), Recorder()
         r.send(blocker, made("x"), 0)
-        assert blocker.entered.wait(10)          # the responder is busy from here on
+        assert not threaded or blocker.entered.wait(10)
+        yield
+        release.set()
+        assert r.flush(10)
+    finally:
+        release.set()
+        r.close(10)
+
+
+def test_parts_waiting_behind_a_send_join_into_one_response():
+    r, errors = Responder(True), []
+    a, b = Recorder(), Recorder()
+    with busy(r):
         for i in range(3):
             r.send_part("a", a, f"a{i}", joined, 0, on_error=lambda e, i=i: errors.append(i))
             r.send_part("b", b, f"b{i}", joined, 0)
         r.send_part("a", a, "a3", joined, 1)     # the FINAL part joins too and closes the response
         r.send_part("a", a, "late", joined, 0)   # nothing joins a FINAL response: a new one
-        release.set()
-        assert r.flush(10)
-        assert a.got == [("a0+a1+a2+a3", 1, "kiln-responder"), ("late", 0, "kiln-responder")]
-        assert b.got == [("b0+b1+b2", 0, "kiln-responder")]
-        assert (r.responses, r.parts) == (4, 9)
-        assert errors == []
-    finally:
-        release.set()
-        r.close(10)
+    assert a.got == [("a0+a1+a2+a3", 1, "kiln-responder"), ("late", 0, "kiln-responder")]
+    assert b.got == [("b0+b1+b2", 0, "kiln-responder")]
+    assert (r.responses, r.parts) == (4, 9)
+    assert errors == []
 
 
 def test_a_part_after_the_responder_took_the_response_starts_a_new_one():
@@ -162,38 +172,20 @@ def test_a_part_after_the_responder_took_the_response_starts_a_new_one():
 
 
 def test_a_plain_send_for_a_stream_keeps_its_later_parts_behind_it():
-    r = Responder(True)
-    release = threading.Event()
-    try:
-        blocker, a = Recorder(block=release), Recorder()
-        r.send(blocker, made("x"), 0)
-        assert blocker.entered.wait(10)
+    r, a = Responder(True), Recorder()
+    with busy(r):
         r.send_part("a", a, "a0", joined, 0)
         r.send(a, made("error"), 0, key="a")
         r.send_part("a", a, "a1", joined, 0)     # must not jump ahead of "error" into a0's response
-        release.set()
-        assert r.flush(10)
-        assert [x for x, _, _ in a.got] == ["a0", "error", "a1"]
-    finally:
-        release.set()
-        r.close(10)
+    assert [x for x, _, _ in a.got] == ["a0", "error", "a1"]
 
 
 @pytest.mark.parametrize("threaded", [True, False])
 def test_without_coalescing_or_a_thread_every_part_is_a_response(threaded):
     r = Responder(threaded, coalesce=False) if threaded else Responder(False)
-    release = threading.Event()
-    try:
-        blocker, a = Recorder(block=release if threaded else None), Recorder()
-        r.send(blocker, made("x"), 0)
-        if threaded:
-            assert blocker.entered.wait(10)
+    a = Recorder()
+    with busy(r):
         for i in range(3):
             r.send_part("a", a, f"a{i}", joined, 1 if i == 2 else 0)
-        release.set()
-        assert r.flush(10)
-        assert [(x, f) for x, f, _ in a.got] == [("a0", 0), ("a1", 0), ("a2", 1)]
-        assert (r.responses, r.parts) == (4, 4)
-    finally:
-        release.set()
-        r.close(10)
+    assert [(x, f) for x, f, _ in a.got] == [("a0", 0), ("a1", 0), ("a2", 1)]
+    assert (r.responses, r.parts) == (4, 4)
