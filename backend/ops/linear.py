@@ -102,7 +102,7 @@ class QuantLinear:
         except formats.FormatError as exc:
             raise LinearFormatError(str(exc)) from exc
         # A float32 weight on CPU takes the storage of its fastest kernel (backend/ops/cpu_matmul.py:
-        # fp16-packed where exact, else column-major); packed 4-bit, native fp8 and GPU weights
+        # packed where exact in fp16, else column-major); packed 4-bit, native fp8 and GPU weights
         # come back untouched.
         self.weight = cpu_matmul.prepare(self.weight, exact_fp16=self.codes_exact_fp16)
 
@@ -115,9 +115,10 @@ class QuantLinear:
 
     def _per_row_codes(self, codes: torch.Tensor, row_scale: torch.Tensor, dtype, device) -> bool:
         """Keep per-row-scaled codes (fp8, int8) as the weight and scale output rows instead of
-        dequantizing: ``(diag(s) Q) x = diag(s) (Q x)``, equal up to rounding. Done where FBGEMM's
-        fp16 GEMM runs (CPU): the codes are exact in fp16, the dequantized values are not, so this
-        is what gives quantized bundles the fast CPU path. False (nothing set) elsewhere."""
+        dequantizing: ``(diag(s) Q) x = diag(s) (Q x)``, equal up to rounding. Done where a packed CPU
+        GEMM runs (Kiln's AVX-512 one, which also takes fp8 codes at one byte each, else FBGEMM's fp16
+        one): the codes are exact in fp16, the dequantized values are not, so this is what gives
+        quantized bundles the fast CPU path. False (nothing set) elsewhere."""
         if not cpu_matmul.packs_fp16(device, dtype):
             return False
         s = row_scale.to(device=device, dtype=dtype).reshape(-1)
@@ -125,20 +126,20 @@ class QuantLinear:
             raise LinearFormatError(f"{self.where}.weight_scale: {s.numel()} values; expected 1 or one per "
                                     f"output row ({codes.shape[0]})")
         codes = codes.to(device)
-        # fp8 codes widened by fp8.dequantize's table (scale 1: the same values, 4x faster than .to)
-        self.weight = (fp8.dequantize(codes, torch.ones(()), dtype) if codes.dtype == FP8
-                       else codes.to(dtype=dtype))
+        if codes.dtype == FP8 and cpu_matmul.packs_e4m3(device, dtype):
+            # the codes as they are, one byte each (Kiln's AVX-512 GEMM widens them in registers)
+            self.weight = cpu_matmul.PanelWeight(codes)
+        else:
+            # fp8 codes widened by fp8.dequantize's table (scale 1: the same values, 4x faster than .to)
+            self.weight = (fp8.dequantize(codes, torch.ones(()), dtype) if codes.dtype == FP8
+                           else codes.to(dtype=dtype))
         self.codes_exact_fp16 = codes.dtype in (FP8, torch.int8)   # e4m3: 3 mantissa bits, |x| <= 448
         self.out_scale = s.expand(codes.shape[0]).contiguous() if s.numel() == 1 else s
         return True
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T + bias`` over the dequantized weight (or the codes, then row-scaled)."""
-        if self.out_scale is None:
-            return cpu_matmul.linear(x, self.weight, self.bias)
-        # in place: the product is a new tensor (or a view of one), nobody else holds it
-        y = cpu_matmul.linear(x, self.weight).mul_(self.out_scale)
-        return y if self.bias is None else y.add_(self.bias)
+        return cpu_matmul.linear(x, self.weight, self.bias, scale=self.out_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)

@@ -4,7 +4,9 @@ off so every round computes the same), rounds alternating ABBA so that the VM's 
 minutes) falls on both. ``python -m harness.bench.cpu_kernels``; writes docs/perf/cpu-kernels-ab.json.
 
 Off is what a machine without a C compiler runs: the PyTorch ops (the same numbers as the elementwise
-kernels; attention in SDPA tiles, float32 rounding apart: tests/kernels/test_cpu_kernels.py).
+kernels; attention in SDPA tiles, float32 rounding apart: tests/kernels/test_cpu_kernels.py), except
+the linears: on an AVX-512 CPU the weights were packed for Kiln's GEMM (plugins/cpu/gemm.c) at load
+and it runs both ways (``harness.bench.cpu_linear`` compares it with FBGEMM's).
 ``--long-prompt N`` also times the prefill of one N-token prompt with the attention kernel and with
 the tiles (the elementwise kernels on both): the kernel's cost on long prompts, where SDPA multiplies
 whole tiles as matrices."""

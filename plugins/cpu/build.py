@@ -1,4 +1,4 @@
-"""Build and load the CPU kernels (kernels.c, attention.c) with the machine's C compiler: once per source version.
+"""Build and load the CPU kernels (kernels.c, attention.c, gemm.c) with the machine's C compiler: once per source version.
 
 The library is compiled into a cache keyed by a hash of the source and the flags
 (``build/cache/cpu-kernels/`` in the checkout, or ``KILN_CPU_KERNEL_DIR``), by ``make build`` (the
@@ -25,10 +25,15 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 # compiled together into one library; the header is part of the source hash too
-SOURCES = (HERE / "kernels.c", HERE / "attention.c")
+SOURCES = (HERE / "kernels.c", HERE / "attention.c", HERE / "gemm.c")
 HEADERS = (HERE / "kiln_cpu.h",)
 # -ffp-contract=off: no multiply-add fused into an FMA (kernels.c gives PyTorch's bits op by op).
-FLAGS = ("-O3", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-Wall", "-Wno-psabi")
+# -fopenmp: gemm.c's threads. The library asks for libgomp.so.1, the soname of the libgomp PyTorch's
+# wheel ships and has loaded by then (ops.py imports torch first), so the loader hands it that one:
+# gemm.c's parallel regions run on PyTorch's own OpenMP team, not on a second team competing for
+# the same cores.
+FLAGS = ("-O3", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared", "-Wall",
+         "-Wno-psabi")
 ENV_DISABLE = "KILN_CPU_KERNELS"      # "0": never load (the PyTorch references run)
 ENV_DIR = "KILN_CPU_KERNEL_DIR"
 _REPO_CACHE = Path(__file__).resolve().parents[2] / "build" / "cache" / "cpu-kernels"
@@ -47,9 +52,13 @@ SIGNATURES = {
     "kiln_mul_fake_quant_fp8": (_P, _I, _P, _I, _P, _I, _I, _F),
     "kiln_rope": (_P, _I, _P, _P, _P, _I, _I, _I),
     "kiln_add_rms_norm": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _I, _F),
-    "kiln_paged_attention": (_P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F),
+    "kiln_paged_attention": (_P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I),
+    "kiln_gemm_available": (),
+    "kiln_gemm": (_P, _I, _I, _P, _I, _I, _P, _P, _F, _I),
 }
-RESTYPES = {"kiln_paged_attention": ctypes.c_int}   # 0, or -1: out of memory
+# kiln_paged_attention: the threads it ran on, or -1 (out of memory); kiln_gemm_available: 1 or 0;
+# kiln_gemm: 0, or -1
+RESTYPES = {"kiln_paged_attention": ctypes.c_int, "kiln_gemm_available": ctypes.c_int, "kiln_gemm": ctypes.c_int}
 
 
 def source_hash() -> str:

@@ -9,7 +9,6 @@ microseconds, whatever the row count; at prefill sizes the kernels are also fast
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 from typing import Iterator
 
@@ -146,27 +145,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return h, y
 
 
-# A call is split between two threads from this many rows and this much work (keys read, summed over
-# the rows): a prefill of a few hundred tokens; a decode step (one row a sequence) never is.
-_SPLIT_MIN_ROWS = 128
-_SPLIT_MIN_KEYS = 1 << 16
-_pool: list = []
-
-
-def _worker() -> concurrent.futures.ThreadPoolExecutor:
-    if not _pool:
-        _pool.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-cpu-attention"))
-    return _pool[0]
-
-
-def _half_of_the_work(pos: torch.Tensor) -> int:
-    """The row before which half the keys of the call are read (a row at position p reads p + 1), or 0
-    when the call is too small to be worth a second thread."""
-    work = torch.cumsum(pos + 1, 0)
-    total = int(work[-1])
-    if total < _SPLIT_MIN_KEYS:
-        return 0
-    return int(torch.searchsorted(work, total // 2))
+# Threads the last paged_attention call ran on (the kernel shares a call's work out itself): for tests.
+last_attention_threads = 0
 
 
 def attention_rows(query_start_loc: list[int], context_lens: list[int]) -> torch.Tensor:
@@ -203,16 +183,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             block_tables.data_ptr(), block_tables.shape[1], rows[0].data_ptr(), rows[1].data_ptr(),
             rows[2].data_ptr(), tree.data_ptr() if tree is not None else None,
             tree.shape[1] if tree is not None else 0, out.data_ptr())
-    tail = (hq, hkv, d, bs, float(scale))
-    half = _half_of_the_work(rows[1]) if t >= _SPLIT_MIN_ROWS and torch.get_num_threads() > 1 else 0
-    if half:
-        # a long prefill: the rows after `half` on a second thread (ctypes lets go of the GIL; PyTorch's
-        # own threads are idle meanwhile). Rows are independent: the same bits either way.
-        other = _worker().submit(lib.kiln_paged_attention, *args, half, t, *tail)
-        failed = lib.kiln_paged_attention(*args, 0, half, *tail)
-        failed = other.result() or failed
-    else:
-        failed = t and lib.kiln_paged_attention(*args, 0, t, *tail)
-    if failed:
+    ran = lib.kiln_paged_attention(*args, t, hq, hkv, d, bs, float(scale), torch.get_num_threads()) if t else 1
+    if ran < 0:
         raise MemoryError("plugins/cpu: kiln_paged_attention could not allocate its scratch")
+    global last_attention_threads
+    last_attention_threads = ran
     return out

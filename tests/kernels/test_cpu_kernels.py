@@ -195,23 +195,30 @@ def test_a_rows_attention_depends_on_nothing_but_its_keys():
     assert torch.equal(chain[2], tree_out[3]) and torch.equal(chain[1], tree_out[2])
 
 
-def test_a_long_prefill_is_split_between_two_threads_with_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("case", ["prefill", "decode"])
+def test_attention_shares_a_call_between_threads_with_the_same_bits(case):
+    """A long prefill's rows, or a decode step's sequences, are shared out between PyTorch's threads
+    (the kernel's own OpenMP split, by keys read); every (row, KV head) is computed whole by one
+    thread, so one thread and two give the same bits. A call too small to be worth a fork runs on one."""
     g = torch.Generator().manual_seed(5)
     k, v = (torch.randn(40, 16, 3, 64, generator=g) for _ in range(2))
-    tables = torch.randperm(40, generator=g)[:38].view(1, 38).to(torch.int32)
-    q = torch.randn(600, 9, 64, generator=g)
-    rows = ops.attention_rows([0, 600], [0])
-    before, submitted = torch.get_num_threads(), []
-    real = ops._worker()
-    monkeypatch.setattr(ops, "_worker", lambda: submitted.append(1) or real)
+    if case == "prefill":
+        tables = torch.randperm(40, generator=g)[:38].view(1, 38).to(torch.int32)
+        q, rows = torch.randn(600, 9, 64, generator=g), ops.attention_rows([0, 600], [0])
+    else:   # 16 sequences decoding one token each at positions 10-25 (two blocks of 16 each)
+        tables = torch.randperm(40, generator=g)[:32].view(16, 2).to(torch.int32)
+        ctx = [10 + i for i in range(16)]
+        q, rows = torch.randn(16, 9, 64, generator=g), ops.attention_rows(list(range(17)), ctx)
+    before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = ops.paged_attention(q, k, v, tables, rows, None, 0.125)
-        assert not submitted
+        assert ops.last_attention_threads == 1
         torch.set_num_threads(2)
         two = ops.paged_attention(q, k, v, tables, rows, None, 0.125)
-        assert submitted == [1]
-        assert ops._half_of_the_work(rows[1]) == 424    # about 1/sqrt(2) of the rows: half the keys
+        assert ops.last_attention_threads == 2
+        ops.paged_attention(q[:1], k, v, tables[:1], ops.attention_rows([0, 1], [5]), None, 0.125)
+        assert ops.last_attention_threads == 1        # 6 keys x 3 heads: not worth a fork
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)

@@ -11,7 +11,8 @@ from backend.ops import cpu_matmul
 from backend.ops.linear import make_linear
 
 needs_onednn = pytest.mark.skipif(cpu_matmul._DNN is None, reason="this PyTorch build has no oneDNN linear")
-needs_fbgemm = pytest.mark.skipif(cpu_matmul._FP16 is None, reason="this PyTorch build has no FBGEMM (non-x86)")
+needs_fbgemm = pytest.mark.skipif(not cpu_matmul.packs_fp16("cpu", torch.float32),
+                                  reason="no packed fp16 GEMM here: this PyTorch build has no FBGEMM (non-x86)")
 
 
 def fp16_exact(*shape, seed=0):
@@ -23,7 +24,7 @@ def fp16_exact(*shape, seed=0):
 def test_fp16_exact_weights_are_packed_and_give_their_values_back():
     w = fp16_exact(96, 40)
     p = cpu_matmul.prepare(w)
-    assert isinstance(p, cpu_matmul.HalfWeight) and tuple(p.shape) == (96, 40) and p.dtype == torch.float32
+    assert isinstance(p, cpu_matmul.packed_type()) and tuple(p.shape) == (96, 40) and p.dtype == torch.float32
     assert torch.equal(p.unpack(), w)
     assert cpu_matmul.prepare(p) is p  # a shared weight (tied lm_head, draft reusing it) is not packed twice
 
@@ -92,7 +93,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(exact):
     if not exact:
         w = w + 1e-6
     p = cpu_matmul.prepare(w)
-    assert isinstance(p, cpu_matmul.HalfWeight) == exact
+    assert isinstance(p, cpu_matmul.packed_type()) == exact
     x = torch.randn(2048, 1536, generator=g)
     row = torch.randn(1, 1536, generator=g)
     alone = cpu_matmul.linear(row, p)
@@ -129,7 +130,7 @@ def test_fp16_padding_only_where_a_block_of_one_or_two_rows_would_be_left():
 def test_model_linears_take_the_storage_their_values_allow():
     w = fp16_exact(32, 16)
     lin = make_linear("none", {"weight": w, "bias": torch.randn(32)}, torch.float32, "cpu")
-    assert isinstance(lin.weight, cpu_matmul.HalfWeight) and lin.out_features == 32
+    assert isinstance(lin.weight, cpu_matmul.packed_type()) and lin.out_features == 32
     x = torch.randn(3, 16)
     torch.testing.assert_close(lin(x), F.linear(x, w, lin.bias), rtol=1e-5, atol=1e-5)
     # A bf16 checkpoint's weight not exact in fp16 (here: one value changed) stays a tensor.
@@ -158,7 +159,9 @@ def test_per_row_quantized_linears_multiply_codes_and_scale_rows(fmt):
         deq = formats.dequantize_int8(q, t["weight_scale"])
         act = lambda x: ((x / 0.02).round().clamp(-128, 127) * 0.02)  # noqa: E731
     lin = make_linear(fmt, {**t, "bias": b}, torch.float32, "cpu")
-    assert isinstance(lin.weight, cpu_matmul.HalfWeight) and lin.out_scale.shape == (48,)
+    assert isinstance(lin.weight, cpu_matmul.packed_type()) and lin.out_scale.shape == (48,)
+    if fmt == "fp8" and cpu_matmul.packs_e4m3("cpu", torch.float32):
+        assert lin.weight.panels.dtype == torch.uint8     # the codes as they are, one byte each
     x = torch.randn(5, 32)
     torch.testing.assert_close(lin(x), F.linear(act(x), deq, b), rtol=1e-5, atol=1e-5)
     with pytest.raises(Exception, match="weight_scale: 3 values; expected 1 or one per output row"):

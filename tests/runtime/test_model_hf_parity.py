@@ -50,9 +50,9 @@ def test_logits_match_hf_on_a_prefill(smollm2_bundle, weights_fp32, hf_model_fp3
     # logits kernel (backend/ops/cpu_matmul.py), exact, while the embedding keeps fp32 rows for the gather.
     from backend.ops import cpu_matmul
     assert model.embed_tokens.is_contiguous()
-    if cpu_matmul._FP16 is not None:
-        assert isinstance(model.lm_head, cpu_matmul.HalfWeight)
-        assert isinstance(model.layers[0].qkv.weight, cpu_matmul.HalfWeight)
+    if cpu_matmul.packs_fp16("cpu", torch.float32):
+        assert isinstance(model.lm_head, cpu_matmul.packed_type())
+        assert isinstance(model.layers[0].qkv.weight, cpu_matmul.packed_type())
         assert torch.equal(model.lm_head.unpack(), model.embed_tokens)
 
 
