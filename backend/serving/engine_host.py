@@ -279,9 +279,10 @@ class EngineHost:
 
     def _finish(self, st: Stream, error: str, kind: str) -> None:
         """Called with st.lock held. Ends st with an error as its FINAL response (in-band for a
-        request that asked for it) and counts it under ``kind``."""
-        self._retire(st)
+        request that asked for it) and counts it under ``kind`` (first: a client that sees the request
+        gone from the gauges ``_retire`` publishes also sees it counted)."""
         self.metrics.errors.count(kind)
+        self._retire(st)
         if st.group is not None and not st.group.close():
             return  # another row's error, or the last row's FINAL, already ended the request
         if st.inband:
