@@ -19,12 +19,16 @@
  * (a power of two: exact unless a product underflows float32, which fake-quantized activations cannot
  * reach). Code 0x7f/0xff (NaN) never occurs in a quantized weight. */
 #include <stdint.h>
+#include <stdlib.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
 #define KILN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 #define MAX_ACC 28   /* accumulators a block keeps in zmm registers (32 in all: the rest for weights) */
+/* weight formats: the two a caller packs, and float32 panels gemm_avx512 widens them into (F32) */
+enum { FP16 = 0, E4M3 = 1, F32 = 2 };
+static inline int64_t elem_size(int fmt) { return fmt == E4M3 ? 1 : fmt == FP16 ? 2 : 4; }
 
 static inline KILN_AVX512 __m512 widen_f16(const void *w) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
@@ -41,7 +45,7 @@ static inline KILN_AVX512 __m512 widen_e4m3(const void *w) {
 static inline __attribute__((always_inline)) KILN_AVX512 void block(
         const int MR, const int NP, const int FMT, const float *x, int64_t ldx, const uint8_t *w,
         int64_t K, float *y, int64_t ldy, const __mmask16 *nm, const __m512 *sc) {
-    const int64_t esz = FMT ? 1 : 2, pstride = K * 16 * esz;
+    const int64_t pstride = K * 16 * elem_size(FMT);
     __m512 acc[MAX_ACC];
 #pragma GCC unroll 28
     for (int i = 0; i < MR * NP; i++) acc[i] = _mm512_setzero_ps();
@@ -49,7 +53,9 @@ static inline __attribute__((always_inline)) KILN_AVX512 void block(
         __m512 wv[4];
 #pragma GCC unroll 4
         for (int p = 0; p < NP; p++)
-            wv[p] = FMT ? widen_e4m3(w + p * pstride + k * 16) : widen_f16(w + p * pstride + k * 32);
+            wv[p] = FMT == E4M3 ? widen_e4m3(w + p * pstride + k * 16)
+                    : FMT == FP16 ? widen_f16(w + p * pstride + k * 32)
+                                  : _mm512_loadu_ps((const float *)(w + p * pstride) + k * 16);
 #pragma GCC unroll 16
         for (int r = 0; r < MR; r++) {
             __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
@@ -78,7 +84,7 @@ typedef void (*block_fn)(const float *, int64_t, const uint8_t *, int64_t, float
 #define ROWS14(NP, FMT) ROWS7(NP, FMT) BLK(8, NP, FMT) BLK(9, NP, FMT) BLK(10, NP, FMT) BLK(11, NP, FMT) \
     BLK(12, NP, FMT) BLK(13, NP, FMT) BLK(14, NP, FMT)
 #define ROWS16(NP, FMT) ROWS14(NP, FMT) BLK(15, NP, FMT) BLK(16, NP, FMT)
-ROWS7(4, 0) ROWS7(4, 1) ROWS14(2, 0) ROWS14(2, 1) ROWS16(1, 0) ROWS16(1, 1)
+ROWS7(4, 0) ROWS7(4, 1) ROWS14(2, 0) ROWS14(2, 1) ROWS14(2, 2) ROWS16(1, 0) ROWS16(1, 1) ROWS16(1, 2)
 
 #define T7(NP, FMT) {0, b_1_##NP##_##FMT, b_2_##NP##_##FMT, b_3_##NP##_##FMT, b_4_##NP##_##FMT, \
     b_5_##NP##_##FMT, b_6_##NP##_##FMT, b_7_##NP##_##FMT}
@@ -89,9 +95,9 @@ ROWS7(4, 0) ROWS7(4, 1) ROWS14(2, 0) ROWS14(2, 1) ROWS16(1, 0) ROWS16(1, 1)
     b_5_##NP##_##FMT, b_6_##NP##_##FMT, b_7_##NP##_##FMT, b_8_##NP##_##FMT, b_9_##NP##_##FMT, \
     b_10_##NP##_##FMT, b_11_##NP##_##FMT, b_12_##NP##_##FMT, b_13_##NP##_##FMT, b_14_##NP##_##FMT, \
     b_15_##NP##_##FMT, b_16_##NP##_##FMT}
-static const block_fn NP4[2][8] = {T7(4, 0), T7(4, 1)};
-static const block_fn NP2[2][15] = {T14(2, 0), T14(2, 1)};
-static const block_fn NP1[2][17] = {T16(1, 0), T16(1, 1)};
+static const block_fn NP4[2][8] = {T7(4, 0), T7(4, 1)};   /* F32 never takes 4 panels (few rows) */
+static const block_fn NP2[3][15] = {T14(2, 0), T14(2, 1), T14(2, 2)};
+static const block_fn NP1[3][17] = {T16(1, 0), T16(1, 1), T16(1, 2)};
 
 /* The block shape for M rows: the most rows a block takes at that panel count, and the panel count.
  * Few rows take more panels (independent FMA chains hide the FMA latency); 15-16 rows one panel (one
@@ -99,10 +105,10 @@ static const block_fn NP1[2][17] = {T16(1, 0), T16(1, 1)};
 static inline int panels_for(int64_t M) { return M <= 7 ? 4 : (M <= 14 || M > 16) ? 2 : 1; }
 static inline int rows_for(int np) { return np == 4 ? 7 : np == 2 ? 14 : 16; }
 
-/* One block: panels [p, p + np) for rows [m0, m0 + mr), mr <= rows_for(np). */
-static KILN_AVX512 void run_block(int fmt, const float *x, int64_t K, const uint8_t *w, int64_t N, float *y,
+/* One block: panels [p, p + np) for rows [m0, m0 + mr), mr <= rows_for(np); wp: panel p's weights
+ * (in the packed weight, or in a thread's widened copy of its group). */
+static KILN_AVX512 void run_block(int fmt, const float *x, int64_t K, const uint8_t *wp, int64_t N, float *y,
                                   const float *scale, float mult, int64_t p, int np, int64_t m0, int64_t mr) {
-    const int64_t esz = fmt ? 1 : 2;
     __mmask16 nm[4];
     __m512 sc[4];
     for (int i = 0; i < np; i++) {
@@ -112,35 +118,57 @@ static KILN_AVX512 void run_block(int fmt, const float *x, int64_t K, const uint
                       : _mm512_set1_ps(mult);
     }
     const block_fn f = np == 4 ? NP4[fmt][mr] : np == 2 ? NP2[fmt][mr] : NP1[fmt][mr];
-    f(x + m0 * K, K, w + p * K * 16 * esz, K, y + m0 * N + p * 16, N, nm, sc);
+    f(x + m0 * K, K, wp, K, y + m0 * N + p * 16, N, nm, sc);
+}
+
+/* n panels of fmt from src, widened to float32 panels in dst: the same values the blocks would widen. */
+static KILN_AVX512 void widen_panels(int fmt, const uint8_t *src, int64_t K, int n, float *dst) {
+    for (int64_t i = 0; i < n * K; i++)
+        _mm512_storeu_ps(dst + i * 16, fmt == E4M3 ? widen_e4m3(src + i * 16) : widen_f16(src + i * 32));
 }
 
 /* Rows are cut into blocks of rows_for(np); panels into groups of np, handed out to threads
  * statically (a thread keeps the same panels, so its share of the weight stays in its cache across
  * row blocks). Row blocks are the outer loop, ROW_BLOCKS at a time, so that those rows of x stay in
- * cache while the panels stream past them. */
+ * cache while the panels stream past them. With more rows than one block (prefill), a thread widens
+ * its group's panels to float32 once per pass and every block of the pass reads those: the blocks'
+ * FMAs then share the ALU with loads only, not with the widening (the same values, so the same bits). */
 #define ROW_BLOCKS 8   /* 8 x 14 = 112 rows of x a pass: 0.7 MB at K = 1536 */
 
 static KILN_AVX512 void gemm_avx512(const float *x, int64_t M, int64_t K, const uint8_t *w, int fmt, int64_t N,
                                     float *y, const float *scale, float mult, int threads) {
     const int np = panels_for(M), rb = rows_for(np);
     const int64_t np_all = (N + 15) / 16, groups = (np_all + np - 1) / np, pass = (int64_t)rb * ROW_BLOCKS;
+    const int64_t esz = elem_size(fmt);
 #pragma omp parallel num_threads(threads) if (threads > 1)
-    for (int64_t m1 = 0; m1 < M; m1 += pass) {
-        const int64_t m_end = m1 + pass < M ? m1 + pass : M;
+    {
+        /* np is 2 whenever M > 16; without the scratch (no memory) the blocks widen as they go */
+        float *wide = M > rb ? malloc(sizeof(float) * (size_t)(np * K * 16)) : NULL;
+        for (int64_t m1 = 0; m1 < M; m1 += pass) {
+            const int64_t m_end = m1 + pass < M ? m1 + pass : M;
 #pragma omp for schedule(static) nowait
-        for (int64_t g = 0; g < groups; g++)
-            for (int64_t m0 = m1; m0 < m_end; m0 += rb) {
-                const int64_t mr = m_end - m0 < rb ? m_end - m0 : rb;
-                /* the last group may be short: it runs as groups of 2 and 1 panels (they take as many
-                 * rows as np does, or more) */
-                for (int64_t p = g * np, left = np_all - p < np ? np_all - p : np; left > 0;) {
-                    const int n = left >= np ? np : left >= 2 ? 2 : 1;
-                    run_block(fmt, x, K, w, N, y, scale, mult, p, n, m0, mr);
-                    p += n;
-                    left -= n;
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t p0 = g * np, in_group = np_all - p0 < np ? np_all - p0 : np;
+                const uint8_t *src = w + p0 * K * 16 * esz;
+                if (wide)
+                    widen_panels(fmt, src, K, (int)in_group, wide);
+                const int run_fmt = wide ? F32 : fmt;
+                const uint8_t *base = wide ? (const uint8_t *)wide : src;
+                const int64_t run_esz = wide ? 4 : esz;
+                for (int64_t m0 = m1; m0 < m_end; m0 += rb) {
+                    const int64_t mr = m_end - m0 < rb ? m_end - m0 : rb;
+                    /* a short last group runs as groups of 2 and 1 panels (they take as many rows as np
+                     * does, or more) */
+                    for (int64_t i = 0; i < in_group;) {
+                        const int n = in_group - i >= np ? np : in_group - i >= 2 ? 2 : 1;
+                        run_block(run_fmt, x, K, base + i * K * 16 * run_esz, N, y, scale, mult, p0 + i, n, m0,
+                                  mr);
+                        i += n;
+                    }
                 }
             }
+        }
+        free(wide);
     }
 }
 #endif
