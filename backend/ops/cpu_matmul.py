@@ -8,8 +8,9 @@ which alone cancels what speculation saves. Better paths, by what the weight hol
 * ``PanelWeight`` (CPUs with AVX-512): Kiln's own GEMM (plugins/cpu/gemm.c) over fp16 values or,
   for fp8 bundles, the e4m3 codes themselves at one byte each, widened in registers; the codes' row
   scale is applied in its store. The same bits as FBGEMM's fp16 GEMM below (both sum each output
-  as one FMA chain over k), faster at decode sizes: SmolLM2's 30 layers of fp8 linears at 16 rows
-  in 17.7 ms against FBGEMM's 26.5, at one row 5.6 against 14.2 (docs/perf/cpu_linear-xeon.json).
+  as one FMA chain over k), faster at every row count measured: SmolLM2's 30 layers of fp8 linears
+  at 16 rows in 18.4 ms against FBGEMM's 27.6, at one row 6.2 against 17.3, at 512 rows 357 against
+  412 (docs/perf/cpu_linear-xeon.json, 2-core Intel Xeon).
 * ``HalfWeight`` (other x86 CPUs): a float32 weight whose every value is exactly a float16 (all of
   a bf16 checkpoint's matrices in practice: bf16's 8-bit significand fits fp16's 11 bits, and
   SmolLM2's weights lie in fp16's range; fp8 and int8 codes) is packed by FBGEMM as fp16 and
