@@ -20,8 +20,13 @@
  * order the same tokens decoded one at a time would: the same bits.
  * head_dim a multiple of 8; caches [num_blocks, block_size, kv_heads, head_dim]; block tables int32. */
 #include <math.h>
-#include <omp.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else   /* built without OpenMP (build.py's SERIAL_FLAGS): the pragmas are ignored, one thread runs all */
+static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
+#endif
 
 #include "kiln_cpu.h"
 

@@ -34,6 +34,9 @@ HEADERS = (HERE / "kiln_cpu.h",)
 # the same cores.
 FLAGS = ("-O3", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared", "-Wall",
          "-Wno-psabi")
+# A compiler without OpenMP (clang without libomp, say) builds the same kernels on one thread: the
+# same bits (every output is computed whole by one thread either way), slower.
+SERIAL_FLAGS = tuple(f for f in FLAGS if f != "-fopenmp") + ("-Wno-unknown-pragmas",)
 ENV_DISABLE = "KILN_CPU_KERNELS"      # "0": never load (the PyTorch references run)
 ENV_DIR = "KILN_CPU_KERNEL_DIR"
 _REPO_CACHE = Path(__file__).resolve().parents[2] / "build" / "cache" / "cpu-kernels"
@@ -55,10 +58,12 @@ SIGNATURES = {
     "kiln_paged_attention": (_P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I),
     "kiln_gemm_available": (),
     "kiln_gemm": (_P, _I, _I, _P, _I, _I, _P, _P, _F, _I),
+    "kiln_cpu_threaded": (),
 }
 # kiln_paged_attention: the threads it ran on, or -1 (out of memory); kiln_gemm_available: 1 or 0;
 # kiln_gemm: 0, or -1
-RESTYPES = {"kiln_paged_attention": ctypes.c_int, "kiln_gemm_available": ctypes.c_int, "kiln_gemm": ctypes.c_int}
+RESTYPES = {"kiln_paged_attention": ctypes.c_int, "kiln_gemm_available": ctypes.c_int, "kiln_gemm": ctypes.c_int,
+            "kiln_cpu_threaded": ctypes.c_int}   # 1: built with OpenMP; 0: SERIAL_FLAGS
 
 
 def source_hash() -> str:
@@ -103,18 +108,28 @@ def ensure() -> Path:
     fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, f'-DKILN_SOURCE_HASH="{source_hash()}"', *map(str, SOURCES), "-o", tmp]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True)
-        except OSError as exc:
-            raise CpuKernelBuildError(f"C compiler {cc!r} could not run ({exc}); set CC to a working one") from None
-        if done.returncode != 0:
-            raise CpuKernelBuildError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr.strip()}")
+        failed = _compile(cc, FLAGS, tmp)
+        if failed:
+            if _compile(cc, SERIAL_FLAGS, tmp):
+                raise CpuKernelBuildError(failed)       # not OpenMP's fault: the first error says why
+            log.warning("Kiln CPU kernels built without OpenMP (%s could not link it): the GEMM and the "
+                        "attention kernel run on one thread; install the compiler's OpenMP runtime (libgomp, "
+                        "libomp) for both cores. First error: %s", cc, failed.splitlines()[-1][:300])
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def _compile(cc: str, flags: tuple[str, ...], out: str) -> str | None:
+    """Compile the sources with ``flags`` into ``out``: None, or what went wrong."""
+    cmd = [cc, *flags, f'-DKILN_SOURCE_HASH="{source_hash()}"', *map(str, SOURCES), "-o", out]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as exc:
+        raise CpuKernelBuildError(f"C compiler {cc!r} could not run ({exc}); set CC to a working one") from None
+    return None if done.returncode == 0 else f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr.strip()}"
 
 
 _loaded: list = []   # [library or None] once load() has decided

@@ -21,6 +21,15 @@
 #endif
 const char *kiln_cpu_source_hash(void) { return KILN_SOURCE_HASH; }
 
+/* 1 when built with OpenMP (the GEMM and attention share work between threads), 0 when not. */
+int kiln_cpu_threaded(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* x / scale to fp8 e4m3 (saturated to +-448, round to nearest even) and back times scale: the bits
  * of PyTorch's ((x / scale).clamp(-448, 448).to(float8_e4m3fn).float() * scale).
  * e4m3 keeps 3 mantissa bits: from 2^-6 up, a float32 is rounded by adding half its dropped 20 bits

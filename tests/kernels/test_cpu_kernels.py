@@ -263,6 +263,39 @@ def test_no_compiler_is_a_clear_error_and_the_loader_falls_back(tmp_path, monkey
     assert build.load() is None                                          # disabled: not even built
 
 
+def test_a_compiler_without_openmp_builds_the_same_kernels_on_one_thread(tmp_path, monkeypatch, caplog):
+    """CC without OpenMP (here: a wrapper that refuses -fopenmp, as clang without libomp fails to link
+    it): the library is built without it, says so, runs on one thread, and gives the same bits."""
+    cc = tmp_path / "cc-without-openmp"
+    cc.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && {{ echo "no OpenMP here" >&2; exit 1; }}; '
+                  f'done\nexec {build.compiler()} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv(build.ENV_DIR, str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    serial = build._open(build.ensure())
+    assert "built without OpenMP" in caplog.text and "no OpenMP here" in caplog.text
+    assert serial.kiln_cpu_threaded() == 0 and ops.library().kiln_cpu_threaded() == 1
+    q, k, v, tables, qsl, ctx = _attention_case(6)
+    rows = ops.attention_rows(qsl, ctx)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        want = ops.paged_attention(q, k, v, tables, rows, None, 0.1)
+        with ops.using(serial):
+            got = ops.paged_attention(q, k, v, tables, rows, None, 0.1)
+            assert ops.last_attention_threads == 1
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    from plugins.cpu import gemm
+    if gemm.available():     # the GEMM too: its whole M x N on one thread, the same bits
+        codes = (torch.randn(96, 64) * 3).to(torch.float8_e4m3fn)
+        panels, fmt = gemm.pack(codes)
+        x, y = torch.randn(40, 64), torch.full((40, 96), float("nan"))
+        assert serial.kiln_gemm(x.data_ptr(), 40, 64, panels.data_ptr(), fmt, 96, y.data_ptr(), None, 256.0, 2) == 0
+        assert torch.equal(y, gemm.gemm(x, panels, fmt, 96, threads=2))
+
+
 def test_the_cache_is_filled_once_and_named_by_the_source(tmp_path, monkeypatch):
     monkeypatch.setenv(build.ENV_DIR, str(tmp_path))
     path = build.ensure()
