@@ -59,7 +59,8 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, fmt: int, n: int, scale: torch.T
     contiguous ``[M, N]`` float32 tensor to write (tests poison it)."""
     lib = build.load()
     m, k = x.shape
-    if (x.dtype is not torch.float32 or x.stride(1) != 1 or x.stride(0) != k or panels.shape[1] != k
+    # rows K floats apart (a single row's stride is whatever its view has: torch calls it contiguous)
+    if (x.dtype is not torch.float32 or x.stride(1) != 1 or (m > 1 and x.stride(0) != k) or panels.shape[1] != k
             or (scale is not None and (scale.dtype is not torch.float32 or scale.numel() != n
                                        or not scale.is_contiguous()))):
         raise ValueError(f"plugins.cpu.gemm: x must be contiguous float32 [M, {panels.shape[1]}] and scale "

@@ -111,3 +111,9 @@ def test_pack_round_trips_and_refuses_other_dtypes():
         gemm.pack(torch.randn(4, 4))
     with pytest.raises(ValueError, match="contiguous float32"):
         gemm.gemm(torch.randn(4, 40)[:, ::2], gemm.pack(codes)[0], gemm.E4M3, 37)
+    # one row of a wider tensor (PyTorch calls it contiguous whatever its row stride) is taken as it is
+    wide = torch.randn(3, 50)
+    row = wide[1:2, 10:30]
+    assert row.is_contiguous() and row.stride(0) == 50
+    assert torch.equal(gemm.gemm(row, gemm.pack(codes)[0], gemm.E4M3, 37),
+                       gemm.gemm(row.clone(), gemm.pack(codes)[0], gemm.E4M3, 37))
