@@ -1,7 +1,7 @@
 """Dense matmuls on CPU: the weight storage and kernel that make few-row GEMMs fast.
 
 Decoding multiplies one row per sequence by every weight; an EAGLE verify pass multiplies 2-6. On
-the x86 CPUs we run on (AVX2, no AVX-512; PyTorch's MKL build), ``F.linear`` over the row-major
+the x86 CPUs we run on (PyTorch's MKL build; measured first on an AVX2-only one), ``F.linear`` over the row-major
 float32 weight is far from memory-bound for those shapes: two rows cost 1.7x one and three 2.2x,
 which alone cancels what speculation saves. Better paths, by what the weight holds:
 
@@ -28,8 +28,9 @@ oneDNN column-major / FBGEMM fp16: 1 row 48 / 43 / 12, 2 rows 80 / 36 / 12, 3 ro
 to fp32 summation order (tests/runtime/test_model_hf_parity.py bounds the error against float64).
 
 Batch invariance (docs/contracts.md): a row's result must not depend on the other rows of the
-matmul (the step's other sequences). Both kernels used here give that, bit for bit, at every row
-count (tests/runtime/test_cpu_matmul.py, test_batch_invariance.py): FBGEMM's fp16 GEMM padded to a
+matmul (the step's other sequences). The kernels used here give that, bit for bit, at every row
+count (tests/runtime/test_cpu_matmul.py, test_batch_invariance.py, tests/kernels/test_cpu_gemm.py):
+Kiln's GEMM by construction (one FMA chain per output, whatever the blocking), FBGEMM's fp16 GEMM padded to a
 multiple of three rows where a count would end in a block of one or two (``_fp16_rows``: on AVX2 those
 sum in another order), and oneDNN's matmul over a column-major weight given at least two rows (``linear`` runs a single row as two).
 MKL does not: its blocking, and so the order in which a row is summed, follows the row count. So

@@ -153,10 +153,10 @@ static inline __attribute__((always_inline)) void row_head(
     }
 }
 
-/* Rows t0 .. t1-1 of q [T, hq, d] (heads contiguous, rows q_stride floats apart) -> out [T, hq, d]
- * (contiguous; only those rows written). tree: NULL, or [T, tree_stride] bytes. Returns 0, or -1 when
- * out of memory (nothing written then). */
-/* Items [i0, i1) of the call, item i = (query row i / kv_heads, KV head i % kv_heads). */
+/* Items [i0, i1) of the call, item i = (query row i / kv_heads, KV head i % kv_heads), of q [T, hq, d]
+ * (heads contiguous, rows q_stride floats apart) -> out [T, hq, d] (contiguous; only those items'
+ * heads written). tree: NULL, or [T, tree_stride] bytes. Returns 0, or -1 when out of memory (nothing
+ * written then). */
 KILN_CLONES
 static int attend(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                   const int32_t *tables, int64_t width, const int64_t *row_seq, const int64_t *row_pos,
