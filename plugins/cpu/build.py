@@ -53,6 +53,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "kiln_fake_quant_fp8": (_P, _I, _P, _I, _I, _F),
     "kiln_mul_fake_quant_fp8": (_P, _I, _P, _I, _P, _I, _I, _F),
+    "kiln_write_kv_fp8": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _F),
     "kiln_rope": (_P, _I, _P, _P, _P, _I, _I, _I),
     "kiln_add_rms_norm": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _I, _F),
     "kiln_paged_attention": (_P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I),

@@ -63,6 +63,27 @@ void kiln_fake_quant_fp8(const float *x, int64_t stride, float *y, int64_t rows,
     }
 }
 
+/* The fp8 KV cache's write on CPU, where the caches are float and hold the fp8-rounded values: row r
+ * of k and of v (rows k_stride / v_stride floats apart, cols contiguous) fake-quantized with its
+ * scale straight into row slots[r] of k_cache / v_cache ([slots, cols] contiguous); a slot < 0 is
+ * not written. The bits of kiln_fake_quant_fp8 followed by index_copy_, in one call instead of four. */
+KILN_CLONES
+void kiln_write_kv_fp8(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
+                       float *v_cache, const int64_t *slots, int64_t rows, int64_t cols, float k_scale,
+                       float v_scale) {
+    const v8f ks = splat(k_scale), vs = splat(v_scale);
+    for (int64_t r = 0; r < rows; r++) {
+        if (slots[r] < 0)
+            continue;
+        const float *kr = k + r * k_stride, *vr = v + r * v_stride;
+        float *kd = k_cache + slots[r] * cols, *vd = v_cache + slots[r] * cols;
+        for (int64_t j = 0; j < cols; j += 8) {
+            store8(kd + j, fake_quant8(load8(kr + j, cols - j), ks), cols - j);
+            store8(vd + j, fake_quant8(load8(vr + j, cols - j), vs), cols - j);
+        }
+    }
+}
+
 /* y = fake_quant(a * b): SwiGLU's product (silu(gate) from PyTorch, up a column slice of the fused
  * gate_up output) quantized for the down projection, the product rounded to float32 first. */
 KILN_CLONES

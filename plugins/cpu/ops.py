@@ -92,6 +92,27 @@ def mul_fake_quant_fp8(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | f
     return y
 
 
+def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor, k_scale: float, v_scale: float) -> bool:
+    """``k_cache[slots] = fake_quant_fp8_ref(k, k_scale)``, the same for ``v`` (a slot < 0: not
+    written), in one call: ``k``, ``v`` ``[T, ...]`` float32 (rows may be strided), the caches float32
+    contiguous, ``[slots, ...]`` with ``k``'s row size, ``slots`` int64 ``[T]``. False where it does not
+    apply (nothing written): the caller runs fake_quant and index_copy_."""
+    lib = library()
+    if lib is None or k.shape != v.shape or k_cache.shape != v_cache.shape:
+        return False
+    rk, rv = _rows(k), _rows(v)
+    if (rk is None or rv is None or k_cache.dtype is not _F32 or v_cache.dtype is not _F32
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or k_cache.numel() != k_cache.shape[0] * rk[1]
+            or slots.dtype is not torch.int64 or slots.shape != (rk[0],) or not slots.is_contiguous()):
+        return False
+    if rk[0] and rk[1]:
+        lib.kiln_write_kv_fp8(k.data_ptr(), rk[2], v.data_ptr(), rv[2], k_cache.data_ptr(), v_cache.data_ptr(),
+                              slots.data_ptr(), rk[0], rk[1], float(k_scale), float(v_scale))
+    return True
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """``rope_ref(x, cos, sin)``: ``x [T, H, D]`` with contiguous heads (rows may be strided: the q|k
     columns of a fused qkv), ``cos``/``sin`` ``[T, 1, D]`` or ``[T, D]`` contiguous -> ``[T, H, D]``."""

@@ -62,6 +62,29 @@ def test_fake_quant_reads_strided_rows_and_row_tails(cols):
     _same(ops.fake_quant_fp8(qkv[0], s), ref.fake_quant_fp8_ref(qkv[0], s))   # 1-D
 
 
+def test_the_fp8_kv_write_is_fake_quant_then_index_copy_bit_for_bit():
+    """k and v rows (strided: columns of a fused qkv) fake-quantized into the float caches at their
+    slots in one call, a slot of -1 skipped; every other cache row untouched."""
+    g = torch.Generator().manual_seed(2)
+    hkv, d, slots_total = 3, 64, 40
+    qkv = torch.randn(6, 9 * d, generator=g) * 30
+    k, v = qkv[:, 3 * d:6 * d].view(6, hkv, d), qkv[:, 6 * d:].view(6, hkv, d)
+    slots = torch.tensor([7, 0, 39, -1, 12, 13])
+    ks, vs = torch.tensor(0.05), torch.tensor(0.3)
+    k_cache, v_cache = (torch.randn(slots_total, hkv, d, generator=g) for _ in range(2))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    want_k.index_copy_(0, slots[keep], ref.fake_quant_fp8_ref(k[keep], ks))
+    want_v.index_copy_(0, slots[keep], ref.fake_quant_fp8_ref(v[keep], vs))
+    assert ops.write_kv_fp8(k, v, k_cache, v_cache, slots, float(ks), float(vs))
+    _same(k_cache, want_k)
+    _same(v_cache, want_v)
+    # layouts it does not take: nothing written, the caller's ops run
+    assert not ops.write_kv_fp8(k, v, k_cache, v_cache, slots.int(), 0.05, 0.3)             # int32 slots
+    assert not ops.write_kv_fp8(k, v, k_cache[:, :2], v_cache[:, :2], slots, 0.05, 0.3)    # row size differs
+    assert not ops.write_kv_fp8(k.bfloat16(), v.bfloat16(), k_cache, v_cache, slots, 0.05, 0.3)
+
+
 def test_mul_fake_quant_gives_the_reference_bits():
     g = torch.Generator().manual_seed(1)
     s = torch.tensor(0.02)
@@ -364,9 +387,10 @@ def test_the_fp8_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_
     with ops.using(None, attention=LIB):
         off = _greedy(fp8_engine, PROMPTS, max_tokens)
     calls = layers * max_tokens   # at least one step per token, every layer in each
-    # per layer and step: the o input, k and v; the two norms (with the qkv and gate_up inputs'
-    # quantization); rope; SwiGLU's product for down; attention
-    assert counting.calls["kiln_fake_quant_fp8"] >= 3 * calls
+    # per layer and step: the o input; k and v with their cache write; the two norms (with the qkv and
+    # gate_up inputs' quantization); rope; SwiGLU's product for down; attention
+    assert counting.calls["kiln_fake_quant_fp8"] >= calls
+    assert counting.calls["kiln_write_kv_fp8"] >= calls
     assert counting.calls["kiln_add_rms_norm"] >= 2 * calls
     assert counting.calls["kiln_rope"] >= calls
     assert counting.calls["kiln_mul_fake_quant_fp8"] >= calls

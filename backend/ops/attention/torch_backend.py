@@ -109,6 +109,11 @@ class TorchAttentionBackend:
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         """Scatter ``k, v [T, Hkv, D]`` into the caches at ``slot_mapping [T]`` (-1 = skip)."""
         num_blocks, block_size, hkv, d = k_cache.shape
+        if (self.fp8_as_float and k_scale is not None and k_cache.dtype == torch.float32 and k.dtype == torch.float32
+                and cpu_ops.write_kv_fp8(k, v, k_cache.view(num_blocks * block_size, hkv, d),
+                                         v_cache.view(num_blocks * block_size, hkv, d), slot_mapping,
+                                         k_scale, v_scale)):
+            return   # the CPU kernel: the fake quantization and the scatter below in one call, same bits
         if self._slots is None or self._slots[0] is not slot_mapping:
             # every layer of a step writes at the same slots (the step's metadata): checked once a
             # step, three ops a layer fewer; holding the tensor keeps its identity from being reused
