@@ -28,10 +28,10 @@ HERE = Path(__file__).parent
 SOURCES = (HERE / "kernels.c", HERE / "attention.c", HERE / "gemm.c")
 HEADERS = (HERE / "kiln_cpu.h",)
 # -ffp-contract=off: no multiply-add fused into an FMA (kernels.c gives PyTorch's bits op by op).
-# -fopenmp: gemm.c's threads. The library asks for libgomp.so.1, the soname of the libgomp PyTorch's
-# wheel ships and has loaded by then (ops.py imports torch first), so the loader hands it that one:
-# gemm.c's parallel regions run on PyTorch's own OpenMP team, not on a second team competing for
-# the same cores.
+# -fopenmp: the threads of gemm.c and attention.c. The library asks for libgomp.so.1, the soname of
+# the libgomp PyTorch's wheel ships and has loaded by then (ops.py imports torch first), so the loader
+# hands it that one: their parallel regions run on PyTorch's own OpenMP team, not on a second team
+# competing for the same cores.
 FLAGS = ("-O3", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared", "-Wall",
          "-Wno-psabi")
 # A compiler without OpenMP (clang without libomp, say) builds the same kernels on one thread: the

@@ -84,13 +84,13 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_threads(fmt):
                 assert torch.equal(_run(batch, codes, fmt, threads=threads)[at], alone[0]), (rows, at, threads)
 
 
+@pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
+                    reason="this PyTorch build has no FBGEMM")
 def test_the_same_bits_as_fbgemms_fp16_gemm():
     """The kernel replaces FBGEMM's fp16 GEMM on AVX-512 without changing a model's numbers: FBGEMM's
     AVX-512 kernels also sum each output as one FMA chain over k. Output widths that are multiples of
     16 (every model's): FBGEMM's own results for other widths change with the width (measured: its
     N = 53 differs from its N = 64 padded), this kernel's do not."""
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
-        pytest.skip("this PyTorch build has no FBGEMM")
     for n, k in ((576, 576), (960, 576), (64, 1536), (3072, 576)):
         codes = _codes(n, k, seed=n)
         packed = torch.ops.quantized.linear_prepack_fp16(codes.float(), None)
