@@ -77,6 +77,28 @@ def long_prefill(engine: Path, tokens: int, rounds: int) -> dict:
             "mean_s": {k: round(sum(v) / len(v), 3) for k, v in secs.items()}}
 
 
+def row_threads(engine: Path, batch: int, rounds: int) -> dict:
+    """Seconds to prefill the ``batch`` prompts at once (first tokens out), the elementwise kernels
+    on one thread vs PyTorch's team (kernels.c shares a prefill-sized call's rows out), ABBA."""
+    threads = torch.get_num_threads()
+    prompts = _prompts(engine, batch)
+    ex = Executor(engine, start=False, max_batch_size=batch, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ex.generate([prompts[0][:8]], params)   # warm-up
+    ways = {"one_thread": 1, f"{threads}_threads": threads}
+    secs: dict[str, list[float]] = {k: [] for k in ways}
+    for r in range(rounds):
+        for way in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+            with ops.row_threads(ways[way]):
+                t = time.perf_counter()
+                ex.generate(prompts, params)
+                secs[way].append(round(time.perf_counter() - t, 4))
+        print(f"round {r} prefill " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in secs.items()), flush=True)
+    med = {k: round(sorted(v)[len(v) // 2], 4) for k, v in secs.items()}
+    return {"prompt_tokens": sum(len(p) for p in prompts), "prefill_s": secs, "median_s": med,
+            "speedup_of_medians": round(med["one_thread"] / med[f"{threads}_threads"], 3)}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", default="build/smollm2-135m-fp8/engine", help="engine bundle (make build)")
@@ -86,18 +108,24 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="docs/perf/cpu-kernels-ab.json")
     ap.add_argument("--long-prompt", type=int, default=0, metavar="N",
                     help="also time one N-token prompt's prefill, attention kernel vs SDPA tiles (0: skip)")
+    ap.add_argument("--row-threads", type=int, default=0, metavar="ROUNDS",
+                    help="also time the batch's prefill with the elementwise kernels on one thread vs "
+                         "PyTorch's team, ROUNDS rounds ABBA (0: skip)")
     a = ap.parse_args(argv)
     load = os.getloadavg()[0]
     res = {"benchmark": "cpu_kernels", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "command": f"python -m harness.bench.cpu_kernels --engine {a.engine} --batch {a.batch} "
                       f"--rounds {a.rounds} --max-tokens {a.max_tokens} --out {a.out}"
-                      + (f" --long-prompt {a.long_prompt}" if a.long_prompt else ""),
+                      + (f" --long-prompt {a.long_prompt}" if a.long_prompt else "")
+                      + (f" --row-threads {a.row_threads}" if a.row_threads else ""),
            "commit": git_commit(),
            "machine": {**cpu_machine(), "threads": torch.get_num_threads(), "load_avg_1m_at_start": load},
            "what": "engine alone (no Triton), greedy, prefix cache off; rounds alternate ABBA",
            **run(Path(a.engine), a.batch, a.rounds, a.max_tokens)}
     if a.long_prompt:
         res["long_prompt"] = long_prefill(Path(a.engine), a.long_prompt, a.rounds)
+    if a.row_threads:
+        res["row_threads"] = row_threads(Path(a.engine), a.batch, a.row_threads)
     Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
     print(f"kernels {res['mean_tok_s']['kernels']} vs PyTorch ops {res['mean_tok_s']['pytorch_ops']} tok/s: "
           f"{res['speedup_of_means']}x; wrote {a.out}")

@@ -51,20 +51,22 @@ class CpuKernelBuildError(RuntimeError):
 # (argtypes) of each exported function; restype None unless named in RESTYPES
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
-    "kiln_fake_quant_fp8": (_P, _I, _P, _I, _I, _F),
-    "kiln_mul_fake_quant_fp8": (_P, _I, _P, _I, _P, _I, _I, _F),
-    "kiln_write_kv_fp8": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _F),
-    "kiln_rope": (_P, _I, _P, _P, _P, _I, _I, _I),
-    "kiln_add_rms_norm": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _I, _F),
+    "kiln_fake_quant_fp8": (_P, _I, _P, _I, _I, _F, _I),
+    "kiln_mul_fake_quant_fp8": (_P, _I, _P, _I, _P, _I, _I, _F, _I),
+    "kiln_write_kv_fp8": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _F, _I),
+    "kiln_rope": (_P, _I, _P, _P, _P, _I, _I, _I, _I),
+    "kiln_add_rms_norm": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _I, _F, _I),
     "kiln_paged_attention": (_P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I),
     "kiln_gemm_available": (),
     "kiln_gemm": (_P, _I, _I, _P, _I, _I, _P, _P, _F, _I),
     "kiln_cpu_threaded": (),
+    "kiln_row_threads": (_I, _I, _I),
 }
 # kiln_paged_attention: the threads it ran on, or -1 (out of memory); kiln_gemm_available: 1 or 0;
 # kiln_gemm: 0, or -1
 RESTYPES = {"kiln_paged_attention": ctypes.c_int, "kiln_gemm_available": ctypes.c_int, "kiln_gemm": ctypes.c_int,
-            "kiln_cpu_threaded": ctypes.c_int}   # 1: built with OpenMP; 0: SERIAL_FLAGS
+            "kiln_cpu_threaded": ctypes.c_int,   # 1: built with OpenMP; 0: SERIAL_FLAGS
+            "kiln_row_threads": ctypes.c_int}    # the threads kernels.c shares such a call between
 
 
 def source_hash() -> str:

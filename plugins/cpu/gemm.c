@@ -135,6 +135,23 @@ static KILN_AVX512 void widen_panels(int fmt, const uint8_t *src, int64_t K, int
  * FMAs then share the ALU with loads only, not with the widening (the same values, so the same bits). */
 #define ROW_BLOCKS 8   /* 8 x 14 = 112 rows of x a pass: 0.7 MB at K = 1536 */
 
+/* A thread's widening scratch, kept from call to call and grown when a call needs more (np * K * 16
+ * floats: 192 KB at K = 1536). A malloc and free per call asked the kernel for fresh pages each time
+ * (glibc gives the top of the heap back on free): 2% of a prefill step went to brk and its page
+ * faults. Held until the thread ends; PyTorch's team lives as long as the process. NULL when out of
+ * memory: the blocks then widen as they go (the same values). */
+static __thread float *tls_wide;
+static __thread size_t tls_wide_floats;
+
+static float *wide_scratch(size_t floats) {
+    if (floats > tls_wide_floats) {
+        free(tls_wide);
+        tls_wide = malloc(sizeof(float) * floats);
+        tls_wide_floats = tls_wide ? floats : 0;
+    }
+    return tls_wide;
+}
+
 static KILN_AVX512 void gemm_avx512(const float *x, int64_t M, int64_t K, const uint8_t *w, int fmt, int64_t N,
                                     float *y, const float *scale, float mult, int threads) {
     const int np = panels_for(M), rb = rows_for(np);
@@ -143,7 +160,7 @@ static KILN_AVX512 void gemm_avx512(const float *x, int64_t M, int64_t K, const 
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         /* np is 2 whenever M > 16; without the scratch (no memory) the blocks widen as they go */
-        float *wide = M > rb ? malloc(sizeof(float) * (size_t)(np * K * 16)) : NULL;
+        float *wide = M > rb ? wide_scratch((size_t)(np * K * 16)) : NULL;
         for (int64_t m1 = 0; m1 < M; m1 += pass) {
             const int64_t m_end = m1 + pass < M ? m1 + pass : M;
 #pragma omp for schedule(static) nowait
@@ -168,7 +185,6 @@ static KILN_AVX512 void gemm_avx512(const float *x, int64_t M, int64_t K, const 
                 }
             }
         }
-        free(wide);
     }
 }
 #endif

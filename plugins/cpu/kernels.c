@@ -30,6 +30,30 @@ int kiln_cpu_threaded(void) {
 #endif
 }
 
+/* Every kernel below computes each row whole and alone, so rows can be shared out between threads
+ * without changing a bit: with `threads` > 1 (PyTorch's count: the library runs on PyTorch's own
+ * OpenMP team, see build.py) and at least PARALLEL_MIN_ELEMS elements in the call, contiguous runs of
+ * rows go to the team's threads. A prefill's norms, activations and KV writes (983 rows of SmolLM2:
+ * ~0.15 s of a 0.95 s step on one thread) then run on both cores; a decode step's (16 rows, 9-25k
+ * elements) stay on the calling thread, where the fork and join would cost what they save. */
+#define PARALLEL_MIN_ELEMS 32768   /* ATen's GRAIN_SIZE: PyTorch's own ops go parallel from there too */
+#ifdef _OPENMP
+#define PARALLEL_ROWS _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)")
+#else
+#define PARALLEL_ROWS (void)nthreads;
+#endif
+static inline int row_threads(int64_t rows, int64_t cols, int64_t threads) {
+#ifdef _OPENMP
+    return rows > 1 && rows * cols >= PARALLEL_MIN_ELEMS && threads > 1 ? (int)(threads < rows ? threads : rows) : 1;
+#else
+    (void)rows, (void)cols, (void)threads;
+    return 1;
+#endif
+}
+
+/* The threads the kernels below share a call of `rows` x `cols` elements between (tests). */
+int kiln_row_threads(int64_t rows, int64_t cols, int64_t threads) { return row_threads(rows, cols, threads); }
+
 /* x / scale to fp8 e4m3 (saturated to +-448, round to nearest even) and back times scale: the bits
  * of PyTorch's ((x / scale).clamp(-448, 448).to(float8_e4m3fn).float() * scale).
  * e4m3 keeps 3 mantissa bits: from 2^-6 up, a float32 is rounded by adding half its dropped 20 bits
@@ -53,8 +77,11 @@ static inline v8f fake_quant8(v8f x, v8f scale) {
 
 /* y = fake_quant(x): an activation or a new key/value row as the fp8 GEMM or fp8 KV cache sees it. */
 KILN_CLONES
-void kiln_fake_quant_fp8(const float *x, int64_t stride, float *y, int64_t rows, int64_t cols, float scale) {
+void kiln_fake_quant_fp8(const float *x, int64_t stride, float *y, int64_t rows, int64_t cols, float scale,
+                         int64_t threads) {
     const v8f s = splat(scale);
+    const int nthreads = row_threads(rows, cols, threads);
+    PARALLEL_ROWS
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * stride;
         float *yr = y + r * cols;
@@ -70,8 +97,10 @@ void kiln_fake_quant_fp8(const float *x, int64_t stride, float *y, int64_t rows,
 KILN_CLONES
 void kiln_write_kv_fp8(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
                        float *v_cache, const int64_t *slots, int64_t rows, int64_t cols, float k_scale,
-                       float v_scale) {
+                       float v_scale, int64_t threads) {
     const v8f ks = splat(k_scale), vs = splat(v_scale);
+    const int nthreads = row_threads(rows, 2 * cols, threads);   /* slots are distinct: rows never collide */
+    PARALLEL_ROWS
     for (int64_t r = 0; r < rows; r++) {
         if (slots[r] < 0)
             continue;
@@ -88,8 +117,10 @@ void kiln_write_kv_fp8(const float *k, int64_t k_stride, const float *v, int64_t
  * gate_up output) quantized for the down projection, the product rounded to float32 first. */
 KILN_CLONES
 void kiln_mul_fake_quant_fp8(const float *a, int64_t a_stride, const float *b, int64_t b_stride, float *y,
-                             int64_t rows, int64_t cols, float scale) {
+                             int64_t rows, int64_t cols, float scale, int64_t threads) {
     const v8f s = splat(scale);
+    const int nthreads = row_threads(rows, cols, threads);
+    PARALLEL_ROWS
     for (int64_t r = 0; r < rows; r++) {
         const float *ar = a + r * a_stride, *br = b + r * b_stride;
         float *yr = y + r * cols;
@@ -105,8 +136,10 @@ void kiln_mul_fake_quant_fp8(const float *a, int64_t a_stride, const float *b, i
  * (-x2, x1); cos, sin: [rows, dim] contiguous. Each product rounded, then the sum, as PyTorch's three ops. */
 KILN_CLONES
 void kiln_rope(const float *x, int64_t stride, const float *cos, const float *sin, float *y, int64_t rows,
-               int64_t heads, int64_t dim) {
+               int64_t heads, int64_t dim, int64_t threads) {
     const int64_t half = dim / 2;
+    const int nthreads = row_threads(rows, heads * dim, threads);
+    PARALLEL_ROWS
     for (int64_t r = 0; r < rows; r++) {
         const float *c = cos + r * dim, *sn = sin + r * dim;
         for (int64_t h = 0; h < heads; h++) {
@@ -178,8 +211,10 @@ static float torch_sum_sq(const float *x, int64_t n) {
 KILN_CLONES
 void kiln_add_rms_norm(const float *x, int64_t x_stride, const float *d, int64_t d_stride, float *h,
                        const float *w, float *y, int64_t rows, int64_t cols, float eps, int64_t quant,
-                       float scale) {
+                       float scale, int64_t threads) {
     const v8f s = splat(scale);
+    const int nthreads = row_threads(rows, cols, threads);
+    PARALLEL_ROWS
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * x_stride;
         if (d) {

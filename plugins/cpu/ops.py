@@ -19,6 +19,7 @@ from . import build
 _F32 = torch.float32
 _state: list = []   # [library or None] after the first call
 _attention: list = []   # [library or None] while ``using`` sets the attention kernel apart
+_row_threads: list = []   # [n] while ``row_threads`` sets the elementwise kernels' thread count
 _SAME = object()
 
 
@@ -49,6 +50,23 @@ def using(lib, attention=_SAME) -> Iterator[None]:
         _attention[:] = before_attention
 
 
+@contextlib.contextmanager
+def row_threads(n: int) -> Iterator[None]:
+    """Give the elementwise kernels ``n`` threads instead of PyTorch's count (kernels.c shares a
+    prefill-sized call's rows out between them; the bits are the same either way): for the benchmark
+    that compares one thread with the team in one process (``harness.bench.cpu_kernels --row-threads``)."""
+    before = list(_row_threads)
+    _row_threads[:] = [n]
+    try:
+        yield
+    finally:
+        _row_threads[:] = before
+
+
+def _threads() -> int:
+    return _row_threads[0] if _row_threads else torch.get_num_threads()
+
+
 def _rows(x: torch.Tensor) -> tuple[int, int, int] | None:
     """``(rows, cols, row stride)`` reading ``x`` as rows of its dims after the first, if the kernels
     can read it in place: float32 on CPU, every dim but the first contiguous (a column slice of a
@@ -74,7 +92,7 @@ def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor
     rows, cols, stride = rx
     y = torch.empty(x.shape, dtype=_F32)
     if rows and cols:
-        lib.kiln_fake_quant_fp8(x.data_ptr(), stride, y.data_ptr(), rows, cols, float(scale))
+        lib.kiln_fake_quant_fp8(x.data_ptr(), stride, y.data_ptr(), rows, cols, float(scale), _threads())
     return y
 
 
@@ -88,7 +106,8 @@ def mul_fake_quant_fp8(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | f
         return None
     y = torch.empty(a.shape, dtype=_F32)
     if ra[0] and ra[1]:
-        lib.kiln_mul_fake_quant_fp8(a.data_ptr(), ra[2], b.data_ptr(), rb[2], y.data_ptr(), ra[0], ra[1], float(scale))
+        lib.kiln_mul_fake_quant_fp8(a.data_ptr(), ra[2], b.data_ptr(), rb[2], y.data_ptr(), ra[0], ra[1], float(scale),
+                                    _threads())
     return y
 
 
@@ -109,7 +128,7 @@ def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
         return False
     if rk[0] and rk[1]:
         lib.kiln_write_kv_fp8(k.data_ptr(), rk[2], v.data_ptr(), rv[2], k_cache.data_ptr(), v_cache.data_ptr(),
-                              slots.data_ptr(), rk[0], rk[1], float(k_scale), float(v_scale))
+                              slots.data_ptr(), rk[0], rk[1], float(k_scale), float(v_scale), _threads())
     return True
 
 
@@ -126,7 +145,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     y = torch.empty(t, h, d, dtype=_F32)
     if y.numel():
         lib.kiln_rope(x.data_ptr(), x.stride(0) if t > 1 else h * d, cos.data_ptr(), sin.data_ptr(), y.data_ptr(),
-                      t, h, d)
+                      t, h, d, _threads())
     return y
 
 
@@ -162,7 +181,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if rows:
         lib.kiln_add_rms_norm(x.data_ptr(), stride, delta.data_ptr() if delta is not None else None, rd[2],
                               h.data_ptr() if delta is not None else None, weight.data_ptr(), y.data_ptr(),
-                              rows, cols, float(eps), scale is not None, float(scale) if scale is not None else 0.0)
+                              rows, cols, float(eps), scale is not None, float(scale) if scale is not None else 0.0,
+                              _threads())
     return h, y
 
 

@@ -124,6 +124,45 @@ def test_add_rms_norm_gives_the_reference_bits(cols):
             _same(got[1], want[1])
 
 
+def test_the_row_kernels_share_a_prefill_sized_call_between_threads_with_the_same_bits():
+    """From ATen's grain (32768 elements) up, the elementwise kernels share a call's rows out between
+    PyTorch's threads, each row computed whole by one: a prefill's call gives the reference's bits on
+    one thread and on two; a decode step's (16 rows) stays on the calling thread."""
+    assert LIB.kiln_row_threads(300, 576, 2) == 2 and LIB.kiln_row_threads(300, 576, 1) == 1
+    assert LIB.kiln_row_threads(16, 576, 2) == 1 and LIB.kiln_row_threads(1, 1 << 20, 2) == 1
+    g = torch.Generator().manual_seed(9)
+    t, hkv, d, n = 300, 3, 64, 1536
+    qkv = torch.randn(t, 15 * d, generator=g) * 3                 # q | k | v of a fused qkv: strided rows
+    gate_up = torch.randn(t, 2 * n, generator=g) * 4
+    a, b = torch.nn.functional.silu(gate_up[:, :n]), gate_up[:, n:]
+    x, delta, w = qkv[:, :9 * d], torch.randn(t, 9 * d, generator=g), torch.randn(9 * d, generator=g)
+    angles = torch.randn(t, d, generator=g) * 100
+    cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+    k, v = qkv[:, 9 * d:12 * d].view(t, hkv, d), qkv[:, 12 * d:].view(t, hkv, d)
+    slots = torch.randperm(2 * t, generator=g)[:t]
+    s = torch.tensor(0.02)
+    want_k, want_v = torch.zeros(2 * t, hkv, d), torch.zeros(2 * t, hkv, d)
+    want_k.index_copy_(0, slots, ref.fake_quant_fp8_ref(k, s))
+    want_v.index_copy_(0, slots, ref.fake_quant_fp8_ref(v, s))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            _same(ops.fake_quant_fp8(x, s), ref.fake_quant_fp8_ref(x, s))
+            _same(ops.mul_fake_quant_fp8(a, b, s), ref.mul_fake_quant_fp8_ref(a, b, s))
+            rq = qkv[:, :12 * d].view(t, 12, d)
+            _same(ops.rope(rq, cos, sin), ref.rope_ref(rq, cos, sin))
+            got, want = ops.add_rms_norm(x, delta, w, 1e-6, s), ref.add_rms_norm_ref(x, delta, w, 1e-6, s)
+            _same(got[0], want[0].contiguous())
+            _same(got[1], want[1])
+            k_cache, v_cache = torch.zeros(2 * t, hkv, d), torch.zeros(2 * t, hkv, d)
+            assert ops.write_kv_fp8(k, v, k_cache, v_cache, slots, float(s), float(s))
+            _same(k_cache, want_k)
+            _same(v_cache, want_v)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_add_rms_norm_leaves_rows_aten_would_split_between_threads_to_pytorch():
     """One row of 40000 floats: ATen sums it in one piece on one thread (the kernel's bits) and in
     pieces on two (another order: the kernel declines and PyTorch runs)."""
@@ -354,7 +393,10 @@ def test_the_on_off_benchmark_runs_both_ways_and_leaves_the_kernels_on(build_bun
     long = cpu_kernels.long_prefill(Path(build_bundle("smollm2-135m-fp8", LIGHT)), tokens=40, rounds=2)
     assert long["prompt_tokens"] == 40 and [len(v) for v in long["prefill_s"].values()] == [2, 2]
     assert all(x > 0 for v in long["prefill_s"].values() for x in v)
-    assert ops.library() is LIB and ops.attention_library() is LIB
+    rows = cpu_kernels.row_threads(Path(build_bundle("smollm2-135m-fp8", LIGHT)), batch=2, rounds=2)
+    assert [len(v) for v in rows["prefill_s"].values()] == [2, 2] and rows["prompt_tokens"] > 2
+    assert all(x > 0 for v in rows["prefill_s"].values() for x in v)
+    assert ops.library() is LIB and ops.attention_library() is LIB and ops._threads() == torch.get_num_threads()
 
 
 def _greedy(ex, prompts, max_tokens=6):
