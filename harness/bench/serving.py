@@ -17,6 +17,10 @@ a row records ``prompts_seen_before`` where the list ran out and wrapped): a rep
 find its prefill in the engine's prefix cache, which the HF baseline has no counterpart of. One short
 warm-up request (not from the list) runs first, as the HF baseline warms up with one short batch.
 The HF baseline generates the very prompts of the level it is compared with.
+
+With ``--start`` every row also records the CPU the server, each model's stubs and this client took
+during the level (``cpu_cores``: CPU-seconds per wall second, harness/bench/proc_cpu.py): on a small
+CPU they share the cores the engine computes on.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.serving_client import StreamResult, grpc_stream
+from harness.bench import proc_cpu
 from harness.bench.perfinfo import cpu_flags, cpu_model
 from harness.bench.prompts import load_prompts
 from harness.bench.serving_stats import plot, summarize, write_csv
@@ -130,7 +135,9 @@ def level_prompts(base: list[str], start: int, n: int) -> tuple[list[str], int]:
     return [base[i] for i in idx], sum(i in seen for i in idx)
 
 
-def run(a: argparse.Namespace, url: str, tokenizer) -> dict[str, Any]:
+def run(a: argparse.Namespace, url: str, tokenizer, server_pid: int | None = None) -> dict[str, Any]:
+    """Every level of every model; with ``server_pid`` (a server this run started) each row also gets
+    the CPU its processes and this client took during the level (``cpu_cores``: harness/bench/proc_cpu.py)."""
     base = load_prompts(a.prompts)
     rows = []
     # one count across models too: ensemble and bls both drive the same engine model, whose prefix
@@ -146,12 +153,16 @@ def run(a: argparse.Namespace, url: str, tokenizer) -> dict[str, Any]:
         for mode, conc, rate in plan:
             n = a.num_prompts or max(16, conc or 16)
             prompts, seen = level_prompts(base, start, n)
+            cpu0 = proc_cpu.snapshot(server_pid) if server_pid else None
             results, wall = asyncio.run(_run_level(url, model, prompts, conc, rate, a.max_tokens, a.seed))
+            cpu = proc_cpu.cores_used(cpu0, proc_cpu.snapshot(server_pid), wall) if cpu0 is not None else None
             tokens = [len(tokenizer.encode(r.text, chat=False)) if r.error is None else 0 for r in results]
             row = {"model": model, "mode": mode, "concurrency": conc, "request_rate": rate,
                    "prompt_start": start % len(base), "prompts_seen_before": seen}
             start += n
             row |= summarize(results, tokens, wall, a.ttft_limit, a.tpot_limit)
+            if cpu is not None:
+                row["cpu_cores"] = cpu
             errors = [r.error for r in results if r.error]
             if errors:
                 row["first_error"] = errors[0]
@@ -160,6 +171,8 @@ def run(a: argparse.Namespace, url: str, tokenizer) -> dict[str, Any]:
                   f"{row['output_token_throughput']:7.1f} tok/s  {row['request_throughput']:5.2f} req/s  "
                   f"TTFT p50 {row['ttft_s']['p50'] or 0:6.3f}s p99 {row['ttft_s']['p99'] or 0:6.3f}s  "
                   f"TPOT p50 {row['tpot_s']['p50'] or 0:6.3f}s  errors {row['errors']}", flush=True)
+            if cpu:
+                print("          CPU cores: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()), flush=True)
     return {"rows": rows}
 
 
@@ -185,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     started = dt.datetime.now(dt.timezone.utc)
     machine = _machine()
     try:
-        out = run(a, url, tok)
+        out = run(a, url, tok, srv.proc.pid if srv is not None and srv.proc is not None else None)
         if srv is not None:
             out["engine_compute_dtype"] = engine_compute_dtype(srv.metrics_url)
     finally:
