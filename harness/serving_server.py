@@ -28,7 +28,7 @@ from pathlib import Path
 from harness.ports import free_port
 from backend.serving.serving_state import DRAIN_DIR_ENV, DRAIN_REQUEST, engine_marker, idle_marker
 
-__all__ = ["TritonServer", "TritonBinary", "find_tritonserver", "free_port", "ServerError", "stub_processes"]
+__all__ = ["TritonServer", "TritonBinary", "find_tritonserver", "free_port", "ServerError", "proc_stat", "stub_processes"]
 
 ROOT = Path(__file__).resolve().parents[1]
 STUB_PY = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -99,26 +99,33 @@ def _which_tritonserver() -> Path | None:
     return Path(found) if found else None
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie has exited)."""
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first, then ppid, ...; utime
+    and stime are [11] and [12]), or None when the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return False
+        return None
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie has exited)."""
+    fields = proc_stat(pid)
+    return bool(fields) and fields[0] != "Z"
 
 
 def stub_processes(server_pid: int) -> dict[int, str]:
     """pid -> model name of a tritonserver's Python backend stubs (one per model instance), from /proc."""
     out: dict[int, str] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        fields = proc_stat(int(pid))
+        if not fields or int(fields[1]) != server_pid:
+            continue
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) != server_pid:
-                    continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
-        except (OSError, IndexError, ValueError):
+        except OSError:
             continue
         if argv and argv[0].endswith(b"triton_python_backend_stub"):
             # the stub's first argument is <repository>/<model>/<version>/model.py

@@ -18,6 +18,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -35,6 +36,14 @@ def _prompts(engine: Path, n: int) -> list[list[int]]:
             for t in load_prompts("mtbench")[:n]]
 
 
+def _abba(rounds: int, a: str, b: str) -> Iterator[tuple[int, str]]:
+    """(round, way) in the order the rounds run the two ways: a b, b a, a b, ... so that the VM's
+    drift falls on both alike."""
+    for r in range(rounds):
+        for way in ((a, b) if r % 2 == 0 else (b, a)):
+            yield r, way
+
+
 def run(engine: Path, batch: int, rounds: int, max_tokens: int) -> dict:
     lib = ops.library()
     if lib is None:
@@ -44,14 +53,12 @@ def run(engine: Path, batch: int, rounds: int, max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ex.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))   # warm-up
     tok_s: dict[str, list[float]] = {"kernels": [], "pytorch_ops": []}
-    for r in range(rounds):
-        order = ("kernels", "pytorch_ops") if r % 2 == 0 else ("pytorch_ops", "kernels")   # ABBA
-        for way in order:
-            with ops.using(lib if way == "kernels" else None):
-                t = time.perf_counter()
-                ex.generate(prompts, params)
-                tok_s[way].append(round(batch * max_tokens / (time.perf_counter() - t), 2))
-            print(f"round {r} {way:12s} {tok_s[way][-1]:7.1f} tok/s", flush=True)
+    for r, way in _abba(rounds, "kernels", "pytorch_ops"):
+        with ops.using(lib if way == "kernels" else None):
+            t = time.perf_counter()
+            ex.generate(prompts, params)
+            tok_s[way].append(round(batch * max_tokens / (time.perf_counter() - t), 2))
+        print(f"round {r} {way:12s} {tok_s[way][-1]:7.1f} tok/s", flush=True)
     mean = {k: round(sum(v) / len(v), 2) for k, v in tok_s.items()}
     return {"output_tok_s": tok_s, "mean_tok_s": mean,
             "speedup_of_means": round(mean["kernels"] / mean["pytorch_ops"], 3)}
@@ -65,14 +72,12 @@ def long_prefill(engine: Path, tokens: int, rounds: int) -> dict:
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     ex.generate([prompt[:64]], params)   # warm-up
     secs: dict[str, list[float]] = {"attention_kernel": [], "sdpa_tiles": []}
-    for r in range(rounds):
-        order = ("attention_kernel", "sdpa_tiles") if r % 2 == 0 else ("sdpa_tiles", "attention_kernel")
-        for way in order:
-            with ops.using(lib, attention=lib if way == "attention_kernel" else None):
-                t = time.perf_counter()
-                ex.generate([prompt], params)
-                secs[way].append(round(time.perf_counter() - t, 3))
-            print(f"round {r} {way:16s} {secs[way][-1]:6.2f} s to prefill {tokens} tokens", flush=True)
+    for r, way in _abba(rounds, "attention_kernel", "sdpa_tiles"):
+        with ops.using(lib, attention=lib if way == "attention_kernel" else None):
+            t = time.perf_counter()
+            ex.generate([prompt], params)
+            secs[way].append(round(time.perf_counter() - t, 3))
+        print(f"round {r} {way:16s} {secs[way][-1]:6.2f} s to prefill {tokens} tokens", flush=True)
     return {"prompt_tokens": tokens, "prefill_s": secs,
             "mean_s": {k: round(sum(v) / len(v), 3) for k, v in secs.items()}}
 
@@ -87,13 +92,12 @@ def row_threads(engine: Path, batch: int, rounds: int) -> dict:
     ex.generate([prompts[0][:8]], params)   # warm-up
     ways = {"one_thread": 1, f"{threads}_threads": threads}
     secs: dict[str, list[float]] = {k: [] for k in ways}
-    for r in range(rounds):
-        for way in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
-            with ops.row_threads(ways[way]):
-                t = time.perf_counter()
-                ex.generate(prompts, params)
-                secs[way].append(round(time.perf_counter() - t, 4))
-        print(f"round {r} prefill " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in secs.items()), flush=True)
+    for r, way in _abba(rounds, *ways):
+        with ops.row_threads(ways[way]):
+            t = time.perf_counter()
+            ex.generate(prompts, params)
+            secs[way].append(round(time.perf_counter() - t, 4))
+        print(f"round {r} {way:12s} {secs[way][-1]:6.3f} s to prefill {len(prompts)} prompts", flush=True)
     med = {k: round(sorted(v)[len(v) // 2], 4) for k, v in secs.items()}
     return {"prompt_tokens": sum(len(p) for p in prompts), "prefill_s": secs, "median_s": med,
             "speedup_of_medians": round(med["one_thread"] / med[f"{threads}_threads"], 3)}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from harness.serving_server import stub_processes
+from harness.serving_server import proc_stat, stub_processes
 
 _TICK = os.sysconf("SC_CLK_TCK")
 SERVER, CLIENT = "tritonserver", "client"
@@ -20,12 +20,8 @@ SERVER, CLIENT = "tritonserver", "client"
 
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of process ``pid`` (all its threads), None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / _TICK    # utime, stime (stat fields 14 and 15)
+    fields = proc_stat(pid)
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / _TICK   # utime, stime
 
 
 def snapshot(server_pid: int) -> dict[int, tuple[str, float]]:
