@@ -31,6 +31,7 @@ import random
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -67,34 +68,40 @@ class StubModel:
         return self.logits[: logits_indices.shape[0]]
 
 
-def _new_request(rng: random.Random, i: int, max_tokens: int, vocab: int) -> Request:
-    prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(32, 513))]
-    return Request(f"req{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                                     temperature=0.0))
+# The engine classes a scenario drives: this tree's, or another revision's for an A/B
+# (``harness/bench/overhead_ab.py``).
+ENGINE = types.SimpleNamespace(BlockManager=BlockManager, Scheduler=Scheduler, InputPreparer=InputPreparer,
+                               Request=Request, SamplingParams=SamplingParams)
 
 
-def run_scenario(name: str, num_seqs: int, steps: int, block_size: int, max_seq_len: int,
-                 max_num_tokens: int, seed: int, profile: cProfile.Profile | None) -> dict:
+def make_stepper(name: str, num_seqs: int, block_size: int, max_seq_len: int, max_num_tokens: int,
+                 seed: int, engine: types.SimpleNamespace = ENGINE):
+    """The scenario's engine with ``num_seqs`` requests queued, and its step function:
+    ``one_step(times, cpu)`` runs one step and appends each part's wall time (ns) to ``times[i]`` and
+    the thread's CPU time to ``cpu`` (both None: untimed). Returns (one_step, scheduler, block manager)."""
     rng = random.Random(seed)
     churn = name == "churn"
     num_blocks = num_seqs * (-(-max_seq_len // block_size)) + 64
-    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
-    sched = Scheduler(bm, max_batch_size=num_seqs, max_num_tokens=max_num_tokens,
-                      policy="max_utilization", enable_chunked_prefill=True, max_seq_len=max_seq_len)
-    prep = InputPreparer(block_size, -(-max_seq_len // block_size), block_manager=bm)
+    bm = engine.BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    sched = engine.Scheduler(bm, max_batch_size=num_seqs, max_num_tokens=max_num_tokens,
+                             policy="max_utilization", enable_chunked_prefill=True, max_seq_len=max_seq_len)
+    prep = engine.InputPreparer(block_size, -(-max_seq_len // block_size), block_manager=bm)
     model = StubModel(max_num_tokens)
     counter = 0
 
-    def max_tokens() -> int:
+    def new_request():
+        nonlocal counter
         # decode: nobody finishes in the window; churn: lives of 20-300 tokens keep requests coming.
-        return max_seq_len - 513 if not churn else rng.randrange(20, 300)
-
-    for _ in range(num_seqs):
-        sched.add(_new_request(rng, counter, max_tokens(), 256))
+        max_tokens = max_seq_len - 513 if not churn else rng.randrange(20, 300)
+        prompt = [rng.randrange(3, 256) for _ in range(rng.randrange(32, 513))]
+        sched.add(engine.Request(f"req{counter}", prompt, engine.SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, temperature=0.0)))
         counter += 1
 
+    for _ in range(num_seqs):
+        new_request()
+
     def one_step(times: list[list[int]] | None, cpu: list[int] | None) -> tuple[int, int]:
-        nonlocal counter
         c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         out = sched.schedule()
@@ -114,16 +121,27 @@ def run_scenario(name: str, num_seqs: int, steps: int, block_size: int, max_seq_
             cpu.append(c1 - c0)
         if churn:
             for _ in finished:
-                sched.add(_new_request(rng, counter, max_tokens(), 256))
-                counter += 1
+                new_request()
         return len(out.scheduled), out.num_prefill_tokens
 
-    # Warm up until every sequence is decoding (all prompts prefilled), then some more steps.
+    return one_step, sched, bm
+
+
+def warm_up(one_step, sched) -> int:
+    """Steps until every sequence is decoding (all prompts prefilled), then some more."""
     warm = 0
     while sched.num_waiting or any(r.is_prefill for r in sched.running) or warm < 20:
         one_step(None, None)
         warm += 1
         assert warm < 10_000
+    return warm
+
+
+def run_scenario(name: str, num_seqs: int, steps: int, block_size: int, max_seq_len: int,
+                 max_num_tokens: int, seed: int, profile: cProfile.Profile | None) -> dict:
+    one_step, sched, bm = make_stepper(name, num_seqs, block_size, max_seq_len, max_num_tokens, seed)
+    num_blocks = bm.num_blocks
+    warm = warm_up(one_step, sched)
     times: list[list[int]] = [[] for _ in PARTS]
     cpu: list[int] = []
     batch_sizes, prefill_tokens = [], []

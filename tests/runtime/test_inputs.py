@@ -1,6 +1,7 @@
 """Step input preparation: exact tensors for hand-checked batches, and agreement with the block
 manager over random workloads (no model: the "model" is a deterministic function of the tokens)."""
 import random
+import sys
 
 import pytest
 import torch
@@ -225,6 +226,29 @@ def test_host_overhead_benchmark_runs_and_records_its_context(tmp_path):
         assert round(r["host_overhead_ms_per_step"]["p50"], 4) == max(r["all_runs_host_p50_ms"])
     with pytest.raises(SystemExit):
         bench_overhead.main(["--scenarios", "decode,bogus", "--output", "-"])
+
+
+def test_host_overhead_ab_runs_a_base_revision_beside_this_tree(tmp_path, capsys):
+    import json
+
+    from harness.bench import overhead_ab
+
+    out = tmp_path / "ab.json"
+    assert overhead_ab.main(["--base", "HEAD", "--num-seqs", "8", "--steps", "6", "--max-num-tokens", "64",
+                             "--max-seq-len", "1024", "--output", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {"machine", "date", "command", "base", "new", "config", "results"} <= set(doc)
+    assert len(doc["base"]) == 40 and doc["new"].startswith(doc["base"][:40])   # HEAD on both sides
+    r = doc["results"]
+    assert r["steps"] == 6 and r["ratio_new_over_base_p50"] > 0
+    for side in ("base", "new"):
+        assert r[side]["host_us_p50"] > 0 and set(r[side]["breakdown_us_p50"]) == {
+            "schedule", "prepare_inputs", "model_stub", "sample", "update"}
+    # The base side really ran the base revision's copy of the engine, not this tree's.
+    assert sys.modules["kiln_base_engine.scheduler"].__file__ != sys.modules["backend.engine.scheduler"].__file__
+    with pytest.raises(SystemExit, match="--base 'no-such-rev': not a revision"):
+        overhead_ab.main(["--base", "no-such-rev", "--steps", "2"])
+    capsys.readouterr()
 
 
 def _collect(step):
