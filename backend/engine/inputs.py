@@ -16,6 +16,7 @@ previous step's samples each one takes (``late_src``), shipped in the same int64
 """
 from __future__ import annotations
 
+import operator
 from array import array
 from dataclasses import dataclass
 
@@ -70,6 +71,9 @@ class InputPreparer:
         # the request) and how many of its entries are in the row.
         self._row_src: list[list[int] | None] = [None] * initial_rows
         self._row_len: list[int] = [0] * initial_rows
+        # The last step's decode sequences and their rows (reused while the batch is unchanged).
+        self._prev_decodes: list[ScheduledSeq] | None = None
+        self._prev_rows: np.ndarray | None = None
         # Off-CPU devices: pack each dtype group into one staging buffer (pinned when CUDA is
         # there), two of each so a step's asynchronous copy can still be in flight while the next
         # step is prepared.
@@ -158,6 +162,8 @@ class InputPreparer:
         # Per sequence (Python): block-table rows, brought up to date only when they changed.
         row_of = self._row_of
         bm = self.block_manager
+        decodes = seqs[num_prefills:] if num_prefills else seqs
+        rows_np = None
         if bm is not None:
             changes = bm.block_table_changes
             if changes:
@@ -165,19 +171,32 @@ class InputPreparer:
                     if not req.is_finished:      # finished ones were released above
                         self._row(req.request_id, req.block_ids)
                 changes.clear()
-            try:
-                rows = [row_of[s.request.request_id] for s in seqs]
-            except KeyError:                     # a request this preparer never saw: check all
-                rows = self._rows_checked(seqs)
+            # A decode-only step running the same sequences as the last one (the scheduler
+            # refreshes one ScheduledSeq per request in place) has the same rows: their contents
+            # were brought up to date just above.
+            prev = self._prev_decodes
+            if (not num_prefills and prev is not None and len(prev) == nseq
+                    and all(map(operator.is_, prev, seqs))):
+                rows_np = self._prev_rows
+            else:
+                try:
+                    rows = [row_of[s.request.request_id] for s in seqs]
+                except KeyError:                 # a request this preparer never saw: check all
+                    rows = self._rows_checked(seqs)
         else:
             rows = self._rows_checked(seqs)
+        if rows_np is None:
+            # array() + frombuffer: the fastest list -> ndarray conversion for Python ints.
+            rows_np = np.frombuffer(array("q", rows), dtype=np.int64)
+        if bm is not None:
+            self._prev_decodes = decodes
+            self._prev_rows = rows_np[num_prefills:]
         starts = [s.start_pos for s in seqs]
         uniform = not num_prefills and not any_spec      # every query is one token
         counts = None if uniform else [s.num_new_tokens for s in seqs]
         ids: list[int] = []
         for s in seqs[:num_prefills]:
             ids.extend(s.request.all_token_ids[s.start_pos:s.start_pos + s.num_new_tokens])
-        decodes = seqs[num_prefills:]
         if any_spec:
             for s in decodes:
                 ids.append(s.request.all_token_ids[s.start_pos])
@@ -192,18 +211,17 @@ class InputPreparer:
 
         # Per token (numpy).
         bs = self.block_size
-        # array() + frombuffer: the fastest list -> ndarray conversion for Python ints.
         starts_np = np.frombuffer(array("q", starts), dtype=np.int64)
-        rows_np = np.frombuffer(array("q", rows), dtype=np.int64)
         if uniform:
-            counts_np = np.ones(nseq, dtype=np.int64)
             qsl = np.arange(nseq + 1, dtype=np.int64)
+            num_tokens = nseq
+            seq_lens = starts_np + 1
         else:
             counts_np = np.frombuffer(array("q", counts), dtype=np.int64)
             qsl = np.zeros(nseq + 1, dtype=np.int64)
             np.cumsum(counts_np, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-        seq_lens = starts_np + counts_np
+            num_tokens = int(qsl[-1])
+            seq_lens = starts_np + counts_np
         max_seq_len = int(seq_lens.max())
         if num_tokens == nseq:           # all one-token queries (decodes): no repeat needed
             positions = starts_np

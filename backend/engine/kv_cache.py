@@ -21,7 +21,7 @@ Not thread-safe: the executor's loop thread (or its lock) owns the scheduler and
 """
 from __future__ import annotations
 
-import hashlib
+from hashlib import blake2b
 from array import array
 from collections import OrderedDict
 
@@ -33,7 +33,9 @@ _ROOT = b"kiln-kv-root"
 def hash_block(parent: bytes, tokens) -> bytes:
     """Chained block hash. blake2b rather than Python's ``hash()``: tuple hashes of ints are
     deterministic and easy to collide on purpose, and a collision would serve another user's KV."""
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+    h = blake2b(parent, digest_size=16)
+    h.update(array("q", tokens))   # (the array's buffer as is: no bytes copies, no concatenation)
+    return h.digest()
 
 
 class BlockManager:

@@ -163,6 +163,7 @@ class Scheduler:
         bs = bm.block_size
         caching = bm.enable_prefix_caching
         spec_total = 0
+        decodes_append = decodes.append
         i = 0                            # how many running requests this loop looked at
         # Iterating while _preempt_tail pops the list's tail is safe: iteration just ends sooner.
         for req in running:
@@ -178,6 +179,8 @@ class Scheduler:
             if k:
                 # No draft past the request's end or the step budget.
                 k = max(min(k, req.token_limit - num_tokens - 1, budget - 1), 0)
+                budget -= k
+                spec_total += k
             if (not k and num_tokens <= len(req.block_ids) * bs
                     and (not caching or start // bs <= req.num_committed_blocks)):
                 # The slot is in the last block and no block awaits its hash: all that
@@ -188,6 +191,8 @@ class Scheduler:
                     if self._preempt_tail(req, decodes, prefills, preempted):
                         break
                 if req.status is not _RUNNING:
+                    budget += k          # (its drafts are not run either)
+                    spec_total -= k
                     break                # it was the tail itself: nothing after it remains
             # One ScheduledSeq per request, refreshed in place: building hundreds of objects per
             # step was a third of the host overhead. (An output is valid until the next schedule.)
@@ -199,9 +204,8 @@ class Scheduler:
                 if seq.num_spec_tokens != k:
                     seq.num_new_tokens = 1 + k
                     seq.num_spec_tokens = k
-            decodes.append(seq)
-            budget -= 1 + k
-            spec_total += k
+            decodes_append(seq)
+            budget -= 1
         # Running requests past the budget may still be prefilling: pick them up too.
         for req in running[i:]:
             if len(req.all_token_ids) - req.num_computed_tokens > 1 or not req.output_token_ids:
@@ -312,11 +316,10 @@ class Scheduler:
         now = self.clock()
         finished: list[Request] = []
         seqs = output.scheduled
+        npre = output.num_prefills
         nsampled = len(sampled_token_ids)
         j = 0
-        decode_tokens = 0
-        generated = 0
-        for s in seqs:
+        for s in seqs[:npre]:            # prefill chunks: the general path
             req = s.request
             if not s.sample:             # a prompt chunk that does not reach the end yet
                 if req.status is _RUNNING:
@@ -330,35 +333,49 @@ class Scheduler:
             if req.status is not _RUNNING:
                 continue                 # aborted while the step ran
             assert req.num_computed_tokens == s.start_pos
-            if s.is_prefill or s.num_spec_tokens or type(tok) is not int:
-                done = self._update_general(req, s, tok)
-            else:
-                # Plain decode: the hot path, inlined.
-                req.num_computed_tokens += 1
-                decode_tokens += 1
-                generated += 1
-                if req.spec_token_ids:
-                    req.spec_token_ids = []
-                out_ids = req.output_token_ids
-                out_ids.append(tok)
-                req.all_token_ids.append(tok)
-                done = None
-                if tok in req.stop_ids:
-                    # The first min_tokens tokens never stop generation (the sampler masks them).
-                    if len(out_ids) > req.params.min_tokens:
-                        req.stop_token = tok
-                        done = RequestStatus.FINISHED_STOPPED
-                if done is None and len(req.all_token_ids) >= req.token_limit:
-                    done = RequestStatus.FINISHED_LENGTH
+            done = self._update_general(req, s, tok)
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
             if done:
                 self._finish(req, done, now)
                 finished.append(req)
-        assert j == nsampled, f"{nsampled} sampled entries for {j} sampling sequences"
-        self.num_decode_tokens_computed += decode_tokens
-        self.num_generated_tokens += generated
+        # Decodes, every one sampling, in the order of the rest of ``sampled_token_ids``. This loop
+        # runs for every sequence every step: the plain case is kept to a few attribute operations
+        # (a decode's first token time was stamped by its prefill).
+        assert nsampled - j == len(seqs) - npre, \
+            f"{nsampled} sampled entries for {j + len(seqs) - npre} sampling sequences"
+        plain = 0
+        for s, tok in zip(seqs[npre:] if npre else seqs, sampled_token_ids[j:] if j else sampled_token_ids):
+            req = s.request
+            if req.status is not _RUNNING:
+                continue                 # aborted while the step ran
+            assert req.num_computed_tokens == s.start_pos
+            if s.num_spec_tokens or type(tok) is not int:
+                done = self._update_general(req, s, tok)
+            else:
+                req.num_computed_tokens += 1
+                plain += 1
+                if req.spec_token_ids:
+                    req.spec_token_ids = []
+                out_ids = req.output_token_ids
+                out_ids.append(tok)
+                all_ids = req.all_token_ids
+                all_ids.append(tok)
+                done = None
+                if tok in req.stop_ids:
+                    # The first min_tokens tokens never stop generation (the sampler masks them).
+                    if len(out_ids) > req.params.min_tokens:
+                        req.stop_token = tok
+                        done = RequestStatus.FINISHED_STOPPED
+                if done is None and len(all_ids) >= req.token_limit:
+                    done = RequestStatus.FINISHED_LENGTH
+            req.last_token_time = now
+            if done:
+                self._finish(req, done, now)
+                finished.append(req)
+        self.num_decode_tokens_computed += plain
+        self.num_generated_tokens += plain
         return finished
 
     def _update_general(self, req: Request, s: ScheduledSeq, toks) -> RequestStatus | None:
