@@ -16,6 +16,8 @@ late through one asynchronous copy (``backend/engine/overlap.py``); same tokens,
 Speculative decoding seam: an optional ``speculator`` (``speculator_seam.Speculator``) proposes draft tokens
 after each step (``propose``) and turns the target model's logits for ``1 + k`` rows per sequence
 into accepted tokens (``verify``). Without one, one token is sampled per sequence.
+
+Delivering events and ending requests early (cancel, failed steps) live in ``request_events.py``.
 """
 from __future__ import annotations
 
@@ -31,14 +33,15 @@ from backend.engine.events import GenerationResult, RequestHandle, TokenEvent
 from backend.engine.inputs import InputPreparer
 from backend.engine.kv_cache import BlockManager
 from backend.engine.loop_thread import start_built, stop_at_exit, stopped
-from backend.engine.logits_out import generation_rows, stash_context, take_context
+from backend.engine.logits_out import generation_rows, stash_context
 from backend.engine.overlap import overlap_loop
-from backend.engine.request import FINAL, FINISH_REASONS, Request, RequestStatus
+from backend.engine.request_events import RequestEvents
+from backend.engine.request import FINAL, Request, RequestStatus
 from backend.engine.sampler import Sampler, SampleRow, make_generator
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler, SchedulerOutput
 from backend.engine.speculator_seam import Speculator
-from backend.logs import for_request, get_logger
+from backend.logs import get_logger
 from backend.model.runner import EngineError, load_engine_spec
 from backend.model.runtimes import runner_class
 
@@ -59,7 +62,7 @@ def _tp_driver(spec, device: str, dtype: torch.dtype | None, speculative: bool):
     return TPDriver(spec, tp, dtype=dtype, device=device)
 
 
-class Executor:
+class Executor(RequestEvents):
     def __init__(self, bundle_path, device: str = "cpu", dtype: torch.dtype | str | None = None,
                  speculator: Speculator | None = None, start: bool = True,
                  weights: dict[str, torch.Tensor] | None = None, verify_hashes: bool = True,
@@ -374,70 +377,6 @@ class Executor:
         row = r.sample_row = SampleRow(r.params, r.prompt_token_ids, r.output_token_ids,
                                        self._generators.get(rid), self._guides.get(rid) if self._guides else None)
         return row
-
-    def _emit_tokens(self, req: Request, tokens: list[int], lp: list | None, done: bool,
-                     generation_logits: torch.Tensor | None = None) -> None:
-        # Once per request per step: the common case (a token for a request still running) is kept
-        # to one handle lookup and one event.
-        rid = req.request_id
-        if self._guides and tokens and rid in self._guides:
-            self._guides[rid].accept(tokens)    # before the request's next mask is filled
-        ctx = take_context(req) if req.context_logits else None
-        ev = TokenEvent(rid, tokens, lp, done, FINISH_REASONS.get(req.status) if done else None, None, req, ctx,
-                        generation_logits)
-        if done:
-            self._emit(rid, ev, final=True)
-            return
-        handle = self._handles.get(rid)
-        if handle is not None:
-            try:
-                handle._deliver(ev)
-            except Exception:  # noqa: BLE001 - a consumer's callback bug must not stop the engine
-                for_request(_LOG, rid).exception("the response callback failed")
-
-    def _fail_requests(self, reqs: Sequence[Request], msg: str) -> None:
-        """End these requests with an error event (a failed step). A request the scheduler already
-        finished whose last token was never delivered (overlapped loop) still gets its final event."""
-        for req in reqs:
-            rid = req.request_id
-            self._abort(rid, RequestStatus.FINISHED_ERROR, msg)
-            if rid in self._handles:
-                self._emit(rid, TokenEvent(rid, [], None, True, "error", msg), final=True)
-
-    def _process_cancels(self) -> None:
-        while True:
-            with self._lock:
-                if not self._cancels:
-                    return
-                rid = self._cancels.popleft()
-            self._abort(rid, RequestStatus.FINISHED_ABORTED, None)
-
-    def _abort(self, rid: str, status: RequestStatus, error: str | None) -> None:
-        with self._lock:
-            req = self.scheduler.abort(rid, status, error)
-        if req is not None:
-            self._emit(rid, TokenEvent(rid, [], None, True, FINISH_REASONS[status], error, request=req),
-                       final=True)
-
-    def _emit(self, rid: str, ev: TokenEvent, final: bool) -> None:
-        handle = self._handles.get(rid)
-        if handle is None:
-            return
-        if final:
-            self._handles.pop(rid, None)
-            self._generators.pop(rid, None)
-            self._guides.pop(rid, None)
-        try:
-            handle._deliver(ev)
-        except Exception:  # noqa: BLE001 - a consumer's callback bug must not stop the engine
-            for_request(_LOG, rid).exception("the response callback failed")
-
-    def _record_latency(self, req: Request, now: float) -> None:
-        if req.first_token_time is not None:
-            self._ttft.append(req.first_token_time - req.arrival_time)
-            n = len(req.output_token_ids)
-            if n > 1:
-                self._tpot.append((now - req.first_token_time) / (n - 1))
 
 
 __all__ = ["Executor", "GenerationResult", "RequestHandle", "TokenEvent"]

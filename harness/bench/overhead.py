@@ -48,10 +48,11 @@ from harness.bench.perfinfo import cpu_model
 PARTS = ("schedule", "prepare_inputs", "model_stub", "sample", "update")
 # The code this benchmark measures: "-dirty" in the recorded commit means one of these differs.
 _MEASURED_FILES = ("backend/engine/scheduler.py", "backend/engine/scheduler_types.py",
-                   "backend/engine/scheduler_policies.py", "backend/engine/kv_cache.py", "backend/engine/inputs.py",
+                   "backend/engine/scheduler_update.py", "backend/engine/scheduler_policies.py", "backend/engine/kv_cache.py", "backend/engine/inputs.py",
                    "backend/engine/request.py", "backend/engine/sampling_params.py",
                    "backend/ops/attention/metadata.py", "backend/engine/executor.py", "backend/engine/overlap.py",
                    "backend/engine/late_tokens.py", "backend/engine/sampler.py", "backend/engine/events.py",
+                   "backend/engine/request_events.py",
                    "harness/bench/overhead.py", "harness/bench/executor_overhead.py")
 STUB_VOCAB = 32    # tiny on purpose: the greedy pick must not stand in for a real sampler
 SCENARIOS = ("decode", "churn", "executor", "executor_overlap")
