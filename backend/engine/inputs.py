@@ -190,7 +190,7 @@ class InputPreparer:
             rows_np = np.frombuffer(array("q", rows), dtype=np.int64)
         if bm is not None:
             self._prev_decodes = decodes
-            self._prev_rows = rows_np[num_prefills:]
+            self._prev_rows = rows_np[num_prefills:] if num_prefills else rows_np
         starts = [s.start_pos for s in seqs]
         uniform = not num_prefills and not any_spec      # every query is one token
         counts = None if uniform else [s.num_new_tokens for s in seqs]

@@ -193,6 +193,48 @@ def test_random_workload_matches_block_manager(seed, change_log):
     assert bm.num_free_blocks == 40 and sched.num_preemptions > 0 and sched.num_draft_tokens > 0
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_batches_with_aborts_and_arrivals_match_block_manager(seed):
+    # Long decode runs over block boundaries, where the preparer reuses the last step's rows while
+    # the batch is unchanged, broken by aborts, finishes and new arrivals that change it.
+    rng = random.Random(100 + seed)
+    bm = BlockManager(200, 4)
+    sched = Scheduler(bm, max_batch_size=8, max_num_tokens=64, max_seq_len=200)
+    prep = InputPreparer(4, 50, initial_rows=2, block_manager=bm)
+    n = 0
+
+    def arrive():
+        nonlocal n
+        sched.add(make(f"r{n}", [rng.randrange(3, 40) for _ in range(rng.randrange(1, 20))],
+                       max_tokens=rng.randrange(5, 60)))
+        n += 1
+
+    for _ in range(6):
+        arrive()
+    steps = reused = 0
+    while sched.has_unfinished() and steps < 400:
+        out = sched.schedule()
+        rows_before = prep._prev_rows
+        step = prep.prepare(out)
+        reused += rows_before is not None and prep._prev_rows is rows_before
+        m = step.meta
+        assert step.input_ids.tolist() == [s.request.all_token_ids[p] for s in out.scheduled
+                                           for p in range(s.start_pos, s.start_pos + s.num_new_tokens)]
+        assert m.slot_mapping.tolist() == [bm.slot(s.request, p) for s in out.scheduled
+                                           for p in range(s.start_pos, s.start_pos + s.num_new_tokens)]
+        for i, s in enumerate(out.scheduled):
+            row = m.block_tables[i].tolist()
+            k = len(s.request.block_ids)
+            assert row[:k] == s.request.block_ids and not any(row[k:])
+        sched.update(out, [rng.randrange(3, 40) for _ in range(out.num_sampled)])
+        if sched.running and rng.random() < 0.05:
+            sched.abort(rng.choice(sched.running).request_id)
+        if n < 40 and rng.random() < 0.08:
+            arrive()
+        steps += 1
+    assert reused > 20 and n > 6                 # both paths ran, many times
+
+
 def test_block_table_overflow_is_a_clear_error():
     bm = BlockManager(16, 4)
     sched = Scheduler(bm, max_batch_size=2, max_num_tokens=64)
