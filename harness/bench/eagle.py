@@ -22,7 +22,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from harness.bench.perfinfo import cpu_machine, git_commit
+from harness.bench.perfinfo import cpu_machine, git_commit, write_result
 from backend import bundle
 from backend.serving.tokenizer import load_tokenizer
 
@@ -119,9 +119,7 @@ def main(argv=None) -> int:
         "modes": {k: MODES[k] for k in modes[1:]},
         "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(doc, args.out)
     return 0
 
 

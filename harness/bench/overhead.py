@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
-import json
 import os
 import platform
 import pstats
@@ -43,7 +42,7 @@ from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
 from harness.bench.executor_overhead import run_executor_scenario
-from harness.bench.perfinfo import cpu_model
+from harness.bench.perfinfo import cpu_model, write_result
 
 PARTS = ("schedule", "prepare_inputs", "model_stub", "sample", "update")
 # The code this benchmark measures: "-dirty" in the recorded commit means one of these differs.
@@ -289,11 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                    "prefix_caching": True, "chunked_prefill": True, "seed": args.seed},
         "results": results,
     }
-    if args.output != "-":
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {out}")
+    write_result(doc, args.output)
     return 0
 
 

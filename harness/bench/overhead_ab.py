@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import json
 import os
 import statistics
 import subprocess
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 from harness.bench.overhead import PARTS, make_stepper, python_speed_ms, warm_up
-from harness.bench.perfinfo import cpu_model
+from harness.bench.perfinfo import cpu_model, write_result
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE_PACKAGE = "kiln_base_engine"
@@ -136,11 +135,7 @@ def main(argv: list[str] | None = None) -> int:
           f"per-pair new/base median {result['ratio_new_over_base_p50']}")
     for side in ("base", "new"):
         print(f"  {side:4s} breakdown (us, p50): {result[side]['breakdown_us_p50']}")
-    if args.output != "-":
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {out}")
+    write_result(doc, args.output)
     return 0
 
 

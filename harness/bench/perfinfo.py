@@ -2,6 +2,7 @@
 commit), in one place so the result files stay comparable. Standard library only."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -52,3 +53,13 @@ def git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+def write_result(doc: dict, output: str | Path) -> None:
+    """Write a result file (``-``: nowhere, the caller printed it), its folder made if needed."""
+    if str(output) == "-":
+        return
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out}")
