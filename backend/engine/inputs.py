@@ -26,6 +26,7 @@ import torch
 from backend.ops.attention.metadata import AttentionMetadata
 from backend.engine.kv_cache import BlockManager
 from backend.engine.logits_out import context_rows
+from backend.engine.request import Request
 from backend.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -148,8 +149,8 @@ class InputPreparer:
             rows_append(row)
         return rows
 
-    def prepare(self, output: SchedulerOutput, late: dict[str, int] | None = None) -> StepInputs:
-        """``late``: request id -> row of the previous step's samples, for requests whose last token
+    def prepare(self, output: SchedulerOutput, late: dict[Request, int] | None = None) -> StepInputs:
+        """``late``: request -> row of the previous step's samples, for requests whose last token
         is still a placeholder (overlapped loop); None when every input token is known."""
         for rid in output.finished_request_ids:
             self.release(rid)
@@ -264,7 +265,7 @@ class InputPreparer:
             if dst.size:
                 seq_of = np.searchsorted(qsl, dst, side="right") - 1
                 try:
-                    src = [late[seqs[i].request.request_id] for i in seq_of.tolist()]
+                    src = [late[seqs[i].request] for i in seq_of.tolist()]
                 except KeyError as exc:
                     raise AssertionError(f"input token of {exc} unknown and not sampled last step") from None
                 groups += [dst, np.array(src, dtype=np.int64)]

@@ -98,7 +98,7 @@ class InFlight:
     sample: DeviceSample
     copy: tuple
     needs_history: bool
-    late: dict[str, int]             # request id -> sample row: the next step's device gather
+    late: dict[Request, int]         # request -> sample row: the next step's device gather
     # sample row -> its raw logits on the device, for requests with return_generation_logits
     logits: dict[int, torch.Tensor] | None = None
 
@@ -182,7 +182,7 @@ class OverlapLoop:
         lrows = late_rows(sampling, before)
         # (rows of requests aborted meanwhile may count too: at worst one step resolves early)
         self.pending = InFlight(lrows, ds, copy, any(r.history for r in rows),
-                                dict(zip([r.request_id for r in lrows.requests], lrows.index)), gen)
+                                dict(zip(lrows.requests, lrows.index)), gen)
 
     def _resolve_pending(self) -> None:
         """Read the step in flight's samples (waiting for its event), fill its placeholders, emit."""
