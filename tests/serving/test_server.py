@@ -1,10 +1,13 @@
-"""The rendered repository served by a real Triton server (one per module, free ports, real SmolLM2).
+"""The rendered repository served by a real Triton server (one per module, free ports, real SmolLM2),
+under load and misuse: 64 concurrent streams and cancelled ones free the KV pool, invalid requests get
+an error while the server keeps serving, Kiln's metrics are exported, and the engine model unloads and
+reloads without leaking.
 
 Loading the repository at all is the check of every rendered config.pbtxt by Triton's own parser.
+The answers themselves (greedy text, stop words, NVIDIA's request parameters): test_server_requests.py.
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 
@@ -13,117 +16,11 @@ import pytest
 import requests
 
 from harness.model_names import DEFAULT as NAMES
-from harness.serving_client import GenerateError, grpc_inputs, grpc_stream, http_generate, http_stream
+from harness.serving_client import GenerateError, grpc_inputs, http_generate
 from tests.serving.conftest import PROMPTS
+from tests.serving.server_helpers import MODELS, _streams, metric, run, wait_kv_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
-
-MODELS = (NAMES.ensemble, NAMES.bls)
-# under 16 tokens (one KV block) so no request reuses a cached prefix: every greedy run then does
-# exactly the same arithmetic as the in-process reference
-EMOJI_PROMPT = "List of fruit emoji: 🍎 🍌 🍇"
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-async def _streams(url, jobs):
-    import tritonclient.grpc.aio as aio
-    client = aio.InferenceServerClient(url)
-    try:
-        return await asyncio.gather(*(grpc_stream(client, model, text, **kw) for model, text, kw in jobs))
-    finally:
-        await client.close()
-
-
-def metric(srv, name: str) -> float:
-    total, seen = 0.0, False
-    for line in requests.get(srv.metrics_url, timeout=10).text.splitlines():
-        if line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
-            seen = True
-    assert seen, f"{name} missing from {srv.metrics_url}"
-    return total
-
-
-def wait_kv_idle(srv, timeout: float = 15.0) -> tuple[float, float, float]:
-    """Wait until no request runs and every KV block is free; return (used, free, total)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        used, free, total = (metric(srv, f"kiln_kv_blocks_{k}") for k in ("used", "free", "total"))
-        running = metric(srv, "kiln_requests_running") + metric(srv, "kiln_requests_waiting")
-        if (used == 0 and free == total and running == 0) or time.monotonic() > deadline:
-            return used, free, total
-        time.sleep(0.2)
-
-
-@pytest.mark.parametrize("model", MODELS)
-def test_greedy_http_and_grpc_stream_match_the_executor(reference, triton_server, model):
-    for key, (text, n) in PROMPTS.items():
-        body = http_generate(triton_server.http_url, model, text, max_tokens=n, temperature=0.0,
-                             exclude_input_in_output=True)
-        assert body["text_output"] == reference[key]
-        res = run(_streams(triton_server.grpc_url, [(model, text, dict(max_tokens=n, temperature=0.0))]))[0]
-        assert res.error is None and len(res.pieces) > 1  # really streamed, piece by piece
-        assert res.text == reference[key]
-    # the default echoes the prompt in a non-streamed answer (tensorrtllm_backend behaviour)
-    text, n = PROMPTS["paris"]
-    assert http_generate(triton_server.http_url, model, text, max_tokens=n, temperature=0.0)["text_output"] \
-        == text + reference["paris"]
-    sse = "".join(e["text_output"] for e in http_stream(triton_server.http_url, model, text, max_tokens=n,
-                                                         temperature=0.0))
-    assert sse == reference["paris"]
-
-
-@pytest.mark.parametrize("model", MODELS)
-def test_multibyte_characters_stream_intact(triton_server, model):
-    kw = dict(max_tokens=24, temperature=0.0)
-    whole = http_generate(triton_server.http_url, model, EMOJI_PROMPT, exclude_input_in_output=True, **kw)
-    res = run(_streams(triton_server.grpc_url, [(model, EMOJI_PROMPT, kw)]))[0]
-    assert any(ord(c) > 0xFFFF for c in res.text), "the model produced no 4-byte character to test with"
-    assert all("\ufffd" not in p for p in res.pieces)
-    assert res.text == whole["text_output"]
-
-
-@pytest.mark.parametrize("model", MODELS)
-def test_stop_words_end_the_text_and_stay_in_it(reference, text_tokenizer, triton_server, model):
-    # NVIDIA's semantics: the stop word is matched on token ids and kept in the output
-    text, n = PROMPTS["paris"]
-    cut = reference["paris"].index(".") + 1
-    assert 0 < cut < len(reference["paris"])
-    body = http_generate(triton_server.http_url, model, text, max_tokens=n, temperature=0.0,
-                         exclude_input_in_output=True, stop_words=["."])
-    assert body["text_output"] == reference["paris"][:cut]
-    res = run(_streams(triton_server.grpc_url, [(model, text, dict(max_tokens=n, temperature=0.0,
-                                                                    stop_words=["."]))]))[0]
-    assert res.text == reference["paris"][:cut]
-
-
-@pytest.mark.parametrize("model", MODELS)
-def test_nvidia_neutral_values_give_the_greedy_text(reference, triton_server, model):
-    text, n = PROMPTS["paris"]
-    kw = dict(max_tokens=n, exclude_input_in_output=True)
-    # end_id/pad_id -1 = the model's own; top_p 0 with top_k 1 (NVIDIA's samples) and with top_k 0 = greedy;
-    # beam_width / num_return_sequences 1 accepted
-    for extra in (dict(temperature=0.0, end_id=-1, pad_id=-1), dict(top_k=1, top_p=0.0),
-                  dict(top_k=0, top_p=0.0), dict(temperature=0.0, beam_width=1, num_return_sequences=1)):
-        body = http_generate(triton_server.http_url, model, text, **kw, **extra)
-        assert body["text_output"] == reference["paris"], extra
-    res = run(_streams(triton_server.grpc_url, [(model, text, dict(max_tokens=n, top_k=1, top_p=0.0, end_id=-1))]))[0]
-    assert res.error is None and res.text == reference["paris"]
-
-
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("name, message", [
-    ("beam_width", "input 'beam_width': 2 is not supported (Kiln decodes one beam); allowed: 1"),
-    ("num_return_sequences", "input 'num_return_sequences': 2 is not supported (Kiln returns one sequence "
-                             "per request); allowed: 1"),
-])
-def test_beam_width_and_num_return_sequences_above_one_are_refused(triton_server, model, name, message):
-    with pytest.raises(GenerateError) as e:
-        http_generate(triton_server.http_url, model, "Hello", max_tokens=4, **{name: 2})
-    assert message in str(e.value)
 
 
 def test_64_concurrent_streams_complete_and_free_the_kv_pool(triton_server):
@@ -134,10 +31,11 @@ def test_64_concurrent_streams_complete_and_free_the_kv_pool(triton_server):
              dict(max_tokens=2 + i % 4, min_tokens=2 + i % 4, temperature=0.7, seed=i)) for i in range(64)]
     sent = ("kiln_engine_responses_total", "kiln_engine_response_parts_total")
     before = [metric(triton_server, name) for name in sent]
+    done = metric(triton_server, "kiln_requests_finished_total")
     results = run(_streams(triton_server.grpc_url, jobs))
     assert [r.error for r in results] == [None] * 64
     assert all(r.pieces for r in results)
-    used, free, total = wait_kv_idle(triton_server)
+    used, free, total = wait_kv_idle(triton_server, finished=done + 64)
     assert total > 0 and used == 0 and free == total
     # the responder's counters (refreshed by the engine's poller): every stream had at least one
     # response, and a response carries one token group or more (more when groups were joined)
@@ -153,13 +51,14 @@ def test_64_concurrent_streams_complete_and_free_the_kv_pool(triton_server):
 def test_cancelled_stream_frees_its_blocks_and_others_finish(reference, triton_server, model):
     text, n = PROMPTS["paris"]
     before = metric(triton_server, "kiln_generated_tokens_total")
+    done = metric(triton_server, "kiln_requests_finished_total")
     long_job = (model, "Write a very long story about a dragon who learns to fly.",
                 dict(max_tokens=600, min_tokens=600, temperature=0.0, cancel_after=3))
     short_job = (model, text, dict(max_tokens=n, temperature=0.0))
     cancelled, other = run(_streams(triton_server.grpc_url, [long_job, short_job]))
     assert cancelled.cancelled and len(cancelled.pieces) == 3
     assert other.error is None and other.text == reference["paris"]
-    used, free, total = wait_kv_idle(triton_server, timeout=10)
+    used, free, total = wait_kv_idle(triton_server, finished=done + 2, timeout=10)
     assert used == 0 and free == total
     # the cancelled request stopped long before its 600 tokens
     assert metric(triton_server, "kiln_generated_tokens_total") - before < 300
@@ -179,6 +78,8 @@ def test_cancelled_engine_request_frees_its_blocks(reference, triton_server):
         inp.set_data_from_numpy(arr)
         inputs.append(inp)
 
+    done = metric(triton_server, "kiln_requests_finished_total")
+
     async def go():
         client = aio.InferenceServerClient(triton_server.grpc_url)
 
@@ -195,7 +96,7 @@ def test_cancelled_engine_request_frees_its_blocks(reference, triton_server):
         await client.close()
         return n
     assert run(go()) >= 3
-    used, free, total = wait_kv_idle(triton_server, timeout=10)
+    used, free, total = wait_kv_idle(triton_server, finished=done + 1, timeout=10)
     assert used == 0 and free == total
 
 
@@ -341,64 +242,3 @@ def test_engine_model_unloads_and_reloads_without_leaking(reference, triton_serv
     assert http_generate(triton_server.http_url, NAMES.ensemble, text, max_tokens=n, temperature=0.0,
                          exclude_input_in_output=True)["text_output"] == reference["paris"]
     client.close()
-
-
-def _engine_stream(url, ids, **extra):
-    """One streaming request to the engine model with NVIDIA's tensor names; (ids, last text_trim, error)."""
-    import tritonclient.grpc as g
-    import tritonclient.grpc.aio as aio
-    types = {np.dtype(bool): "BOOL", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
-             np.dtype(np.uint64): "UINT64", np.dtype(object): "BYTES"}
-    inputs = []
-    for name, arr in dict(input_ids=np.array(ids, np.int32), streaming=np.array([True]), **extra).items():
-        arr = arr[None]  # the batch dimension (max_batch_size > 0, as NVIDIA's models)
-        inp = g.InferInput(name, list(arr.shape), types[arr.dtype])
-        inp.set_data_from_numpy(arr)
-        inputs.append(inp)
-
-    async def go():
-        client = aio.InferenceServerClient(url)
-
-        async def reqs():
-            yield {"model_name": NAMES.engine, "inputs": inputs}
-        out, trim, err = [], 0, None
-        try:
-            async for result, error in client.stream_infer(reqs()):
-                if error is not None:
-                    err = str(error)
-                    break
-                if result.as_numpy("output_ids") is not None:
-                    out += result.as_numpy("output_ids").reshape(-1).tolist()
-                    trim = int(result.as_numpy("text_trim").reshape(-1)[0])
-                if result.get_response().parameters["triton_final_response"].bool_param:
-                    break
-        finally:
-            await client.close()
-        return out, trim, err
-    return run(go())
-
-
-def test_engine_model_takes_nvidia_names_and_stop_semantics(reference, text_tokenizer, triton_server):
-    from backend.serving.convert import to_words_list
-    text, n = PROMPTS["paris"]
-    ids = text_tokenizer.encode(text)
-    i32 = lambda v: np.array([v], np.int32)  # noqa: E731
-    base = dict(request_output_len=i32(n))
-    # NVIDIA's tensorrt_llm names and neutral values: greedy (runtime_top_k 1, runtime_top_p 0)
-    out, _, err = _engine_stream(triton_server.grpc_url, ids, **base, runtime_top_k=i32(1),
-                                 runtime_top_p=np.array([0.0], np.float32),
-                                 random_seed=np.array([2**64 - 1], np.uint64), end_id=i32(-1), pad_id=i32(-1),
-                                 beam_width=i32(1), num_return_sequences=i32(1))
-    assert err is None and text_tokenizer.decode(out).rstrip("\ufffd") == reference["paris"]
-    cut = reference["paris"].index(".") + 1
-    # stop_words_list: token ids, the stop word kept
-    out, trim, err = _engine_stream(triton_server.grpc_url, ids, **base, runtime_top_k=i32(1), runtime_top_p=np.array([0.0], np.float32),
-                                    stop_words_list=to_words_list(text_tokenizer.words(["."])))
-    assert err is None and trim == 0 and text_tokenizer.decode(out) == reference["paris"][:cut]
-    # Kiln's stop_strings: substrings of the text, cut before the match
-    out, trim, err = _engine_stream(triton_server.grpc_url, ids, **base, temperature=np.array([0.0], np.float32),
-                                    stop_strings=np.array([b"."], dtype=object))
-    full = text_tokenizer.decode(out)
-    assert err is None and full[: len(full) - trim] == reference["paris"][:cut - 1]
-    _, _, err = _engine_stream(triton_server.grpc_url, ids, **base, beam_width=i32(2))
-    assert err is not None and "input 'beam_width': 2 is not supported (Kiln decodes one beam); allowed: 1" in err

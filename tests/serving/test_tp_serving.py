@@ -26,7 +26,7 @@ from tests.serving.conftest import PROMPTS, SERVING_CONFIG, SERVING_OVERRIDES, _
 from tests.serving.serve_process import (LongStreams, alive, children, group_members, server_pid, start_serve,
                                         stop_serve)
 from tests.serving.test_cancel_storm import _stream, _text_inputs
-from tests.serving.test_server import _streams, wait_kv_idle
+from tests.serving.server_helpers import _streams, metric, wait_kv_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -85,6 +85,7 @@ def test_tp3_cancellation_frees_the_blocks_and_reused_blocks_serve_right(tp_serv
     cancelled one's blocks are free again (no request left), and the next requests, whose KV lands
     in blocks the cancelled one wrote on every rank, still give TP1's text."""
     text, n = PROMPTS["paris"]
+    done = metric(tp_server, "kiln_requests_finished_total")
     # on bls: Triton 24.10 never cancels an ensemble's engine step already streaming (test_server.py)
     cancelled, other = asyncio.run(_streams(tp_server.grpc_url, [
         (NAMES.bls, "Write a very long story about a dragon who learns to fly.",
@@ -92,7 +93,7 @@ def test_tp3_cancellation_frees_the_blocks_and_reused_blocks_serve_right(tp_serv
         (NAMES.bls, text, dict(max_tokens=n, temperature=0.0))]))
     assert cancelled.cancelled and len(cancelled.pieces) == 3
     assert other.error is None and other.text == reference["paris"]
-    used, free, total = wait_kv_idle(tp_server, timeout=30)
+    used, free, total = wait_kv_idle(tp_server, finished=done + 2, timeout=30)
     assert used == 0 and free == total > 0
     for key, (text, n) in PROMPTS.items():
         again = asyncio.run(_stream(tp_server.grpc_url, NAMES.ensemble,
