@@ -193,6 +193,7 @@ class BlockManager:
                 del evictable[b]
             ref[b] += 1
         request.block_ids = hits + self._take(num_new)
+        request.slot_room = 0
         request.num_new_blocks += num_new
         request.num_reused_blocks += len(hits)
         self.num_alloc_new_blocks += num_new
@@ -235,6 +236,14 @@ class BlockManager:
                 self.block_table_changes.append(request)
         request.num_slots = target
         request.num_tentative_tokens = num_tentative
+        # What the scheduler's decode loop may reserve without calling here: tokens up to the last
+        # block's end while no full block awaits its hash (the next token after a full block must
+        # come here to commit it). Set on every call, 0 wherever the block list or the commit count
+        # is reset, so it is never more than the blocks hold.
+        room = len(blocks)
+        if self.enable_prefix_caching and request.num_committed_blocks < room - 1:
+            room = request.num_committed_blocks + 1
+        request.slot_room = room * self.block_size
         return True
 
     def append_tentative(self, request: Request, n: int) -> bool:
@@ -263,6 +272,7 @@ class BlockManager:
             f"rollback of {n} slots but {request.num_tentative_tokens} are tentative")
         request.num_slots -= n
         request.num_tentative_tokens = 0
+        request.slot_room = 0
         assert request.num_slots >= request.num_computed_tokens
         keep = -(-request.num_slots // self.block_size)
         blocks = request.block_ids
@@ -322,6 +332,7 @@ class BlockManager:
                 self.block_table_changes.append(request)
         # A new list object: input preparation detects a changed block table by identity.
         request.block_ids = []
+        request.slot_room = 0
         request.num_slots = 0
         request.num_tentative_tokens = 0
         request.num_committed_blocks = 0

@@ -59,7 +59,7 @@ class Request:
         "spec_token_ids", "num_draft_tokens", "num_accepted_draft_tokens", "stop_ids",
         "first_scheduled_time", "first_token_time", "last_token_time", "finished_time",
         "num_preemptions", "error", "stop_token", "token_limit", "sched_seq", "num_new_blocks",
-        "num_reused_blocks", "context_logits", "num_context_logits", "sample_row",
+        "num_reused_blocks", "context_logits", "num_context_logits", "sample_row", "slot_room",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -85,6 +85,7 @@ class Request:
         self.num_committed_blocks = 0      # leading blocks whose hash is registered in the cache
         self.num_slots = 0                 # KV slots reserved (computed + in flight + tentative)
         self.num_tentative_tokens = 0      # slots reserved for unverified speculative tokens
+        self.slot_room = 0                 # tokens the scheduler may reserve without the manager
         # Speculative decoding: drafts to score next step, and acceptance statistics.
         self.spec_token_ids: list[int] = []
         self.num_draft_tokens = 0

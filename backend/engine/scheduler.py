@@ -162,8 +162,6 @@ class Scheduler(StepResults):
 
         # 1. Running decodes (exactly the last sampled token lacks KV). This loop runs for every
         # sequence every step: the common case is kept to a few attribute reads and writes.
-        bs = bm.block_size
-        caching = bm.enable_prefix_caching
         spec_total = 0
         decodes_append = decodes.append
         i = 0                            # how many running requests this loop looked at
@@ -183,10 +181,9 @@ class Scheduler(StepResults):
                 k = max(min(k, req.token_limit - num_tokens - 1, budget - 1), 0)
                 budget -= k
                 spec_total += k
-            if (not k and num_tokens <= len(req.block_ids) * bs
-                    and (not caching or start // bs <= req.num_committed_blocks)):
-                # The slot is in the last block and no block awaits its hash: all that
-                # BlockManager.append_slots(req, 1) would do is this.
+            if not k and num_tokens <= req.slot_room:
+                # The slot is in the last block and no block awaits its hash (what slot_room says,
+                # kv_cache.py): all that BlockManager.append_slots(req, 1) would do is this.
                 req.num_slots = num_tokens
             else:
                 while not append_slots(req, 1, k):
