@@ -21,9 +21,9 @@ Not thread-safe: the executor's loop thread (or its lock) owns the scheduler and
 """
 from __future__ import annotations
 
-from hashlib import blake2b
 from array import array
 from collections import OrderedDict
+from hashlib import blake2b
 
 from backend.engine.request import Request
 
