@@ -47,7 +47,8 @@ from harness.bench.perfinfo import cpu_model, write_result
 PARTS = ("schedule", "prepare_inputs", "model_stub", "sample", "update")
 # The code this benchmark measures: "-dirty" in the recorded commit means one of these differs.
 _MEASURED_FILES = ("backend/engine/scheduler.py", "backend/engine/scheduler_types.py",
-                   "backend/engine/scheduler_update.py", "backend/engine/scheduler_policies.py", "backend/engine/kv_cache.py", "backend/engine/inputs.py",
+                   "backend/engine/scheduler_update.py", "backend/engine/scheduler_policies.py",
+                   "backend/engine/kv_cache.py", "backend/engine/inputs.py",
                    "backend/engine/request.py", "backend/engine/sampling_params.py",
                    "backend/ops/attention/metadata.py", "backend/engine/executor.py", "backend/engine/overlap.py",
                    "backend/engine/late_tokens.py", "backend/engine/sampler.py", "backend/engine/events.py",

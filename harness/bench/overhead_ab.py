@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from harness.bench.overhead import PARTS, make_stepper, python_speed_ms, warm_up
+from harness.bench.overhead import ENGINE, PARTS, make_stepper, python_speed_ms, warm_up
 from harness.bench.perfinfo import cpu_model, write_result
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +66,6 @@ def load_base_engine(rev: str, into: Path) -> types.SimpleNamespace:
 
 def run_ab(base_engine: types.SimpleNamespace, scenario: str, num_seqs: int, steps: int, block_size: int,
            max_seq_len: int, max_num_tokens: int, seed: int) -> dict:
-    from harness.bench.overhead import ENGINE
     sides = {}
     for name, engine in (("base", base_engine), ("new", ENGINE)):
         one_step, sched, _ = make_stepper(scenario, num_seqs, block_size, max_seq_len, max_num_tokens, seed,
