@@ -15,57 +15,66 @@ on the CPU). Every request decodes greedily for the whole window (none finishes)
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import numpy as np
 
 
-def run_executor_scenario(overlap: bool, num_seqs: int, steps: int, block_size: int, max_seq_len: int,
-                          max_num_tokens: int, seed: int, profile=None) -> dict:
-    """``num_seqs`` greedy requests of 32-512 prompt tokens decoding; ``steps`` executor steps timed
-    (wall and thread CPU). The other arguments are ``harness.bench.overhead``'s."""
-    from backend.engine.executor import Executor
-    from harness.bench.gpu import TINY, manifest_bundle, synthetic_fp8_weights
-    from harness.bench.overhead import STUB_VOCAB   # (imported here: overhead.py imports this module)
+@contextlib.contextmanager
+def executor_stepper(overlap: bool, num_seqs: int, block_size: int, max_seq_len: int, max_num_tokens: int,
+                     seed: int, engine=None):
+    """An executor with ``num_seqs`` greedy requests of 32-512 prompt tokens, warmed up until every
+    one decodes. Yields (executor, warm-up steps); shuts it down on exit. ``engine``: a namespace
+    with ``Executor`` and ``SamplingParams`` (another revision's, ``overhead_ab``); None: this
+    tree's. The other arguments are ``harness.bench.overhead``'s."""
+    from harness.bench.gpu import TINY, drop_event, manifest_bundle, synthetic_fp8_weights
+    from harness.bench.overhead import STUB_VOCAB, StubModel  # (here: overhead.py imports this module)
+    if engine is None:
+        from backend.engine.executor import Executor
+        from backend.engine.sampling_params import SamplingParams
+        engine = types.SimpleNamespace(Executor=Executor, SamplingParams=SamplingParams)
 
     model = dict(TINY, vocab_size=STUB_VOCAB, max_position_embeddings=max_seq_len)
-    engine = {"max_batch_size": num_seqs, "max_num_tokens": max_num_tokens, "max_seq_len": max_seq_len,
+    config = {"max_batch_size": num_seqs, "max_num_tokens": max_num_tokens, "max_seq_len": max_seq_len,
               "max_input_len": 512, "kv_block_size": block_size, "kv_cache_dtype": "fp8_e4m3",
               "enable_prefix_caching": True, "enable_chunked_prefill": True,
               "scheduler_policy": "max_utilization", "overlap_scheduling": overlap,
               "max_kv_tokens": num_seqs * max_seq_len + 64 * block_size}
-    with tempfile.TemporaryDirectory() as tmp:
-        bundle = manifest_bundle(model, engine, Path(tmp) / "engine")
-        ex = Executor(bundle, weights=synthetic_fp8_weights(model, device="cpu"), start=False,
-                      verify_hashes=False, speculative=False)
-        return _timed(ex, engine, num_seqs, steps, seed, profile)
-
-
-def _timed(ex, engine: dict, num_seqs: int, steps: int, seed: int, profile) -> dict:
-    from backend.engine.sampling_params import SamplingParams
-    from harness.bench.gpu import drop_event
-    from harness.bench.overhead import STUB_VOCAB, StubModel
     rng = random.Random(seed)
-    max_seq_len = engine["max_seq_len"]
-    try:
-        stub = StubModel(engine["max_num_tokens"], STUB_VOCAB)
-        ex.runner.execute = lambda ids, meta, rows, capture_hidden_layers=(): (stub(ids, meta, rows), {})
-        # nobody finishes inside the window (as in the decode scenario)
-        params = SamplingParams(max_tokens=max_seq_len - 513, temperature=0.0, ignore_eos=True)
-        for _ in range(num_seqs):
-            # events go to a callback that drops them, as a server's consumer takes them: a handle
-            # keeping them would grow the heap Python's collector scans, step after step
-            ex.submit([rng.randrange(3, STUB_VOCAB) for _ in range(rng.randrange(32, 513))], params,
-                      on_event=drop_event)
-        warm = 0
-        sched = ex.scheduler
-        while sched.num_waiting or any(r.is_prefill for r in sched.running) or warm < 20:
-            ex.step()
-            warm += 1
-            assert warm < 10_000
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle = manifest_bundle(model, config, Path(tmp) / "engine")
+        ex = engine.Executor(bundle, weights=synthetic_fp8_weights(model, device="cpu"), start=False,
+                                 verify_hashes=False, speculative=False)
+        try:
+            stub = StubModel(max_num_tokens, STUB_VOCAB)
+            ex.runner.execute = lambda ids, meta, rows, capture_hidden_layers=(): (stub(ids, meta, rows), {})
+            # nobody finishes inside the window (as in the decode scenario)
+            params = engine.SamplingParams(max_tokens=max_seq_len - 513, temperature=0.0, ignore_eos=True)
+            for _ in range(num_seqs):
+                # events go to a callback that drops them, as a server's consumer takes them: a handle
+                # keeping them would grow the heap Python's collector scans, step after step
+                ex.submit([rng.randrange(3, STUB_VOCAB) for _ in range(rng.randrange(32, 513))], params,
+                          on_event=drop_event)
+            warm = 0
+            sched = ex.scheduler
+            while sched.num_waiting or any(r.is_prefill for r in sched.running) or warm < 20:
+                ex.step()
+                warm += 1
+                assert warm < 10_000
+            yield ex, warm
+        finally:
+            ex.shutdown()
+
+
+def run_executor_scenario(overlap: bool, num_seqs: int, steps: int, block_size: int, max_seq_len: int,
+                          max_num_tokens: int, seed: int, profile=None) -> dict:
+    """``num_seqs`` greedy requests decoding; ``steps`` executor steps timed (wall and thread CPU)."""
+    with executor_stepper(overlap, num_seqs, block_size, max_seq_len, max_num_tokens, seed) as (ex, warm):
         wall, cpu = [], []
         if profile is not None:
             profile.enable()
@@ -77,8 +86,6 @@ def _timed(ex, engine: dict, num_seqs: int, steps: int, seed: int, profile) -> d
             assert n == num_seqs, f"{n} sequences in a step of the window; every one of {num_seqs} decodes"
         if profile is not None:
             profile.disable()
-    finally:
-        ex.shutdown()
     w = np.array(wall, dtype=np.float64) / 1e6
     c = np.array(cpu, dtype=np.float64) / 1e6
     overlap = ex.overlap is not None
@@ -91,4 +98,4 @@ def _timed(ex, engine: dict, num_seqs: int, steps: int, seed: int, profile) -> d
             "us_per_sequence_p50": round(float(np.percentile(w, 50)) * 1e3 / num_seqs, 2)}
 
 
-__all__ = ["run_executor_scenario"]
+__all__ = ["executor_stepper", "run_executor_scenario"]

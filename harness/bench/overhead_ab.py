@@ -1,6 +1,7 @@
 """Host overhead A/B: another revision's engine code against this tree's, step by step in one process.
 
-    python -m harness.bench.overhead_ab --base HEAD~1 [--scenario decode] [--steps 1200] [--output F]
+    python -m harness.bench.overhead_ab --base HEAD~1 [--scenario decode|churn|executor|executor_overlap]
+                                        [--steps 1200] [--output F]
 
 Separate runs of ``harness.bench.overhead`` on a shared 2-core VM differ by up to 40% (the VM's
 speed drifts in phases), far more than the changes worth measuring. Here both engines live in one
@@ -10,11 +11,14 @@ result is the median of the per-pair ratios and each side's medians per part.
 The base revision's ``backend/engine/`` is read with ``git show`` into a temporary package
 (``kiln_base_engine``, its imports of ``backend.engine`` renamed); everything below it (ops, the
 attention metadata) is this tree's, so the A/B measures changes to the engine's host code only.
-The stub model and the scenarios are ``harness.bench.overhead``'s.
+The stub model and the scenarios are ``harness.bench.overhead``'s; ``executor`` and
+``executor_overlap`` time the whole ``Executor.step`` of each side (``executor_overhead.py``), whose
+code outside ``backend/engine`` (the runner, the ops) is this tree's on both sides.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import os
@@ -22,18 +26,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import types
 from pathlib import Path
 
 import torch
 
+from backend.engine.executor import Executor
+from harness.bench.executor_overhead import executor_stepper
 from harness.bench.overhead import ENGINE, PARTS, make_stepper, python_speed_ms, warm_up
 from harness.bench.perfinfo import cpu_model, write_result
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE_PACKAGE = "kiln_base_engine"
 CLASSES = {"kv_cache": ("BlockManager",), "scheduler": ("Scheduler",), "inputs": ("InputPreparer",),
-           "request": ("Request",), "sampling_params": ("SamplingParams",)}
+           "request": ("Request",), "sampling_params": ("SamplingParams",), "executor": ("Executor",)}
+EXECUTOR_SCENARIOS = {"executor": False, "executor_overlap": True}    # -> overlap scheduling
 
 
 def _git(*args: str) -> str:
@@ -64,6 +72,30 @@ def load_base_engine(rev: str, into: Path) -> types.SimpleNamespace:
     return types.SimpleNamespace(**ns)
 
 
+def run_executor_ab(base_engine: types.SimpleNamespace, overlap: bool, num_seqs: int, steps: int,
+                    block_size: int, max_seq_len: int, max_num_tokens: int, seed: int) -> dict:
+    """The whole ``Executor.step`` (``harness/bench/executor_overhead.py``), the two sides alternating."""
+    this_tree = types.SimpleNamespace(Executor=Executor, SamplingParams=ENGINE.SamplingParams)
+    host: dict[str, list[float]] = {"base": [], "new": []}
+    with contextlib.ExitStack() as stack:
+        sides = {name: stack.enter_context(executor_stepper(overlap, num_seqs, block_size, max_seq_len,
+                                                            max_num_tokens, seed, engine))[0]
+                 for name, engine in (("base", base_engine), ("new", this_tree))}
+        for i in range(steps):
+            for name in (("base", "new") if i % 2 == 0 else ("new", "base")):
+                t0 = time.perf_counter_ns()
+                n = sides[name].step()
+                host[name].append((time.perf_counter_ns() - t0) / 1000)
+                assert n == num_seqs, f"{name}: {n} sequences in a step; every one of {num_seqs} decodes"
+    ratios = [n / b for b, n in zip(host["base"], host["new"])]
+    out = {"steps": steps, "loop": "overlapped" if overlap else "synchronous",
+           "ratio_new_over_base_p50": round(statistics.median(ratios), 4)}
+    for name, values in host.items():
+        out[name] = {"host_us_p50": round(statistics.median(values), 1),
+                     "host_us_mean": round(statistics.mean(values), 1)}
+    return out
+
+
 def run_ab(base_engine: types.SimpleNamespace, scenario: str, num_seqs: int, steps: int, block_size: int,
            max_seq_len: int, max_num_tokens: int, seed: int) -> dict:
     sides = {}
@@ -92,7 +124,9 @@ def run_ab(base_engine: types.SimpleNamespace, scenario: str, num_seqs: int, ste
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", required=True, help="the revision to compare with (a commit, tag or branch)")
-    ap.add_argument("--scenario", default="decode", choices=("decode", "churn"))
+    ap.add_argument("--scenario", default="decode", choices=("decode", "churn", *EXECUTOR_SCENARIOS),
+                    help="decode/churn: scheduler, preparer and update; executor(_overlap): the whole "
+                         "Executor.step with the synchronous (overlapped) loop")
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--steps", type=int, default=1200,
                     help="steps of each side (decode: at most ~1400 before the first requests end)")
@@ -109,14 +143,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--max-num-tokens must be >= --num-seqs (every sequence decodes each step)")
     if args.max_seq_len <= 600:
         ap.error("--max-seq-len must exceed 600 (prompts are 32-512 tokens)")
-    if args.scenario == "decode" and args.steps > args.max_seq_len - 513 - 60:
+    if args.scenario != "churn" and args.steps > args.max_seq_len - 513 - 60:
         ap.error(f"--steps {args.steps}: the decode scenario's first requests end after "
                  f"{args.max_seq_len - 513} tokens; allowed: at most {args.max_seq_len - 573}")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="kiln-ab-") as tmp:
         base = load_base_engine(args.base, Path(tmp))
-        result = run_ab(base, args.scenario, args.num_seqs, args.steps, args.block_size, args.max_seq_len,
-                        args.max_num_tokens, args.seed)
+        if args.scenario in EXECUTOR_SCENARIOS:
+            result = run_executor_ab(base, EXECUTOR_SCENARIOS[args.scenario], args.num_seqs, args.steps,
+                                     args.block_size, args.max_seq_len, args.max_num_tokens, args.seed)
+        else:
+            result = run_ab(base, args.scenario, args.num_seqs, args.steps, args.block_size, args.max_seq_len,
+                            args.max_num_tokens, args.seed)
     dirty = _git("status", "--porcelain", "--", "backend/engine").strip()
     doc = {"what": "engine step host overhead (harness.bench.overhead's stub model), a base revision's "
                    "backend/engine against this tree's, steps alternating in one process",
@@ -132,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     b, n = result["base"], result["new"]
     print(f"{args.scenario}: host p50 {b['host_us_p50']} us (base) -> {n['host_us_p50']} us (new); "
           f"per-pair new/base median {result['ratio_new_over_base_p50']}")
-    for side in ("base", "new"):
+    for side in ("base", "new") if "breakdown_us_p50" in b else ():
         print(f"  {side:4s} breakdown (us, p50): {result[side]['breakdown_us_p50']}")
     write_result(doc, args.output)
     return 0

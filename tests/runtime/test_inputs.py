@@ -288,6 +288,13 @@ def test_host_overhead_ab_runs_a_base_revision_beside_this_tree(tmp_path, capsys
             "schedule", "prepare_inputs", "model_stub", "sample", "update"}
     # The base side really ran the base revision's copy of the engine, not this tree's.
     assert sys.modules["kiln_base_engine.scheduler"].__file__ != sys.modules["backend.engine.scheduler"].__file__
+    # The whole executor step, overlapped loop: each side's Executor is its own revision's.
+    assert overhead_ab.main(["--base", "HEAD", "--scenario", "executor_overlap", "--num-seqs", "8", "--steps", "4",
+                             "--max-num-tokens", "64", "--max-seq-len", "1024", "--output", str(out)]) == 0
+    r = json.loads(out.read_text())["results"]
+    assert r["loop"] == "overlapped" and r["steps"] == 4 and r["ratio_new_over_base_p50"] > 0
+    assert r["base"]["host_us_p50"] > 0 and r["new"]["host_us_p50"] > 0
+    assert sys.modules["kiln_base_engine.executor"].__file__ != sys.modules["backend.engine.executor"].__file__
     with pytest.raises(SystemExit, match="--base 'no-such-rev': not a revision"):
         overhead_ab.main(["--base", "no-such-rev", "--steps", "2"])
     capsys.readouterr()
