@@ -354,6 +354,7 @@ class Executor(RequestEvents):
         if spec is not None:
             spec.propose(out, inputs, captured, finished)
         now = time.monotonic()
+        fast = self._handles if not self._guides and not gen else None
         for i, req in enumerate(sampling):
             new = req.output_token_ids[before[i]:]
             if req.status is _ABORTED or not new:
@@ -361,6 +362,14 @@ class Executor(RequestEvents):
             lp = [logprobs[i]] if logprobs is not None and logprobs[i] is not None else None
             if lp:
                 req.output_logprobs.extend(lp)
+            if fast is not None and req.status < FINAL and not req.context_logits:
+                handle = fast.get(req.request_id)
+                if handle is not None:
+                    try:
+                        handle._deliver(TokenEvent(req.request_id, new, lp, False, None, None, req))
+                    except Exception:
+                        self._callback_failed(req.request_id)
+                continue
             done = req.status >= FINAL
             if done:
                 self._record_latency(req, now)

@@ -30,19 +30,24 @@ PLACEHOLDER = -1
 @dataclass(slots=True)
 class LateRows:
     """The rows of one step whose sampled token the host does not know yet, as parallel lists (no
-    object per row: a step has one per running request)."""
+    object per row: a step has one per running request). Each one's placeholder is its request's
+    last output token until ``fill``: the next placeholder comes only with the next ``update``,
+    which the loop calls after ``fill``."""
     requests: list[Request]
     index: Sequence[int]    # each one's row of the step's sampled tokens (the step's sampling order)
-    pos: list[int]          # each one's placeholder index in request.output_token_ids
 
 
-def late_rows(sampling: Sequence[Request], before: Sequence[int]) -> LateRows:
-    """After ``update(out, [PLACEHOLDER] * n)``: the rows that got a placeholder (``before[i]`` =
-    output length before the update; rows of requests aborted meanwhile got none)."""
-    if all(len(req.output_token_ids) > b for req, b in zip(sampling, before)):
-        return LateRows(list(sampling), range(len(sampling)), list(before))
-    keep = [i for i, req in enumerate(sampling) if len(req.output_token_ids) > before[i]]
-    return LateRows([sampling[i] for i in keep], keep, [before[i] for i in keep])
+def late_rows(sampling: Sequence[Request], skipped: int) -> LateRows:
+    """After ``update(out, [PLACEHOLDER] * n)`` skipped ``skipped`` of the ``sampling`` rows
+    (``Scheduler.last_update_skipped``: requests no longer running, e.g. stopped by the previous
+    step's ``fill`` after this step was scheduled): the rows that got a placeholder."""
+    if not skipped:
+        return LateRows(list(sampling), range(len(sampling)))
+    # A skipped request's last output token is a real one: its earlier placeholder was filled
+    # before this update.
+    keep = [i for i, req in enumerate(sampling)
+            if req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER]
+    return LateRows([sampling[i] for i in keep], keep)
 
 
 def fill(scheduler, rows: LateRows, tokens: Sequence[int], now: float) -> list[tuple[Request, int]]:
@@ -52,20 +57,20 @@ def fill(scheduler, rows: LateRows, tokens: Sequence[int], now: float) -> list[t
     emit = []
     running = RequestStatus.RUNNING
     aborted, failed = RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR
-    for req, i, pos in zip(rows.requests, rows.index, rows.pos):
+    for req, i in zip(rows.requests, rows.index):
         tok = tokens[i]
         out = req.output_token_ids
-        assert out[pos] == PLACEHOLDER, (req, pos)
-        out[pos] = tok
-        req.all_token_ids[len(req.prompt_token_ids) + pos] = tok
+        assert out[-1] == PLACEHOLDER, req
+        out[-1] = tok
+        req.all_token_ids[-1] = tok      # (all_token_ids = prompt + output: the same placeholder)
         status = req.status
         if status is aborted or status is failed:
             continue
-        if pos == 0:
+        n = len(out)
+        if n == 1:
             req.first_token_time = now   # update() stamped the placeholder; the token arrives now
         req.last_token_time = now
-        if tok in req.stop_ids and pos + 1 > req.params.min_tokens:
-            assert len(out) == pos + 1, "a placeholder after an unfilled one"
+        if tok in req.stop_ids and n > req.params.min_tokens:
             req.stop_token = tok
             if status is RequestStatus.FINISHED_LENGTH:
                 # The last token allowed was also a stop token: the synchronous update checks

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from backend.engine.events import TokenEvent
 from backend.engine.late_tokens import PLACEHOLDER, LateRows, fill, late_rows
 from backend.engine.logits_out import generation_rows, stash_context
 from backend.engine.request import FINAL, Request
@@ -177,9 +178,8 @@ class OverlapLoop:
         if prev is not None:
             self._resolve_pending()
         with ex._lock:
-            before = [len(r.output_token_ids) for r in sampling]
             ex.scheduler.update(out, [PLACEHOLDER] * len(sampling))
-        lrows = late_rows(sampling, before)
+            lrows = late_rows(sampling, ex.scheduler.last_update_skipped)
         # (rows of requests aborted meanwhile may count too: at worst one step resolves early)
         self.pending = InFlight(lrows, ds, copy, any(r.history for r in rows),
                                 dict(zip(lrows.requests, lrows.index)), gen)
@@ -194,15 +194,25 @@ class OverlapLoop:
             emit = fill(ex.scheduler, prev.rows, res.token_ids, now)
         self.pending = None
         logprobs = res.logprobs
+        tokens = res.token_ids
+        fast = ex._handles if not ex._guides and not prev.logits else None
         for req, i in emit:
             lp = [logprobs[i]] if logprobs[i] is not None else None
             if lp:
                 req.output_logprobs.extend(lp)
+            if fast is not None and req.status < FINAL and not req.context_logits:
+                handle = fast.get(req.request_id)
+                if handle is not None:
+                    try:
+                        handle._deliver(TokenEvent(req.request_id, [tokens[i]], lp, False, None, None, req))
+                    except Exception:
+                        ex._callback_failed(req.request_id)
+                continue
             done = req.status >= FINAL
             if done:
                 ex._record_latency(req, now)
             gen = prev.logits.get(i) if prev.logits else None
-            ex._emit_tokens(req, [res.token_ids[i]], lp, done, None if gen is None else gen.cpu().unsqueeze(0))
+            ex._emit_tokens(req, [tokens[i]], lp, done, None if gen is None else gen.cpu().unsqueeze(0))
 
 
 __all__ = ["HostCopy", "InFlight", "OverlapLoop"]

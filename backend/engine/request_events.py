@@ -22,8 +22,8 @@ _LOG = get_logger("engine.executor")
 class RequestEvents:
     def _emit_tokens(self, req: Request, tokens: list[int], lp: list | None, done: bool,
                      generation_logits: torch.Tensor | None = None) -> None:
-        # Once per request per step: the common case (a token for a request still running) is kept
-        # to one handle lookup and one event.
+        # The step loops deliver the common case themselves (a token for a request still running,
+        # no guides in the engine, no logits asked for): executor._run, OverlapLoop._resolve_pending.
         rid = req.request_id
         if self._guides and tokens and rid in self._guides:
             self._guides[rid].accept(tokens)    # before the request's next mask is filled
@@ -38,7 +38,7 @@ class RequestEvents:
             try:
                 handle._deliver(ev)
             except Exception:  # noqa: BLE001 - a consumer's callback bug must not stop the engine
-                for_request(_LOG, rid).exception("the response callback failed")
+                self._callback_failed(rid)
 
     def _fail_requests(self, reqs: Sequence[Request], msg: str) -> None:
         """End these requests with an error event (a failed step). A request the scheduler already
@@ -75,7 +75,12 @@ class RequestEvents:
         try:
             handle._deliver(ev)
         except Exception:  # noqa: BLE001 - a consumer's callback bug must not stop the engine
-            for_request(_LOG, rid).exception("the response callback failed")
+            self._callback_failed(rid)
+
+    @staticmethod
+    def _callback_failed(rid: str) -> None:
+        """(Called from an ``except`` block: logs the exception.)"""
+        for_request(_LOG, rid).exception("the response callback failed")
 
     def _record_latency(self, req: Request, now: float) -> None:
         if req.first_token_time is not None:

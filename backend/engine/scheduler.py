@@ -75,6 +75,7 @@ class Scheduler(StepResults):
         self.num_generated_tokens = 0
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
+        self.last_update_skipped = 0    # scheduler_update.py
         # The last iteration (a schedule() that ran something): what NVIDIA's inflight batcher
         # reports per iteration. (scheduled, context requests, context tokens, generation requests,
         # requests paused = preempted, its wall-clock time in seconds)

@@ -17,13 +17,16 @@ class StepResults:
                ) -> list[Request]:
         """Apply one step's results. ``sampled_token_ids[j]`` belongs to the j-th scheduled sequence
         whose ``sample`` flag is set (scheduled order): an int, or with speculation a list of the
-        accepted draft tokens followed by one more token. Returns the requests that finished."""
+        accepted draft tokens followed by one more token. Returns the requests that finished;
+        ``last_update_skipped`` says how many sampling rows were skipped (their requests ended
+        while the step ran: they took no token)."""
         now = self.clock()
         finished: list[Request] = []
         seqs = output.scheduled
         npre = output.num_prefills
         nsampled = len(sampled_token_ids)
         j = 0
+        skipped = 0                      # sampling rows of requests that ended while the step ran
         for s in seqs[:npre]:            # prefill chunks: the general path
             req = s.request
             if not s.sample:             # a prompt chunk that does not reach the end yet
@@ -36,7 +39,8 @@ class StepResults:
             tok = sampled_token_ids[j]
             j += 1
             if req.status is not _RUNNING:
-                continue                 # aborted while the step ran
+                skipped += 1             # aborted while the step ran
+                continue
             assert req.num_computed_tokens == s.start_pos
             done = self._update_general(req, s, tok)
             if req.first_token_time is None:
@@ -54,7 +58,8 @@ class StepResults:
         for s, tok in zip(seqs[npre:] if npre else seqs, sampled_token_ids[j:] if j else sampled_token_ids):
             req = s.request
             if req.status is not _RUNNING:
-                continue                 # aborted while the step ran
+                skipped += 1             # aborted while the step ran
+                continue
             assert req.num_computed_tokens == s.start_pos
             if s.num_spec_tokens or type(tok) is not int:
                 done = self._update_general(req, s, tok)
@@ -81,6 +86,7 @@ class StepResults:
                 finished.append(req)
         self.num_decode_tokens_computed += plain
         self.num_generated_tokens += plain
+        self.last_update_skipped = skipped
         return finished
 
     def _update_general(self, req: Request, s: ScheduledSeq, toks) -> RequestStatus | None:

@@ -96,9 +96,8 @@ def run_overlapped(sched, reqs, abort_at=None):
         if pending:
             fill(sched, pending[0], pending[1], 0.0)
         sampling = [s.request for s in out.scheduled if s.sample]
-        before = [len(r.output_token_ids) for r in sampling]
         sched.update(out, [PLACEHOLDER] * len(sampling))
-        pending = (late_rows(sampling, before), sampled)
+        pending = (late_rows(sampling, sched.last_update_skipped), sampled)
         sched.block_manager.check_invariants()
         step += 1
     return step
