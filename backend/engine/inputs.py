@@ -12,7 +12,9 @@ rows to compute logits for. This is the hot path of host overhead, so:
 Overlapped loop (``backend/engine/overlap.py``): a decode row whose input is the previous step's
 token, not known on the host yet (``late_tokens.PLACEHOLDER`` in ``all_token_ids``), gets it on the
 device: ``prepare(output, late)`` returns where those rows are (``late_dst``) and which of the
-previous step's samples each one takes (``late_src``), shipped in the same int64 copy.
+previous step's samples each one takes (``late_src``), shipped in the same int64 copy. In the steady
+decode state (the same sequences as the last step, all of which sampled) that map is the identity
+and is found without a per-request lookup.
 """
 from __future__ import annotations
 
@@ -25,9 +27,11 @@ import torch
 
 from backend.ops.attention.metadata import AttentionMetadata
 from backend.engine.kv_cache import BlockManager
+from backend.engine.late_tokens import LateRows
 from backend.engine.logits_out import context_rows
-from backend.engine.request import Request
 from backend.engine.scheduler import ScheduledSeq, SchedulerOutput
+
+_REQUEST = operator.attrgetter("request")
 
 
 @dataclass
@@ -149,9 +153,10 @@ class InputPreparer:
             rows_append(row)
         return rows
 
-    def prepare(self, output: SchedulerOutput, late: dict[Request, int] | None = None) -> StepInputs:
-        """``late``: request -> row of the previous step's samples, for requests whose last token
-        is still a placeholder (overlapped loop); None when every input token is known."""
+    def prepare(self, output: SchedulerOutput, late: LateRows | None = None) -> StepInputs:
+        """``late``: the previous step's rows whose sampled token is still a placeholder (overlapped
+        loop): which requests, and the row of that step's samples each one takes; None when every
+        input token is known."""
         for rid in output.finished_request_ids:
             self.release(rid)
         seqs = output.scheduled
@@ -165,6 +170,7 @@ class InputPreparer:
         bm = self.block_manager
         decodes = seqs[num_prefills:] if num_prefills else seqs
         rows_np = None
+        same_decodes = False
         if bm is not None:
             changes = bm.block_table_changes
             if changes:
@@ -179,6 +185,7 @@ class InputPreparer:
             if (not num_prefills and prev is not None and len(prev) == nseq
                     and all(map(operator.is_, prev, seqs))):
                 rows_np = self._prev_rows
+                same_decodes = True
             else:
                 try:
                     rows = [row_of[s.request.request_id] for s in seqs]
@@ -261,14 +268,7 @@ class InputPreparer:
         ids_np = np.frombuffer(array("q", ids), dtype=np.int64)
         groups = [ids_np, positions, slots, logits_idx]
         if late is not None:
-            dst = np.flatnonzero(ids_np < 0)
-            if dst.size:
-                seq_of = np.searchsorted(qsl, dst, side="right") - 1
-                try:
-                    src = [late[seqs[i].request] for i in seq_of.tolist()]
-                except KeyError as exc:
-                    raise AssertionError(f"input token of {exc} unknown and not sampled last step") from None
-                groups += [dst, np.array(src, dtype=np.int64)]
+            groups += self._late_tokens(seqs, ids_np, qsl, late, same_decodes)
         i64 = self._to_device(groups, np.int64, torch.int64)
         late_dst = late_src = None
         if len(i64) > 4:
@@ -286,6 +286,29 @@ class InputPreparer:
             max_query_len=1 if uniform else int(counts_np.max()), max_seq_len=max_seq_len)
         self._flip ^= 1
         return StepInputs(t_ids, meta, t_logits, sample_seqs, logits_counts, late_dst, late_src, context)
+
+    @staticmethod
+    def _late_tokens(seqs: list[ScheduledSeq], ids: np.ndarray, qsl: np.ndarray, late: LateRows,
+                     same_decodes: bool) -> list[np.ndarray]:
+        """[dst, src]: the rows of ``ids`` that are placeholders, and the previous step's sample row
+        each takes ([] when none is)."""
+        late_reqs = late.requests
+        if (same_decodes and isinstance(late.index, range) and len(late_reqs) == len(seqs)
+                and all(map(operator.is_, late_reqs, map(_REQUEST, seqs))) and (ids < 0).all()):
+            # The steady decode state: the same sequences as the last step, which all sampled, in
+            # the same order, each row taking its own sample (no per-request lookup).
+            rows = np.arange(len(seqs), dtype=np.int64)
+            return [rows, rows]
+        dst = np.flatnonzero(ids < 0)
+        if not dst.size:
+            return []
+        row_of = dict(zip(late_reqs, late.index))
+        seq_of = np.searchsorted(qsl, dst, side="right") - 1
+        try:
+            src = [row_of[seqs[i].request] for i in seq_of.tolist()]
+        except KeyError as exc:
+            raise AssertionError(f"input token of {exc} unknown and not sampled last step") from None
+        return [dst, np.array(src, dtype=np.int64)]
 
     def _to_device(self, arrays: list[np.ndarray], np_dtype, torch_dtype) -> list[torch.Tensor]:
         """GPU: concatenate ``arrays`` into one pinned buffer, copy it in one transfer, return

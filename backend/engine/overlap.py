@@ -99,7 +99,6 @@ class InFlight:
     sample: DeviceSample
     copy: tuple
     needs_history: bool
-    late: dict[Request, int]         # request -> sample row: the next step's device gather
     # sample row -> its raw logits on the device, for requests with return_generation_logits
     logits: dict[int, torch.Tensor] | None = None
 
@@ -159,7 +158,7 @@ class OverlapLoop:
     def _run(self, out: SchedulerOutput) -> None:
         ex = self.ex
         prev = self.pending
-        inputs = ex.inputs.prepare(out, prev.late if prev is not None else None)
+        inputs = ex.inputs.prepare(out, prev.rows if prev is not None else None)
         ids = inputs.input_ids
         if inputs.late_dst is not None:
             # Decode rows whose input token was sampled by the step still on the device.
@@ -181,8 +180,7 @@ class OverlapLoop:
             ex.scheduler.update(out, [PLACEHOLDER] * len(sampling))
             lrows = late_rows(sampling, ex.scheduler.last_update_skipped)
         # (rows of requests aborted meanwhile may count too: at worst one step resolves early)
-        self.pending = InFlight(lrows, ds, copy, any(r.history for r in rows),
-                                dict(zip(lrows.requests, lrows.index)), gen)
+        self.pending = InFlight(lrows, ds, copy, any(r.history for r in rows), gen)
 
     def _resolve_pending(self) -> None:
         """Read the step in flight's samples (waiting for its event), fill its placeholders, emit."""
