@@ -354,6 +354,8 @@ class Executor(RequestEvents):
         if spec is not None:
             spec.propose(out, inputs, captured, finished)
         now = time.monotonic()
+        # _emit_tokens' common case, delivered here (a call per request per step saved): a token for
+        # a running request, with no guides in the engine and no logits to hand over
         fast = self._handles if not self._guides and not gen else None
         for i, req in enumerate(sampling):
             new = req.output_token_ids[before[i]:]
@@ -367,7 +369,7 @@ class Executor(RequestEvents):
                 if handle is not None:
                     try:
                         handle._deliver(TokenEvent(req.request_id, new, lp, False, None, None, req))
-                    except Exception:
+                    except Exception:  # noqa: BLE001 - a consumer's callback bug must not stop the engine
                         self._callback_failed(req.request_id)
                 continue
             done = req.status >= FINAL

@@ -193,6 +193,7 @@ class OverlapLoop:
         self.pending = None
         logprobs = res.logprobs
         tokens = res.token_ids
+        # _emit_tokens' common case delivered here, as in Executor._run
         fast = ex._handles if not ex._guides and not prev.logits else None
         for req, i in emit:
             lp = [logprobs[i]] if logprobs[i] is not None else None
@@ -203,7 +204,7 @@ class OverlapLoop:
                 if handle is not None:
                     try:
                         handle._deliver(TokenEvent(req.request_id, [tokens[i]], lp, False, None, None, req))
-                    except Exception:
+                    except Exception:  # noqa: BLE001 - a consumer's callback bug must not stop the engine
                         ex._callback_failed(req.request_id)
                 continue
             done = req.status >= FINAL
