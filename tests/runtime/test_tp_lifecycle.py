@@ -58,13 +58,17 @@ tp_driver.TPDriver(load_engine_spec(sys.argv[1]), int(sys.argv[2]), num_blocks=8
 
 
 @pytest.mark.parametrize("how", ["SIGKILL while idle", "os._exit before the rendezvous"])
-def test_workers_exit_when_rank0_dies_without_a_word(smollm2_bundle, how):
+def test_workers_exit_when_rank0_dies_without_a_word(smollm2_bundle, how, tmp_path, monkeypatch):
     """Rank 0 SIGKILLed while its workers idle in a broadcast (gloo sees the socket close), or gone by
     ``os._exit`` before they joined the group (nothing to see: the rendezvous would wait for a day):
     neither runs any cleanup, and the workers still exit within seconds (their parent watch)."""
     script = RANK0 if how.startswith("SIGKILL") else RANK0_EARLY
+    # A temp folder of this test's own: the rendezvous folder left behind is looked for below, and
+    # any TP driver started meanwhile by another pytest worker would sweep it from the shared one
+    # (seen with three workers: "assert 0 == 1").
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", script, str(smollm2_bundle), str(TP)], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
     workers: list[int] = []
     try:
         workers = [int(p) for p in proc.stdout.readline().split()]
@@ -77,7 +81,7 @@ def test_workers_exit_when_rank0_dies_without_a_word(smollm2_bundle, how):
             time.sleep(0.05)
         assert not any(map(alive, workers)), f"workers outlived rank 0 ({how})"
         # its rendezvous folder outlived it (nothing ran to remove it); the next driver's sweep does
-        left = list((Path(tempfile.gettempdir()) / "kiln-tp").glob(f"{proc.pid}-*"))
+        left = list((tmp_path / "kiln-tp").glob(f"{proc.pid}-*"))
         assert len(left) == 1
         fresh = tp_driver._store_dir()
         shutil.rmtree(fresh)
