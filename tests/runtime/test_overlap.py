@@ -253,10 +253,11 @@ def test_a_raising_event_callback_is_logged_and_the_others_are_served(make_execu
                                                                       overlap, caplog):
     """Both loops hand a running request's token straight to its handle (not through _emit_tokens):
     a consumer callback that raises there, and on the final event, is logged with its request id and
-    changes nothing for the request beside it, nor for the raising request's own tokens."""
+    changes nothing for the request beside it (the same prompt: the same greedy tokens), nor for
+    the raising request's own tokens."""
     ex = _executor(make_executor, overlap_scheduling=overlap)
     assert (ex.overlap is not None) == overlap
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
     seen = []
 
     def bad(ev):
@@ -264,15 +265,15 @@ def test_a_raising_event_callback_is_logged_and_the_others_are_served(make_execu
         raise RuntimeError("consumer bug")
 
     ex.submit(varied_prompts[0], params, request_id="bad", on_event=bad)
-    good = ex.submit(varied_prompts[1], params, request_id="good")
-    alone = _run(_executor(make_executor, overlap_scheduling=overlap), [varied_prompts[1]], params)
+    good = ex.submit(varied_prompts[0], params, request_id="good")
     with caplog.at_level("ERROR", logger="kiln"):
         while ex.step():
             pass
     r = good.result()
-    assert (r.token_ids, r.logprobs, r.finish_reason) == alone[0]
-    assert [len(ev.token_ids) for ev in seen] == [1] * 5 and seen[-1].finished
-    assert [ev.finished for ev in seen].count(True) == 1
+    assert r.finish_reason == "length" and len(r.token_ids) == 5 and len(r.logprobs) == 5
+    assert [len(ev.token_ids) for ev in seen] == [1] * 5 and [ev.finished for ev in seen].count(True) == 1
+    assert [t for ev in seen for t in ev.token_ids] == r.token_ids
+    assert [lp for ev in seen for lp in ev.logprobs] == r.logprobs
     failed = [rec for rec in caplog.records if "the response callback failed" in rec.getMessage()]
     assert len(failed) == 5 and all("[request bad]" in rec.getMessage() for rec in failed)
     assert not ex._handles            # every final event was delivered
