@@ -13,8 +13,8 @@ Overlapped loop (``backend/engine/overlap.py``): a decode row whose input is the
 token, not known on the host yet (``late_tokens.PLACEHOLDER`` in ``all_token_ids``), gets it on the
 device: ``prepare(output, late)`` returns where those rows are (``late_dst``) and which of the
 previous step's samples each one takes (``late_src``), shipped in the same int64 copy. In the steady
-decode state (the same sequences as the last step, all of which sampled) that map is the identity
-and is found without a per-request lookup.
+decode state (the same sequences as the last step, all of which sampled) that map is the identity,
+known without reading a token or looking a request up.
 """
 from __future__ import annotations
 
@@ -27,11 +27,9 @@ import torch
 
 from backend.ops.attention.metadata import AttentionMetadata
 from backend.engine.kv_cache import BlockManager
-from backend.engine.late_tokens import LateRows
+from backend.engine.late_tokens import PLACEHOLDER, LateRows
 from backend.engine.logits_out import context_rows
 from backend.engine.scheduler import ScheduledSeq, SchedulerOutput
-
-_REQUEST = operator.attrgetter("request")
 
 
 @dataclass
@@ -202,10 +200,19 @@ class InputPreparer:
         starts = [s.start_pos for s in seqs]
         uniform = not num_prefills and not any_spec      # every query is one token
         counts = None if uniform else [s.num_new_tokens for s in seqs]
+        # Overlapped loop, steady decode: the same sequences as the last step (whose decodes these
+        # are), all of which sampled (a range of rows, as many as there are sequences: no prefill
+        # sampled then either), so each input token is its own sample of the last step, still a
+        # placeholder in all_token_ids: not read, taken on the device from row k for row k.
+        steady_late = (late is not None and same_decodes and uniform and isinstance(late.index, range)
+                       and len(late.requests) == nseq)
         ids: list[int] = []
         for s in seqs[:num_prefills]:
             ids.extend(s.request.all_token_ids[s.start_pos:s.start_pos + s.num_new_tokens])
-        if any_spec:
+        if steady_late:
+            assert late.requests[0] is seqs[0].request and late.requests[-1] is seqs[-1].request, \
+                "late rows that are not the last step's"
+        elif any_spec:
             for s in decodes:
                 ids.append(s.request.all_token_ids[s.start_pos])
                 if s.num_spec_tokens:
@@ -265,10 +272,15 @@ class InputPreparer:
             context, ctx_idx = context
             logits_idx = np.concatenate([logits_idx, ctx_idx])
 
-        ids_np = np.frombuffer(array("q", ids), dtype=np.int64)
-        groups = [ids_np, positions, slots, logits_idx]
-        if late is not None:
-            groups += self._late_tokens(seqs, ids_np, qsl, late, same_decodes)
+        if steady_late:
+            late_rows = np.arange(nseq, dtype=np.int64)
+            groups = [np.full(nseq, PLACEHOLDER, dtype=np.int64), positions, slots, logits_idx,
+                      late_rows, late_rows]
+        else:
+            ids_np = np.frombuffer(array("q", ids), dtype=np.int64)
+            groups = [ids_np, positions, slots, logits_idx]
+            if late is not None:
+                groups += self._late_tokens(seqs, ids_np, qsl, late)
         i64 = self._to_device(groups, np.int64, torch.int64)
         late_dst = late_src = None
         if len(i64) > 4:
@@ -288,21 +300,14 @@ class InputPreparer:
         return StepInputs(t_ids, meta, t_logits, sample_seqs, logits_counts, late_dst, late_src, context)
 
     @staticmethod
-    def _late_tokens(seqs: list[ScheduledSeq], ids: np.ndarray, qsl: np.ndarray, late: LateRows,
-                     same_decodes: bool) -> list[np.ndarray]:
+    def _late_tokens(seqs: list[ScheduledSeq], ids: np.ndarray, qsl: np.ndarray, late: LateRows
+                     ) -> list[np.ndarray]:
         """[dst, src]: the rows of ``ids`` that are placeholders, and the previous step's sample row
         each takes ([] when none is)."""
-        late_reqs = late.requests
-        if (same_decodes and isinstance(late.index, range) and len(late_reqs) == len(seqs)
-                and all(map(operator.is_, late_reqs, map(_REQUEST, seqs))) and (ids < 0).all()):
-            # The steady decode state: the same sequences as the last step, which all sampled, in
-            # the same order, each row taking its own sample (no per-request lookup).
-            rows = np.arange(len(seqs), dtype=np.int64)
-            return [rows, rows]
         dst = np.flatnonzero(ids < 0)
         if not dst.size:
             return []
-        row_of = dict(zip(late_reqs, late.index))
+        row_of = dict(zip(late.requests, late.index))
         seq_of = np.searchsorted(qsl, dst, side="right") - 1
         try:
             src = [row_of[seqs[i].request] for i in seq_of.tolist()]

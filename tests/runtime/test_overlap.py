@@ -248,6 +248,27 @@ def test_one_device_to_host_wait_per_step(make_executor, varied_prompts, monkeyp
     assert counts["execute"] >= 6 and counts["wait"] == counts["execute"]
 
 
+def test_a_request_ending_at_its_prefill_among_steady_decodes(make_executor, varied_prompts):
+    """The step after one where a max_tokens=1 request was prefilled beside the decodes runs exactly
+    the decodes of the step before (the preparer's steady state), but the last step's samples start
+    with the ended request's: each decode takes its own sample, not the one at its row."""
+    over = _executor(make_executor, overlap_scheduling=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    one = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1)
+    handles = [over.submit(varied_prompts[i], params) for i in (0, 1, 3)]
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in over.scheduler.running) or \
+            over.scheduler.num_waiting:
+        over.step()
+    over.step()                           # steady decode: the same three sequences again
+    ended = over.submit(varied_prompts[5], one)
+    while over.step():
+        pass
+    assert over.scheduler.num_steps >= 8
+    got = [(r.token_ids, r.logprobs, r.finish_reason) for r in (h.result() for h in handles + [ended])]
+    sync = _executor(make_executor)
+    assert got == _run(sync, [varied_prompts[i] for i in (0, 1, 3)], params) + _run(sync, [varied_prompts[5]], one)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_raising_event_callback_is_logged_and_the_others_are_served(make_executor, varied_prompts,
                                                                       overlap, caplog):
