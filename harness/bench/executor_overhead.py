@@ -49,7 +49,7 @@ def executor_stepper(overlap: bool, num_seqs: int, block_size: int, max_seq_len:
     with tempfile.TemporaryDirectory() as tmp:
         bundle = manifest_bundle(model, config, Path(tmp) / "engine")
         ex = engine.Executor(bundle, weights=synthetic_fp8_weights(model, device="cpu"), start=False,
-                                 verify_hashes=False, speculative=False)
+                             verify_hashes=False, speculative=False)
         try:
             stub = StubModel(max_num_tokens, STUB_VOCAB)
             ex.runner.execute = lambda ids, meta, rows, capture_hidden_layers=(): (stub(ids, meta, rows), {})
