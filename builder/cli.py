@@ -6,7 +6,9 @@ and a non-zero exit code; ``--debug`` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
 import time
 
@@ -147,6 +149,33 @@ def cmd_inspect(args) -> int:
 COMMANDS = {"build": cmd_build, "validate": cmd_validate, "inspect": cmd_inspect}
 
 
+@contextlib.contextmanager
+def _noting_interrupts():
+    """Yields a list that a Ctrl-C (SIGINT) appends to, while raising KeyboardInterrupt as usual.
+
+    Library code can catch that KeyboardInterrupt and raise something else in its place:
+    ``torch.tensor()`` turns one raised while it reads a Python sequence into
+    ``ValueError: could not determine the shape of object type ...`` (seen in a build interrupted
+    mid-compile). The command still ends as interrupted (exit 130, the line saying so), whatever
+    exception reaches ``main``. Where SIGINT is not Python's default (ignored in a background job, or
+    a handler of the caller's) or this is not the main thread, nothing changes."""
+    seen: list[int] = []
+
+    def note(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    previous = None
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        with contextlib.suppress(ValueError):            # not the main thread
+            previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield seen
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     # parse_known_args so overrides may come after options too (build CONFIG --force a=1 b=2)
@@ -162,7 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     setup_cli()  # warnings of the libraries the build drives (e.g. kernels falling back) on stderr
 
     try:
-        return COMMANDS[args.command](args)
+        with _noting_interrupts() as interrupted:
+            try:
+                return COMMANDS[args.command](args)
+            except Exception as e:
+                if interrupted:
+                    raise KeyboardInterrupt from e
+                raise
     except (ConfigError, StageError, BundleError) as e:
         if args.debug:
             raise

@@ -132,6 +132,38 @@ def test_interrupted_builds_leave_nothing_finished(smollm2_hf_dir, tmp_path):
     assert not tmp.exists() and (out / "engine" / "engine.json").is_file()
 
 
+# A build command whose Ctrl-C lands while torch.tensor() reads a Python sequence: torch turns the
+# KeyboardInterrupt into a ValueError (it did, mid-compile, in test_interrupted_builds_leave_nothing_finished).
+_CTRL_C_IN_TORCH = """
+import os, signal, sys, torch
+from builder import cli
+class Pressed:
+    def __len__(self): return 1
+    def __getitem__(self, i):
+        os.kill(os.getpid(), signal.SIGINT)   # the user's Ctrl-C, arriving right here
+        return 0.0
+try:
+    torch.tensor(Pressed())
+except ValueError:
+    print("torch turned it into a ValueError")
+def crash(args): raise ValueError("a plain bug")
+def interrupted(args): return torch.tensor(Pressed())
+cli.COMMANDS["build"] = crash
+print("bug", cli.main(["build", "x.yaml"]))
+cli.COMMANDS["build"] = interrupted
+print("ctrl-c", cli.main(["build", "x.yaml"]))
+"""
+
+
+def test_ctrl_c_that_a_library_turns_into_another_error_still_ends_as_interrupted():
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_IN_TORCH], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, preexec_fn=_default_sigint)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["torch turned it into a ValueError", "bug 1", "ctrl-c 130"], proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-2].startswith("error: ValueError: a plain bug") and lines[-1].startswith("error: interrupted")
+
+
 def test_unwritable_output_is_a_stage_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
