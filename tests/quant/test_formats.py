@@ -53,6 +53,26 @@ def test_e2m1_grid_ties_saturation():
     assert F.e2m1_decode(F.e2m1_encode(torch.tensor([float("nan")]))).tolist() == [0.0]
 
 
+def test_e2m1_round_is_the_codes_round_trip_bit_for_bit(rng):
+    """e2m1_round (the activation fake-quantization's rounding, without codes) against
+    e2m1_decode(e2m1_encode(x)): same float32 bits, the sign of zero included, on ties, the segment
+    edges (2, 4) and just below them, saturation, infinities, NaN of either sign, tiny values of
+    either sign, and random values at the scales a block's values take (|x| up to 6 and beyond)."""
+    edges = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 2.0, 4.0, 6.0, 0.5, 1.0,
+             1.9999999, 3.9999998, 5.9999995, 0.2500001, 0.7499999, 4.999999, 5.000001, 7.0, 1e30, 0.0,
+             1e-9, 1e-40, float("inf"), float("nan")]
+    special = torch.tensor(edges + [-v for v in edges])
+    for x in (special, torch.randn(200_000, generator=rng) * 3, torch.randn(1000, generator=rng) * 1e-3,
+              torch.randn(1000, generator=rng) * 100, (torch.randn(8, 64, generator=rng) * 4).to(torch.bfloat16)):
+        want = F.e2m1_decode(F.e2m1_encode(x))
+        got = F.e2m1_round(x)
+        assert got.dtype == torch.float32 and got.shape == x.shape
+        same = got.view(torch.int32) == want.view(torch.int32)
+        assert same.all(), (x[~same][:8], want[~same][:8], got[~same][:8])
+    assert F.e2m1_decode(torch.arange(16, dtype=torch.uint8)).view(torch.int32).tolist() == \
+        torch.tensor(list(F.E2M1_VALUES) + [-v for v in F.E2M1_VALUES]).view(torch.int32).tolist()
+
+
 def test_e2m1_matches_modelopt(rng):
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
