@@ -13,7 +13,8 @@ STEM       := $(basename $(notdir $(CONFIG)))
 OUT        ?= build/$(STEM)
 BUILD_ARGS ?=
 PYTEST_ARGS ?=
-# pytest workers for make test: each file whole on one worker (--dist loadfile), each worker with its
+# pytest workers for make test: each file whole on one worker (--dist loadfile), longest files first
+# (tests/conftest.py's LONGEST_FIRST; --no-loadscope-reorder keeps that order), each worker with its
 # share of the cores (tests/conftest.py); servers' ports come from harness/ports.py, which never hands
 # one port to two workers. TEST_JOBS=0: one process.
 TEST_JOBS  ?= 2
@@ -56,7 +57,7 @@ validate: $(STAMP) ## Validate every config in configs/
 	$(PY) -m builder validate configs/*.yaml
 
 test: $(STAMP) ## Run the test suite (real SmolLM2, ModelOpt and Triton server; no GPU needed)
-	$(PY) -m pytest $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 serve: $(STAMP) ## Serve build/<stem>/model_repository with Triton on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002) and the OpenAI API on OPENAI_PORT (9000; 0 = off)
 	$(PY) -m harness.serve --model-repository $(OUT)/model_repository --openai-port $(if $(OPENAI_PORT),$(OPENAI_PORT),0)
