@@ -29,6 +29,44 @@ def test_fp16_exact_weights_are_packed_and_give_their_values_back():
     assert cpu_matmul.prepare(p) is p  # a shared weight (tied lm_head, draft reusing it) is not packed twice
 
 
+@needs_fbgemm
+def test_preparing_the_same_weight_again_reuses_the_result_while_it_lives_unchanged(monkeypatch):
+    """An engine built again from the same weight tensors takes what the first build made of them;
+    a weight changed in place, or a storage choice that changed (a kernel turned off), is converted
+    anew; the entry goes with its weight."""
+    import gc
+    w, fp32 = fp16_exact(96, 40), fp16_exact(64, 32, seed=1)
+    fp32[0, 0] += 1e-6                     # needs fp32: the column-major copy is remembered too
+    p, c = cpu_matmul.prepare(w), cpu_matmul.prepare(fp32)
+    assert cpu_matmul.prepare(w) is p and cpu_matmul.prepare(w, exact_fp16=True) is p
+    assert cpu_matmul.prepare(fp32) is c or cpu_matmul._DNN is None
+    w.mul_(2)                              # in place: the packing of the old values must not be used
+    p2 = cpu_matmul.prepare(w)
+    assert p2 is not p and torch.equal(p2.unpack(), w)
+    monkeypatch.setattr(cpu_matmul, "packed_type", lambda: "another kernel's storage")
+    p3 = cpu_matmul.prepare(w)             # (this storage type does not exist: whatever prepare makes now)
+    assert p3 is not p2
+    monkeypatch.undo()
+    with torch.inference_mode():           # no version counter: converted every time, never remembered
+        frozen = fp16_exact(32, 16, seed=2)
+    assert cpu_matmul.prepare(frozen) is not cpu_matmul.prepare(frozen)
+    entries = len(cpu_matmul._PREPARED)
+    del w, fp32, p, p2, p3, c
+    gc.collect()
+    assert len(cpu_matmul._PREPARED) <= entries - 2
+
+
+def test_an_executor_built_again_over_the_same_weights_shares_their_storage(smollm2_bundle, weights_fp32):
+    """What makes the second build cheap: its linears hold the first's packed weights, the same
+    objects (a test's executors over shared weights build in a fraction of the first's time)."""
+    from backend.model.runner import ModelRunner, load_engine_spec
+    spec = load_engine_spec(smollm2_bundle, {"max_kv_tokens": 256, "max_batch_size": 2})
+    a, b = (ModelRunner(spec, dtype=torch.float32, weights=weights_fp32) for _ in range(2))
+    la, lb = a.model.layers[3], b.model.layers[3]
+    wa, wb = (getattr(getattr(x, "linear", x), "weight") for x in (la.qkv, lb.qkv))
+    assert wa is wb and (not cpu_matmul.applies("cpu", torch.float32) or cpu_matmul.is_packed(wa))
+
+
 @needs_onednn
 def test_weights_that_need_fp32_go_column_major_not_fp16():
     w = fp16_exact(96, 40)
