@@ -156,13 +156,14 @@ def _exact_in_fp16(w: torch.Tensor) -> bool:
     return bool(torch.equal(w.to(torch.float16).float(), w))
 
 
-# What ``prepare`` made of a source tensor, by id(source): (weak reference to it, its _version then, the
-# storage choice then, the result). An engine built again in this process from the same weight tensors
-# (a reload; the executors a test builds over shared weights) takes the result instead of checking and
-# packing every weight again, which was 95% of building a SmolLM2 executor (1.5-2 s on one AMD EPYC
-# core). An entry goes with its source (weakref.finalize); a source changed in place since (its
-# _version moved) or a storage choice that changed since (a kernel turned off) is converted anew.
-_PREPARED: dict[int, tuple[weakref.ref, int, tuple, Weight]] = {}
+# What ``prepare`` made of a source tensor, by (id(source), what was derived from it): (weak reference to
+# it, its _version then, the storage choice then, the result). An engine built again in this process from
+# the same weight tensors (a reload; the executors a test builds over shared weights) takes the result
+# instead of checking and packing every weight again, which was 95% of building a SmolLM2 executor
+# (1.5-2 s on one AMD EPYC core). An entry goes with its source (weakref.finalize); a source changed in
+# place since (its _version moved), an inference tensor (no version counter) or a storage choice that
+# changed since (a kernel turned off) is converted anew.
+_PREPARED: dict[tuple[int, str], tuple[weakref.ref, int, tuple, Weight]] = {}
 
 
 def _storage_choice(w: torch.Tensor) -> tuple:
@@ -179,19 +180,33 @@ def prepare(w: Weight, exact_fp16: bool = False) -> Weight:
     returns the same result (``_PREPARED``)."""
     if is_packed(w) or not applies(w.device, w.dtype) or w.dim() != 2 or is_column_major(w):
         return w
-    # (an inference tensor has no version counter: never remembered)
-    key, choice, version = id(w), _storage_choice(w), None if w.is_inference() else w._version
+    return prepare_from(w, "", lambda: w, exact_fp16)
+
+
+def prepare_from(source: torch.Tensor, derived: str, make, exact_fp16: bool = False) -> Weight:
+    """``prepare(make())``, remembered by ``source``, the live tensor ``make`` derives its float32 weight
+    from (``derived`` names how: fp8 codes widened to float32 are a temporary that dies after each
+    build, the codes stay), so building again skips ``make`` too."""
+    key = (id(source), derived)
+    version = None if source.is_inference() else source._version
     hit = _PREPARED.get(key)
-    if hit is not None and hit[0]() is w and version is not None and hit[1] == version and hit[2] == choice:
+    # (the choice for the remembered result's device and dtype: those of what make() gave)
+    if (hit is not None and hit[0]() is source and version is not None and hit[1] == version
+            and hit[2] == _storage_choice(hit[3])):
         return hit[3]
-    if packs_fp16(w.device, w.dtype) and (exact_fp16 or _exact_in_fp16(w)):
+    w = make()
+    choice = _storage_choice(w)
+    if is_packed(w) or not applies(w.device, w.dtype) or w.dim() != 2 or is_column_major(w):
+        out = w                          # (make() packed it itself: fp8 codes for the AVX-512 GEMM)
+    elif packs_fp16(w.device, w.dtype) and (exact_fp16 or _exact_in_fp16(w)):
         out = PanelWeight(w) if cpu_gemm.available() else HalfWeight(w)
     else:
         out = w.t().contiguous().t() if _DNN is not None else w
-    if out is not w and version is not None:
-        if hit is None or hit[0]() is not w:
-            weakref.finalize(w, _PREPARED.pop, key, None)
-        _PREPARED[key] = (weakref.ref(w), version, choice, out)
+    # (only the CPU's own storages: a GPU weight made from a host tensor is not kept alive by its source)
+    if out is not source and version is not None and applies(w.device, w.dtype):
+        if hit is None or hit[0]() is not source:
+            weakref.finalize(source, _PREPARED.pop, key, None)
+        _PREPARED[key] = (weakref.ref(source), version, choice, out)
     return out
 
 

@@ -128,11 +128,14 @@ class QuantLinear:
         codes = codes.to(device)
         if codes.dtype == FP8 and cpu_matmul.packs_e4m3(device, dtype):
             # the codes as they are, one byte each (Kiln's AVX-512 GEMM widens them in registers)
-            self.weight = cpu_matmul.PanelWeight(codes)
+            self.weight = cpu_matmul.prepare_from(codes, "e4m3 panels", lambda: cpu_matmul.PanelWeight(codes))
         else:
-            # fp8 codes widened by fp8.dequantize's table (scale 1: the same values, 4x faster than .to)
-            self.weight = (fp8.dequantize(codes, torch.ones(()), dtype) if codes.dtype == FP8
-                           else codes.to(dtype=dtype))
+            # fp8 codes widened by fp8.dequantize's table (scale 1: the same values, 4x faster than .to),
+            # then packed; remembered by the codes, so an engine built again from them skips both
+            self.weight = cpu_matmul.prepare_from(
+                codes, f"codes as {dtype}",
+                lambda: (fp8.dequantize(codes, torch.ones(()), dtype) if codes.dtype == FP8
+                         else codes.to(dtype=dtype)), exact_fp16=codes.dtype in (FP8, torch.int8))
         self.codes_exact_fp16 = codes.dtype in (FP8, torch.int8)   # e4m3: 3 mantissa bits, |x| <= 448
         self.out_scale = s.expand(codes.shape[0]).contiguous() if s.numel() == 1 else s
         return True

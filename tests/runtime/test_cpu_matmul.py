@@ -65,6 +65,7 @@ def test_an_executor_built_again_over_the_same_weights_shares_their_storage(smol
     la, lb = a.model.layers[3], b.model.layers[3]
     wa, wb = (getattr(getattr(x, "linear", x), "weight") for x in (la.qkv, lb.qkv))
     assert wa is wb and (not cpu_matmul.applies("cpu", torch.float32) or cpu_matmul.is_packed(wa))
+    assert a.model.lm_head is b.model.lm_head     # the tied head's own storage, made from the embedding
 
 
 @needs_onednn
@@ -204,3 +205,8 @@ def test_per_row_quantized_linears_multiply_codes_and_scale_rows(fmt):
     torch.testing.assert_close(lin(x), F.linear(act(x), deq, b), rtol=1e-5, atol=1e-5)
     with pytest.raises(Exception, match="weight_scale: 3 values; expected 1 or one per output row"):
         make_linear(fmt, {**t, "weight_scale": torch.ones(3)}, torch.float32, "cpu", where="layers.0.o")
+    # built again from the same codes: the first build's packed codes, neither widened nor packed again
+    again = make_linear(fmt, {**t, "bias": b}, torch.float32, "cpu")
+    assert again.weight is lin.weight
+    t["weight"].add_(0) if fmt == "int8_sq" else t["weight"].view(torch.uint8).add_(0)   # "changed" in place
+    assert make_linear(fmt, {**t, "bias": b}, torch.float32, "cpu").weight is not lin.weight
