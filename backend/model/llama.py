@@ -111,10 +111,10 @@ class LlamaModel:
 
         self.embed_tokens = dense("embed_tokens.weight")
         self.norm = dense("norm.weight")
-        lm_head = self.embed_tokens if config.tie_word_embeddings else dense("lm_head.weight")
+        head = "embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        lm_head = self.embed_tokens if config.tie_word_embeddings else dense(head)
         # On CPU the logits matmul wants its own storage (backend/ops/cpu_matmul.py: fp16-packed or
         # column-major); a tied head then becomes a second copy, since the embedding gather needs rows.
-        head = "embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         self.lm_head = cpu_matmul.prepare_from(_tensor(weights, head), f"as {dt}", lambda: lm_head)
         aot = getattr(attention, "aot", None)   # the bundle's cubins (GPU) serve the 4-bit GEMMs too
         self.layers = [build_layer(weights, i, quant_format, dt, dev, aot) for i in range(config.num_layers)]

@@ -170,6 +170,11 @@ def _storage_choice(w: torch.Tensor) -> tuple:
     return (packed_type() if packs_fp16(w.device, w.dtype) else None, _DNN is not None)
 
 
+def _kept_as_is(w: Weight) -> bool:
+    """Whether ``prepare`` returns ``w`` itself: already in a kernel's storage, or no CPU kernel's."""
+    return is_packed(w) or not applies(w.device, w.dtype) or w.dim() != 2 or is_column_major(w)
+
+
 def prepare(w: Weight, exact_fp16: bool = False) -> Weight:
     """``w [out, in]`` -> the same values in the storage its CPU kernel wants where ``applies``
     (a ``HalfWeight`` when every value is exactly an fp16, else column-major); otherwise ``w``.
@@ -178,9 +183,7 @@ def prepare(w: Weight, exact_fp16: bool = False) -> Weight:
     Idempotent, so a weight shared between owners (a tied lm_head, a draft reusing the target's)
     is converted once and stays one object; while ``w`` lives and is unchanged, preparing it again
     returns the same result (``_PREPARED``)."""
-    if is_packed(w) or not applies(w.device, w.dtype) or w.dim() != 2 or is_column_major(w):
-        return w
-    return prepare_from(w, "", lambda: w, exact_fp16)
+    return w if _kept_as_is(w) else prepare_from(w, "", lambda: w, exact_fp16)
 
 
 def prepare_from(source: torch.Tensor, derived: str, make, exact_fp16: bool = False) -> Weight:
@@ -196,7 +199,7 @@ def prepare_from(source: torch.Tensor, derived: str, make, exact_fp16: bool = Fa
         return hit[3]
     w = make()
     choice = _storage_choice(w)
-    if is_packed(w) or not applies(w.device, w.dtype) or w.dim() != 2 or is_column_major(w):
+    if _kept_as_is(w):
         out = w                          # (make() packed it itself: fp8 codes for the AVX-512 GEMM)
     elif packs_fp16(w.device, w.dtype) and (exact_fp16 or _exact_in_fp16(w)):
         out = PanelWeight(w) if cpu_gemm.available() else HalfWeight(w)
