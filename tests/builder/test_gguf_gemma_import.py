@@ -212,3 +212,12 @@ def test_type_gguf_cannot_dequantize_is_refused(tmp_path):
     with pytest.raises(StageError, match="f64.gguf: tensor output_norm.weight is stored as F64, which the gguf "
                                          "package cannot dequantize"):
         convert(tmp_path / "f64.gguf", "gemma3", tmp_path, torch.float32)
+
+
+def test_pipeline_still_refuses_gemma3(tiny):
+    """The importer handles gemma3, but a build must not start until the runtime runs its architecture."""
+    from builder import sources
+
+    path, _, _, _ = tiny
+    with pytest.raises(StageError, match="GGUF architecture 'gemma3' is not supported; allowed: llama, mistral"):
+        sources.resolve(str(path), "gemma.yaml")
