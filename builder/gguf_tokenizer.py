@@ -38,9 +38,11 @@ def _fields(meta: dict[str, Any]) -> tuple[list[str], list[float], list[int]]:
     if not len(tokens) == len(scores) == len(types):
         raise TokenizerMetadataError(f"tokenizer.ggml.tokens/scores/token_type have different lengths "
                                      f"({len(tokens)}/{len(scores)}/{len(types)})")
-    if len(set(tokens)) != len(tokens):
-        dup = next(t for i, t in enumerate(tokens) if t in tokens[:i])
-        raise TokenizerMetadataError(f"tokenizer.ggml.tokens lists {dup!r} twice")
+    seen: set[str] = set()
+    for t in tokens:
+        if t in seen:
+            raise TokenizerMetadataError(f"tokenizer.ggml.tokens lists {t!r} twice")
+        seen.add(t)
     if meta.get("tokenizer.ggml.add_space_prefix", False):
         # the Gemma 3 path below never adds one; a vocabulary trained with it needs a Prepend normalizer
         raise TokenizerMetadataError("tokenizer.ggml.add_space_prefix is true; only vocabularies without "

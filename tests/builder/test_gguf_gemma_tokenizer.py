@@ -125,8 +125,9 @@ def test_saved_files(tmp_path):
     assert cfg["chat_template"].startswith("{{ bos_token }}") and cfg["model_max_length"] == 64
     from tokenizers import Tokenizer
     assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode("abc").tokens == ["<bos>", "abc"]
-    save_tokenizer(_tiny_meta(), tmp_path / "..")   # no template in the file: none written
-    assert "chat_template" not in json.loads((tmp_path.parent / "tokenizer_config.json").read_text())
+    (tmp_path / "plain").mkdir()
+    save_tokenizer(_tiny_meta(), tmp_path / "plain")   # no template in the file: none written
+    assert "chat_template" not in json.loads((tmp_path / "plain" / "tokenizer_config.json").read_text())
 
 
 # ---- the real Gemma 3 270M vocabulary ------------------------------------------------------------
