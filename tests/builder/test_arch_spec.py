@@ -99,3 +99,34 @@ def test_direct_construction_is_checked_too():
     with pytest.raises(ArchSpecError, match=r"^arch.layer_types: \['full'\]"):
         ArchSpec(["full"])   # a list would make the frozen spec unhashable
     assert hash(GEMMA3) == hash(roundtrip(GEMMA3))
+
+
+MODEL = {"architecture": "llama", "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
+         "num_kv_heads": 2, "head_dim": 16, "vocab_size": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+         "max_position_embeddings": 512}
+
+
+def manifest_doc(model: dict) -> dict:
+    return {"format": "kiln-engine", "format_version": 1, "model": model, "quantization": {"format": "none"},
+            "engine": {}, "files": {}}
+
+
+def test_engine_json_holds_the_spec_as_model_arch():
+    from backend import bundle
+    spec = ArchSpec(("full", "full"), tie_word_embeddings=True)
+    m = bundle.Manifest.from_dict(manifest_doc({**MODEL, "arch": spec.to_dict()}))
+    assert m.model.arch_spec == spec and m.model.num_layers == 2
+    written = bundle.as_dict(m)["model"]
+    assert list(written)[-1] == "arch" and written["arch"] == spec.to_dict()
+    assert bundle.Manifest.from_dict(json.loads(json.dumps(bundle.as_dict(m)))) == m
+    old = bundle.Manifest.from_dict(manifest_doc(MODEL))   # bundles built before the spec: no arch key
+    assert old.model.arch_spec is None and "arch" not in bundle.as_dict(old)["model"]
+
+
+def test_a_bad_spec_in_engine_json_is_refused_naming_the_field():
+    from backend import bundle
+    bad = dict(ArchSpec(("full",)).to_dict(), norm="layer")
+    with pytest.raises(bundle.BundleError) as exc:
+        bundle.Manifest.from_dict(manifest_doc({**MODEL, "arch": bad}))
+    assert str(exc.value).startswith("engine.json: model.arch.norm: 'layer' is not supported; allowed: rms | "
+                                     "rms_one_plus; rebuild with: make build"), str(exc.value)
