@@ -39,6 +39,9 @@ ROPE_PARAMETERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+_ROPE_ALWAYS = ("type", "theta", "partial_rotary_factor")
+
+
 class ArchSpecError(ValueError):
     """One field of the spec is wrong: ``path`` names it (``arch.attention.sliding.rope.factor``)."""
 
@@ -107,9 +110,9 @@ class Rope:
             if getattr(self, name) is None:
                 raise ArchSpecError(name, f"missing; a {self.type} rope needs it",
                                     ", ".join(needed))
-        for f in dataclasses.fields(self)[3:]:
+        for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None:
+            if value is None or f.name in _ROPE_ALWAYS:
                 continue
             if f.name not in needed + optional:
                 raise ArchSpecError(f.name, f"{_show(value)} is not a parameter of a {self.type} rope",

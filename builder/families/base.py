@@ -156,7 +156,8 @@ def attention_pattern(cfg: HfConfig, kinds: list[str], window: int | None, ropes
                       window_field: str = "sliding_window") -> dict[str, Any]:
     """ArchSpec's ``layer_types`` and ``attention`` for these per-layer kinds (only the kinds used)."""
     if "sliding" in kinds and window is None:
-        raise cfg.refuse(window_field, "null but layer_types has sliding layers", "a positive window size")
+        raise cfg.refuse(window_field, f"{_show(cfg.data.get(window_field))} gives no window, but layer_types has "
+                         f"sliding layers", "a window for the sliding layers, or only full_attention layers")
     used = dict.fromkeys(kinds)
     return {"layer_types": tuple(kinds),
             "attention": tuple(Attention(k, ropes[k], window if k == "sliding" else None) for k in used)}

@@ -161,6 +161,9 @@ def test_the_tensor_table_names_transformers_modules(name):
                     "original_max_position_embeddings": 512},
      "rope_parameters.short_factor: 3 values for 8 rotary frequencies"),
     ("Qwen2Config", {"use_sliding_window": "yes"}, "use_sliding_window: 'yes' is not a boolean; allowed: true | false"),
+    ("Qwen2Config", {"layer_types": ["full_attention", "sliding_attention"]},
+     "use_sliding_window: False gives no window, but layer_types has sliding layers"),
+    ("MistralConfig", {"sliding_window": 0}, "sliding_window: 0 is not a positive integer"),
 ])
 def test_what_a_family_cannot_map_is_refused_in_one_line(cls, change, fragment, tmp_path):
     hf, path = saved(tmp_path, cls, head_dim=16) if cls == "Gemma3TextConfig" else saved(tmp_path, cls)
