@@ -246,3 +246,20 @@ def test_a_built_bundle_carries_the_spec(tmp_path, smollm2_hf_dir):
     expected = families.read_spec(json.loads((src / "config.json").read_text()), src / "config.json")[1]
     assert json.loads((out / "engine.json").read_text())["model"]["arch"] == expected.to_dict()
     assert bundle.read(out).model.arch_spec == expected and expected.qkv_bias
+
+
+@pytest.mark.parametrize("case", ["llama", "llama3", "mistral", "mistral_no_window", "qwen2", "qwen2_window"])
+def test_the_spec_agrees_with_the_model_sections_own_keys(case, tmp_path):
+    """For the families the runtime runs, the keys it reads today and the spec say the same thing."""
+    cls, kw, _ = CASES[case]
+    config = getattr(transformers, cls)(**{**TINY, **kw})
+    config.architectures = [cls.replace("Config", "ForCausalLM")]
+    config.save_pretrained(tmp_path)
+    m = model_spec(tmp_path, "bfloat16")
+    spec = ArchSpec.from_dict(m["arch"])
+    windows = {a.window for a in spec.attention if a.kind == "sliding"}
+    assert m["sliding_window"] == (windows.pop() if windows else None)
+    rope = spec.layer(0).rope
+    assert m["rope_theta"] == rope.theta and (m["rope_scaling"] is None) == (rope.type == "default")
+    assert (m["tie_word_embeddings"], m["attention_bias"], m["mlp_bias"]) == \
+        (spec.tie_word_embeddings, spec.qkv_bias, spec.mlp_bias)
