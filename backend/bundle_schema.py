@@ -14,9 +14,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.arch_spec import ArchSpec, ArchSpecError
 from backend.bundle_fields import FieldError as _FieldError, from_dict as _from_dict
 from backend.bundle_fields import parse as _parse
-from backend.model.config import ModelConfig
+from backend.model.config import ModelConfig, ModelConfigError
 
 FORMAT = "kiln-engine"
 # 2: a tensor-parallel bundle's weights in one file per rank (``weights``: rank<i>.safetensors).
@@ -47,6 +48,25 @@ def version_for(weights: tuple[str, ...]) -> int:
 
 class BundleError(RuntimeError):
     """The bundle cannot be used as it is; the message says what to rebuild."""
+
+
+@dataclass(frozen=True)
+class ModelSection(ModelConfig):
+    """engine.json's ``model``: the runtime's ModelConfig plus ``arch``, the architecture spec's JSON
+    (``ArchSpec.to_dict``), checked when read; absent in bundles built before the spec existed."""
+    arch: dict | None = field(default=None, metadata=OMIT)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.arch is not None:
+            try:
+                ArchSpec.from_dict(self.arch)
+            except ArchSpecError as exc:
+                raise ModelConfigError(f"engine.json: model.{exc}") from None
+
+    @property
+    def arch_spec(self) -> ArchSpec | None:
+        return None if self.arch is None else ArchSpec.from_dict(self.arch)
 
 
 @dataclass(frozen=True)
@@ -185,7 +205,7 @@ class Manifest:
     created: str | None = None
     kiln_version: str | None = None
     config_file: str | None = None
-    model: ModelConfig
+    model: ModelSection
     quantization: Quantization
     engine: EngineSettings = field(default_factory=EngineSettings, metadata=REQUIRED)
     targets: Targets = field(default_factory=Targets)
@@ -256,7 +276,9 @@ def _check_weights(m: Manifest) -> None:
 def as_dict(obj: Any) -> Any:
     """A section (or the whole Manifest) as the JSON engine.json holds, keys in the file's order."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        names = MODEL_KEYS if isinstance(obj, ModelConfig) else [f.name for f in dataclasses.fields(obj)]
+        names = [f.name for f in dataclasses.fields(obj)]
+        if isinstance(obj, ModelConfig):   # the builder's key order; arch (ModelSection only) last
+            names = [*MODEL_KEYS, *(n for n in names if n not in MODEL_KEYS)]
         omit = {f.name: f.default for f in dataclasses.fields(obj) if f.metadata.get("omit_default")}
         return {n: as_dict(getattr(obj, n)) for n in names if not (n in omit and getattr(obj, n) == omit[n])}
     if isinstance(obj, (list, tuple)):

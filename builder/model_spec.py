@@ -1,13 +1,19 @@
-"""The engine.json ``model`` section, read from an HF ``config.json`` (+ generation_config.json)."""
+"""The engine.json ``model`` section, read from an HF ``config.json`` (+ generation_config.json).
+
+Its ``arch`` is the architecture spec (backend/arch_spec.py) the checkpoint's family maps the config to
+(builder/families/); the other keys are the shapes and token ids, as before the spec existed.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from builder.sources import SUPPORTED_HF_ARCHITECTURES, read_json_object
+from builder import families
+from builder.sources import read_json_object
 from builder.stages.base import StageError
 
-ARCH_BY_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+# a ModelOpt checkpoint repeats hf_quant_config.json in config.json; the import and compile stages read it
+MODELOPT_FIELDS = frozenset({"quantization_config"})
 
 
 def _eos_ids(*values: Any) -> list[int]:
@@ -30,11 +36,10 @@ def model_spec(checkpoint: Path, dtype: str) -> dict[str, Any]:
             raise StageError(f"{path}: {key}: missing; a {hf.get('model_type', '?')} config must give it")
         return hf[key]
 
-    arch = next((SUPPORTED_HF_ARCHITECTURES[a] for a in hf.get("architectures") or []
-                 if a in SUPPORTED_HF_ARCHITECTURES), None) or ARCH_BY_MODEL_TYPE.get(hf.get("model_type"))
-    if arch is None:
-        raise StageError(f"{path}: architectures: unsupported {hf.get('architectures')}; allowed: "
-                         f"{', '.join(SUPPORTED_HF_ARCHITECTURES)}")
+    family = families.family_of(hf, path)
+    if not family.runtime:
+        raise families.not_yet(family, f"{path}: architectures")
+    arch = family.name
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
     rope_params = hf.get("rope_parameters") or {}  # transformers 5 moved rope_theta/scaling here
     rope_theta = hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
@@ -43,6 +48,8 @@ def model_spec(checkpoint: Path, dtype: str) -> dict[str, Any]:
         rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
     eos = _eos_ids(gen.get("eos_token_id"), hf.get("eos_token_id"))
     pad = gen.get("pad_token_id", hf.get("pad_token_id"))
+    modelopt = MODELOPT_FIELDS if (checkpoint / "hf_quant_config.json").is_file() else frozenset()
+    spec = family.spec(hf, path, modelopt)
     return {
         "architecture": arch,
         "hidden_size": hidden,
@@ -65,4 +72,5 @@ def model_spec(checkpoint: Path, dtype: str) -> dict[str, Any]:
         "eos_token_ids": eos,
         "pad_token_id": pad if pad is not None else (eos[0] if eos else None),
         "dtype": dtype,
+        "arch": spec.to_dict(),
     }

@@ -14,14 +14,12 @@ import os
 import struct
 from pathlib import Path
 
+from builder import families
 from builder.stages.base import StageError
 
-SUPPORTED_HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+# what the runtime runs today, from the families table (a known family it does not run is refused by name)
+SUPPORTED_HF_ARCHITECTURES = families.runtime_table(families.BY_ARCHITECTURE)
+SUPPORTED_GGUF_ARCHITECTURES = families.runtime_table(families.BY_GGUF)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -78,6 +76,9 @@ def resolve(source: str, config_file: str) -> Source:
         raise StageError(f"{config}: architectures: expected a list of class names, got {type(archs).__name__}; "
                          f"allowed: e.g. [\"LlamaForCausalLM\"]")
     arch = next((SUPPORTED_HF_ARCHITECTURES[a] for a in archs if a in SUPPORTED_HF_ARCHITECTURES), None)
+    known = next((families.BY_ARCHITECTURE[a] for a in archs if a in families.BY_ARCHITECTURE), None)
+    if arch is None and known is not None:
+        raise families.not_yet(known, f"{config}: architectures")
     if arch is None:
         raise StageError(f"{config}: architectures: unsupported {archs or 'none given'}; allowed: "
                          f"{', '.join(SUPPORTED_HF_ARCHITECTURES)}")
@@ -189,6 +190,8 @@ def _gguf_architecture(path: Path) -> str:
         raise StageError(f"{path}: unreadable GGUF ({e}); the file may be truncated or corrupted") from None
     if arch is None:
         raise StageError(f"{path}: GGUF has no general.architecture field")
+    if arch in families.BY_GGUF and arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise families.not_yet(families.BY_GGUF[arch], f"{path}: GGUF general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise StageError(f"{path}: GGUF architecture '{arch}' is not supported; allowed: "
                          f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")

@@ -118,7 +118,7 @@ def _splitter(cfg, model: dict, fmt: str, tp: int):
     from backend.model.config import ModelConfig, ModelConfigError
     from backend.model.tp_shard import ShardError, check_tp, shard_tensor
     try:
-        config = ModelConfig(**model)
+        config = ModelConfig.from_dict(model)   # its own keys: the section's arch is not the runtime's yet
         check_tp(config, fmt, tp)
     except (ModelConfigError, ShardError) as exc:
         raise StageError(f"{cfg.file}: engine.tp_size: {exc}") from None
