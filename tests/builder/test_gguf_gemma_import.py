@@ -221,3 +221,18 @@ def test_pipeline_still_refuses_gemma3(tiny):
     path, _, _, _ = tiny
     with pytest.raises(StageError, match="gemma3 is a known family but the runtime does not run it yet; allowed: llama, mistral"):
         sources.resolve(str(path), "gemma.yaml")
+
+
+def test_imported_config_maps_to_the_gemma3_spec(tiny):
+    """The config.json the importer writes is one the gemma3 family reads whole (no field refused): the
+    architecture spec the runtime will run the imported model from."""
+    import json
+
+    from builder.families import read_spec
+
+    _, out, _, _ = tiny
+    hf = json.loads((out / "config.json").read_text())
+    family, spec = read_spec(hf, out / "config.json")
+    assert family.name == "gemma3"
+    assert spec.norm == "rms_one_plus" and spec.qk_norm and spec.activation == "gelu_tanh"
+    assert len(spec.layer_types) == hf["num_hidden_layers"]
