@@ -106,3 +106,57 @@ def check_figures(docs: list[Path], perf: Path = PERF) -> tuple[int, list[str]]:
             if (why := disagreement(fig, perf)) is not None:
                 problems.append(why)
     return count, problems
+
+
+# ---- product language --------------------------------------------------------------------------
+
+# What the documentation must not say: it speaks of the product (what runs on which hardware, how to
+# reproduce it), never of how it was written, who measured, or one machine's folders.
+LANGUAGE_RULES = (
+    ("an issue number", re.compile(r"(?<![\w&/])#\d+\b")),
+    ("an issue reference", re.compile(r"\bissues?\b", re.I)),
+    ("who lent a machine", re.compile(r"\blent\b", re.I)),
+    ("a particular VM", re.compile(r"\bVMs?\b")),
+    ("the people who wrote it", re.compile(r"\bengineers?\b", re.I)),
+    ("a path of one machine", re.compile(r"(?<![\w.~-])/(?:tmp|root|work|home)/")),
+    ("a notes file outside the repository", re.compile(r"\bshared/notes\b")),
+)
+TEXT_SUFFIXES = (".md", ".yaml", ".yml", ".pbtxt", ".tmpl", ".conf", ".py")   # .py: the model_repository models
+# Written by `python -m harness.perf report` from the result files, not by hand: its wording is theirs,
+# and it joins the check (drop it from here) once it is generated from files that pass it.
+GENERATED = ("docs/perf/README.md",)
+# Result files join the check from this date on (their top-level "date"): the ones written before it
+# record the machine they ran on as it was then; a newer run replaces them.
+RESULTS_CHECKED_FROM = "2026-12-02"
+
+
+def language_files(root: Path = REPO) -> list[Path]:
+    """README.md, docs/, configs/ and model_repository/ text, plus the result files written since
+    RESULTS_CHECKED_FROM."""
+    files = [root / "README.md"]
+    for folder in ("docs", "configs", "model_repository"):
+        files += sorted(p for p in (root / folder).rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES
+                        and p.relative_to(root).as_posix() not in GENERATED)
+    return files + recent_results(root / "docs" / "perf")
+
+
+def recent_results(perf: Path) -> list[Path]:
+    out = []
+    for p in sorted(perf.rglob("*.json")):
+        try:
+            date = json.loads(p.read_text(encoding="utf-8")).get("date")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(date, str) and date[:10] >= RESULTS_CHECKED_FROM:
+            out.append(p)
+    return out
+
+
+def language_problems(files: list[Path]) -> list[str]:
+    problems = []
+    for path in files:
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for what, rule in LANGUAGE_RULES:
+                if (m := rule.search(line)) is not None:
+                    problems.append(f"{path}:{n}: {what} ({m.group(0)!r}): {line.strip()[:120]}")
+    return problems
