@@ -5,8 +5,8 @@ A figure quoted from a result file carries a marker right after the number, invi
     11,844<!-- fig gpu-bench-h100.json throughput.output_tok_s --> output tok/s
     78<!-- fig decode-attention-h100.json graphed.rows.4.fraction_of_copy_bw *100 -->%
 
-naming the file (under docs/perf/), the key path in its JSON (list items by index) and, optionally, one
-scale (``*100``, ``/1073741824``). The quoted number must be the file's value rounded to the digits
+naming the file (under docs/perf/), the key path in its JSON (list items by index; a key may hold
+dots) and, optionally, one scale (``*100``, ``/1073741824``). The quoted number must be the file's value rounded to the digits
 quoted, so editing either side alone fails the check.
 """
 from __future__ import annotations
@@ -63,13 +63,17 @@ def file_value(fig: Figure, perf: Path = PERF) -> float:
     """The figure's value in its result file (scaled); KeyError/FileNotFoundError say what is missing."""
     path = perf / fig.file
     data = json.loads(path.read_text(encoding="utf-8"))
-    for part in fig.key.split("."):
+    parts = fig.key.split(".")
+    while parts:
         if isinstance(data, list):
-            data = data[int(part)]
-        elif isinstance(data, dict) and part in data:
-            data = data[part]
-        else:
-            raise KeyError(f"{fig.file} has no key {fig.key!r} (stops at {part!r})")
+            data = data[int(parts.pop(0))]
+            continue
+        # a key may hold dots itself ("tokens_per_pass_for_2.5x"): the longest run of parts that is one
+        n = next((n for n in range(len(parts), 0, -1)
+                  if isinstance(data, dict) and ".".join(parts[:n]) in data), 0)
+        if n == 0:
+            raise KeyError(f"{fig.file} has no key {fig.key!r} (stops at {parts[0]!r})")
+        data, parts = data[".".join(parts[:n])], parts[n:]
     if isinstance(data, bool) or not isinstance(data, (int, float)):
         raise KeyError(f"{fig.file} {fig.key} is {data!r}, not a number")
     value = float(data)
