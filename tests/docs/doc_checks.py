@@ -6,22 +6,23 @@ A figure quoted from a result file carries a marker right after the number, invi
     78<!-- fig decode-attention-h100.json graphed.rows.4.fraction_of_copy_bw *100 -->%
 
 naming the file (under docs/perf/), the key path in its JSON (list items by index; a key may hold
-dots) and, optionally, one scale (``*100``, ``/1073741824``). The quoted number must be the file's value rounded to the digits
-quoted, so editing either side alone fails the check.
+dots) and, optionally, one scale (``*100``, ``/1073741824``). The quoted number must be the file's
+value rounded to the digits quoted, so editing either side alone fails the check.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
-from decimal import Decimal
+from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PERF = REPO / "docs" / "perf"
 
 MARKER = re.compile(r"<!--\s*fig\s+(?P<body>.*?)-->", re.S)
-NUMBER_BEFORE = re.compile(r"(?P<num>-?\d[\d,]*(?:\.\d+)?)\s*$")
+# no sign: "193.8-298.4" is a range, and no quoted figure is negative
+NUMBER_BEFORE = re.compile(r"(?P<num>\d[\d,]*(?:\.\d+)?)\s*$")
 SCALE = re.compile(r"^(?P<op>[*/])(?P<factor>\d+(?:\.\d+)?)$")
 
 
@@ -92,8 +93,10 @@ def disagreement(fig: Figure, perf: Path = PERF) -> str | None:
         return f"{fig.where()}: {fig.quoted} quotes {fig.file} {fig.key}: {e}"
     quoted = Decimal(fig.quoted.replace(",", ""))
     exponent = quoted.as_tuple().exponent
-    rounded = Decimal(repr(value)).quantize(Decimal(1).scaleb(exponent))
-    if rounded != quoted:
+    # a tie (3710.5 quoted as 3,710 or 3,711) may go either way
+    step = Decimal(1).scaleb(exponent)
+    rounded = Decimal(repr(value)).quantize(step, rounding=ROUND_HALF_UP)
+    if quoted not in (rounded, Decimal(repr(value)).quantize(step, rounding=ROUND_HALF_EVEN)):
         return (f"{fig.where()}: quotes {fig.quoted} but {fig.file} {fig.key}"
                 f"{' ' + fig.scale if fig.scale else ''} is {value:g} (rounded: {rounded})")
     return None
