@@ -18,6 +18,8 @@ PYTEST_ARGS ?=
 # share of the cores (tests/conftest.py); servers' ports come from harness/ports.py, which never hands
 # one port to two workers. TEST_JOBS=0: one process.
 TEST_JOBS  ?= 2
+# The OpenAI front door's port (make serve; 0 = off). Triton's own ports are the config's
+# serving.http_port / grpc_port / metrics_port, changed with OVERRIDES like any other key.
 OPENAI_PORT ?= 9000
 
 # Everything Kiln runs goes through the venv; its bin/ comes first on PATH so the Triton
@@ -63,8 +65,8 @@ validate: $(STAMP) ## Validate every config in configs/
 test: $(STAMP) ## Run the test suite (real SmolLM2, ModelOpt and Triton server; no GPU needed)
 	$(PY) -m pytest $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
-serve: $(STAMP) ## Serve build/<stem>/model_repository with Triton on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002) and the OpenAI API on OPENAI_PORT (9000; 0 = off)
-	$(PY) -m harness.serve --model-repository $(OUT)/model_repository --openai-port $(if $(OPENAI_PORT),$(OPENAI_PORT),0)
+serve: $(STAMP) ## Serve OUT's model_repository with Triton on 127.0.0.1 at CONFIG's serving.http_port/grpc_port/metrics_port (8000/8001/8002; OVERRIDES="serving.http_port=...") and the OpenAI API on OPENAI_PORT (9000; 0 = off)
+	$(PY) -m harness.serve --config $(CONFIG) $(addprefix --override ,$(OVERRIDES)) --model-repository $(OUT)/model_repository --openai-port $(if $(OPENAI_PORT),$(OPENAI_PORT),0)
 
 bench: $(STAMP) ## Serving benchmark (concurrency sweep, Poisson mode); BENCH_ARGS="--start --baseline hf" runs it self-contained
 	$(PY) -m harness.bench.serving --model-repository $(OUT)/model_repository $(BENCH_ARGS)
@@ -102,7 +104,7 @@ gpu-check: $(STAMP) ## On an NVIDIA GPU: AOT cubins without JIT, triton vs torch
 bench-gpu: $(STAMP) ## On an NVIDIA GPU: Llama-3.1-8B-shaped FP8 engine, single-stream and 1000/1000 throughput
 	$(PY) -m harness.bench.gpu $(BENCH_ARGS)
 
-mlperf: $(STAMP) ## LoadGen run: make mlperf SCENARIO=Offline|Server|Interactive MODE=PerformanceOnly|AccuracyOnly [TEST_RUN=1] [COMPLIANCE=TEST06]
+mlperf: $(STAMP) ## LoadGen run against CONFIG's serving.grpc_port (a server is started when none answers): make mlperf SCENARIO=Offline|Server|Interactive MODE=PerformanceOnly|AccuracyOnly [TEST_RUN=1] [COMPLIANCE=TEST06]
 	$(PY) -m harness.mlperf --config $(CONFIG) --output $(OUT) $(addprefix --override ,$(OVERRIDES)) --scenario $(or $(SCENARIO),Offline) --mode $(or $(MODE),PerformanceOnly) $(if $(TEST_RUN),--test-run,) $(if $(COMPLIANCE),--compliance $(COMPLIANCE),) $(MLPERF_ARGS)
 
 run: $(STAMP) ## NVIDIA-style entry: make run RUN_ARGS="--benchmarks=llama2-70b --scenarios=Offline" [OVERRIDES= as given to make build]

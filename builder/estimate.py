@@ -13,7 +13,7 @@ Devices (``DEVICES``): quantize is timed on the GPU (streamed, one layer residen
 verify with this 2-core machine's constants (verify.device auto streams verify on a GPU host too, not
 timed there yet, so its figure is an upper bound). The build's stages run on one GPU (quantization
 is not split across GPUs): on 8x H100 its figures are one H100's. The serving note divides the
-weights and KV by ``engine.tp_size`` (each rank holds 1/tp of them, #20) and, when one GPU's share
+weights and KV by ``engine.tp_size`` (each rank holds 1/tp of them) and, when one GPU's share
 is too little, names the smallest tp_size the model splits into that fits.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ DEVICES = {
     "h100": Device("one H100 80GB", 80 * 10**9, "quantize on the GPU"),
     "h200": Device("one H200", 141 * 10**9, "quantize on the GPU"),
     "8xh100": Device("8x H100 80GB", 80 * 10**9,
-                     "quantize on ONE of the 8 GPUs: no tensor parallelism yet (issue #20)"),
+                     "quantize on ONE of the 8 GPUs: the build does not split quantization; engine.tp_size splits serving"),
 }
 
 

@@ -5,6 +5,7 @@
     python -m harness.client --model tensorrt_llm_bls --protocol http --stream "Hi"   # HTTP generate_stream (SSE)
     python -m harness.client --json "Tell me about Paris"                # one JSON object, with the
                                                                          # speculative-decoding figures
+    python -m harness.client --config configs/smollm2-135m-fp8.yaml "Hi"  # that config's serving ports
 
 Any Triton gRPC/HTTP client works the same way: the inputs are tensorrtllm_backend's names. The
 client asks for the acceptance figures (``return_perf_metrics``); when the engine speculated
@@ -21,17 +22,25 @@ from typing import Any, Callable
 import numpy as np
 
 from backend.serving.acceptance import read_acceptance
+from builder.schema import ConfigError
 from harness.serving_client import GenerateError, grpc_inputs, http_generate, http_stream
 from harness.model_names import DEFAULT
+from harness.serve_ports import DEFAULT as DEFAULT_PORTS, Ports, config_ports
 
-DEFAULT_URL = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
+
+def default_url(protocol: str, ports: Ports = DEFAULT_PORTS) -> str:
+    """127.0.0.1 on the served config's gRPC or HTTP port."""
+    return f"127.0.0.1:{ports.grpc if protocol == 'grpc' else ports.http}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m harness.client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", help="the text to send (text_input)")
-    p.add_argument("--url", help="host:port (default 127.0.0.1:8001 for grpc, :8000 for http)")
+    p.add_argument("--url", help="host:port (default 127.0.0.1 on --config's serving.grpc_port / "
+                                 f"serving.http_port, else :{DEFAULT_PORTS.grpc} for grpc, :{DEFAULT_PORTS.http} for http)")
+    p.add_argument("--config", default=None,
+                   help="the engine config being served: its serving ports make the default --url")
     p.add_argument("--model", default=DEFAULT.ensemble,
                    help=f"{DEFAULT.ensemble} | {DEFAULT.bls} (or the names set in serving.model_names)")
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
@@ -52,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.max_tokens < 1:
         p.error(f"--max-tokens: {a.max_tokens}; allowed: >= 1")
+    if a.url is None:
+        try:
+            a.url = default_url(a.protocol, config_ports(a.config))
+        except (ConfigError, ValueError) as e:
+            p.error(str(e))
     return a
 
 
@@ -144,7 +158,7 @@ def summary(figures: dict | None) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    url = a.url or DEFAULT_URL[a.protocol]
+    url = a.url
     params = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                   seed=a.seed, stop_words=a.stop, apply_chat_template=a.chat,
                   exclude_input_in_output=not a.echo, stream=a.stream)

@@ -1,9 +1,11 @@
 """Serve a Kiln model repository with a real Triton Inference Server (``make serve``).
 
+    python -m harness.serve --config configs/smollm2-135m-fp8.yaml      # what make serve runs
     python -m harness.serve --model-repository build/smollm2-135m-fp8/model_repository
 
 Uses ``tritonserver`` from PATH (NVIDIA's container) or else the one in the nvidia-pytriton wheel,
-binds 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002 unless overridden), waits until every model is
+binds 127.0.0.1 on the config's ``serving.http_port`` / ``grpc_port`` / ``metrics_port`` (8000, 8001,
+8002 without ``--config``; ``--http-port`` and the like beat both), waits until every model is
 ready, prints client examples, and on Ctrl-C / SIGTERM first has the engine end every in-flight
 request (each client gets a final response or an error; ``TritonServer.drain`` says why this must
 come before the server's own SIGTERM), then stops the server and its Python backend stubs and
@@ -21,6 +23,9 @@ import sys
 import threading
 from pathlib import Path
 
+from builder.config import BuildConfig
+from builder.schema import ConfigError
+from harness.serve_ports import config_ports
 from harness.serving_server import ServerError, TritonServer
 from harness.model_names import repository_names
 from harness.serve_gpus import PlacementError, check_repository_gpus
@@ -35,11 +40,17 @@ FAILED_STOP_GRACE_S = 3.0
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m harness.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-repository", required=True, help="the rendered repository (build/<stem>/model_repository)")
+    p.add_argument("--config", default=None,
+                   help="the engine config the repository was built from: its serving.*_port keys are the "
+                        "ports (default: 8000/8001/8002) and its output folder the default --model-repository")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, as given to make build (OVERRIDES); repeatable; needs --config")
+    p.add_argument("--model-repository", default=None,
+                   help="the rendered repository (default with --config: build/<config stem>/model_repository)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--http-port", type=int, default=None, help="beats the config's serving.http_port")
+    p.add_argument("--grpc-port", type=int, default=None, help="beats the config's serving.grpc_port")
+    p.add_argument("--metrics-port", type=int, default=None, help="beats the config's serving.metrics_port")
     p.add_argument("--openai-port", type=int, default=0,
                    help="also serve the OpenAI API (harness.openai) on this port; 0 = off (default; "
                         "make serve passes 9000)")
@@ -47,6 +58,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--verbose", type=int, default=0, help="tritonserver --log-verbose level")
     a = p.parse_args(argv)
+    try:
+        ports = config_ports(a.config, a.override)
+    except (ConfigError, ValueError) as e:
+        p.error(str(e))
+    for name in ("http", "grpc", "metrics"):
+        if getattr(a, f"{name}_port") is None:
+            setattr(a, f"{name}_port", getattr(ports, name))
+    if a.model_repository is None:
+        if a.config is None:
+            p.error("--model-repository or --config is required")
+        a.model_repository = str(BuildConfig.from_yaml(a.config, a.override).output_dir() / "model_repository")
     for name in ("http_port", "grpc_port", "metrics_port"):
         v = getattr(a, name)
         if not 1 <= v <= 65535:

@@ -19,14 +19,21 @@ import argparse
 import sys
 from pathlib import Path
 
+from builder.schema import ConfigError
+from harness.serve_ports import DEFAULT as DEFAULT_PORTS, config_ports
+
 __all__ = ["main", "parse_args"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m harness.openai", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--triton-url", default="127.0.0.1:8001",
-                   help="Triton's gRPC address, host:port (default 127.0.0.1:8001)")
+    p.add_argument("--triton-url", default=None,
+                   help="Triton's gRPC address, host:port (default 127.0.0.1 on --config's serving.grpc_port, "
+                        f"else 127.0.0.1:{DEFAULT_PORTS.grpc})")
+    p.add_argument("--config", default=None,
+                   help="the engine config Triton serves: its serving.grpc_port / metrics_port make the "
+                        "default --triton-url and --metrics-url")
     p.add_argument("--model-repository", required=True,
                    help="the repository Triton serves (build/<stem>/model_repository): names the engine "
                         "model and its bundle (tokenizer, limits)")
@@ -34,12 +41,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=9000, help="port to bind (default 9000)")
     p.add_argument("--metrics-url", default=None,
                    help="Triton's metrics URL that GET /metrics passes on "
-                        "(default http://<triton host>:8002/metrics)")
+                        "(default http://<triton host>:<serving.metrics_port>/metrics)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the bundle's config stem, e.g. smollm2-135m-fp8)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs one line per request)")
     a = p.parse_args(argv)
+    try:
+        ports = config_ports(a.config)
+    except (ConfigError, ValueError) as e:
+        p.error(str(e))
+    if a.triton_url is None:
+        a.triton_url = f"127.0.0.1:{ports.grpc}"
     if not 1 <= a.port <= 65535:
         p.error(f"--port: {a.port}; allowed: 1..65535")
     if ":" not in a.triton_url:
@@ -47,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not Path(a.model_repository).is_dir():
         p.error(f"--model-repository: {a.model_repository} not found; build it first: make build")
     if a.metrics_url is None:
-        a.metrics_url = f"http://{a.triton_url.rsplit(':', 1)[0]}:8002/metrics"
+        a.metrics_url = f"http://{a.triton_url.rsplit(':', 1)[0]}:{ports.metrics}/metrics"
     return a
 
 

@@ -1,6 +1,7 @@
-"""Every ``curl`` example of the README, run as printed against the real Triton server.
+"""Every ``curl`` example of the README and the serving page (docs/serving.md), run as printed against
+the real Triton server.
 
-The commands are read from README.md itself (so an edited example is tested as edited); only the
+The commands are read from those pages themselves (so an edited example is tested as edited); only the
 ports change, to the test server's (the README's are 8000 for HTTP and 8002 for metrics, the
 defaults of ``make serve``). Each one must answer what the README implies: a JSON body with a
 non-empty ``text_output``, a server-sent-event stream whose pieces make a text, or metric lines.
@@ -19,9 +20,12 @@ from tests.serving.conftest import ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 
+DOCS = ("README.md", "docs/serving.md")
+
+
 def readme_curl_commands() -> list[str]:
-    """The README's shell lines that start with ``curl``, backslash continuations joined."""
-    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    """The pages' shell lines that start with ``curl``, backslash continuations joined."""
+    lines = [line for doc in DOCS for line in (ROOT / doc).read_text(encoding="utf-8").splitlines()]
     out, i = [], 0
     while i < len(lines):
         line = lines[i].strip()
