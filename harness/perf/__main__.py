@@ -1,8 +1,9 @@
-"""python -m harness.perf list | run NAME [--dry-run] [--output F] [-- ARGS] | gpu-host OUT [--dry-run]
+"""python -m harness.perf list | run NAME [--dry-run] [--output F] [-- ARGS] | gpu-host OUT [--dry-run] | report
 
   list       the suite table: name, group, device, budget, result file, make target
   run        one suite (ARGS go to it; --output names its result file, default under build/perf/)
   gpu-host   the GPU host's parts in order with their budgets (PARTS, T_TOTAL, T_<STEP>: harness/perf/runner.py)
+  report     docs/perf/README.md from the result files in docs/perf/ (--check: fail when it is stale)
 """
 from __future__ import annotations
 
@@ -40,14 +41,19 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("gpu-host", help="the GPU host's run, in the table's order and budgets")
     g.add_argument("out", type=Path, help="folder for the results and logs")
     g.add_argument("--dry-run", action="store_true", help="print each step with its limit; run nothing")
+    rep = sub.add_parser("report", help="write docs/perf/README.md from the result files")
+    rep.add_argument("--check", action="store_true", help="fail (exit 1) when the committed README is stale")
     a = ap.parse_args(argv)
     if a.cmd == "list":
         return _list()
     if a.cmd == "run":
         from harness.perf.runner import run
         return run(a.name, extra, output=a.output, dry_run=a.dry_run, limit_s=a.limit)
-    from harness.perf.runner import gpu_host
-    return gpu_host(a.out, dry_run=a.dry_run)
+    if a.cmd == "gpu-host":
+        from harness.perf.runner import gpu_host
+        return gpu_host(a.out, dry_run=a.dry_run)
+    from harness.perf.report import main as report
+    return report(check=a.check)
 
 
 if __name__ == "__main__":
