@@ -58,7 +58,8 @@ print(json.dumps({"launched": ks.launched, "decode_err": err, "prefill_err": err
 def bench_aot() -> dict:
     import torch
 
-    from harness.perf.kernels.gpu_kernels import LLAMA8B
+    from harness.perf.lib.models import LLAMA31_8B, attention_dims
+    LLAMA8B = attention_dims(LLAMA31_8B)
     from plugins.aot import compile_for_bundle
     from plugins.common import EngineShapes
     major, minor = torch.cuda.get_device_capability()

@@ -78,7 +78,8 @@ def decode_calls(batch: int, ctx: int, kv: str = "fp8", device: str = "cuda", l2
     replays) -> (calls, (q, k, v, tables, lens, scale, num_splits) of copy 0)."""
     import torch
 
-    from harness.perf.kernels.gpu_kernels import LLAMA8B
+    from harness.perf.lib.models import LLAMA31_8B, attention_dims
+    LLAMA8B = attention_dims(LLAMA31_8B)
     from plugins import paged_decode as pd
     h = heads or LLAMA8B
     hq, hkv, d = h["num_heads"], h["num_kv_heads"], h["head_dim"]

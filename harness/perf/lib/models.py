@@ -116,6 +116,23 @@ def manifest_bundle(m: dict, engine: dict, root: Path) -> Path:
     return root
 
 
+# A model that costs nothing, for timing the host's share of an engine step (step/host_overhead.py,
+# step/executor_overhead.py): fixed logits over a vocabulary this small
+STUB_VOCAB = 32    # tiny on purpose: the greedy pick must not stand in for a real sampler
+
+
+class StubModel:
+    """Returns the same precomputed logits every step: no compute, so only host work is timed."""
+
+    def __init__(self, max_rows: int, vocab: int = STUB_VOCAB) -> None:
+        import torch
+        g = torch.Generator().manual_seed(0)
+        self.logits = torch.randn(max_rows, vocab, generator=g)
+
+    def __call__(self, input_ids, meta, logits_indices):
+        return self.logits[: logits_indices.shape[0]]
+
+
 def random_draft(m: dict, draft_vocab_size: int, device: str = "cpu", seed: int = 0, std: float = 0.02):
     """An EAGLE-3 head for the target shape ``m`` (a ``SHAPES`` entry) with random weights, in
     the layout ``Eagle3Draft`` reads: ``(DraftConfig, tensors)``; bf16 as real drafts ship."""

@@ -8,7 +8,7 @@ that work decides whether the host keeps up with the device at large batches: wi
 scheduling it must fit inside the device's step, without it (speculative decoding) it adds to it.
 
 Here the executor is real (bundle, scheduler, preparer, sampler, events, both loops) and only the
-forward is replaced: ``runner.execute`` returns overhead.py's ``StubModel`` logits (vocabulary
+forward is replaced: ``runner.execute`` returns ``harness.perf.lib.models.StubModel``'s logits (vocabulary
 ``STUB_VOCAB``, so the greedy argmax stands in for a device op, not for a real vocabulary's sampling
 on the CPU). Every request decodes greedily for the whole window (none finishes), as in the
 ``decode`` scenario.
@@ -32,9 +32,8 @@ def executor_stepper(overlap: bool, num_seqs: int, block_size: int, max_seq_len:
     one decodes. Yields (executor, warm-up steps); shuts it down on exit. ``engine``: a namespace
     with ``Executor`` and ``SamplingParams`` (another revision's, ``overhead_ab``); None: this
     tree's. The other arguments are ``harness.perf.step.host_overhead``'s."""
-    from harness.perf.lib.models import TINY, manifest_bundle, synthetic_fp8_weights
+    from harness.perf.lib.models import STUB_VOCAB, TINY, StubModel, manifest_bundle, synthetic_fp8_weights
     from harness.perf.throughput.gpu import drop_event
-    from harness.perf.step.host_overhead import STUB_VOCAB, StubModel  # (here: host_overhead.py imports this module)
     if engine is None:
         from backend.engine.executor import Executor
         from backend.engine.sampling_params import SamplingParams

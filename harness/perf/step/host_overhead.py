@@ -37,8 +37,9 @@ from backend.engine.kv_cache import BlockManager
 from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
-from harness.perf.step.executor_overhead import run_executor_scenario
+from harness.perf.lib.models import STUB_VOCAB, StubModel
 from harness.perf.lib.results import header, write_result
+from harness.perf.step.executor_overhead import run_executor_scenario
 
 PARTS = ("schedule", "prepare_inputs", "model_stub", "sample", "update")
 # The code this benchmark measures: "-dirty" in the recorded commit means one of these differs.
@@ -49,20 +50,9 @@ _MEASURED_FILES = ("backend/engine/scheduler.py", "backend/engine/scheduler_type
                    "backend/ops/attention/metadata.py", "backend/engine/executor.py", "backend/engine/overlap.py",
                    "backend/engine/late_tokens.py", "backend/engine/sampler.py", "backend/engine/events.py",
                    "backend/engine/request_events.py",
-                   "harness/perf/step/host_overhead.py", "harness/perf/step/executor_overhead.py")
-STUB_VOCAB = 32    # tiny on purpose: the greedy pick must not stand in for a real sampler
+                   "harness/perf/step/host_overhead.py", "harness/perf/step/executor_overhead.py",
+                   "harness/perf/lib/models.py")
 SCENARIOS = ("decode", "churn", "executor", "executor_overlap")
-
-
-class StubModel:
-    """Returns the same precomputed logits every step: no compute, so only host work is timed."""
-
-    def __init__(self, max_rows: int, vocab: int = STUB_VOCAB) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.logits = torch.randn(max_rows, vocab, generator=g)
-
-    def __call__(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor) -> torch.Tensor:
-        return self.logits[: logits_indices.shape[0]]
 
 
 # The engine classes a scenario drives: this tree's, or another revision's for an A/B
