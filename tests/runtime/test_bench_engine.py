@@ -36,7 +36,7 @@ def test_bad_hf_dtypes_are_refused(smollm2_bundle, capsys):
 def test_serving_bench_compares_kiln_with_the_faster_hf_dtype():
     """``make bench --baseline hf``'s ratio (harness/perf/serving/sweep.py): against the faster of HF's
     bf16 and fp32 runs, and each kept."""
-    from harness.perf.throughput.hf_baseline import in_each_dtype
+    from harness.perf.throughput.engine import in_each_dtype
     from harness.perf.serving.sweep import ratio_vs_hf
     hf = in_each_dtype(lambda dt: {"dtype": dt, "output_token_throughput": {"bfloat16": 300.0, "float32": 150.0}[dt]},
                        "output_token_throughput")

@@ -72,7 +72,7 @@ def test_throughput_says_where_its_time_went_and_profiles_a_window(executor):
     """The step-kind split adds up to the run's steps and tokens, and a profiler window (opened at once,
     closed at the end if the run is shorter) counts the steps and tokens it held (its kernel table and
     GPU busy fraction need a GPU: none here, so the table is empty and the fraction 0)."""
-    from harness.perf.throughput.step_profile import ProfileWindow
+    from harness.perf.throughput.gpu import ProfileWindow
     before = executor.stats()
     tp = bench_gpu.throughput(executor, TINY["vocab_size"], n=4, isl=40, osl=30, time_limit=120,
                               window=ProfileWindow(0.0, seconds=60.0))

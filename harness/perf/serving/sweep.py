@@ -19,7 +19,7 @@ warm-up request (not from the list) runs first, as the HF baseline warms up with
 The HF baseline generates the very prompts of the level it is compared with.
 
 With ``--start`` every row also records the CPU the server, each model's stubs and this client took
-during the level (``cpu_cores``: CPU-seconds per wall second, harness/perf/serving/proc_cpu.py): on a small
+during the level (``cpu_cores``: CPU-seconds per wall second, harness/perf/serving/stats.py): on a small
 CPU they share the cores the engine computes on.
 """
 from __future__ import annotations
@@ -35,10 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.serving_client import StreamResult, grpc_stream
-from harness.perf.serving import proc_cpu
 from harness.perf.lib.results import default_output, header, write_result
 from harness.perf.lib.prompts import load_prompts
-from harness.perf.serving.stats import plot, summarize, write_csv
+from harness.perf.serving.stats import cores_used, plot, snapshot, summarize, write_csv
 from harness.model_names import DEFAULT
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -121,7 +120,7 @@ def level_prompts(base: list[str], start: int, n: int) -> tuple[list[str], int]:
 
 def run(a: argparse.Namespace, url: str, tokenizer, server_pid: int | None = None) -> dict[str, Any]:
     """Every level of every model; with ``server_pid`` (a server this run started) each row also gets
-    the CPU its processes and this client took during the level (``cpu_cores``: harness/perf/serving/proc_cpu.py)."""
+    the CPU its processes and this client took during the level (``cpu_cores``: harness/perf/serving/stats.py)."""
     base = load_prompts(a.prompts)
     rows = []
     # one count across models too: ensemble and bls both drive the same engine model, whose prefix
@@ -137,9 +136,9 @@ def run(a: argparse.Namespace, url: str, tokenizer, server_pid: int | None = Non
         for mode, conc, rate in plan:
             n = a.num_prompts or max(16, conc or 16)
             prompts, seen = level_prompts(base, start, n)
-            cpu0 = proc_cpu.snapshot(server_pid) if server_pid else None
+            cpu0 = snapshot(server_pid) if server_pid else None
             results, wall = asyncio.run(_run_level(url, model, prompts, conc, rate, a.max_tokens, a.seed))
-            cpu = proc_cpu.cores_used(cpu0, proc_cpu.snapshot(server_pid), wall) if cpu0 is not None else None
+            cpu = cores_used(cpu0, snapshot(server_pid), wall) if cpu0 is not None else None
             tokens = [len(tokenizer.encode(r.text, chat=False)) if r.error is None else 0 for r in results]
             row = {"model": model, "mode": mode, "concurrency": conc, "request_rate": rate,
                    "prompt_start": start % len(base), "prompts_seen_before": seen}
@@ -202,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = Path(a.output) if a.output else default_output(f"serving-{started:%Y%m%d-%H%M%S}")
     _write(report, out["rows"], stem, started)  # kept even if the baseline is interrupted
     if a.baseline == "hf":
-        from harness.perf.throughput.hf_baseline import hf_throughput, in_each_dtype
+        from harness.perf.throughput.engine import hf_throughput, in_each_dtype
         # the prompts of the level HF is compared with (that level's row), else the first ones
         ref = [r for r in out["rows"] if r["mode"] == "concurrency" and r["concurrency"] == a.baseline_batch]
         n = (a.num_prompts or max(16, a.baseline_batch)) if ref else max(a.baseline_batch * 2, 16)

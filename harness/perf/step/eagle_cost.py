@@ -239,12 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         print("harness.perf.step.eagle_cost --llama8b: needs an NVIDIA GPU (an 8B FP8 target on this CPU would take "
               "hours); on CPU use --engine", file=sys.stderr)
         return 2
-    from harness.perf.lib.results import gpu_name, gpu_slug, header, write_result
+    from harness.perf.lib.results import gpu_name, gpu_slug, header, product_path, write_result
     res = header("eagle3-cost", "harness.perf.step.eagle_cost", argv, torch=torch)
     with tempfile.TemporaryDirectory() as tmp:
         ex, draft, what = _llama8b_executor(a, Path(tmp)) if a.llama8b else _engine_executor(a)
         try:
-            res["target"] = "Llama-3.1-8B shape, random FP8 weights" if a.llama8b else str(a.engine)
+            res["target"] = "Llama-3.1-8B shape, random FP8 weights" if a.llama8b else product_path(str(a.engine))
             res["draft"] = what
             res["device"], res["dtype"] = a.device, str(ex.runner.dtype).replace("torch.", "")
             res["workload"] = {"batch": 1, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "reps": a.reps}
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.acceptance:
         acc, mode = chain_acceptance(Path(a.acceptance))
         project(costs, acc)
-        res["acceptance_source"] = f"{a.acceptance}: {mode}@batch1 histogram (SmolLM2 draft, MT-bench)"
+        res["acceptance_source"] = f"{product_path(a.acceptance)}: {mode}@batch1 histogram (SmolLM2 draft, MT-bench)"
     res["costs"] = costs
     for r in costs:
         extra = f"  L={r['tokens_per_pass']:.2f} -> {r['projected_speedup']:.2f}x" if "projected_speedup" in r else ""
