@@ -8,7 +8,7 @@
 # T_QUANT (default 150) seconds: the benchmark starts no layer past it, counted from its own start
 # (checkpoint writing included); `timeout` kills it T_GRACE (default 40) s later if a layer hangs.
 # QUANT_ARGS adds options, e.g. "--layers 16" when writing the 16 GB checkpoint takes too long.
-# .whl holds the packages that image lacks (docs: /work/.library/device KINDS.md): nvidia-modelopt
+# .whl holds the packages the GPU host's image lacks: nvidia-modelopt
 # and what it imports at load time, omegaconf, pulp, pydantic (+ pydantic-core, annotated-types,
 # typing-inspection, typing-extensions >= 4.16 that pydantic-core wants).
 set -u
@@ -27,8 +27,9 @@ LOG="$OUT/quant-gpu.log"
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 T=${T_QUANT:-150}
 # shellcheck disable=SC2086  # QUANT_ARGS is a list of options
-timeout "$(( T + ${T_GRACE:-40} ))" "$PY" -m harness.perf.build_cost.quant_gpu --out "$OUT/quant-gpu.json" --time-limit "$T" \
-  ${QUANT_ARGS:-} >> "$LOG" 2>&1
+# the suite table's quant-gpu row (harness/perf/suites.py)
+timeout "$(( T + ${T_GRACE:-40} ))" "$PY" -m harness.perf run quant-gpu --output "$OUT/quant-gpu.json" -- \
+  --time-limit "$T" ${QUANT_ARGS:-} >> "$LOG" 2>&1
 rc=$?
 echo "quant_gpu exit $rc" >> "$LOG"
 tail -n 25 "$LOG"

@@ -94,3 +94,13 @@ def test_run_records_the_command_the_user_typed(tmp_path, capsys):
     assert doc["command"] == ("python -m harness.perf run host-overhead --output OUT/host.json -- " + " ".join(args))
     assert doc["benchmark"] == "host-overhead" and doc["results"]["decode"]["steps"] == 3
     capsys.readouterr()
+
+
+def test_gpu_host_scripts_start_benchmarks_only_through_the_table():
+    """device.sh and quant_gpu.sh hold no benchmark command of their own: a module started directly
+    would bypass the table's budgets and result names."""
+    for script in sorted((REPO / "harness" / "gpucheck").glob("*.sh")):
+        code = [ln for ln in script.read_text().splitlines() if not ln.lstrip().startswith("#")]
+        direct = [ln for ln in code if re.search(r"-m harness\.(perf\.\w|gpucheck\b|bench\b)", ln)]
+        assert not direct, f"{script.name} starts a benchmark outside the suite table: {direct}"
+        assert any(re.search(r"-m harness\.perf (run|gpu-host)\b", ln) for ln in code), script.name
