@@ -9,6 +9,7 @@ result header (machine, date, command, commit) show what they recorded and "-" f
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -253,7 +254,9 @@ def command(doc: dict) -> str:
         c = "; ".join(map(str, c))
     if not c:
         return "-"
-    return " ".join(product_path(w) for w in str(c).split(" "))
+    # a --note is free text about the run, not part of reproducing it: left to the file
+    c = re.sub(r" --note (?:(?! --).)*", "", str(c))
+    return " ".join(product_path(w) for w in c.split(" "))
 
 
 def commit(doc: dict) -> str:
