@@ -69,40 +69,39 @@ serve: $(STAMP) ## Serve OUT's model_repository with Triton on 127.0.0.1 at CONF
 	$(PY) -m harness.serve --config $(CONFIG) $(addprefix --override ,$(OVERRIDES)) --model-repository $(OUT)/model_repository --openai-port $(if $(OPENAI_PORT),$(OPENAI_PORT),0)
 
 bench: $(STAMP) ## Serving benchmark (concurrency sweep, Poisson mode); BENCH_ARGS="--start --baseline hf" runs it self-contained
-	$(PY) -m harness.bench.serving --model-repository $(OUT)/model_repository $(BENCH_ARGS)
+	$(PY) -m harness.perf run serving -- --model-repository $(OUT)/model_repository $(BENCH_ARGS)
 
-bench-openai: $(STAMP) ## NVIDIA AIPerf (own venv under build/) against the OpenAI API of OUT's repository -> docs/perf/openai-aiperf.json; BENCH_ENV="CONCURRENCY=8 REQUESTS=128"
-	env $(BENCH_ENV) harness/bench/openai_aiperf.sh $(OUT)/model_repository
+bench-openai: $(STAMP) ## NVIDIA AIPerf (own venv under build/) against the OpenAI API of OUT's repository -> build/perf/openai-aiperf.json; BENCH_ENV="CONCURRENCY=8 REQUESTS=128 RESULT=F"
+	env $(BENCH_ENV) $(PY) -m harness.perf run openai-aiperf -- $(OUT)/model_repository
 
 bench-engine: $(STAMP) ## Executor throughput vs Hugging Face generate on this CPU (same prompts, same run)
-	$(PY) -m harness.bench.engine --engine $(OUT)/engine $(BENCH_ARGS)
+	$(PY) -m harness.perf run bench-engine -- --engine $(OUT)/engine $(BENCH_ARGS)
 
 bench-overhead: $(STAMP) ## Host overhead per engine step at 256 sequences with a zero-cost stub model
-	$(PY) -m harness.bench.overhead $(BENCH_ARGS)
+	$(PY) -m harness.perf run host-overhead -- $(BENCH_ARGS)
 
 bench-kernels: $(STAMP) ## Kernel tests and bandwidth/TFLOP/s on an NVIDIA GPU
-	$(PY) -m harness.bench.kernels $(BENCH_ARGS)
+	$(PY) -m harness.perf run bench-kernels -- $(BENCH_ARGS)
 
 bench-eagle: $(STAMP) ## EAGLE-3 acceptance and speed vs plain decoding on MT-bench (builds the eagle3 config first)
 	$(PY) -m builder build configs/smollm2-135m-bf16-eagle3.yaml
-	$(PY) -m harness.bench.eagle --engine build/smollm2-135m-bf16-eagle3/engine --num-prompts 16 --max-tokens 64 \
-		--batches 1,8 --dtype float32 $(BENCH_ARGS)
+	$(PY) -m harness.perf run eagle -- $(BENCH_ARGS)
 
-bench-eagle-cost: $(STAMP) ## EAGLE-3 cost per target pass with k drafts and the speedup it implies (GPU: python -m harness.bench.eagle_cost --llama8b)
+bench-eagle-cost: $(STAMP) ## EAGLE-3 cost per target pass with k drafts and the speedup it implies (GPU: python -m harness.perf run spec-cost)
 	$(PY) -m builder build configs/smollm2-135m-bf16-eagle3.yaml
-	$(PY) -m harness.bench.eagle_cost --engine build/smollm2-135m-bf16-eagle3/engine --dtype float32 $(BENCH_ARGS)
+	$(PY) -m harness.perf run eagle-cost -- $(BENCH_ARGS)
 
-soak: $(STAMP) ## Mixed load on the real server: 1,000 requests at concurrency 64, 10% cancelled, KV pool 1/8 of demand -> docs/perf/soak.json
-	$(PY) -m harness.soak --config $(CONFIG) $(SOAK_ARGS)
+soak: $(STAMP) ## Mixed load on the real server: 1,000 requests at concurrency 64, 10% cancelled, KV pool 1/8 of demand -> build/perf/soak.json
+	$(PY) -m harness.perf run soak -- --config $(CONFIG) $(SOAK_ARGS)
 
 gpu-check-prepare: $(STAMP) ## Build tiny bundles of every GPU format + CPU outputs into build/gpu-check/
-	$(PY) -m harness.gpucheck prepare
+	$(PY) -m harness.perf run gpu-check-prepare
 
 gpu-check: $(STAMP) ## On an NVIDIA GPU: AOT cubins without JIT, triton vs torch, GPU vs CPU vs HF (after gpu-check-prepare)
-	$(PY) -m harness.gpucheck run $(BENCH_ARGS)
+	$(PY) -m harness.perf run gpu-check -- $(BENCH_ARGS)
 
 bench-gpu: $(STAMP) ## On an NVIDIA GPU: Llama-3.1-8B-shaped FP8 engine, single-stream and 1000/1000 throughput
-	$(PY) -m harness.bench.gpu $(BENCH_ARGS)
+	$(PY) -m harness.perf run bench-gpu -- $(BENCH_ARGS)
 
 mlperf: $(STAMP) ## LoadGen run against CONFIG's serving.grpc_port (a server is started when none answers): make mlperf SCENARIO=Offline|Server|Interactive MODE=PerformanceOnly|AccuracyOnly [TEST_RUN=1] [COMPLIANCE=TEST06]
 	$(PY) -m harness.mlperf --config $(CONFIG) --output $(OUT) $(addprefix --override ,$(OVERRIDES)) --scenario $(or $(SCENARIO),Offline) --mode $(or $(MODE),PerformanceOnly) $(if $(TEST_RUN),--test-run,) $(if $(COMPLIANCE),--compliance $(COMPLIANCE),) $(MLPERF_ARGS)

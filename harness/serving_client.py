@@ -1,6 +1,6 @@
 """Client helpers for the Kiln ensemble/bls models: HTTP generate, HTTP SSE, gRPC streaming.
 
-Used by ``harness/client.py``, ``harness/bench/serving.py`` and the serving tests. Inputs are the
+Used by ``harness/client.py``, ``harness/perf/serving/sweep.py`` and the serving tests. Inputs are the
 tensorrtllm_backend-compatible names (``text_input``, ``max_tokens``, ``temperature``, ...).
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@
   engine bundle path. Cached on disk and per session, so the second call is instant. Builds of the
   same output folder from parallel pytest processes wait for each other (the pipeline's lock).
 * ``tiny_llama_dir``: a random-weight 2-layer Llama (hidden 64, SmolLM2's tokenizer, untied head) in
-  2 MB safetensors shards, written by ``harness.bench.random_llama`` (seconds; for streaming tests).
+  2 MB safetensors shards, written by ``harness.perf.lib.models`` (seconds; for streaming tests).
 * ``@pytest.mark.gpu`` tests are skipped when ``torch.cuda.is_available()`` is false.
 """
 from __future__ import annotations
@@ -163,7 +163,7 @@ def build_bundle():
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_hf_dir) -> Path:
-    from harness.bench.random_llama import write_random_llama
+    from harness.perf.lib.models import write_random_llama
 
     return write_random_llama(tmp_path_factory.mktemp("tiny-llama") / "hf", smollm2_hf_dir, hidden=64, layers=2,
                               heads=4, kv_heads=2, intermediate=128, shard_bytes=2 << 20)

@@ -1,1 +1,1 @@
-"""GPU checks that run on a lent GPU machine (see docs/perf/README.md): `prepare` here, `run` there."""
+"""GPU checks that run on an NVIDIA GPU host (see docs/perf/README.md): `prepare` here, `run` there."""

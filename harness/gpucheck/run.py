@@ -11,7 +11,7 @@ for each bundle:
   4. the bf16 bundle vs Hugging Face transformers `generate` of the source checkpoint on the GPU (fp32);
   5. the build's streamed accuracy check (verify.device: cuda) on the FP8 bundle: the same top-1
      agreement and KL against the source checkpoint on the GPU as on this machine's CPU.
-Writes one JSON (default docs/perf/gpu-check-<gpu>.json) and prints a table. Exit 1 when a check fails.
+Writes one JSON (default build/perf/gpu-check-<gpu>.json) and prints a table. Exit 1 when a check fails.
 """
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ def check_bundle(name: str, entry: dict, ref: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.gpucheck run", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="result JSON (default docs/perf/gpu-check-<gpu>.json)")
+    ap.add_argument("--out", "--output", dest="out", help="result JSON (default build/perf/gpu-check-<gpu>.json)")
     ap.add_argument("--only", nargs="*", help="bundle names to check (default: all prepared)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: smoke-test this script here (needs TRITON_INTERPRET=1; no AOT, no speed)")
@@ -198,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpucheck run: {ref_file} missing; run: python -m harness.gpucheck prepare", file=sys.stderr)
         return 2
     ref = json.loads(ref_file.read_text())
-    from harness.bench.report import header, write_report
-    res = header(torch, "harness.gpucheck run")
-    return _check_all(ref, a, res, write_report)
+    from harness.perf.lib.results import header, write_checks
+    res = header("gpu-check", "harness.gpucheck", ["run", *(sys.argv[2:] if argv is None else argv)], torch=torch)
+    return _check_all(ref, a, res, write_checks)
 
 
 def _smoke(a) -> int:
@@ -208,9 +208,9 @@ def _smoke(a) -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("gpucheck run --device cpu: set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
-    from harness.bench.report import write_report
+    from harness.perf.lib.results import write_checks
     ref = json.loads((DIR / "ref" / "reference.json").read_text())
-    return _check_all(ref, a, {"gpu": "cpu-smoke"}, write_report)
+    return _check_all(ref, a, {"gpu": "cpu-smoke"}, write_checks)
 
 
 def _check_all(ref: dict, a, res: dict, write_report) -> int:

@@ -29,7 +29,7 @@ def _light_cfg(*extra):
 
 
 def test_estimates_grow_with_depth(tmp_path, smollm2_hf_dir):
-    from harness.bench.random_llama import write_random_llama
+    from harness.perf.lib.models import write_random_llama
 
     cfg = _light_cfg()
     t = {}

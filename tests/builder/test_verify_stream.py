@@ -66,7 +66,7 @@ def test_path_auto_streams_only_above_the_threshold(tiny_llama_dir, tmp_path, mo
 
 def test_streamed_estimate_does_not_grow_with_depth(tmp_path, smollm2_hf_dir):
     """The estimate reads one layer's size: a checkpoint twice as deep gets the same figure."""
-    from harness.bench.random_llama import write_random_llama
+    from harness.perf.lib.models import write_random_llama
 
     est = {}
     for layers in (2, 4):

@@ -1,4 +1,4 @@
-"""harness.bench.eagle's measurement loop on the CI-sized EAGLE bundle: interleaved repeats with
+"""harness.perf.throughput.eagle's measurement loop on the CI-sized EAGLE bundle: interleaved repeats with
 medians, every run checked token for token against plain decoding, batch > 1 only for the modes
 asked for, and the CLI's refusal of unknown modes (the MT-bench download is not needed for these)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from harness.bench import eagle as bench
+from harness.perf.throughput import eagle as bench
 
 
 def test_measure_repeats_modes_round_robin_and_reports_medians(eagle_bundle, monkeypatch):

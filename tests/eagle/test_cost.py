@@ -1,4 +1,4 @@
-"""harness.bench.eagle_cost: the per-pass cost of k drafts, measured through the real executor and
+"""harness.perf.step.eagle_cost: the per-pass cost of k drafts, measured through the real executor and
 speculator (on CPU here; the --llama8b run needs a GPU), and the projection from a bench result."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from harness.bench import gpu as bench_gpu
-from harness.bench import eagle_cost as cost
+from harness.perf.lib import models
+from harness.perf.step import eagle_cost as cost
 
-TINY = dict(bench_gpu.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
+TINY = dict(models.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
             num_kv_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512)
 
 
@@ -20,9 +20,9 @@ def tiny(tmp_path):
     from backend.engine.executor import Executor
     engine = {"max_batch_size": 4, "max_num_tokens": 256, "max_seq_len": 128, "max_input_len": 64,
               "kv_block_size": 16, "kv_cache_dtype": "fp8_e4m3", "max_kv_tokens": 2048}
-    ex = Executor(bench_gpu.manifest_bundle(TINY, engine, tmp_path / "engine"), device="cpu",
-                  weights=bench_gpu.synthetic_fp8_weights(TINY, device="cpu"), verify_hashes=False, start=False)
-    cfg, t = cost.random_draft(TINY, 128)
+    ex = Executor(models.manifest_bundle(TINY, engine, tmp_path / "engine"), device="cpu",
+                  weights=models.synthetic_fp8_weights(TINY, device="cpu"), verify_hashes=False, start=False)
+    cfg, t = models.random_draft(TINY, 128)
     assert cfg.aux_layers == (0, 1)  # EAGLE-3's early/middle/late rule on 4 layers
     assert t["fc.weight"].shape == (128, len(cfg.aux_layers) * 128) and t["lm_head.weight"].shape == (128, 128)
     yield ex, cost.attach_draft(ex, cfg, t)

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from harness.bench import kernels as bench
+from harness.perf.kernels import gpu_kernels as bench
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
@@ -25,7 +25,7 @@ def test_dry_run_runs_the_graphed_cases_on_cpu(capsys):
 
 def test_sweep_cases_name_tuned_kernels():
     """Every sweep entry is a plugins.tuning key, and its runtime-only extras are keys of that entry."""
-    from harness.bench import kernel_sweep
+    from harness.perf.kernels import sweep as kernel_sweep
     from plugins import tuning
     assert set(kernel_sweep.CANDIDATES) == set(kernel_sweep.VARIANTS) <= set(tuning.GPU)
     for name, extras in kernel_sweep.EXTRA.items():
@@ -40,7 +40,7 @@ def test_kiln_tuning_env_replaces_values_and_refuses_unknown_keys():
     typo is an error naming the allowed keys, never silently ignored."""
     import copy
 
-    from harness.bench import kernel_sweep
+    from harness.perf.kernels import sweep as kernel_sweep
     from plugins import tuning
     saved = copy.deepcopy(tuning.GPU)
     try:

@@ -33,7 +33,7 @@ LIGHT = ["quantization.calibration.num_samples=4", "quantization.calibration.max
 
 @pytest.mark.slow
 def test_the_on_off_benchmark_runs_both_ways_and_leaves_the_kernels_on(build_bundle):
-    from harness.bench import cpu_kernels
+    from harness.perf.kernels import cpu_kernels
 
     res = cpu_kernels.run(Path(build_bundle("smollm2-135m-fp8", LIGHT)), batch=2, rounds=2, max_tokens=2)
     assert [len(v) for v in res["output_tok_s"].values()] == [2, 2]

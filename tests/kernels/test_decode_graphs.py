@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.bench import gpu as bench_gpu
+from harness.perf.lib import models
 from backend.ops.cuda_graphs import buckets
 from backend.engine.executor import Executor
 from backend.model.runner import EngineError
 from backend.engine.sampling_params import SamplingParams
 
-TINY = dict(bench_gpu.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+TINY = dict(models.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512)
 ENGINE = {"max_batch_size": 16, "max_num_tokens": 256, "max_seq_len": 256, "max_input_len": 64,
           "kv_block_size": 16, "kv_cache_dtype": "fp8_e4m3", "max_kv_tokens": 4096,
@@ -26,8 +26,8 @@ ENGINE = {"max_batch_size": 16, "max_num_tokens": 256, "max_seq_len": 256, "max_
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
     # large weights: every output token depends on the whole context, so a KV slip changes tokens
-    w = bench_gpu.synthetic_fp8_weights(TINY, device="cpu", seed=3, std=0.2)
-    return bench_gpu.manifest_bundle(TINY, ENGINE, tmp_path_factory.mktemp("g") / "engine"), w
+    w = models.synthetic_fp8_weights(TINY, device="cpu", seed=3, std=0.2)
+    return models.manifest_bundle(TINY, ENGINE, tmp_path_factory.mktemp("g") / "engine"), w
 
 
 def _run(bundle, graphs: bool, device: str):
@@ -83,8 +83,8 @@ def test_cuda_graphs_need_the_triton_backend(bundle, device):
 def test_the_bundles_cuda_graphs_setting_is_honoured(tmp_path):
     """engine.cuda_graphs comes from the bundle (the build writes the config key), no override needed:
     true with the torch backend is refused, so the runner must have read it."""
-    path = bench_gpu.manifest_bundle(TINY, {**ENGINE, "cuda_graphs": True, "attention_backend": "torch"},
+    path = models.manifest_bundle(TINY, {**ENGINE, "cuda_graphs": True, "attention_backend": "torch"},
                                      tmp_path / "engine")
-    w = bench_gpu.synthetic_fp8_weights(TINY, device="cpu", seed=3, std=0.2)
+    w = models.synthetic_fp8_weights(TINY, device="cpu", seed=3, std=0.2)
     with pytest.raises(EngineError, match="cuda_graphs: true needs engine.attention_backend triton"):
         Executor(path, device="cpu", weights=w, verify_hashes=False, start=False)

@@ -1,10 +1,10 @@
-"""harness.bench.decode_perf (part perf of harness/gpucheck/device.sh) works before it reaches a GPU:
+"""harness.perf.step.decode_perf (part perf of harness/gpucheck/device.sh) works before it reaches a GPU:
 without one it refuses with status 2, and its --dry-run runs the whole script on a tiny model in the
 interpreter (fused and unfused steps, the profile)."""
 import pytest
 import torch
 
-from harness.bench import decode_perf
+from harness.perf.step import decode_perf
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")

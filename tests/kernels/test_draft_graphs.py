@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.bench import eagle_cost as cost
+from harness.perf.lib import models
 from backend.speculative.draft_graphs import ChainDraftGraphs
 from backend.speculative.draft_model import DraftKVPool, DraftSlice, Eagle3Draft
 from backend.speculative.grow import GrowRequest, TreeGrower
@@ -20,7 +20,7 @@ K = 4
 
 @pytest.fixture(scope="module")
 def draft(device):
-    cfg, t = cost.random_draft(SHAPE, 256, device="cpu", seed=2, std=0.3)   # peaky: real cuts
+    cfg, t = models.random_draft(SHAPE, 256, device="cpu", seed=2, std=0.3)   # peaky: real cuts
     embed = torch.randn(SHAPE["vocab_size"], SHAPE["hidden_size"], generator=torch.Generator().manual_seed(3))
     return Eagle3Draft(cfg, t, embed, None, 1024, device, torch.float32)
 

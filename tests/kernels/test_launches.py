@@ -1,4 +1,4 @@
-"""Launches per decoder layer of a decode step (harness/bench/launches.py) may not grow past what
+"""Launches per decoder layer of a decode step (harness/perf/step/launches.py) may not grow past what
 docs/perf/launches.json commits: a new separate op in the layer must be noticed (and the file
 re-generated with its command when the growth is meant)."""
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from harness.bench import launches
+from harness.perf.step import launches
 
 COMMITTED = Path(__file__).resolve().parents[2] / "docs" / "perf" / "launches.json"
 

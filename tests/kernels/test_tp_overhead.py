@@ -1,4 +1,4 @@
-"""harness.bench.tp_overhead (part tp of harness/gpucheck/device.sh) works before it reaches a GPU.
+"""harness.perf.step.tp_overhead (part tp of harness/gpucheck/device.sh) works before it reaches a GPU.
 
 No GPU here: without one the script refuses (exit 2); the distributed GPU path (TPDriver on NCCL) has
 not run on a GPU, so its refusal (exit 3, one line, the JSON says so) is checked with the interface
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.bench import tp_overhead
+from harness.perf.step import tp_overhead
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = types.SimpleNamespace(model=types.SimpleNamespace(vocab_size=64))

@@ -15,15 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.bench import gpu as bench_gpu
+from harness.perf.lib import models
 from backend.engine.executor import Executor
 from backend.engine.sampling_params import SamplingParams
-from harness.bench import eagle_cost as cost
+from harness.perf.step import eagle_cost as cost
 from backend.speculative.grow import TreeGrower
 from backend.speculative.speculator import EagleSpeculator
 from backend.speculative.tree import TokenTree
 
-TINY = dict(bench_gpu.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+TINY = dict(models.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512)
 # max_batch_size 6: graph buckets 1, 2, 4, 6, so the five sequences run in bucket 6 (one padding sequence:
 # no query rows, length 0) and three in bucket 4 (one again). It was 8: three padding sequences of 1 + k rows
@@ -98,9 +98,9 @@ def _ranks(shape, node: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    w = bench_gpu.synthetic_fp8_weights(TINY, device="cpu", seed=5, std=0.2)
-    path = bench_gpu.manifest_bundle(TINY, ENGINE, tmp_path_factory.mktemp("v") / "engine")
-    cfg, t = cost.random_draft(TINY, 128, seed=1)
+    w = models.synthetic_fp8_weights(TINY, device="cpu", seed=5, std=0.2)
+    path = models.manifest_bundle(TINY, ENGINE, tmp_path_factory.mktemp("v") / "engine")
+    cfg, t = models.random_draft(TINY, 128, seed=1)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in LENS]
     return path, w, cfg, t, prompts

@@ -1,7 +1,7 @@
 """The streamed (layer-by-layer) quantization writes exactly what the whole-model path writes.
 
 Real ModelOpt on both sides; SmolLM2 for fp8 (the issue's contract), a tiny random Llama written
-by `harness.bench.random_llama` (tests/conftest.py `tiny_llama_dir`: sharded, untied lm_head) for
+by `harness.perf.lib.models` (tests/conftest.py `tiny_llama_dir`: sharded, untied lm_head) for
 nvfp4 and exclusions.
 """
 from __future__ import annotations

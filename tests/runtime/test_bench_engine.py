@@ -1,4 +1,4 @@
-"""``make bench-engine`` end to end in its ``--dry-run`` size (harness/bench/engine.py): the real
+"""``make bench-engine`` end to end in its ``--dry-run`` size (harness/perf/throughput/engine.py): the real
 executor and Hugging Face ``generate`` in both dtypes on the real SmolLM2; what is checked is the
 report's shape and arithmetic, never a speed."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from harness.bench.engine import main
+from harness.perf.throughput.engine import main
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +34,10 @@ def test_bad_hf_dtypes_are_refused(smollm2_bundle, capsys):
 
 
 def test_serving_bench_compares_kiln_with_the_faster_hf_dtype():
-    """``make bench --baseline hf``'s ratio (harness/bench/serving.py): against the faster of HF's
+    """``make bench --baseline hf``'s ratio (harness/perf/serving/sweep.py): against the faster of HF's
     bf16 and fp32 runs, and each kept."""
-    from harness.bench.hf_baseline import in_each_dtype
-    from harness.bench.serving import ratio_vs_hf
+    from harness.perf.throughput.engine import in_each_dtype
+    from harness.perf.serving.sweep import ratio_vs_hf
     hf = in_each_dtype(lambda dt: {"dtype": dt, "output_token_throughput": {"bfloat16": 300.0, "float32": 150.0}[dt]},
                        "output_token_throughput")
     assert hf["best"] == "bfloat16" and hf["best_tok_s"] == 300.0 and list(hf["runs"]) == ["bfloat16", "float32"]

@@ -1,4 +1,4 @@
-"""harness.bench.gpu's pieces on CPU with a tiny shape (the benchmark itself needs a GPU): synthetic FP8
+"""harness.perf.throughput.gpu's pieces on CPU with a tiny shape (the benchmark itself needs a GPU): synthetic FP8
 weights in the bundle layout load into a real Executor through a manifest-only bundle and generate, and
 the single-stream and throughput measurements count what was generated; the whole command in its dry
 run: concurrency bounded by the KV pool alone, a time limit stated in the result."""
@@ -6,20 +6,21 @@ from __future__ import annotations
 
 import pytest
 
-from harness.bench import gpu as bench_gpu
+from harness.perf.throughput import gpu as bench_gpu
+from harness.perf.lib import models
 
-TINY = bench_gpu.TINY
+TINY = models.TINY
 
 
 @pytest.fixture()
 def executor(tmp_path):
     from backend.engine.executor import Executor
-    w = bench_gpu.synthetic_fp8_weights(TINY, device="cpu")
+    w = models.synthetic_fp8_weights(TINY, device="cpu")
     assert w["layers.0.qkv.weight"].shape == (4 * 32 + 2 * 2 * 32, 128)
-    assert bench_gpu.weight_bytes_per_token(w) < sum(t.numel() * t.element_size() for t in w.values())
+    assert models.weight_bytes_per_token(w) < sum(t.numel() * t.element_size() for t in w.values())
     engine = {"max_batch_size": 8, "max_num_tokens": 256, "max_seq_len": 128, "max_input_len": 64,
               "kv_block_size": 16, "kv_cache_dtype": "fp8_e4m3", "max_kv_tokens": 2048}
-    bundle = bench_gpu.manifest_bundle(TINY, engine, tmp_path / "engine")
+    bundle = models.manifest_bundle(TINY, engine, tmp_path / "engine")
     ex = Executor(bundle, device="cpu", weights=w, verify_hashes=False)
     yield ex
     ex.shutdown()
@@ -71,7 +72,7 @@ def test_throughput_says_where_its_time_went_and_profiles_a_window(executor):
     """The step-kind split adds up to the run's steps and tokens, and a profiler window (opened at once,
     closed at the end if the run is shorter) counts the steps and tokens it held (its kernel table and
     GPU busy fraction need a GPU: none here, so the table is empty and the fraction 0)."""
-    from harness.bench.step_profile import ProfileWindow
+    from harness.perf.throughput.gpu import ProfileWindow
     before = executor.stats()
     tp = bench_gpu.throughput(executor, TINY["vocab_size"], n=4, isl=40, osl=30, time_limit=120,
                               window=ProfileWindow(0.0, seconds=60.0))

@@ -247,7 +247,7 @@ def test_block_table_overflow_is_a_clear_error():
 def test_host_overhead_benchmark_runs_and_records_its_context(tmp_path):
     import json
 
-    from harness.bench import overhead as bench_overhead
+    from harness.perf.step import host_overhead as bench_overhead
 
     out = tmp_path / "host.json"
     assert bench_overhead.main(["--num-seqs", "8", "--steps", "5", "--max-num-tokens", "64",
@@ -273,7 +273,7 @@ def test_host_overhead_benchmark_runs_and_records_its_context(tmp_path):
 def test_host_overhead_ab_runs_a_base_revision_beside_this_tree(tmp_path, capsys):
     import json
 
-    from harness.bench import overhead_ab
+    from harness.perf.step import overhead_ab
 
     out = tmp_path / "ab.json"
     assert overhead_ab.main(["--base", "HEAD", "--num-seqs", "8", "--steps", "6", "--max-num-tokens", "64",

@@ -19,13 +19,13 @@ from backend.engine.sampling_params import SamplingParams  # noqa: E402
 from backend.model.runner import ModelRunner, load_engine_spec  # noqa: E402
 from backend.model.tp_driver import TPDriver  # noqa: E402
 from backend.model.tp_generate import greedy  # noqa: E402
-from harness.bench import gpu as bench_gpu  # noqa: E402
+from harness.perf.lib import models  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="the Triton kernels need the interpreter (TRITON_INTERPRET=1) or a GPU")
 
 TP = 2
-TINY = dict(bench_gpu.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+TINY = dict(models.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512,
             attention_bias=True, mlp_bias=True)
 ENGINE = {"max_batch_size": 8, "max_num_tokens": 128, "max_seq_len": 128, "max_input_len": 64,
@@ -41,7 +41,7 @@ STEPS = 6
 
 def _weights(fmt: str) -> dict[str, torch.Tensor]:
     """Large random weights (std 0.2: every token depends on the context) and biases on every linear."""
-    w = bench_gpu.synthetic_fp8_weights(TINY, device="cpu", seed=3, std=0.2)
+    w = models.synthetic_fp8_weights(TINY, device="cpu", seed=3, std=0.2)
     g = torch.Generator().manual_seed(4)
     out = {}
     for k, v in w.items():

@@ -88,7 +88,7 @@ def profiles_doc(draft: int) -> dict:
 
 
 def make_bundle(root: Path, plugins: Path | None, draft: int = 0, trt_section: bool = True) -> Path:
-    """A bundle folder at ``root``: random fp8 weights (harness.bench.gpu), and with ``trt_section`` the
+    """A bundle folder at ``root``: random fp8 weights (harness.perf.lib.models), and with ``trt_section`` the
     real ONNX export's decoder.onnx (hidden.0 captured) and profiles.json (``draft`` > 0: profiles_doc's),
     the plugin PTX copied from ``plugins``; engine.json's files hashed, as the build writes them."""
     import onnx
@@ -96,7 +96,7 @@ def make_bundle(root: Path, plugins: Path | None, draft: int = 0, trt_section: b
 
     from builder.tensorrt.onnx_export import export_decoder
     from builder.tensorrt.target import profiles_doc as export_profiles
-    from harness.bench.gpu import synthetic_fp8_weights
+    from harness.perf.lib.models import synthetic_fp8_weights
     root.mkdir(parents=True)
     weights = synthetic_fp8_weights(MODEL, device="cpu", seed=1)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(root / bundle.WEIGHTS))

@@ -7,7 +7,7 @@ import pytest
 
 from backend.serving.engine_host import chosen_logprobs
 from backend.serving.metrics import stats_gauges
-from harness.bench import serving as bench
+from harness.perf.serving import sweep as bench
 from harness import client, serve
 from harness.serving_server import free_port
 from harness.model_names import DEFAULT as NAMES
