@@ -54,7 +54,7 @@ def using(lib, attention=_SAME) -> Iterator[None]:
 def row_threads(n: int) -> Iterator[None]:
     """Give the elementwise kernels ``n`` threads instead of PyTorch's count (kernels.c shares a
     prefill-sized call's rows out between them; the bits are the same either way): for the benchmark
-    that compares one thread with the team in one process (``harness.bench.cpu_kernels --row-threads``)."""
+    that compares one thread with the team in one process (``harness.perf.kernels.cpu_kernels --row-threads``)."""
     before = list(_row_threads)
     _row_threads[:] = [n]
     try:
