@@ -42,8 +42,8 @@ from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler, SchedulerOutput
 from backend.engine.speculator_seam import Speculator
 from backend.logs import get_logger
-from backend.model.runner import EngineError, load_engine_spec
-from backend.model.runtimes import runner_class
+from backend.runtime.spec import EngineError, load_engine_spec
+from backend.runtime.runtimes import runner_class
 
 _ABORTED = RequestStatus.FINISHED_ABORTED
 _LOG = get_logger("engine.executor")
@@ -52,13 +52,13 @@ _SAMPLES = 4096
 
 
 def _tp_driver(spec, device: str, dtype: torch.dtype | None, speculative: bool):
-    """engine.tp_size > 1: rank 0 here, workers spawned (backend/model/tp_driver.py); on the CPU with
+    """engine.tp_size > 1: rank 0 here, workers spawned (backend/runtime/tp_driver.py); on the CPU with
     gloo, or on GPUs ``device``, ``device``+1, ... with NCCL."""
     tp = spec.engine.tp_size
     if speculative:
         raise EngineError(f"engine.tp_size: {tp} with speculative decoding is not implemented; "
                           f"pass speculative=False or tp_size 1")
-    from backend.model.tp_driver import TPDriver   # lazy: spawns processes, only when asked for
+    from backend.runtime.tp_driver import TPDriver   # lazy: spawns processes, only when asked for
     return TPDriver(spec, tp, dtype=dtype, device=device)
 
 
@@ -100,7 +100,7 @@ class Executor(RequestEvents):
                               f"native or onnx-reference, or speculative=False")
         if self.spec.engine.tp_size > 1:
             self.runner = _tp_driver(self.spec, device, dtype, speculating)
-        else:   # engine.runtime: backend/model/runtimes.py (the graph runtimes are imported only when chosen)
+        else:   # engine.runtime: backend/runtime/runtimes.py (the graph runtimes are imported only when chosen)
             try:
                 cls = runner_class(runtime)
             except ValueError as exc:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from backend.ops import cpu_matmul
 from backend.ops.attention import AttentionBackend
 from backend.ops.linear import FP8Linear, QuantLinear, make_linear
-from backend.model.config import ModelConfig
+from backend.bundle_schema import ModelConfig
 from backend.model.layers import RotaryEmbedding, apply_rope, rms_norm, silu_and_mul
 from plugins.cpu import ops as cpu_ops
 
@@ -152,13 +152,13 @@ class LlamaModel:
         return [(layer.k_scale, layer.v_scale) for layer in self.layers]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids -> the first residual stream (a tensor-parallel rank overrides it: backend/model/tp.py)."""
+        """Token ids -> the first residual stream (a tensor-parallel rank overrides it: backend/runtime/tp.py)."""
         return F.embedding(input_ids, self.embed_tokens)
 
     def row_linear(self, linear: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         """The ``o`` and ``down`` products, in both layer paths: the only places where a layer's
         partial sums would meet if its inner dimension were split. A tensor-parallel rank overrides
-        this to all-reduce them (backend/model/tp.py); ``x`` may be fp8 codes (see ``_apply``)."""
+        this to all-reduce them (backend/runtime/tp.py); ``x`` may be fp8 codes (see ``_apply``)."""
         return _apply(linear, x)
 
     @torch.inference_mode()

@@ -39,7 +39,7 @@ on an AVX2 machine: a decode step of more than 32 sequences gave each of them ot
 smaller one. On the development VM oneDNN is faster than MKL at every row count measured (above).
 
 Only float32 compute: what a CPU computes in unless ``engine.cpu_dtype`` chose bf16
-(backend/model/cpu_dtype.py, which times these float32 kernels against oneDNN's bf16 ``F.linear``
+(backend/runtime/cpu_dtype.py, which times these float32 kernels against oneDNN's bf16 ``F.linear``
 on the model's own layer), and the only dtype measured here. Elsewhere (GPU, bf16) ``prepare``
 returns the weight unchanged and ``linear`` is ``F.linear``. (Reordering a bf16 weight once into
 oneDNN's blocked layout, ``torch.ops.mkldnn._reorder_linear_weight``, was tried: with the weights

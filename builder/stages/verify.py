@@ -2,7 +2,7 @@
 
 Both models read the same held-out prompts (``quant/data/heldout.jsonl``, never used for
 calibration). The reference is the import stage's checkpoint run by Hugging Face transformers in
-fp32; the candidate is the bundle run by OUR runtime (``backend.model.runner.ModelRunner``: the same
+fp32; the candidate is the bundle run by OUR runtime (``backend.runtime.native.ModelRunner``: the same
 linear formats, KV-cache dtype and attention code that serve it). For every prompt position we
 compare next-token distributions: top-1 agreement and mean KL(reference || bundle).
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from backend.model.runner import prefill_logits  # the one teacher-forced pass (verify and gpucheck)
+from backend.runtime.native import prefill_logits  # the one teacher-forced pass (verify and gpucheck)
 from builder.memory import RUNTIME_BASE, MemoryEstimate, checkpoint_params
 from builder.stages.base import StageContext, StageError
 
@@ -176,7 +176,7 @@ def whole_compare(ref_dir: Path, spec, prompts: list[list[int]], progress) -> tu
     """(agreeing positions, summed KL, positions): both models loaded whole, one prompt at a time."""
     from transformers import AutoModelForCausalLM
 
-    from backend.model.runner import ModelRunner
+    from backend.runtime.native import ModelRunner
 
     # fp32 like the reference: this measures what quantization costs, and the thresholds were set on
     # fp32 compute; engine.cpu_dtype auto could pick bf16 on another CPU and add its rounding
@@ -194,7 +194,7 @@ def whole_compare(ref_dir: Path, spec, prompts: list[list[int]], progress) -> tu
 
 
 def run(ctx: StageContext) -> dict:
-    from backend.model.runner import load_engine_spec
+    from backend.runtime.spec import load_engine_spec
     from backend.serving.tokenizer import load_tokenizer
 
     bundle_dir = ctx.results["compile"].path
@@ -207,7 +207,7 @@ def run(ctx: StageContext) -> dict:
     prompts = [tok.encode(t)[:MAX_PROMPT_TOKENS] for t in texts]
     path = choose_path(ctx)
     if path == "streamed":
-        from backend.model.runner import EngineError
+        from backend.runtime.spec import EngineError
         from builder.stages.verify_stream import streamed_compare
         device = verify_device(ctx.config.verify.device)
         try:

@@ -12,7 +12,7 @@ bit on SmolLM2: tests/builder/test_verify_stream.py).
    helpers: the embedding lookup and the keyword arguments the model hands a layer come from the
    model's own forward). Its logits (positions x vocabulary, fp32) are kept; its hidden states and
    the head are dropped.
-2. Candidate: the bundle through ``backend.model.layerwise.LayerwiseRunner`` (Kiln's runtime
+2. Candidate: the bundle through ``backend.runtime.layerwise.LayerwiseRunner`` (Kiln's runtime
    arithmetic: linear formats, KV-cache dtype, attention), compared prompt by prompt.
 
 Resident at once: one layer of one model, one model's hidden states (tokens x hidden x 4 bytes), the
@@ -79,7 +79,7 @@ def streamed_compare(hf_dir: Path, spec, prompts: list[list[int]],
     ``prompts``; ``spec``: the bundle's ``EngineSpec``; ``progress(description, total)``: the stage
     context's progress bar; ``device``: where both models' layers run (fp32, the torch attention
     backend on a GPU too: verify measures quantization, not the serving kernels)."""
-    from backend.model.layerwise import LayerwiseRunner
+    from backend.runtime.layerwise import LayerwiseRunner
     from builder.stages.verify import compare
 
     n = spec.model.num_layers

@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import platform
 
-    from backend.model.runner import ModelRunner, load_engine_spec
+    from backend.runtime.native import ModelRunner
+    from backend.runtime.spec import load_engine_spec
     from harness.bench import gpu as bench_gpu
     from harness.bench.perfinfo import git_commit
     device = torch.device("cpu" if a.dry_run else "cuda")

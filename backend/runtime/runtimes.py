@@ -6,11 +6,11 @@ logits_indices)`` the scheduler produced, returning fp32 logits for the requeste
 states of ``capture_hidden_layers``, for an EAGLE-3 draft). The scheduler, block manager, sampler and
 serving glue never know which runtime ran the step.
 
-- ``native``: Kiln's own model (backend/model/runner.py; ``engine.tp_size`` > 1: the TP driver).
+- ``native``: Kiln's own model (backend/runtime/native.py; ``engine.tp_size`` > 1: the TP driver).
 - ``onnx-reference``: the bundle's ``decoder.onnx`` run by onnx's ReferenceEvaluator on the CPU, the
-  Kiln custom nodes backed by the kernels' PyTorch references (backend/model/onnx_runner.py): what a
+  Kiln custom nodes backed by the kernels' PyTorch references (backend/runtime/onnx_runner.py): what a
   TensorRT plan would compute, checked without TensorRT.
-- ``tensorrt``: the bundle's ``engine/tensorrt/engine.plan`` (backend/model/trt_runner.py; needs a
+- ``tensorrt``: the bundle's ``engine/tensorrt/engine.plan`` (backend/runtime/trt_runner.py; needs a
   host with TensorRT and a GPU).
 Each graph runtime module is imported only when selected (onnx and tensorrt are not runtime
 dependencies of the native path).
@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 
 # engine.runtime -> "module:class"; the class is built as cls(spec, device=..., dtype=..., weights=...)
 RUNTIMES: dict[str, str] = {
-    "native": "backend.model.runner:ModelRunner",
-    "onnx-reference": "backend.model.onnx_runner:OnnxReferenceRunner",
-    "tensorrt": "backend.model.trt_runner:TensorRTRunner",
+    "native": "backend.runtime.native:ModelRunner",
+    "onnx-reference": "backend.runtime.onnx_runner:OnnxReferenceRunner",
+    "tensorrt": "backend.runtime.trt_runner:TensorRTRunner",
 }
 
 
