@@ -233,7 +233,7 @@ def _copy_draft(ctx: StageContext, out: Path) -> dict | None:
     for f in draft.path.iterdir():
         if f.is_file() and f.name != "stage.json":
             shutil.copy2(f, out / "draft" / f.name)
-    from builder.stages.draft import runtime_settings
+    from builder.stages.draft_settings import runtime_settings
 
     # The draft stage may be cached from a build with other tree settings: these come from now.
     return {**(draft.info.get("speculative") or {"method": ctx.config.speculative.method}),

@@ -33,6 +33,7 @@ import torch
 from backend.runtime.native import prefill_logits  # the one teacher-forced pass (verify and gpucheck)
 from builder.memory import RUNTIME_BASE, MemoryEstimate, checkpoint_params
 from builder.stages.base import StageContext, StageError
+from builder.stages.verify_stream import compare  # one metric for both paths
 
 HELDOUT = Path(__file__).resolve().parents[2] / "quant" / "data" / "heldout.jsonl"
 MAX_PROMPT_TOKENS = 256
@@ -152,15 +153,6 @@ def load_prompts(n: int, path: Path = HELDOUT) -> list[str]:
     if not texts:
         raise StageError(f"{path}: no prompts")
     return texts
-
-
-def compare(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[int, float, int]:
-    """-> (positions where the argmax agrees, summed KL(ref || candidate), positions)."""
-    ref_lp = ref_logits.float().log_softmax(-1)
-    lp = logits.float().log_softmax(-1)
-    agree = int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
-    kl = float((ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0).sum())
-    return agree, kl, ref_logits.shape[0]
 
 
 def verify_device(asked: str) -> str:

@@ -73,6 +73,15 @@ def reference_logits(hf_dir: Path, prompts: list[list[int]], advance: Advance,
     return logits
 
 
+def compare(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[int, float, int]:
+    """-> (positions where the argmax agrees, summed KL(ref || candidate), positions)."""
+    ref_lp = ref_logits.float().log_softmax(-1)
+    lp = logits.float().log_softmax(-1)
+    agree = int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
+    kl = float((ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0).sum())
+    return agree, kl, ref_logits.shape[0]
+
+
 def streamed_compare(hf_dir: Path, spec, prompts: list[list[int]],
                      progress, device: str = "cpu") -> tuple[int, float, int]:
     """(positions where the top-1 tokens agree, summed KL(reference || bundle), positions) over
@@ -80,7 +89,6 @@ def streamed_compare(hf_dir: Path, spec, prompts: list[list[int]],
     context's progress bar; ``device``: where both models' layers run (fp32, the torch attention
     backend on a GPU too: verify measures quantization, not the serving kernels)."""
     from backend.runtime.layerwise import LayerwiseRunner
-    from builder.stages.verify import compare
 
     n = spec.model.num_layers
     with progress("verify: unquantized model, layer by layer", n + 1) as advance:
