@@ -42,7 +42,7 @@ def kv_cache_dtypes(spec: EngineSpec, dtype: torch.dtype, device: torch.device,
                     attention) -> tuple[torch.dtype, torch.dtype]:
     """(what the KV cache holds, what its tensors store) for a model computing in ``dtype``; sets
     ``attention.fp8_as_float`` when the two differ. One function for every runner of a bundle
-    (``ModelRunner``, ``backend.model.layerwise``), so they cache the same numbers."""
+    (``ModelRunner``, ``backend.runtime.layerwise``), so they cache the same numbers."""
     kv_name = spec.kv_cache_dtype
     if kv_name not in KV_DTYPES:
         raise EngineError(f"engine.kv_cache_dtype: {kv_name!r}; allowed: {', '.join(KV_DTYPES)}")
@@ -52,7 +52,7 @@ def kv_cache_dtypes(spec: EngineSpec, dtype: torch.dtype, device: torch.device,
     # TorchAttentionBackend.fp8_as_float). PyTorch has no fast fp8 conversion on CPU, and a step
     # converted every sequence's whole context in every layer (0.7 s of a 1.4 s step at 64
     # sequences, SmolLM2); RAM, not bandwidth, is what a CPU has plenty of.
-    if kv_dtype == torch.float8_e4m3fn and device.type == "cpu" and attention.name == "torch":
+    if kv_dtype == torch.float8_e4m3fn and device.type == "cpu" and attention.holds_fp8_as_float:
         attention.fp8_as_float = True
         return kv_dtype, dtype
     return kv_dtype, kv_dtype

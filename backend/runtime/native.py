@@ -20,6 +20,7 @@ from backend.runtime import cpu_dtype, layer_probe
 from backend.runtime.kv_plan import (FP8_KV_NEEDS_SCALES, KV_DTYPES, kv_cache_dtypes, kv_pool_bytes,
                                      plan_kv_blocks, zeroed)
 from backend.runtime.spec import EngineError, EngineSpec
+from backend.runtime.runtimes import StepRunner
 
 _LOG = get_logger("model.runner")
 
@@ -47,7 +48,7 @@ def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
     return load_file(str(f), device=dev)
 
 
-class ModelRunner:
+class ModelRunner(StepRunner):
     """Owns the model, the KV cache tensors and ``execute`` for one step."""
 
     def __init__(self, spec: EngineSpec, device: str | torch.device = "cpu",
@@ -129,7 +130,7 @@ def attention_backend(spec: EngineSpec, device: torch.device) -> tuple[str, Any]
     each tensor-parallel rank's ``TPRunner``) picks it here, so they run the same kernels."""
     name = resolve_backend_name(spec.engine.attention_backend, str(device))
     attention = get_backend(name, str(device))
-    if device.type == "cuda" and spec.manifest.kernels and hasattr(attention, "load_aot"):
+    if device.type == "cuda" and spec.manifest.kernels:
         # The build compiled these cubins for the bundle's target SMs: launching them skips JIT at
         # start. Any problem with them must cost speed, never the engine, so fall back to JIT.
         try:

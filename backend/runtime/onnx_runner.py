@@ -22,6 +22,7 @@ from backend.logs import get_logger
 from backend.runtime import cpu_dtype, graph_io
 from backend.runtime.kv_plan import KV_DTYPES, kv_pool_bytes, plan_kv_blocks, zeroed
 from backend.runtime.spec import EngineError, EngineSpec
+from backend.runtime.runtimes import StepRunner
 
 _LOG = get_logger("model.onnx_runner")
 
@@ -98,7 +99,7 @@ def fold_constants(model) -> dict:
     return values
 
 
-class OnnxReferenceRunner:
+class OnnxReferenceRunner(StepRunner):
     """The StepRunner of backend/runtime/runtimes.py over the bundle's decoder graph (CPU only)."""
 
     def __init__(self, spec: EngineSpec, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,

@@ -18,10 +18,12 @@ dependencies of the native path).
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+    from backend.runtime.cpu_dtype import DtypeChoice
 
 # engine.runtime -> "module:class"; the class is built as cls(spec, device=..., dtype=..., weights=...)
 RUNTIMES: dict[str, str] = {
@@ -32,17 +34,32 @@ RUNTIMES: dict[str, str] = {
 
 
 class StepRunner(Protocol):
+    """What the executor calls on a runner. Every runner subclasses it, so the members with a default
+    (``dtype_choice``, ``graphs``, ``health``, ``shutdown``) are there to read: no caller probes."""
     device: "torch.device"
     dtype: "torch.dtype"
     block_size: int
     num_blocks: int
     kv_caches: list[tuple["torch.Tensor", "torch.Tensor"]]
+    # what the runner computes in and why (generate --json, /metrics); None: it does not say
+    dtype_choice: "DtypeChoice | None" = None
+    # the decode CUDA graphs (``backend.ops.cuda_graphs.DecodeGraphs``) a speculator's chain draft
+    # shares its capture with; None where the runner replays none
+    graphs: Any = None
 
     @property
     def kv_cache_bytes(self) -> int: ...
 
     def execute(self, input_ids: "torch.Tensor", meta, logits_indices: "torch.Tensor",
                 capture_hidden_layers: tuple[int, ...] = ()) -> tuple["torch.Tensor", dict[int, "torch.Tensor"]]: ...
+
+    def health(self) -> str | None:
+        """None while the runner can serve, else why not (a tensor-parallel worker that exited)."""
+        return None
+
+    def shutdown(self) -> None:
+        """Release what the runner started besides its tensors (tensor parallelism: the workers)."""
+        return None
 
 
 def runner_class(runtime: str):
