@@ -140,7 +140,7 @@ class Bundle:
             raise BundleError(f"{self.path}: its weights are split into {len(self.manifest.weights)} rank files "
                               f"(engine.tp_size={len(self.manifest.weights)}): read one rank's with "
                               f"rank_weights_path(rank), or the whole model with "
-                              f"backend.model.tp_shard.load_unsharded")
+                              f"backend.runtime.tp_shard.load_unsharded")
         return self.path / WEIGHTS
 
     @property

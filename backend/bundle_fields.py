@@ -12,7 +12,11 @@ import types
 import typing
 from typing import Any
 
-from backend.model.config import ModelConfigError
+
+
+class SectionError(ValueError):
+    """A section's own value check failed (raised by its dataclass, e.g. ``ModelConfig``): the message
+    starts "engine.json: " and names the key path."""
 
 
 class FieldError(Exception):
@@ -86,7 +90,7 @@ def from_dict(cls: type, d: dict, where: str) -> Any:
         kwargs[name] = parse(d[name], hints[name], f"{prefix}{name}")
     try:
         return cls(**kwargs)
-    except ModelConfigError as exc:  # its own value checks: "engine.json: model.dtype: ..."
+    except SectionError as exc:  # its own value checks: "engine.json: model.dtype: ..."
         raise FieldError(str(exc).removeprefix("engine.json: ")) from None
 
 

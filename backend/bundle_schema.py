@@ -1,6 +1,7 @@
 """The engine bundle format's typed manifest (docs/contracts.md section 3): the frozen dataclasses
-``engine.json`` is checked into (``Manifest`` and its sections), the format's constants and its own
-rules (version, weight files, key order), and ``as_dict`` to turn a section back into JSON.
+``engine.json`` is checked into (``Manifest`` and its sections, ``ModelConfig`` among them: the model
+every runtime builds), the format's constants and its own rules (version, weight files, key order),
+and ``as_dict`` to turn a section back into JSON.
 
 Split from ``backend/bundle.py``, which stays the public module and re-exports everything here: this
 module is the schema (what a manifest is, no files touched), bundle.py the bundle on disk (read,
@@ -15,9 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.arch_spec import ArchSpec, ArchSpecError
-from backend.bundle_fields import FieldError as _FieldError, from_dict as _from_dict
+from backend.bundle_fields import FieldError as _FieldError, SectionError, from_dict as _from_dict
 from backend.bundle_fields import parse as _parse
-from backend.model.config import ModelConfig, ModelConfigError
 
 FORMAT = "kiln-engine"
 # 2: a tensor-parallel bundle's weights in one file per rank (``weights``: rank<i>.safetensors).
@@ -48,6 +48,78 @@ def version_for(weights: tuple[str, ...]) -> int:
 
 class BundleError(RuntimeError):
     """The bundle cannot be used as it is; the message says what to rebuild."""
+
+
+# -- the model section ----------------------------------------------------------------------------
+MODEL_DTYPES = ("bfloat16", "float16", "float32")
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+class ModelConfigError(SectionError):
+    """A bundle's model section is missing a key or has an unsupported value."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Typed model configuration read from ``engine.json["model"]`` (docs/contracts.md section 3)."""
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    dtype: str = "bfloat16"
+    sliding_window: int | None = None   # Mistral; attention is full-context, see ModelRunner
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ModelConfigError(f"engine.json: model.architecture: {self.architecture!r} is not "
+                                   f"supported; allowed: {', '.join(ARCHITECTURES)}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ModelConfigError(f"engine.json: model.dtype: {self.dtype!r}; allowed: {', '.join(MODEL_DTYPES)}")
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "vocab_size", "max_position_embeddings"):
+            if int(getattr(self, name)) <= 0:
+                raise ModelConfigError(f"engine.json: model.{name}: must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(f"engine.json: model.num_heads ({self.num_heads}) must be a multiple "
+                                   f"of model.num_kv_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        # Lists from JSON become tuples so the config stays hashable and frozen.
+        kwargs["eos_token_ids"] = tuple(kwargs.get("eos_token_ids") or ())
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:  # a missing required key
+            raise ModelConfigError(f"engine.json: model: {exc}") from exc
+
+    @property
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, self.dtype)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
 
 
 @dataclass(frozen=True)
@@ -104,9 +176,9 @@ class EngineSettings:
     cuda_graphs: str | bool = field(default="auto", metadata=OMIT)
     # engine.overlap_scheduling of the config (auto = on for CUDA without speculation); omitted while auto
     overlap_scheduling: str | bool = field(default="auto", metadata=OMIT)
-    # engine.cpu_dtype of the config (backend/model/cpu_dtype.py: auto = measured at load); omitted while auto
+    # engine.cpu_dtype of the config (backend/runtime/cpu_dtype.py: auto = measured at load); omitted while auto
     cpu_dtype: str = field(default="auto", metadata=OMIT)
-    # what runs a step (backend/model/runtimes.py): native | onnx-reference | tensorrt; omitted while native
+    # what runs a step (backend/runtime/runtimes.py): native | onnx-reference | tensorrt; omitted while native
     runtime: str = field(default="native", metadata=OMIT)
 
     def resolved(self, model: ModelConfig, quantization: Quantization) -> "EngineSettings":

@@ -5,7 +5,7 @@
 
 All prompts run as one in-flight batch. ``--json`` prints one JSON object per prompt (``prompt``,
 ``token_ids``, ``text``, ``finish_reason``, ``compute_dtype`` (what the engine computed in, why, and
-on a CPU with ``engine.cpu_dtype: auto`` the timings it chose by: backend/model/cpu_dtype.py), and
+on a CPU with ``engine.cpu_dtype: auto`` the timings it chose by: backend/runtime/cpu_dtype.py), and
 with an EAGLE draft ``draft_tokens_proposed`` / ``draft_tokens_accepted``); otherwise the generated
 text of each prompt. ``--no-spec`` leaves a bundle's draft unused; ``--cpu-dtype`` overrides the
 bundle's ``engine.cpu_dtype``.
@@ -19,7 +19,7 @@ import sys
 from backend.engine.executor import Executor
 from backend.engine.sampling_params import SamplingParams
 from backend.logs import setup_cli
-from backend.model.runner import EngineError
+from backend.runtime.spec import EngineError
 from backend.serving.tokenizer import load_tokenizer
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from backend.model.tp_rules import MAX_TP_SIZE, SHARDABLE_FORMATS
+from backend.runtime.tp_rules import MAX_TP_SIZE, SHARDABLE_FORMATS
 from builder.config_overrides import apply_overrides
 from builder.config_tensorrt import RUNTIMES, TensorRTConfig, check_tensorrt
 from builder.schema import ConfigError, build, opt
@@ -141,9 +141,9 @@ class EngineConfig:
     # decoding is on (its drafts need each step's tokens on the host); true on CPU = same loop, no gain
     overlap_scheduling: str | bool = opt("auto", choices=("auto", True, False), allowed="auto | true | false")
     # compute dtype on a CPU: auto = bf16 where the CPU has bf16 instructions and one decoder layer
-    # measured faster in it at load, else fp32 (backend/model/cpu_dtype.py); ignored on a GPU
+    # measured faster in it at load, else fp32 (backend/runtime/cpu_dtype.py); ignored on a GPU
     cpu_dtype: str = opt("auto", choices=("auto", "float32", "bfloat16"))
-    # what runs a step (backend/model/runtimes.py); the graph runtimes need tensorrt.enabled
+    # what runs a step (backend/runtime/runtimes.py); the graph runtimes need tensorrt.enabled
     runtime: str = opt("native", choices=RUNTIMES)
 
 

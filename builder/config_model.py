@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from backend.model.tp_rules import allowed_tp_sizes, group_problem, tp_problem
+from backend.runtime.tp_rules import allowed_tp_sizes, group_problem, tp_problem
 from builder.config import GROUPED_FORMATS, BuildConfig
 from builder.schema import ConfigError
 

@@ -139,7 +139,7 @@ def serving_note(cfg, hf_dir: Path, device: Device) -> str:
     """The bundle's weights on the device's one GPU and the KV-cache room they leave (before
     activations and the CUDA context, a few GB). Under a quarter of the GPU left is called too
     little: that is the design's line for the 70B on an H100 (configs/llama70b-fp8.yaml)."""
-    from backend.model.tp_rules import allowed_tp_sizes  # noqa: PLC0415
+    from backend.runtime.tp_rules import allowed_tp_sizes  # noqa: PLC0415
     from quant.stream import LAYER_PREFIX, Shards  # noqa: PLC0415
 
     per = WEIGHT_BYTES.get(cfg.quantization.format)

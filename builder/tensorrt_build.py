@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from backend import bundle as B
-from backend.model.trt_files import (PLAN, PROFILES, Profiles, TensorRTFilesError, TensorRTMissing, import_tensorrt,
+from backend.runtime.trt_files import (PLAN, PROFILES, Profiles, TensorRTFilesError, TensorRTMissing, import_tensorrt,
                                      load_profiles, register_plugins, section)
 from plugins.tensorrt.variants import VariantError
 

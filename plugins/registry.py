@@ -1,7 +1,10 @@
 """One table: (op, implementation kind, weight format) -> function, and `get` that picks for a device.
 
-Triton kernels on NVIDIA GPUs, PyTorch references on CPU (or anywhere on request). Entries are
-"module:function" strings so that looking something up on CPU never imports a kernel module.
+Triton kernels on NVIDIA GPUs, PyTorch references on CPU (or anywhere on request), and Kiln's CPU C
+kernels (plugins/cpu) as the "cpu" kind. Entries are "module:function" strings so that looking
+something up on CPU never imports a kernel module. Every kernel the runtime launches is chosen here:
+the model, the linears, the CPU matmul and the attention backends ask this table (``get``, ``load``,
+``fused_layer_kernels``) rather than importing a kernel themselves.
 
 Ops and their call signatures (shapes on the functions themselves):
   write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None
@@ -17,6 +20,14 @@ Ops and their call signatures (shapes on the functions themselves):
                 k_scale, v_scale) -> q (rotated in place in qkv; k, v written to the caches)
   fp8_gemm_small_m(xq, weight, weight_scale, input_scale, out_dtype, locks=None) -> y  (M <= 16, fp8 codes in)
   linear(x, **tensors of the format: weight, weight_scale, weight_scale_2, input_scale, pre_quant_scale) -> y
+The "cpu" kind's ops take float32 CPU tensors and return None (False for write_kv_fp8) where they do
+not apply (no compiler, another dtype or layout): the caller then runs its PyTorch ops, same numbers.
+  add_rms_norm(x, delta, weight, eps, scale=None) -> (x + delta, its RMSNorm, fake-quantized by scale)
+  rope_tables(x, cos, sin) -> x rotated by the step's cos/sin tables
+  fake_quant_fp8(x, scale) -> x through fp8 and back;  mul_fake_quant_fp8(a, b, scale) -> a * b likewise
+  write_kv_fp8(k, v, k_cache, v_cache, slots, k_scale, v_scale) -> written
+  paged_attention(q, k_cache, v_cache, block_tables, rows, tree, scale) -> out
+  panel_pack(w) -> (panels, fmt);  panel_unpack(panels, fmt, n) -> w;  panel_gemm(x, panels, fmt, n, scale) -> y
 """
 from __future__ import annotations
 
@@ -27,7 +38,7 @@ from typing import Callable
 
 import torch
 
-KINDS = ("triton", "torch")
+KINDS = ("triton", "torch", "cpu")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -42,6 +53,7 @@ class Impl:
 
 
 _REF = "plugins.reference"
+_F32 = (torch.float32,)
 REGISTRY: dict[tuple[str, str, str | None], Impl] = {
     ("write_kv", "triton", None): Impl("plugins.kv_write:write_kv"),
     ("write_kv", "torch", None): Impl(f"{_REF}.kv_cache:write_kv_ref"),
@@ -73,7 +85,22 @@ REGISTRY: dict[tuple[str, str, str | None], Impl] = {
     ("linear", "torch", "fp8"): Impl("plugins.linear_impls:fp8_torch"),
     ("linear", "triton", "none"): Impl("plugins.linear_impls:dense"),
     ("linear", "torch", "none"): Impl("plugins.linear_impls:dense"),
+    # Kiln's CPU C kernels (plugins/cpu): float32 only
+    ("add_rms_norm", "cpu", None): Impl("plugins.cpu.ops:add_rms_norm", _F32),
+    ("rope_tables", "cpu", None): Impl("plugins.cpu.ops:rope", _F32),
+    ("fake_quant_fp8", "cpu", None): Impl("plugins.cpu.ops:fake_quant_fp8", _F32),
+    ("mul_fake_quant_fp8", "cpu", None): Impl("plugins.cpu.ops:mul_fake_quant_fp8", _F32),
+    ("write_kv_fp8", "cpu", None): Impl("plugins.cpu.ops:write_kv_fp8", _F32),
+    ("paged_attention", "cpu", None): Impl("plugins.cpu.ops:paged_attention", _F32),
+    ("panel_pack", "cpu", None): Impl("plugins.cpu.gemm:pack", _F32),
+    ("panel_unpack", "cpu", None): Impl("plugins.cpu.gemm:unpack", _F32),
+    ("panel_gemm", "cpu", None): Impl("plugins.cpu.gemm:gemm", _F32),
 }
+# The kinds whose kernels run a decoder layer fused (norm + quant, activation + quant, rope + KV
+# write): what the model's fused forward needs. The reference kind keeps the plain ops, whose
+# numbers the CPU path is tested against bit for bit.
+FUSED_LAYER_OPS = ("add_rms_norm_quant", "silu_mul_quant", "rope_write_kv")
+FUSED_LAYER_KINDS = ("triton",)
 
 
 def default_kind(device: str | torch.device) -> str:
@@ -104,4 +131,26 @@ def get(op: str, device: str | torch.device, dtype: torch.dtype, fmt: str | None
     if kind == "triton" and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"plugins.registry: Triton kernels need an NVIDIA GPU (device {device}) or "
                          f"TRITON_INTERPRET=1; use kind='torch' on CPU")
+    if kind == "cpu" and torch.device(device).type != "cpu":
+        raise ValueError(f"plugins.registry: the cpu kind's kernels run on the CPU only (device {device}); "
+                         f"allowed there: {', '.join(k for k in KINDS if k != 'cpu')}")
     return impl.load()
+
+
+def load(op: str, kind: str, fmt: str | None = None) -> Callable:
+    """The table's implementation of ``op`` for ``kind``, loaded, for a module that binds one kind's
+    kernels once (an attention backend, the CPU paths); ``get`` checks the device and dtype of a call."""
+    impl = REGISTRY.get((op, kind, fmt))
+    if impl is None:
+        have = sorted(f"{o} ({k}, {f})" for o, k, f in REGISTRY if o == op)
+        raise ValueError(f"plugins.registry: no {kind} implementation of {op!r} for format {fmt!r}; "
+                         f"allowed: {', '.join(have) or 'none'}")
+    return impl.load()
+
+
+def fused_layer_kernels(kind: str, device: str | torch.device, dtype: torch.dtype) -> dict[str, Callable] | None:
+    """The kernels of a fused decoder layer for an attention backend of ``kind`` (its registry kind),
+    or None where that kind runs the plain layer."""
+    if kind not in FUSED_LAYER_KINDS:
+        return None
+    return {op: get(op, device, dtype, kind=kind) for op in FUSED_LAYER_OPS}

@@ -42,8 +42,8 @@ from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler, SchedulerOutput
 from backend.engine.speculator_seam import Speculator
 from backend.logs import get_logger
-from backend.model.runner import EngineError, load_engine_spec
-from backend.model.runtimes import runner_class
+from backend.runtime.spec import EngineError, load_engine_spec
+from backend.runtime.runtimes import runner_class
 
 _ABORTED = RequestStatus.FINISHED_ABORTED
 _LOG = get_logger("engine.executor")
@@ -52,13 +52,13 @@ _SAMPLES = 4096
 
 
 def _tp_driver(spec, device: str, dtype: torch.dtype | None, speculative: bool):
-    """engine.tp_size > 1: rank 0 here, workers spawned (backend/model/tp_driver.py); on the CPU with
+    """engine.tp_size > 1: rank 0 here, workers spawned (backend/runtime/tp_driver.py); on the CPU with
     gloo, or on GPUs ``device``, ``device``+1, ... with NCCL."""
     tp = spec.engine.tp_size
     if speculative:
         raise EngineError(f"engine.tp_size: {tp} with speculative decoding is not implemented; "
                           f"pass speculative=False or tp_size 1")
-    from backend.model.tp_driver import TPDriver   # lazy: spawns processes, only when asked for
+    from backend.runtime.tp_driver import TPDriver   # lazy: spawns processes, only when asked for
     return TPDriver(spec, tp, dtype=dtype, device=device)
 
 
@@ -100,7 +100,7 @@ class Executor(RequestEvents):
                               f"native or onnx-reference, or speculative=False")
         if self.spec.engine.tp_size > 1:
             self.runner = _tp_driver(self.spec, device, dtype, speculating)
-        else:   # engine.runtime: backend/model/runtimes.py (the graph runtimes are imported only when chosen)
+        else:   # engine.runtime: backend/runtime/runtimes.py (the graph runtimes are imported only when chosen)
             try:
                 cls = runner_class(runtime)
             except ValueError as exc:
@@ -123,7 +123,7 @@ class Executor(RequestEvents):
         self.speculator = speculator
         draft = self.spec.manifest.speculative
         if speculator is None and speculative and draft is not None and draft.method == "eagle3":
-            from backend.speculative.speculator import attach  # lazy: draft-less bundles never import it
+            from backend.engine.speculator_seam import attach  # draft-less bundles never import the method
             attach(self)
         # Room in each block-table row for a full sequence plus draft tokens being verified.
         max_blocks = -(-(self.max_seq_len + 64) // self.runner.block_size)
@@ -228,7 +228,7 @@ class Executor(RequestEvents):
         with self._lock:
             s = self.scheduler.stats()
         elapsed = time.monotonic() - self._started
-        if self.speculator is not None and hasattr(self.speculator, "stats"):
+        if self.speculator is not None and self.speculator.stats is not None:
             s.update(self.speculator.stats.as_dict())
         s.update({"generated_tokens_per_s": s["generated_tokens"] / elapsed if elapsed > 0 else 0.0,
                   "ttft_s": list(self._ttft), "tpot_s": list(self._tpot),
@@ -251,8 +251,7 @@ class Executor(RequestEvents):
             pending = list(self.scheduler.requests)
         for rid in pending:
             self._abort(rid, RequestStatus.FINISHED_ABORTED, None)
-        if hasattr(self.runner, "shutdown"):     # tensor parallelism: stop the worker processes
-            self.runner.shutdown()
+        self.runner.shutdown()     # tensor parallelism: stop the worker processes (elsewhere a no-op)
 
     def __enter__(self) -> "Executor":
         return self
@@ -267,8 +266,7 @@ class Executor(RequestEvents):
         runner reports itself broken (a tensor-parallel worker process that exited)."""
         if self._dead is not None:
             return f"the engine loop failed: {self._dead}"
-        runner_health = getattr(self.runner, "health", None)
-        reason = runner_health() if runner_health is not None else None
+        reason = self.runner.health()
         if reason is not None:
             return reason
         started = self._step_started
@@ -344,7 +342,7 @@ class Executor(RequestEvents):
         if spec is not None and out.num_spec_tokens:
             sampled: list = spec.verify(out, logits, rows, self.sampler)
             # Rows sampled without drafts in a speculative step keep their logprobs.
-            logprobs = getattr(spec, "last_logprobs", None)
+            logprobs = spec.last_logprobs
         else:
             res = self.sampler(logits, rows)
             sampled, logprobs = res.token_ids, res.logprobs

@@ -34,7 +34,7 @@ from backend.engine.request import FINAL, Request
 from backend.engine.sampler import DeviceSample
 from backend.engine.scheduler import SchedulerOutput
 from backend.logs import get_logger
-from backend.model.runner import EngineError
+from backend.runtime.spec import EngineError
 
 if TYPE_CHECKING:
     from backend.engine.executor import Executor

@@ -11,13 +11,17 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from plugins.cpu import ops as cpu_ops
+from plugins import registry
+
+# The CPU kernels these layers call where they apply (float32 on CPU): rows of the kernel table.
+_cpu_add_rms_norm = registry.load("add_rms_norm", "cpu")
+_cpu_rope = registry.load("rope_tables", "cpu")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x [..., H]`` -> normalized ``[..., H]`` in ``x``'s dtype."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu":
-        done = cpu_ops.add_rms_norm(x, None, weight, eps) if x.dim() == 2 else None
+        done = _cpu_add_rms_norm(x, None, weight, eps) if x.dim() == 2 else None
         if done is not None:     # the CPU kernel: one call for the ~9 ops of the one below, the same bits
             return done[1]
         # PyTorch's one op gives these bits in float32 on CPU (checked at every size from 64 to 5120,
@@ -99,7 +103,7 @@ class RotaryEmbedding:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [T, H, D]`` by the per-token angles (``rotate_half`` convention of HF Llama): float32
     on CPU in one call of the CPU kernel (plugins/cpu, the same bits as the six ops below)."""
-    y = cpu_ops.rope(x, cos, sin)
+    y = _cpu_rope(x, cos, sin)
     if y is not None:
         return y
     half = x.shape[-1] // 2

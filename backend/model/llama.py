@@ -16,9 +16,13 @@ import torch.nn.functional as F
 from backend.ops import cpu_matmul
 from backend.ops.attention import AttentionBackend
 from backend.ops.linear import FP8Linear, QuantLinear, make_linear
-from backend.model.config import ModelConfig
+from backend.bundle_schema import ModelConfig
 from backend.model.layers import RotaryEmbedding, apply_rope, rms_norm, silu_and_mul
-from plugins.cpu import ops as cpu_ops
+from plugins import registry
+
+# The CPU kernels of the plain layer, where they apply (float32 on CPU): rows of the kernel table.
+_cpu_add_rms_norm = registry.load("add_rms_norm", "cpu")
+_cpu_mul_fake_quant_fp8 = registry.load("mul_fake_quant_fp8", "cpu")
 
 
 def _linear_tensors(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -116,7 +120,7 @@ class LlamaModel:
         # On CPU the logits matmul wants its own storage (backend/ops/cpu_matmul.py: fp16-packed or
         # column-major); a tied head then becomes a second copy, since the embedding gather needs rows.
         self.lm_head = cpu_matmul.prepare_from(_tensor(weights, head), f"as {dt}", lambda: lm_head)
-        aot = getattr(attention, "aot", None)   # the bundle's cubins (GPU) serve the 4-bit GEMMs too
+        aot = attention.aot   # the bundle's cubins (GPU) serve the 4-bit GEMMs too
         self.layers = [build_layer(weights, i, quant_format, dt, dev, aot) for i in range(config.num_layers)]
         self._check_shapes()
         self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
@@ -124,11 +128,10 @@ class LlamaModel:
         # With the Triton attention backend (a GPU, or the interpreter in tests) a decoder layer runs
         # fused kernels: norm, QKV GEMM, rope+KV write, attention, O GEMM, norm, gate/up GEMM, act, down
         # GEMM (see _forward_fused). The torch backend keeps the plain ops below, numbers unchanged.
-        self.fused = getattr(attention, "name", None) == "triton"
+        # The kernel table says whether the backend's kind has them (None: the plain layer).
+        self._kernels = registry.fused_layer_kernels(attention.name, dev, dt)
+        self.fused = self._kernels is not None
         if self.fused:
-            from plugins import registry
-            self._kernels = {op: registry.get(op, dev, dt, kind="triton")
-                             for op in ("add_rms_norm_quant", "silu_mul_quant", "rope_write_kv")}
             half = config.head_dim // 2
             # [max_pos, 2, D/2] fp32: the same angles as the torch path's tables (before their dtype cast)
             self.cos_sin = torch.stack([self.rope.cos[:, :half], self.rope.sin[:, :half]], dim=1).contiguous()
@@ -152,13 +155,13 @@ class LlamaModel:
         return [(layer.k_scale, layer.v_scale) for layer in self.layers]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids -> the first residual stream (a tensor-parallel rank overrides it: backend/model/tp.py)."""
+        """Token ids -> the first residual stream (a tensor-parallel rank overrides it: backend/runtime/tp.py)."""
         return F.embedding(input_ids, self.embed_tokens)
 
     def row_linear(self, linear: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         """The ``o`` and ``down`` products, in both layer paths: the only places where a layer's
         partial sums would meet if its inner dimension were split. A tensor-parallel rank overrides
-        this to all-reduce them (backend/model/tp.py); ``x`` may be fp8 codes (see ``_apply``)."""
+        this to all-reduce them (backend/runtime/tp.py); ``x`` may be fp8 codes (see ``_apply``)."""
         return _apply(linear, x)
 
     @torch.inference_mode()
@@ -185,7 +188,7 @@ class LlamaModel:
         (all-reduced, biased) sum before any kernel adds it to the residual; the kernels that quantize
         the O and down inputs (attention's ``out_scale``, ``silu_mul_quant``) work on this rank's
         heads/columns alone, with the replicated per-tensor input scales."""
-        c, k, aot = self.config, self._kernels, getattr(self.attention, "aot", None)
+        c, k, aot = self.config, self._kernels, self.attention.aot
         t, eps = input_ids.shape[0], c.rms_norm_eps
         norm, act = k["add_rms_norm_quant"], k["silu_mul_quant"]
         captured: dict[int, torch.Tensor] = {}
@@ -243,7 +246,7 @@ def _norm_input(linear: QuantLinear, hidden: torch.Tensor, delta: torch.Tensor |
     norm as ``linear``'s input: already fake-quantized for an emulated FP8 ``linear``. One CPU kernel
     call for what is ~12 dispatched ops (plugins/cpu: the same bits); the PyTorch ops otherwise."""
     fq = isinstance(linear, FP8Linear) and linear.emulated
-    done = cpu_ops.add_rms_norm(hidden, delta, weight, eps, linear.input_scale_value if fq else None)
+    done = _cpu_add_rms_norm(hidden, delta, weight, eps, linear.input_scale_value if fq else None)
     if done is not None:
         return done[0], (FakeQuantized(done[1]) if fq else done[1])
     if delta is not None:
@@ -257,7 +260,7 @@ def _down_input(down: QuantLinear, gate_up: torch.Tensor) -> torch.Tensor | Fake
     bits as ``down`` quantizing ``silu_and_mul``'s output itself, ~14 dispatched ops fewer)."""
     if isinstance(down, FP8Linear) and down.emulated:
         gate, up = gate_up.chunk(2, dim=-1)
-        xq = cpu_ops.mul_fake_quant_fp8(F.silu(gate), up, down.input_scale_value)
+        xq = _cpu_mul_fake_quant_fp8(F.silu(gate), up, down.input_scale_value)
         if xq is not None:
             return FakeQuantized(xq)
     return silu_and_mul(gate_up)

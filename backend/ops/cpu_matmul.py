@@ -39,7 +39,7 @@ on an AVX2 machine: a decode step of more than 32 sequences gave each of them ot
 smaller one. On the development VM oneDNN is faster than MKL at every row count measured (above).
 
 Only float32 compute: what a CPU computes in unless ``engine.cpu_dtype`` chose bf16
-(backend/model/cpu_dtype.py, which times these float32 kernels against oneDNN's bf16 ``F.linear``
+(backend/runtime/cpu_dtype.py, which times these float32 kernels against oneDNN's bf16 ``F.linear``
 on the model's own layer), and the only dtype measured here. Elsewhere (GPU, bf16) ``prepare``
 returns the weight unchanged and ``linear`` is ``F.linear``. (Reordering a bf16 weight once into
 oneDNN's blocked layout, ``torch.ops.mkldnn._reorder_linear_weight``, was tried: with the weights
@@ -53,7 +53,12 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from plugins.cpu import gemm as cpu_gemm
+from plugins import registry
+from plugins.cpu import gemm as cpu_gemm   # available(): whether this machine built the panel GEMM
+
+_panel_pack = registry.load("panel_pack", "cpu")
+_panel_unpack = registry.load("panel_unpack", "cpu")
+_panel_gemm = registry.load("panel_gemm", "cpu")
 
 
 def _onednn_linear():
@@ -111,11 +116,11 @@ class PanelWeight:
 
     def __init__(self, w: torch.Tensor) -> None:
         """``w``: float8_e4m3fn codes as they are, or a float32 weight every value of which is an fp16."""
-        self.panels, self.fmt = cpu_gemm.pack(w if w.dtype == torch.float8_e4m3fn else w.to(torch.float16))
+        self.panels, self.fmt = _panel_pack(w if w.dtype == torch.float8_e4m3fn else w.to(torch.float16))
         self.shape, self.dtype, self.device = w.shape, torch.float32, w.device
 
     def unpack(self) -> torch.Tensor:
-        return cpu_gemm.unpack(self.panels, self.fmt, self.shape[0])
+        return _panel_unpack(self.panels, self.fmt, self.shape[0])
 
 
 Weight = torch.Tensor | HalfWeight | PanelWeight
@@ -220,7 +225,7 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
     if isinstance(w, PanelWeight):
         x2 = x if x.dtype == torch.float32 else x.float()
         x2 = x2.reshape(-1, x.shape[-1]) if x2.dim() != 2 else x2
-        y = cpu_gemm.gemm(x2 if x2.is_contiguous() else x2.contiguous(), w.panels, w.fmt, w.shape[0], scale)
+        y = _panel_gemm(x2 if x2.is_contiguous() else x2.contiguous(), w.panels, w.fmt, w.shape[0], scale)
         y = y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
         return y if bias is None else y.add_(bias)
     y = _linear(x, w, bias if scale is None else None)

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from plugins.cpu import ops as cpu_ops
+from plugins import registry
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 # Every fp8 e4m3 value by its byte (the NaN codes 0x7f and 0xff included).
 FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8).float()
 TABLE_MIN = 8192
+_cpu_fake_quant_fp8 = registry.load("fake_quant_fp8", "cpu")   # the CPU kernel, where it applies
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -41,7 +42,7 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, scale_value: float | None =
     """Per-tensor static e4m3 activation quantization, returned dequantized in ``x``'s dtype: float32
     on CPU in one pass of the CPU kernel (plugins/cpu: the same bits, one call for the ~13 ops below).
     ``scale_value``: ``float(scale)`` if the caller keeps it (saves reading the tensor every call)."""
-    y = cpu_ops.fake_quant_fp8(x, scale if scale_value is None else scale_value)
+    y = _cpu_fake_quant_fp8(x, scale if scale_value is None else scale_value)
     if y is not None:
         return y
     return dequantize(quantize(x, scale), scale, x.dtype)

@@ -28,7 +28,7 @@ def draft_counts(executor: Any, request_id: str) -> tuple[int, int]:
     event callback) so the numbers belong to the step whose tokens are being sent.
     """
     spec = getattr(executor, "speculator", None)
-    if spec is None or not hasattr(spec, "request_stats"):
+    if spec is None:
         return 0, 0
     # No assert here: this runs in the executor's callback, where an exception would cost the
     # request its final response; the scheduler already checks accepted <= proposed per step.

@@ -108,7 +108,8 @@ class EngineHost:
         # model runs several instances, so their executors' series stay apart)
         self.model_name = model_name
         self.metrics = ServingMetrics(pb, model_name, instance, version=version, nv_instance=nv_instance)
-        choice = getattr(getattr(self.executor, "runner", None), "dtype_choice", None)
+        runner = getattr(self.executor, "runner", None)
+        choice = runner.dtype_choice if runner is not None else None
         if choice is not None:   # what this engine computes in and why (a stand-in executor has none)
             self.metrics.compute_dtype(choice.as_dict())
         self._metrics_lock = threading.Lock()

@@ -200,7 +200,7 @@ class ServingMetrics:
                 self._totals[name] = total
 
     def compute_dtype(self, choice: Mapping[str, Any]) -> None:
-        """Export a ``DtypeChoice.as_dict()`` (backend/model/cpu_dtype.py); called once, at load."""
+        """Export a ``DtypeChoice.as_dict()`` (backend/runtime/cpu_dtype.py); called once, at load."""
         with _LOCK:
             if self.closed:
                 return

@@ -203,7 +203,8 @@ class Eagle3Draft:
         slot ``slots[i]`` and sees that slot's rows ``[0, rows[i]]`` (a chain: every earlier row is
         committed or an ancestor). No host sync and no shape that depends on the data, so it can
         be captured in a CUDA graph. -> pre-norm outputs ``[N, H]``."""
-        from plugins.paged_decode import paged_decode   # the split-K decode kernel (GPU/interpreter)
+        from plugins import registry
+        paged_decode = registry.load("paged_decode", "triton")   # the split-K decode kernel (GPU/interpreter)
         g, q, k, v = self._project(feats, tokens, positions)
         flat = slots * pool.capacity + rows
         pool.k.view(-1, *pool.k.shape[2:]).index_copy_(0, flat, k)

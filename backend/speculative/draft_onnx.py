@@ -1,12 +1,12 @@
 """The bundle's ``draft.onnx`` (the EAGLE-3 head as its own graph) run by onnx's ReferenceEvaluator.
 
-The draft's counterpart of backend/model/onnx_runner.py, and built from its parts: the graph loaded
+The draft's counterpart of backend/runtime/onnx_runner.py, and built from its parts: the graph loaded
 with its external data and its compute-dtype casts retargeted (float32 by default, for parity with the
 native draft in float32), the weight conversions folded once, the two Kiln nodes backed by the kernels'
-PyTorch references (backend/model/onnx_ops.py). It owns the draft's paged KV pool and hands it to the
+PyTorch references (backend/runtime/onnx_ops.py). It owns the draft's paged KV pool and hands it to the
 graph as inputs, as a TensorRT runner would bind it. CPU only, slow: it proves the graph.
 
-Inputs and outputs: backend/model/graph_io.py ``DRAFT_*``. The graph returns logits over the DRAFT
+Inputs and outputs: backend/runtime/graph_io.py ``DRAFT_*``. The graph returns logits over the DRAFT
 vocabulary; mapping the ids the caller picks to target ids (``d2t``) stays the caller's, as with the
 native draft (``Eagle3Draft.to_target_ids``).
 
@@ -25,8 +25,8 @@ from types import SimpleNamespace
 
 import torch
 
-from backend.model import graph_io
-from backend.model.onnx_runner import fold_constants, load_graph
+from backend.runtime import graph_io
+from backend.runtime.onnx_runner import fold_constants, load_graph
 from backend.speculative.checkpoint import DraftConfig
 from backend.speculative.draft_model import DraftKV, DraftKVPool, DraftSlice
 
@@ -35,7 +35,7 @@ class OnnxDraftGraph:
     def __init__(self, bundle_dir: Path, num_blocks: int, graph: Path | None = None,
                  dtype: torch.dtype = torch.float32) -> None:
         from onnx.reference import ReferenceEvaluator
-        from backend.model.onnx_ops import CUSTOM_OPS
+        from backend.runtime.onnx_ops import CUSTOM_OPS
         self.path = graph or Path(bundle_dir) / graph_io.DRAFT_GRAPH
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: the bundle has no draft graph; rebuild it with "
@@ -58,7 +58,7 @@ class OnnxDraftGraph:
         through fc) then ``draft_hidden [T - A, hidden]`` (either may be None: no rows); ``meta`` the
         step's positions, slots, block tables and tree mask in the draft's pool (an AttentionMetadata).
         -> (fp32 draft-vocabulary logits ``[rows, Vd]``, pre-norm outputs ``[T, hidden]``)."""
-        from backend.model.onnx_ops import to_numpy, to_torch
+        from backend.runtime.onnx_ops import to_numpy, to_torch
         if aux_hidden is None:
             aux_hidden = torch.zeros((0, self.aux_width), dtype=self.dtype)
         if draft_hidden is None:

@@ -74,6 +74,7 @@ def _expand(draft: Eagle3Draft, jobs: list[tuple[_Scratch, list[_Entry]]]) -> tu
 class TreeGrower:
     """``grow_many(requests) -> [TokenTree]``: one tree per sequence, every depth of every tree in
     one batched draft call. ``grow(cache, last_out, root_token, root_pos)`` is the one-sequence form."""
+    graphs = None   # a ChainDraftGraphs: set on a chain ShapeGrower only
 
     def __init__(self, draft: Eagle3Draft) -> None:
         self.draft = draft

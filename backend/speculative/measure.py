@@ -33,7 +33,7 @@ def acceptance(ex, prompts: list[list[int]], max_tokens: int, batch: int) -> dic
     """The draft attached to ``ex`` on ``prompts``: the speculator's counters for this run plus the
     run's counts (the stats start from zero here)."""
     spec = ex.speculator
-    assert spec is not None and hasattr(spec, "stats"), "acceptance() needs an executor with a draft attached"
+    assert spec is not None and spec.stats is not None, "acceptance() needs an executor with a draft attached"
     spec.stats = type(spec.stats)()
     r = run_greedy(ex, prompts, max_tokens, batch)
     r.pop("tokens")

@@ -17,8 +17,10 @@ from typing import Callable
 
 import torch
 
+from backend.engine.speculator_seam import Speculator
 
-class HiddenRecorder:
+
+class HiddenRecorder(Speculator):
     """Per request id, the outputs of ``layers`` (concatenated in that order, ``[n, len(layers) * H]``,
     bf16 on the host) at every position the target ran. Requests must be announced with
     ``expect(request_id, max_len)`` before their first step (the buffer's size)."""

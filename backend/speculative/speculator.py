@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from backend.engine.speculator_seam import Speculator
 from backend.speculative.accept import accept_tree, emitted_tokens, speculation_allowed
 from backend.speculative.checkpoint import read_bundle_draft
 from backend.speculative.draft_model import DraftKV, DraftSlice, Eagle3Draft
@@ -69,7 +70,7 @@ class SpecStats:
                 "accepted_per_step_histogram": dict(sorted(self.accept_hist.items()))}
 
 
-class EagleSpeculator:
+class EagleSpeculator(Speculator):
     def __init__(self, draft: Eagle3Draft, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  grower: TreeGrower, runner=None) -> None:
         """``runner``: the target's ModelRunner; when it replays CUDA graphs (or runs their static
@@ -78,7 +79,7 @@ class EagleSpeculator:
         self.kv_caches = kv_caches
         self.grower = grower
         self.pool = None
-        graphs = getattr(runner, "graphs", None)
+        graphs = runner.graphs if runner is not None else None
         from backend.ops.cuda_graphs import MAX_QUERY
         if (graphs is not None and isinstance(grower, ShapeGrower) and grower.is_chain
                 and 0 < grower.shape.depth < MAX_QUERY):
@@ -308,7 +309,7 @@ class EagleSpeculator:
         every sequence has a pooled draft state that this step's committed rows continue, all of them
         (at most k + 1: a decode or verify step, no prompt chunk) are fed, and a chain is grown for
         each. Otherwise (returns False) the eager path below runs for the whole step."""
-        g = getattr(self.grower, "graphs", None)
+        g = self.grower.graphs
         if g is None:
             return False
         items = []

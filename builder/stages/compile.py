@@ -2,7 +2,7 @@
 
 Writes ``weights.safetensors`` in the runtime layout (``builder/weights.py``) or, with
 ``engine.tp_size`` > 1, ``rank<i>.safetensors`` per rank INSTEAD (rank i's share as
-``backend.model.tp_shard`` splits it, names unchanged: a rank reads only its file), ``tokenizer/``,
+``backend.runtime.tp_shard`` splits it, names unchanged: a rank reads only its file), ``tokenizer/``,
 ``draft/`` (from the draft stage), ``kernels/`` (``plugins.aot.compile_for_bundle``) and finally
 ``engine.json`` with the sha256 of every other file, written through ``backend.bundle`` (the format's
 owner: typed manifest, format version, ``write``).
@@ -115,8 +115,8 @@ def _splitter(cfg, model: dict, fmt: str, tp: int):
     runtime's ``tp_shard`` splits it (refused here, at the build, when the runtime could not split it)."""
     if tp == 1:
         return lambda name, t, rank: t
-    from backend.model.config import ModelConfig, ModelConfigError
-    from backend.model.tp_shard import ShardError, check_tp, shard_tensor
+    from backend.bundle_schema import ModelConfig, ModelConfigError
+    from backend.runtime.tp_shard import ShardError, check_tp, shard_tensor
     try:
         config = ModelConfig.from_dict(model)   # its own keys: the section's arch is not the runtime's yet
         check_tp(config, fmt, tp)
@@ -233,7 +233,7 @@ def _copy_draft(ctx: StageContext, out: Path) -> dict | None:
     for f in draft.path.iterdir():
         if f.is_file() and f.name != "stage.json":
             shutil.copy2(f, out / "draft" / f.name)
-    from builder.stages.draft import runtime_settings
+    from builder.stages.draft_settings import runtime_settings
 
     # The draft stage may be cached from a build with other tree settings: these come from now.
     return {**(draft.info.get("speculative") or {"method": ctx.config.speculative.method}),

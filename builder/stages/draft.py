@@ -41,6 +41,7 @@ from pathlib import Path
 from builder.memory import RUNTIME_BASE, MemoryEstimate, checkpoint_params
 from builder.stages.base import StageContext, StageError
 from builder.stages.draft_data import GEN_BATCH, draft_logits, draft_vocab, load_prompts, prompts_path, resolve, target_data
+from builder.stages.draft_settings import runtime_settings
 
 DRAFT_VOCAB = 8192          # rows of the draft lm_head (SmolLM2: 49152 -> 6x cheaper drafting)
 BATCH = 4                   # training sequences per step
@@ -149,15 +150,6 @@ def speculative_section(ctx: StageContext, cfg) -> dict:
     """What the runtime needs from engine.json (the draft's own shape is in draft/config.json)."""
     return {"method": ctx.config.speculative.method, "draft_dir": "draft", **runtime_settings(ctx.config),
             "aux_layers": list(cfg.aux_layers), "draft_vocab_size": cfg.draft_vocab_size}
-
-
-def runtime_settings(config) -> dict:
-    """The tree settings the runtime reads from engine.json. Not part of the draft stage's key
-    (see builder/stages/__init__.py): compile refreshes them from the config on every build."""
-    s = config.speculative
-    return {"max_draft_len": s.max_draft_len, "tree": s.tree,
-            "tree_choices": [list(p) for p in s.tree_choices] if s.tree_choices else None,
-            "top_k": s.top_k, "depth": s.depth, "min_draft_prob": s.min_draft_prob}
 
 
 def _torch_dtype(name: str):

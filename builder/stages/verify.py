@@ -2,7 +2,7 @@
 
 Both models read the same held-out prompts (``quant/data/heldout.jsonl``, never used for
 calibration). The reference is the import stage's checkpoint run by Hugging Face transformers in
-fp32; the candidate is the bundle run by OUR runtime (``backend.model.runner.ModelRunner``: the same
+fp32; the candidate is the bundle run by OUR runtime (``backend.runtime.native.ModelRunner``: the same
 linear formats, KV-cache dtype and attention code that serve it). For every prompt position we
 compare next-token distributions: top-1 agreement and mean KL(reference || bundle).
 
@@ -30,9 +30,10 @@ from pathlib import Path
 
 import torch
 
-from backend.model.runner import prefill_logits  # the one teacher-forced pass (verify and gpucheck)
+from backend.runtime.native import prefill_logits  # the one teacher-forced pass (verify and gpucheck)
 from builder.memory import RUNTIME_BASE, MemoryEstimate, checkpoint_params
 from builder.stages.base import StageContext, StageError
+from builder.stages.verify_stream import compare  # one metric for both paths
 
 HELDOUT = Path(__file__).resolve().parents[2] / "quant" / "data" / "heldout.jsonl"
 MAX_PROMPT_TOKENS = 256
@@ -154,15 +155,6 @@ def load_prompts(n: int, path: Path = HELDOUT) -> list[str]:
     return texts
 
 
-def compare(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[int, float, int]:
-    """-> (positions where the argmax agrees, summed KL(ref || candidate), positions)."""
-    ref_lp = ref_logits.float().log_softmax(-1)
-    lp = logits.float().log_softmax(-1)
-    agree = int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
-    kl = float((ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0).sum())
-    return agree, kl, ref_logits.shape[0]
-
-
 def verify_device(asked: str) -> str:
     """verify.device -> where the streamed comparison runs; cuda asked on a machine without one is refused."""
     cuda = torch.cuda.is_available()
@@ -176,7 +168,7 @@ def whole_compare(ref_dir: Path, spec, prompts: list[list[int]], progress) -> tu
     """(agreeing positions, summed KL, positions): both models loaded whole, one prompt at a time."""
     from transformers import AutoModelForCausalLM
 
-    from backend.model.runner import ModelRunner
+    from backend.runtime.native import ModelRunner
 
     # fp32 like the reference: this measures what quantization costs, and the thresholds were set on
     # fp32 compute; engine.cpu_dtype auto could pick bf16 on another CPU and add its rounding
@@ -194,7 +186,7 @@ def whole_compare(ref_dir: Path, spec, prompts: list[list[int]], progress) -> tu
 
 
 def run(ctx: StageContext) -> dict:
-    from backend.model.runner import load_engine_spec
+    from backend.runtime.spec import load_engine_spec
     from backend.serving.tokenizer import load_tokenizer
 
     bundle_dir = ctx.results["compile"].path
@@ -207,7 +199,7 @@ def run(ctx: StageContext) -> dict:
     prompts = [tok.encode(t)[:MAX_PROMPT_TOKENS] for t in texts]
     path = choose_path(ctx)
     if path == "streamed":
-        from backend.model.runner import EngineError
+        from backend.runtime.spec import EngineError
         from builder.stages.verify_stream import streamed_compare
         device = verify_device(ctx.config.verify.device)
         try:

@@ -12,7 +12,7 @@ bit on SmolLM2: tests/builder/test_verify_stream.py).
    helpers: the embedding lookup and the keyword arguments the model hands a layer come from the
    model's own forward). Its logits (positions x vocabulary, fp32) are kept; its hidden states and
    the head are dropped.
-2. Candidate: the bundle through ``backend.model.layerwise.LayerwiseRunner`` (Kiln's runtime
+2. Candidate: the bundle through ``backend.runtime.layerwise.LayerwiseRunner`` (Kiln's runtime
    arithmetic: linear formats, KV-cache dtype, attention), compared prompt by prompt.
 
 Resident at once: one layer of one model, one model's hidden states (tokens x hidden x 4 bytes), the
@@ -73,14 +73,22 @@ def reference_logits(hf_dir: Path, prompts: list[list[int]], advance: Advance,
     return logits
 
 
+def compare(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[int, float, int]:
+    """-> (positions where the argmax agrees, summed KL(ref || candidate), positions)."""
+    ref_lp = ref_logits.float().log_softmax(-1)
+    lp = logits.float().log_softmax(-1)
+    agree = int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
+    kl = float((ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0).sum())
+    return agree, kl, ref_logits.shape[0]
+
+
 def streamed_compare(hf_dir: Path, spec, prompts: list[list[int]],
                      progress, device: str = "cpu") -> tuple[int, float, int]:
     """(positions where the top-1 tokens agree, summed KL(reference || bundle), positions) over
     ``prompts``; ``spec``: the bundle's ``EngineSpec``; ``progress(description, total)``: the stage
     context's progress bar; ``device``: where both models' layers run (fp32, the torch attention
     backend on a GPU too: verify measures quantization, not the serving kernels)."""
-    from backend.model.layerwise import LayerwiseRunner
-    from builder.stages.verify import compare
+    from backend.runtime.layerwise import LayerwiseRunner
 
     n = spec.model.num_layers
     with progress("verify: unquantized model, layer by layer", n + 1) as advance:

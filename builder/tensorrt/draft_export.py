@@ -14,7 +14,7 @@ Where it lives: at the bundle root beside ``decoder.onnx``, not in ``draft/``. I
 they are (ONNX external data, byte ranges): the draft's in ``draft/weights.safetensors``, the token
 embedding (and the head of a draft without its own) in the target's ``weights.safetensors``. onnx
 resolves external data against the graph's folder and refuses ``..``, so only the root reaches both.
-Inputs, outputs and dims: backend/model/graph_io.py (``DRAFT_*``).
+Inputs, outputs and dims: backend/runtime/graph_io.py (``DRAFT_*``).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import onnx
 from onnx import TensorProto
 
 from backend import bundle
-from backend.model import graph_io
+from backend.runtime import graph_io
 from backend.speculative.checkpoint import DraftConfig
 
 from .onnx_export import (DTYPES, ExportError, finish_model, layer_constants, linear, paged_attention, rms_norm,
@@ -39,7 +39,7 @@ PLUGINS = ("kiln_rope_kv_write", "kiln_paged_prefill")
 DRAFT = "draft."            # the draft's tensors in the graph: ``draft.<name in draft/weights.safetensors>``
 _L = DRAFT + "layers.0."
 # draft positions run up to the committed length plus the tree's depth: past engine.max_seq_len by
-# at most the draft length (the executor's block-table margin, backend/model/graph_io.py ``profiles``)
+# at most the draft length (the executor's block-table margin, backend/runtime/graph_io.py ``profiles``)
 POSITION_MARGIN = 64
 
 
@@ -111,7 +111,7 @@ def draft_model(bundle_dir: Path, manifest: bundle.Manifest) -> onnx.ModelProto:
                value_info(graph_io.DRAFT_K_CACHE_OUT, cd, kv_shape), value_info(graph_io.DRAFT_V_CACHE_OUT, cd, kv_shape)]
     return finish_model(g, "kiln_eagle3_draft", inputs, outputs, manifest,
                         f"Kiln EAGLE-3 draft of {manifest.config_file or bundle_dir}: inputs/outputs as "
-                        f"backend/model/graph_io.py DRAFT_*; external data relative to the bundle root")
+                        f"backend/runtime/graph_io.py DRAFT_*; external data relative to the bundle root")
 
 
 def export_draft(bundle_dir: Path, manifest: bundle.Manifest) -> onnx.ModelProto:

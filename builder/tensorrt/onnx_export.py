@@ -18,8 +18,8 @@ the native runner's GPU path does (W4A16, backend/ops/linear.py): AWQ's pre_quan
 the activation first, nvfp4's activations stay 16-bit (its input_scale is for W4A4, which Hopper has
 no tensor cores for) and its global scale weight_scale_2 is a plugin input. Where the graph's compute
 dtype (the model's) enters is a ``Cast`` after every weight and before every output, so a runtime can
-evaluate the same graph in float32 by retargeting those casts (backend/model/onnx_runner.py does, for
-parity with the native runner in fp32). Inputs, outputs and dims: backend/model/graph_io.py.
+evaluate the same graph in float32 by retargeting those casts (backend/runtime/onnx_runner.py does, for
+parity with the native runner in fp32). Inputs, outputs and dims: backend/runtime/graph_io.py.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from backend import bundle
-from backend.model import graph_io
+from backend.runtime import graph_io
 from backend.model.layers import RotaryEmbedding
 from plugins.tensorrt.variants import W4A16
 
@@ -222,7 +222,7 @@ def decoder_model(bundle_dir: Path, manifest: bundle.Manifest, capture_layers: t
     outputs.insert(0, value_info(logits, TensorProto.FLOAT, ("rows", c.vocab_size)))
     return finish_model(g, "kiln_decoder", inputs, outputs, manifest,
                         f"Kiln decoder of {manifest.config_file or bundle_dir}: inputs/outputs as "
-                        f"backend/model/graph_io.py; external data relative to the bundle root")
+                        f"backend/runtime/graph_io.py; external data relative to the bundle root")
 
 
 def finish_model(g: Graph, name: str, inputs: list, outputs: list, manifest: bundle.Manifest,

@@ -7,7 +7,7 @@ Written before engine.json, so every file is hashed in its ``files`` like the re
 - ``tensorrt/plugins/sm<sm>/<plugin>-<hash>.{ptx,json}``: the PTX of the kernels behind the graph's
   custom nodes in TensorRT's calling convention, each assembled by ptxas for its SM at this build;
 - ``tensorrt/profiles.json``: the context and generation optimization profiles from the engine limits
-  and each graph input's dims (backend/model/graph_io.py), what ``builder.tensorrt_build`` gives TensorRT.
+  and each graph input's dims (backend/runtime/graph_io.py), what ``builder.tensorrt_build`` gives TensorRT.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import onnx
 
 from backend import bundle
-from backend.model import graph_io
+from backend.runtime import graph_io
 from plugins.tensorrt.compile import compile_all
 from plugins.tensorrt.convention import TrtFloats
 

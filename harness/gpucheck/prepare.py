@@ -94,7 +94,7 @@ def cpu_reference(bundle: Path, ids: list[list[int]]) -> list[list[int]]:
     from safetensors.torch import save_file
 
     from backend.engine.executor import Executor
-    from backend.model.runner import prefill_logits
+    from backend.runtime.native import prefill_logits
     from backend.engine.sampling_params import SamplingParams
     ex = Executor(bundle, device="cpu", dtype=torch.float32, start=False)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -72,7 +72,7 @@ def teacher_forced(bundle: Path, prompts, cpu_outs, dtype, backend: str):
     import torch
 
     from backend.engine.executor import Executor
-    from backend.model.runner import prefill_logits
+    from backend.runtime.native import prefill_logits
     ex = Executor(bundle, device=DEVICE, dtype=dtype, start=False, attention_backend=backend)
     out = torch.cat([prefill_logits(ex.runner, list(p) + list(o[:-1]))[len(p) - 1:] for p, o in zip(prompts, cpu_outs)])
     del ex
@@ -116,7 +116,7 @@ def streamed_verify(bundle: Path, prompts) -> dict:
     backend, so they differ by summation order only (KL of order 1e-6, not a changed top-1)."""
     from contextlib import contextmanager
 
-    from backend.model.runner import load_engine_spec
+    from backend.runtime.spec import load_engine_spec
     from builder.stages.verify_stream import streamed_compare
 
     @contextmanager

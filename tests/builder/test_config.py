@@ -167,7 +167,7 @@ def test_config_is_frozen():
 
 
 @pytest.mark.parametrize("overrides, model, key, fragment", [
-    # the runtime's own rules (backend/model/tp_rules.py): every split dimension must divide
+    # the runtime's own rules (backend/runtime/tp_rules.py): every split dimension must divide
     (["engine.tp_size=2"], {}, "engine.tp_size", "2 does not divide the model's 9 attention heads"),
     (["engine.tp_size=3"], {"num_kv_heads": 1}, "engine.tp_size",
      "3 does not divide the model's 1 KV heads"),

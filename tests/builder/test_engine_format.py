@@ -11,7 +11,7 @@ import pytest
 
 from backend import bundle
 from backend.bundle import BundleError, EngineSettings
-from backend.model.config import ModelConfig
+from backend.bundle_schema import ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 HINT = "rebuild with: make build CONFIG=configs/tiny.yaml BUILD_ARGS=--force"

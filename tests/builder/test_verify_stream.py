@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.model.runner import EngineError, load_engine_spec
+from backend.runtime.spec import EngineError, load_engine_spec
 from builder.config import BuildConfig
 from builder.stages import verify
 from builder.stages.base import StageContext, StageResult
@@ -96,7 +96,7 @@ def test_bad_path_is_refused_and_the_default_keeps_build_hashes():
 def test_layerwise_runner_refuses_the_fused_backend(build_bundle):
     """The stream runs decoder_layer (the torch backend's ops); the triton backend's fused kernels
     would compute other numbers than it, so it says so instead of running them."""
-    from backend.model.layerwise import LayerwiseRunner
+    from backend.runtime.layerwise import LayerwiseRunner
 
     spec = load_engine_spec(Path(build_bundle("smollm2-135m-fp8", LIGHT)), {"attention_backend": "triton"})
     with pytest.raises(EngineError, match="engine.attention_backend: triton .* allowed here: auto"):

@@ -7,7 +7,7 @@ import torch
 
 from backend.engine.executor import Executor
 from backend.engine.sampling_params import SamplingParams
-from backend.model.runner import prefill_meta
+from backend.runtime.native import prefill_meta
 from backend.speculative.record import HiddenRecorder
 from builder.stages.draft_data import chat_ids, draft_logits, target_data
 

@@ -13,7 +13,7 @@ import torch
 from harness.perf.lib import models
 from backend.ops.cuda_graphs import buckets
 from backend.engine.executor import Executor
-from backend.model.runner import EngineError
+from backend.runtime.spec import EngineError
 from backend.engine.sampling_params import SamplingParams
 
 TINY = dict(models.LLAMA31_8B, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,

@@ -23,7 +23,7 @@ def test_greedy_tokens_equal_torch_backend(device, build_bundle):
     from tokenizers import Tokenizer
 
     from backend.engine.executor import Executor
-    from backend.model.runner import load_weights
+    from backend.runtime.native import load_weights
     from backend.engine.sampling_params import SamplingParams
 
     # the real pipeline-built bf16 bundle (shared with the other tests); weights upcast to fp32 so

@@ -10,7 +10,27 @@ from plugins.rmsnorm import rms_norm
 def test_every_registered_target_imports_and_both_kinds_exist():
     for (op, kind, fmt), impl in registry.REGISTRY.items():
         assert callable(impl.load()), (op, kind, fmt)
-        assert (op, "torch" if kind == "triton" else "triton", fmt) in registry.REGISTRY
+        if kind != "cpu":   # the CPU C kernels' fallback is the caller's PyTorch ops, not a row
+            assert (op, "torch" if kind == "triton" else "triton", fmt) in registry.REGISTRY
+
+
+def test_the_cpu_kernels_are_rows_of_the_table():
+    from plugins.cpu import gemm, ops
+    assert registry.get("add_rms_norm", "cpu", torch.float32, kind="cpu") is ops.add_rms_norm
+    assert registry.load("panel_gemm", "cpu") is gemm.gemm
+    with pytest.raises(ValueError, match="run on the CPU only"):
+        registry.get("add_rms_norm", "cuda", torch.float32, kind="cpu")
+    with pytest.raises(ValueError, match="does not take torch.float16"):
+        registry.get("add_rms_norm", "cpu", torch.float16, kind="cpu")
+    with pytest.raises(ValueError, match="no torch implementation of 'add_rms_norm'"):
+        registry.load("add_rms_norm", "torch")
+
+
+def test_the_table_says_which_kinds_run_the_fused_layer(monkeypatch):
+    assert registry.fused_layer_kernels("torch", "cpu", torch.float32) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernels = registry.fused_layer_kernels("triton", "cpu", torch.float32)
+    assert kernels == {op: registry.get(op, "cpu", torch.float32, kind="triton") for op in registry.FUSED_LAYER_OPS}
 
 
 def test_cpu_defaults(monkeypatch):

@@ -29,7 +29,7 @@ def weights_fp32(smollm2_bundle):
 
     fp32 compute: bf16 matmuls accumulate in a different order in HF and here, and greedy decoding
     of a 135M model hits near-ties often enough that token identity would be luck, not correctness."""
-    from backend.model.runner import load_weights
+    from backend.runtime.native import load_weights
     w = load_weights(smollm2_bundle, torch.device("cpu"))
     return {k: v.float() if v.is_floating_point() and v.element_size() == 2 else v for k, v in w.items()}
 

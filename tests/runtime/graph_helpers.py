@@ -18,8 +18,9 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 def runners(bundle: Path, graph: Path | None = None, weights: dict | None = None, **overrides):
     """(the native runner in float32, the onnx-reference runner) over one bundle; ``graph``: a decoder
     graph exported elsewhere; ``weights``: the native runner's tensors (default: the bundle's)."""
-    from backend.model.onnx_runner import OnnxReferenceRunner
-    from backend.model.runner import ModelRunner, load_engine_spec
+    from backend.runtime.onnx_runner import OnnxReferenceRunner
+    from backend.runtime.native import ModelRunner
+    from backend.runtime.spec import load_engine_spec
     spec = load_engine_spec(bundle, dict(max_kv_tokens=2048, **overrides))
     return ModelRunner(spec, dtype=torch.float32, weights=weights), OnnxReferenceRunner(spec, graph=graph)
 
@@ -27,7 +28,7 @@ def runners(bundle: Path, graph: Path | None = None, weights: dict | None = None
 def prefill_parity(native, graph, ids: list[int]) -> torch.Tensor:
     """One prefill of ``ids`` through both runners: logits within 2e-3 with the same argmax, and the
     graph wrote the runner's own pool (its blocks within 1e-3 of the native ones). Returns the native logits."""
-    from backend.model.runner import prefill_meta
+    from backend.runtime.native import prefill_meta
     meta = prefill_meta(len(ids), native.block_size, torch.device("cpu"))
     want, _ = native.execute(torch.tensor(ids), meta, torch.arange(len(ids)))
     got, _ = graph.execute(torch.tensor(ids), meta, torch.arange(len(ids)))

@@ -163,7 +163,8 @@ def test_fp8_values_kept_in_float_storage_attend_exactly_like_the_fp8_cache(tile
 
 def test_runner_stores_an_fp8_cache_as_float_on_cpu(tmp_path):
     from harness.perf.lib import models
-    from backend.model.runner import ModelRunner, load_engine_spec
+    from backend.runtime.native import ModelRunner
+    from backend.runtime.spec import load_engine_spec
     m = dict(models.LLAMA31_8B, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
              num_kv_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256)
     engine = {"max_batch_size": 2, "max_seq_len": 64, "kv_block_size": 16, "kv_cache_dtype": "fp8_e4m3",

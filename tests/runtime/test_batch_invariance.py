@@ -67,7 +67,7 @@ def _generate(ex: Executor, prompts) -> list[tuple[list[int], list[float]]]:
 def bundle_case(request, build_bundle):
     config, build, runtime = FORMATS[request.param]
     bundle = Path(build_bundle(config, build))
-    from backend.model.runner import load_weights
+    from backend.runtime.native import load_weights
     return request.param, bundle, load_weights(bundle, torch.device("cpu")), runtime
 
 

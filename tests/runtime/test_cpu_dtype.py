@@ -1,12 +1,13 @@
-"""engine.cpu_dtype (backend/model/cpu_dtype.py, layer_probe.py): the choice's logic with injected CPU
+"""engine.cpu_dtype (backend/runtime/cpu_dtype.py, layer_probe.py): the choice's logic with injected CPU
 flags and timings (no timed assertion), and the real probe and runner on the real SmolLM2 bundle."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from backend.model import cpu_dtype, layer_probe
-from backend.model.runner import EngineError, ModelRunner, load_engine_spec, load_weights
+from backend.runtime import cpu_dtype, layer_probe
+from backend.runtime.native import ModelRunner, load_weights
+from backend.runtime.spec import EngineError, load_engine_spec
 
 CPU = torch.device("cpu")
 BF16_CPU = frozenset({"fpu", "avx2", "avx512f", "avx512_bf16"})

@@ -59,7 +59,8 @@ def test_preparing_the_same_weight_again_reuses_the_result_while_it_lives_unchan
 def test_an_executor_built_again_over_the_same_weights_shares_their_storage(smollm2_bundle, weights_fp32):
     """What makes the second build cheap: its linears hold the first's packed weights, the same
     objects (a test's executors over shared weights build in a fraction of the first's time)."""
-    from backend.model.runner import ModelRunner, load_engine_spec
+    from backend.runtime.native import ModelRunner
+    from backend.runtime.spec import load_engine_spec
     spec = load_engine_spec(smollm2_bundle, {"max_kv_tokens": 256, "max_batch_size": 2})
     a, b = (ModelRunner(spec, dtype=torch.float32, weights=weights_fp32) for _ in range(2))
     la, lb = a.model.layers[3], b.model.layers[3]

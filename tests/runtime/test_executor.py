@@ -128,7 +128,7 @@ def test_step_error_fails_its_requests_and_the_loop_survives(make_executor, vari
 def test_loop_failure_ends_every_request_and_refuses_new_ones(make_executor, varied_prompts):
     """A bug outside a step (here: the scheduler) ends the loop thread: every request still gets
     one final error event, health() says why, and submit() refuses instead of queueing forever."""
-    from backend.model.runner import EngineError
+    from backend.runtime.spec import EngineError
     ex = make_executor()
     real = ex.scheduler.schedule
     calls = {"n": 0}

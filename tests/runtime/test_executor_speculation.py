@@ -9,12 +9,13 @@ import pytest
 
 from backend.engine.request import RequestStatus
 from backend.engine.sampling_params import SamplingParams
+from backend.engine.speculator_seam import Speculator
 
 pytestmark = pytest.mark.slow
 K = 3
 
 
-class OracleSpeculator:
+class OracleSpeculator(Speculator):
     capture_hidden_layers = (5,)
 
     def __init__(self, reference: dict[str, list[int]]) -> None:

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from backend.engine.kv_cache import BlockManager
-from backend.engine.kv_capacity import kv_bytes_per_token, kv_capacity_blocks
+from backend.runtime.kv_capacity import kv_bytes_per_token, kv_capacity_blocks
 from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
 
@@ -30,7 +30,7 @@ def snapshot(bm, *reqs):
 
 
 def test_pure_core_imports_no_torch():
-    code = ("import sys; import backend.engine.kv_cache, backend.engine.kv_capacity, backend.engine.scheduler, "
+    code = ("import sys; import backend.engine.kv_cache, backend.runtime.kv_capacity, backend.engine.scheduler, "
             "backend.engine.scheduler_types, backend.engine.scheduler_policies, backend.engine.request, "
             "backend.engine.sampling_params; bad = [m for m in ('torch', 'numpy') if m in sys.modules]; "
             "assert not bad, bad")

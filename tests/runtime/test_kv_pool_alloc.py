@@ -1,4 +1,4 @@
-"""The KV pool's CPU allocation (backend/model/runner.zeroed): zeros from an anonymous mapping."""
+"""The KV pool's CPU allocation (backend/runtime/kv_plan.zeroed): zeros from an anonymous mapping."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from backend.model.runner import zeroed
+from backend.runtime.kv_plan import zeroed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])

@@ -13,7 +13,7 @@ import torch
 
 from backend.engine.executor import Executor
 from backend.engine.sampling_params import SamplingParams
-from backend.model.runner import EngineError
+from backend.runtime.spec import EngineError
 
 REPO = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)

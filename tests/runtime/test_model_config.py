@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from backend.bundle import EngineSettings, Manifest, Quantization
-from backend.model.config import ModelConfig, ModelConfigError
+from backend.bundle_schema import ModelConfig, ModelConfigError
 from backend.model.layers import RotaryEmbedding, rope_type
-from backend.model.runner import EngineError, EngineSpec, ModelRunner
+from backend.runtime.native import ModelRunner
+from backend.runtime.spec import EngineError, EngineSpec
 
 SMOL = {"architecture": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_layers": 30,
         "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "vocab_size": 49152, "rms_norm_eps": 1e-5,

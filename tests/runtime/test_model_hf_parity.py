@@ -15,7 +15,7 @@ def test_logits_match_hf_on_a_prefill(smollm2_bundle, weights_fp32, hf_model_fp3
     from backend.ops.attention import get_backend
     from backend.ops.attention.metadata import AttentionMetadata
     from backend.model.llama import LlamaModel
-    from backend.model.runner import load_engine_spec
+    from backend.runtime.spec import load_engine_spec
 
     spec = load_engine_spec(smollm2_bundle)
     model = LlamaModel(spec.model, weights_fp32, "none", get_backend("torch"), dtype=torch.float32)

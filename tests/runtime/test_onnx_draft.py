@@ -55,7 +55,7 @@ def _meta(positions, slots, ctx: int, tree=None):
 def test_draft_graph_is_in_the_bundle_and_points_into_its_weights(draft_bundle):
     import onnx
     from backend import bundle as b
-    from backend.model import graph_io
+    from backend.runtime import graph_io
     m = b.read(draft_bundle)
     assert m.tensorrt.draft_graph == "draft.onnx" and "draft.onnx" in m.files
     assert json.loads((draft_bundle / "engine.json").read_text())["tensorrt"]["draft_graph"] == "draft.onnx"
@@ -94,7 +94,8 @@ def test_draft_graph_equals_the_native_draft(draft_bundle):
     """fp32 both: a prefill-like step (the prompt's entries, fed through fc from the target's captured aux
     layers) and a tree-masked step of 4 entries fed by the draft's own outputs, each against
     ``Eagle3Draft`` on the same cache contents."""
-    from backend.model.runner import ModelRunner, load_engine_spec, prefill_meta
+    from backend.runtime.native import ModelRunner, prefill_meta
+    from backend.runtime.spec import load_engine_spec
     from backend.serving.tokenizer import load_tokenizer
     from backend.speculative.checkpoint import read_bundle_draft
     from backend.speculative.draft_model import Eagle3Draft

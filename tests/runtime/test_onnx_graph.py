@@ -47,7 +47,7 @@ def fp8_graph(build_bundle, tmp_path_factory):
 def test_graph_passes_the_checker_and_points_into_the_weights(bf16_bundle):
     import onnx
     from backend import bundle as b
-    from backend.model import graph_io
+    from backend.runtime import graph_io
     from plugins.tensorrt.convention import SPECS
     m = b.read(bf16_bundle)
     assert m.tensorrt is not None and m.tensorrt.plan is None
@@ -137,7 +137,7 @@ def test_fp8_graph_is_within_the_formats_own_noise(fp8_graph):
     """fp8 weights + fp8 activations + fp8 KV as Q/DQ. Teacher-forced over a real text: the graph's
     disagreement with the native fp32 runner is no larger than the native runner's own between bf16 and
     fp32 compute (its rounding noise through the fp8 quantizers), with a little slack."""
-    from backend.model.runner import ModelRunner, prefill_meta
+    from backend.runtime.native import ModelRunner, prefill_meta
     from backend.serving.tokenizer import load_tokenizer
     fp8_bundle, path = fp8_graph
     native, graph = runners(fp8_bundle, path)
@@ -184,7 +184,7 @@ def test_graph_runtime_refusals(bf16_bundle, build_bundle):
     """One line each, naming what to change: a bundle without the graph, a graph on several ranks, an
     unknown runtime, the graph on a GPU device."""
     from backend.engine.executor import Executor
-    from backend.model.runner import EngineError
+    from backend.runtime.spec import EngineError
     plain = build_bundle("smollm2-135m-bf16", ["verify.enabled=false"])
     with pytest.raises(EngineError, match=r"onnx-reference needs the bundle's decoder\.onnx; rebuild with "
                                           r"OVERRIDES=\"tensorrt\.enabled=true\""):

@@ -119,7 +119,7 @@ def test_compile_stage_writes_the_plugin_and_registration_launches_it(w4_bundle,
     from safetensors import safe_open
 
     from backend import bundle as b
-    from backend.model import trt_files
+    from backend.runtime import trt_files
     from plugins import gemm_w4a16
     from plugins.tensorrt import register as R
     from plugins.tensorrt.variants import W4A16, GraphConsts, VariantError, io_types, launch, parse_key, w4a16_of
@@ -180,7 +180,7 @@ def test_compile_stage_writes_the_plugin_and_registration_launches_it(w4_bundle,
 def test_graph_equals_native_w4a16_over_prefill_and_decode(w4_bundle, tmp_path):
     import onnx
     from backend import bundle as b
-    from backend.model.runner import load_weights
+    from backend.runtime.native import load_weights
     from backend.serving.tokenizer import load_tokenizer
     from builder.tensorrt.onnx_export import decoder_model
     fmt, path = w4_bundle

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backend.engine.sampling_params import SamplingParams
-from backend.model.runner import EngineError
+from backend.runtime.spec import EngineError
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.model.config import ModelConfig
-from backend.model.tp_shard import shard_tensor
+from backend.bundle_schema import ModelConfig
+from backend.runtime.tp_shard import shard_tensor
 from tests.runtime.graph_helpers import share_quantize
 from tests.runtime.test_tp_shard import _same
 
@@ -82,8 +82,9 @@ def test_tp3_bundle_is_the_tp1_tensors_resharded(build_bundle, fmt):
     from safetensors.torch import load_file
 
     from backend import bundle
-    from backend.model.layerwise import LayerwiseRunner
-    from backend.model.runner import load_engine_spec, load_weights
+    from backend.runtime.layerwise import LayerwiseRunner
+    from backend.runtime.native import load_weights
+    from backend.runtime.spec import load_engine_spec
     one, three = _bundles(build_bundle, fmt)
     b = bundle.load_bundle(three)                          # every file's sha256 checked
     assert b.manifest.weights == bundle.rank_weights(TP) and b.manifest.format_version == 2
@@ -115,8 +116,8 @@ def test_each_rank_loads_only_its_file_and_holds_a_third(build_bundle, fmt, monk
     import safetensors.torch
     from safetensors import safe_open
 
-    from backend.model import tp
-    from backend.model.runner import EngineError, load_engine_spec
+    from backend.runtime import tp
+    from backend.runtime.spec import EngineError, load_engine_spec
     one, three = _bundles(build_bundle, fmt)
     with safe_open(str(one / "weights.safetensors"), "pt") as f:
         shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
@@ -148,8 +149,9 @@ def test_each_rank_loads_only_its_file_and_holds_a_third(build_bundle, fmt, monk
 def _tp1(bundle: Path, prompts: list[list[int]], forced=None, noise: float = 0.0):
     """The unsharded model; ``noise``: the embeddings times ``1 + noise * N(0, 1)`` (a last-bits
     perturbation, to measure how far such differences alone move this bundle's logits)."""
-    from backend.model.runner import ModelRunner, load_engine_spec, load_weights
-    from backend.model.tp_generate import greedy
+    from backend.runtime.native import ModelRunner, load_weights
+    from backend.runtime.spec import load_engine_spec
+    from backend.runtime.tp_generate import greedy
     spec = load_engine_spec(bundle, {"max_kv_tokens": 1024, "max_batch_size": 4})
     weights = None
     if noise:
@@ -164,7 +166,7 @@ def _tp1(bundle: Path, prompts: list[list[int]], forced=None, noise: float = 0.0
 def _tp3(runs: list[tuple[Path, list[list[int]], list[list[int]] | None]], tmp_path: Path) -> list[list[dict]]:
     """``runs``: (bundle, prompts, forced tokens or None), run one after another by ``greedy_worker`` in
     ONE spawn of the TP ranks -> per run, what each rank saved."""
-    from backend.model.tp import spawn
+    from backend.runtime.tp import spawn
     from tests.runtime.tp_helpers import greedy_worker_runs
     args = []
     for i, (bundle, prompts, forced) in enumerate(runs):
@@ -268,9 +270,9 @@ def test_executor_tp3_serves_tp1_tokens_its_driver_follows_and_a_dead_worker_fai
 
     from backend.engine.executor import Executor
     from backend.engine.sampling_params import SamplingParams
-    from backend.model.runner import EngineError
-    from backend.model.tp_driver import TPDriver
-    from backend.model.tp_generate import greedy
+    from backend.runtime.spec import EngineError
+    from backend.runtime.tp_driver import TPDriver
+    from backend.runtime.tp_generate import greedy
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [varied_prompts[i] for i in (0, 1, 10, 12)]
     engine = {"max_kv_tokens": 2048, "max_batch_size": 8, "max_num_tokens": 64}
@@ -315,7 +317,7 @@ def test_executor_tp3_serves_tp1_tokens_its_driver_follows_and_a_dead_worker_fai
 @pytest.mark.slow
 def test_executor_refuses_a_tp_size_that_does_not_divide_the_heads(smollm2_bundle):
     from backend.engine.executor import Executor
-    from backend.model.runner import EngineError
+    from backend.runtime.spec import EngineError
     with pytest.raises(EngineError, match=r"engine.tp_size: tp_size=2 does not divide the model's 9 attention heads"):
         Executor(smollm2_bundle, dtype=torch.float32, verify_hashes=False, tp_size=2, start=False)
 
@@ -334,7 +336,7 @@ def test_tp3_matches_tp1_grouped_and_smoothed_bundles(build_bundle, forced_tp3, 
     from safetensors.torch import load_file
 
     from backend import bundle
-    from backend.model.runner import load_weights
+    from backend.runtime.native import load_weights
     one, three = _bundles(build_bundle, fmt)
     b = bundle.load_bundle(three)
     config = bundle.read(one).model

@@ -16,9 +16,10 @@ import torch  # noqa: E402
 
 from backend.engine.executor import Executor  # noqa: E402
 from backend.engine.sampling_params import SamplingParams  # noqa: E402
-from backend.model.runner import ModelRunner, load_engine_spec  # noqa: E402
-from backend.model.tp_driver import TPDriver  # noqa: E402
-from backend.model.tp_generate import greedy  # noqa: E402
+from backend.runtime.native import ModelRunner  # noqa: E402
+from backend.runtime.spec import load_engine_spec  # noqa: E402
+from backend.runtime.tp_driver import TPDriver  # noqa: E402
+from backend.runtime.tp_generate import greedy  # noqa: E402
 from harness.perf.lib import models  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.model import tp_driver
+from backend.runtime import tp_driver
 from tests.serving.serve_process import alive
 
 pytestmark = pytest.mark.slow
@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # rank 0 in a child process that prints its workers' pids, then idles (the workers wait in a broadcast)
 RANK0 = """
 import sys, time, torch
-from backend.model.runner import load_engine_spec
-from backend.model.tp_driver import TPDriver
+from backend.runtime.spec import load_engine_spec
+from backend.runtime.tp_driver import TPDriver
 driver = TPDriver(load_engine_spec(sys.argv[1]), int(sys.argv[2]), num_blocks=8, dtype=torch.float32)
 print(" ".join(str(p.pid) for p in driver.workers), flush=True)
 time.sleep(600)
@@ -36,8 +36,8 @@ time.sleep(600)
 # joining their group: they are loading or waiting at the rendezvous, where no socket can tell them
 RANK0_EARLY = """
 import os, sys, torch
-import backend.model.tp_driver as tp_driver
-from backend.model.runner import load_engine_spec
+import backend.runtime.tp_driver as tp_driver
+from backend.runtime.spec import load_engine_spec
 
 def leave(*args, **kwargs):
     mine = []
@@ -114,8 +114,8 @@ def test_gpu_ranks_are_refused_without_the_gpus_and_inputs_travel_as_cpu_copies(
     GPU run itself is harness/gpucheck part tp): ranks take consecutive GPUs from the one named and
     a host with too few is refused with the numbers; a step's inputs (tensors inside the attention
     metadata dataclass too) are moved field by field, other fields kept."""
-    from backend.model.runner import EngineError
-    from backend.model.tp_driver import _to, rank_devices
+    from backend.runtime.spec import EngineError
+    from backend.runtime.tp_driver import _to, rank_devices
     from backend.ops.attention.metadata import AttentionMetadata
     assert rank_devices("cpu", 3) == [torch.device("cpu")] * 3
     if not torch.cuda.is_available():

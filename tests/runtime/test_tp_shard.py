@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from backend.model.config import ModelConfig
-from backend.model.tp_shard import ShardError, check_tp, shard_config, shard_tensor, shard_weights, unshard_tensor
+from backend.bundle_schema import ModelConfig
+from backend.runtime.tp_shard import ShardError, check_tp, shard_config, shard_tensor, shard_weights, unshard_tensor
 from quant import formats
 
 FORMATS = ("none", "fp8", "nvfp4", "int4_awq", "w4a8_awq", "int8_sq")     # every format Kiln builds

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from backend import bundle as B
-from backend.model import graph_io
+from backend.runtime import graph_io
 from builder import tensorrt_build
 from plugins import paged_prefill, rope_kv
 from plugins.tensorrt import register as R

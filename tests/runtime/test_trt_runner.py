@@ -1,4 +1,4 @@
-"""engine.runtime=tensorrt (backend/model/trt_runner.py, trt_session.py) with no TensorRT and no GPU.
+"""engine.runtime=tensorrt (backend/runtime/trt_runner.py, trt_session.py) with no TensorRT and no GPU.
 
 The runner's refusals are real up to the TensorRT call; past it, tests run against
 tests/runtime/fake_tensorrt.py, a MOCK of TensorRT's Python API (TensorRT cannot be installed here;
@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.model import graph_io
-from backend.model.runner import EngineError, load_engine_spec
-from backend.model.trt_files import load_profiles
-from backend.model.trt_runner import TensorRTRunner
-from backend.model.trt_session import PlanSession, choose_profile, step_dims
+from backend.runtime import graph_io
+from backend.runtime.spec import EngineError, load_engine_spec
+from backend.runtime.trt_files import load_profiles
+from backend.runtime.trt_runner import TensorRTRunner
+from backend.runtime.trt_session import PlanSession, choose_profile, step_dims
 from backend.ops.attention.metadata import AttentionMetadata
 from builder import tensorrt_build
 from tests.runtime import fake_tensorrt, trt_bundle

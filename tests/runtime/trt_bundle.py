@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from backend import bundle
-from backend.model import graph_io
+from backend.runtime import graph_io
 from plugins.common import EngineShapes
 
 ROOT = Path(__file__).resolve().parents[2]

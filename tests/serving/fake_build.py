@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from backend import bundle
-from backend.model.config import ModelConfig
+from backend.bundle_schema import ModelConfig
 from builder.config import BuildConfig
 from builder.stages.package import render_repository, template_values
 

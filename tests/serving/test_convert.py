@@ -6,7 +6,7 @@ import pytest
 
 from backend import bundle
 from backend.engine.sampling_params import SamplingParams
-from backend.model.config import ModelConfig
+from backend.bundle_schema import ModelConfig
 from backend.serving.convert import EngineLimits, InvalidRequest, from_words_list, to_words_list
 from backend.serving.engine_request import parse_engine_request
 from backend.serving.postprocess import postprocess_tensors

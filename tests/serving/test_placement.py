@@ -12,7 +12,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from backend import bundle
-from backend.model.config import ModelConfig
+from backend.bundle_schema import ModelConfig
 from backend.serving.model_args import instance_count, instance_placement
 from backend.serving.placement import (PlacementError, check_visible, instance_gpus, parse_gpus,
                                        place_instance)

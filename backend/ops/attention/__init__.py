@@ -10,7 +10,7 @@ package never imports Triton (the CPU runtime must not pay for, or depend on, a 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # the metadata module belongs to the runtime core; only needed for annotations
     import torch
@@ -29,7 +29,14 @@ class AttentionBackend(Protocol):
     cached context is always fully visible.
     """
 
-    name: str
+    name: str    # also the backend's kind in the kernel table (plugins/registry.py)
+    # Members with a default (backends subclass this protocol, so callers read them, never probe):
+    # the bundle's ahead-of-time kernels the backend launches (``plugins.launcher.KernelSet``); None: JIT
+    aot: Any = None
+    # whether an fp8 KV cache may be held as its scaled values in the compute dtype (``fp8_as_float``,
+    # set by backend/runtime/kv_plan.py: on a CPU, where PyTorch has no fast fp8 conversion)
+    holds_fp8_as_float: bool = False
+    fp8_as_float: bool = False
 
     def write_kv(self, k: "torch.Tensor", v: "torch.Tensor", k_cache: "torch.Tensor",
                  v_cache: "torch.Tensor", slot_mapping: "torch.Tensor",
@@ -38,6 +45,11 @@ class AttentionBackend(Protocol):
     def forward(self, q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor",
                 meta: "AttentionMetadata", scale: float, k_scale: "torch.Tensor | None",
                 v_scale: "torch.Tensor | None") -> "torch.Tensor": ...
+
+    def load_aot(self, bundle_dir, kernel_entries: list[dict], device) -> None:
+        """Launch the bundle's AOT kernels (engine.json "kernels") from now on; a backend that launches
+        none keeps its own."""
+        return None
 
 
 # name -> "module:Class"

@@ -49,9 +49,14 @@ import torch
 import torch.nn.functional as F
 
 from backend.ops import fp8
-from plugins.cpu import ops as cpu_ops
+from backend.ops.attention import AttentionBackend
+from plugins import registry
+from plugins.cpu import ops as cpu_ops   # the attention kernel's library and row layout
 
 FP8_KV_DTYPE = fp8.FP8
+# The CPU kernels this backend calls where they apply (float32 on CPU): rows of the kernel table.
+_cpu_write_kv_fp8 = registry.load("write_kv_fp8", "cpu")
+_cpu_paged_attention = registry.load("paged_attention", "cpu")
 # Query positions per tile and key-length granularity (see the module docstring): a smaller tile
 # makes decode cheaper and long prefills dearer; a coarser bucket means fewer calls, more masked keys.
 QUERY_TILE = 8
@@ -95,8 +100,9 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, run: tuple[int, int]
     return out.view(FP8_KV_DTYPE) if cache.dtype == FP8_KV_DTYPE else out
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    holds_fp8_as_float = True
     # Set by the runner for an fp8 KV cache on CPU: the cache tensors are float and hold what an fp8
     # cache would give back on reading, ``dequantize(quantize(x))``, rounded to the cache dtype once on
     # writing (the same fp32 product and rounding as dequantizing at read time, so the same numbers
@@ -110,7 +116,7 @@ class TorchAttentionBackend:
         """Scatter ``k, v [T, Hkv, D]`` into the caches at ``slot_mapping [T]`` (-1 = skip)."""
         num_blocks, block_size, hkv, d = k_cache.shape
         if (self.fp8_as_float and k_scale is not None and k_cache.dtype == torch.float32 and k.dtype == torch.float32
-                and cpu_ops.write_kv_fp8(k, v, k_cache.view(num_blocks * block_size, hkv, d),
+                and _cpu_write_kv_fp8(k, v, k_cache.view(num_blocks * block_size, hkv, d),
                                          v_cache.view(num_blocks * block_size, hkv, d), slot_mapping,
                                          k_scale, v_scale)):
             return   # the CPU kernel: the fake quantization and the scatter below in one call, same bits
@@ -143,7 +149,7 @@ class TorchAttentionBackend:
             self._rows = (meta, self._kernel_rows(q, k_cache, meta))
         if self._rows[1] is not None:
             tables, rows = self._rows[1]
-            out = cpu_ops.paged_attention(q, k_cache, v_cache, tables, rows, meta.tree_mask, scale)
+            out = _cpu_paged_attention(q, k_cache, v_cache, tables, rows, meta.tree_mask, scale)
             if out is not None:
                 return out
         if self._plan is None or self._plan[0] is not meta:

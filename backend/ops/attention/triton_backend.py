@@ -14,10 +14,14 @@ import os
 
 import torch
 
-from plugins.act_quant import quantize_fp8 as _quantize_fp8
-from plugins.kv_write import write_kv as _write_kv
-from plugins.paged_decode import paged_decode
-from plugins.paged_prefill import paged_prefill
+from backend.ops.attention import AttentionBackend
+from plugins import registry
+
+# This backend's kernels: the table's triton rows
+_quantize_fp8 = registry.load("quantize_fp8", "triton")
+_write_kv = registry.load("write_kv", "triton")
+paged_decode = registry.load("paged_decode", "triton")
+paged_prefill = registry.load("paged_prefill", "triton")
 
 
 # Verify passes of chains up to this many rows per sequence run row by row on the decode kernel
@@ -31,7 +35,7 @@ def _check_device(t: torch.Tensor) -> None:
                          "for tests); allowed on this machine: torch, auto")
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(AttentionBackend):
     """``aot``: the bundle's ahead-of-time kernels (plugins.launcher.KernelSet, see ``load_aot``);
     None = Triton JIT."""
     name = "triton"

@@ -27,17 +27,16 @@ import os
 import sys
 from pathlib import Path
 
+from harness.perf.kernels.cases import LLAMA8B, decode_case, prefill_case, w4a16_case
 from harness.perf.kernels.checks import bench_aot, run_kernel_tests
 from harness.perf.kernels.graphed import (  # noqa: F401 - bench.<name> for kernel_sweep and tests
     DECODE_GRAPHED, W4A16_SMALL_M_SHAPES, bench_decode_graphed, bench_fp8_small_m, bench_w4a16_small_m,
     decode_calls, dry_run, fp8_small_m_case, graphed, w4a16_small_m_calls)
-from harness.perf.lib.models import LLAMA31_8B, attention_dims
 from harness.perf.lib.timing import median_ms as _time_ms
 from harness.perf.lib.results import default_output, gpu_slug, header, write_result
 from plugins import tuning
 
 REPO = Path(__file__).resolve().parents[3]
-LLAMA8B = attention_dims(LLAMA31_8B)   # the kernels' shapes: one Llama-3.1-8B layer
 
 
 def copy_bandwidth_gbs() -> float:
@@ -47,34 +46,6 @@ def copy_bandwidth_gbs() -> float:
     dst = torch.empty_like(src)
     ms = _time_ms(lambda: dst.copy_(src), iters=20)
     return 2 * src.numel() / ms / 1e6
-
-
-def _paged(batch, ctx, hkv, d, block, dtype):
-    import torch
-    nblk = batch * (ctx // block)
-    tables = torch.randperm(nblk, device="cuda", dtype=torch.int32).view(batch, ctx // block)
-    k = torch.randn(nblk, block, hkv, d, device="cuda").to(dtype)
-    v = torch.randn(nblk, block, hkv, d, device="cuda").to(dtype)
-    return k, v, tables
-
-
-def decode_case(batch=64, ctx=2048, block=16, kv="bf16"):
-    """Paged decode on Llama-3.1-8B heads: -> a zero-argument run() (inputs allocated once)."""
-    import torch
-
-    from plugins.paged_decode import paged_decode
-    hq, hkv, d = LLAMA8B["num_heads"], LLAMA8B["num_kv_heads"], LLAMA8B["head_dim"]
-    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
-    k, v, tables = _paged(batch, ctx, hkv, d, block, torch.bfloat16)
-    k, v = k.to(kv_dtype), v.to(kv_dtype)
-    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    one = torch.tensor(1.0, device="cuda")
-
-    def run():
-        return paged_decode(q, k, v, tables, lens, d ** -0.5, one, one, max_seq_len=ctx)
-    run.tensors = (q, k, v, tables, lens, one)
-    return run
 
 
 def bench_decode(batch=64, ctx=2048, block=16, kv="bf16") -> dict:
@@ -87,22 +58,6 @@ def bench_decode(batch=64, ctx=2048, block=16, kv="bf16") -> dict:
     err = (run()[:2].float() - ref.float()).abs().max().item()
     nbytes = 2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size() + tables.numel() * 4
     return {"batch": batch, "ctx": ctx, "kv": kv, "ms": ms, "gbs": nbytes / ms / 1e6, "max_err_vs_ref": err}
-
-
-def prefill_case(seqs=4, length=2048, block=16):
-    import torch
-
-    from plugins.paged_prefill import paged_prefill
-    hq, hkv, d = LLAMA8B["num_heads"], LLAMA8B["num_kv_heads"], LLAMA8B["head_dim"]
-    k, v, tables = _paged(seqs, length, hkv, d, block, torch.bfloat16)
-    q = torch.randn(seqs * length, hq, d, device="cuda", dtype=torch.bfloat16)
-    qsl = torch.arange(0, seqs + 1, device="cuda", dtype=torch.int32) * length
-    ctx = torch.zeros(seqs, dtype=torch.int32, device="cuda")
-
-    def run():
-        return paged_prefill(q, k, v, tables, qsl, ctx, d ** -0.5, max_query_len=length)
-    run.tensors = (q, k, v, tables)
-    return run
 
 
 def bench_prefill(seqs=4, length=2048, block=16) -> dict:
@@ -121,24 +76,6 @@ def bench_prefill(seqs=4, length=2048, block=16) -> dict:
     flops = 4 * seqs * length * length * d * hq / 2   # QK^T and PV, causal half
     return {"seqs": seqs, "len": length, "ms": ms, "tflops": flops / ms / 1e9, "sdpa_ms": ms_sdpa,
             "sdpa_tflops": flops / ms_sdpa / 1e9, "max_err_vs_sdpa": err}
-
-
-def w4a16_case(m: int, n: int, k: int, fmt: str):
-    import torch
-
-    from plugins.gemm_w4a16 import w4a16_linear
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
-    if fmt == "nvfp4":
-        ws = torch.rand(n, k // 16, device="cuda").to(torch.float8_e4m3fn)
-        args = (w, ws, torch.tensor(0.01, device="cuda"))
-    else:
-        args = (w, (torch.rand(n, k // 128, device="cuda") * 0.01).bfloat16())
-
-    def run():
-        return w4a16_linear(x, fmt, *args)
-    run.x = x
-    return run
 
 
 def bench_w4a16(m: int, n: int, k: int, fmt: str) -> dict:

@@ -56,25 +56,25 @@ EXTRA = {"paged_decode": _grid(programs_per_sm=[1, 4]),
 def _case(name: str, variant: str):
     """A zero-argument function running kernel `name` on its benchmark shape (variant picks the KV dtype
     or the 4-bit format)."""
-    from harness.perf.kernels import gpu_kernels as bench
+    from harness.perf.kernels import cases, graphed
     if name.startswith("paged_decode"):
         if "-b" in variant:   # "<kv>-b<batch>-ctx<ctx>": graphed over cache copies (the host out of the time)
             kv, b, c = variant.split("-")
-            return bench.graphed(bench.decode_calls(int(b[1:]), int(c[3:]), kv)[0])[0]
-        return bench.decode_case(kv=variant)
+            return graphed.graphed(graphed.decode_calls(int(b[1:]), int(c[3:]), kv)[0])[0]
+        return cases.decode_case(kv=variant)
     if name == "paged_prefill":
-        return bench.prefill_case()
+        return cases.prefill_case()
     if name.startswith("fp8_"):
         # variant "m<M>-<N>x<K>": the small-M FP8 GEMM over weight copies (streamed from HBM), replayed as
         # a CUDA graph (eager, the host's launch cost would be what is timed)
         m, nk = variant[1:].split("-")
         n, k = map(int, nk.split("x"))
-        return bench.graphed(bench.fp8_small_m_case(int(m), n, k)[0])[0]
+        return graphed.graphed(graphed.fp8_small_m_case(int(m), n, k)[0])[0]
     if name in ("w4a16_small_m", "w4a16_gemv"):
         # variant "<fmt>-m<M>": the small-M W4A16 GEMM on 4096x4096 over weight copies, graphed
         fmt, m = variant.split("-")
-        return bench.graphed(bench.w4a16_small_m_calls(int(m[1:]), 4096, 4096, fmt)[0])[0]
-    return bench.w4a16_case(256, 4096, 4096, variant)
+        return graphed.graphed(graphed.w4a16_small_m_calls(int(m[1:]), 4096, 4096, fmt)[0])[0]
+    return cases.w4a16_case(256, 4096, 4096, variant)
 
 
 # FP8 KV: a throughput run's decode step (533 sequences at 1000-2000 tokens on an H100, KV-bound) and the

@@ -37,7 +37,7 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-# The CPU features that decide Kiln's CPU paths and HF's speed in bf16 (backend/model/cpu_dtype.py,
+# The CPU features that decide Kiln's CPU paths and HF's speed in bf16 (backend/runtime/cpu_dtype.py,
 # plugins/cpu): recorded with every CPU result, present or not.
 SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "avx_vnni")
 

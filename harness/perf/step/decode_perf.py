@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import json
 
-    from backend.model.runner import ModelRunner, load_engine_spec
+    from backend.runtime.native import ModelRunner
+    from backend.runtime.spec import load_engine_spec
     from harness.perf.lib.results import gpu_slug, header, write_result
     device = torch.device("cpu" if a.dry_run else "cuda")
     res = {**header("decode-perf", "harness.perf.step.decode_perf", argv, torch=torch),

@@ -139,7 +139,8 @@ def count_decode_step(num_layers: int, device: str = "cpu", context: int = 300, 
     (+ FP8 KV) engine of ``num_layers`` layers."""
     import torch
 
-    from backend.model.runner import ModelRunner, load_engine_spec, prefill_logits
+    from backend.runtime.native import ModelRunner, prefill_logits
+    from backend.runtime.spec import load_engine_spec
     from backend.ops.attention.metadata import AttentionMetadata
     from harness.perf.lib import models
 

@@ -43,18 +43,18 @@ PREFIX = {"eager": "", "fast": "fast_"}
 
 
 def load_spec(bundle: Path, overrides: dict | None = None):
-    from backend.model.runner import load_engine_spec
+    from backend.runtime.spec import load_engine_spec
     return load_engine_spec(bundle, dict(OVERRIDES if overrides is None else overrides))
 
 
 def plain_runner(spec, device: str):
-    from backend.model.runner import ModelRunner
+    from backend.runtime.native import ModelRunner
     return ModelRunner(spec, device=device)
 
 
 def distributed_runner(spec, device: str):
     """The interface the NCCL path is written to (world size 1: no worker process)."""
-    from backend.model.tp_driver import TPDriver
+    from backend.runtime.tp_driver import TPDriver
     return TPDriver(spec, tp_size=1, device=device)
 
 

@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from backend.model.runner import load_engine_spec, prefill_meta
+from backend.runtime.native import prefill_meta
+from backend.runtime.spec import load_engine_spec
 from backend.ops.attention.metadata import AttentionMetadata
 
 
@@ -71,9 +72,9 @@ def greedy(execute: Callable, block_size: int, prompts: list[list[int]], steps: 
 def greedy_worker(rank: int, tp_size: int, bundle: str, prompts: list[list[int]], steps: int,
                   num_blocks: int, dtype: str, out: str, overrides: dict | None = None,
                   forced: list[list[int]] | None = None) -> None:
-    """``backend.model.tp.spawn`` target: each rank builds its ``TPRunner``, decodes, and saves what
+    """``backend.runtime.tp.spawn`` target: each rank builds its ``TPRunner``, decodes, and saves what
     it holds (the shapes of its weights and KV cache) to ``<out>.rank<r>``; rank 0 adds the results."""
-    from backend.model.tp import TPRunner
+    from backend.runtime.tp import TPRunner
     spec = load_engine_spec(bundle, overrides)
     runner = TPRunner(spec, tp_size, rank, num_blocks, dtype=getattr(torch, dtype))
     m = runner.model

@@ -2,7 +2,7 @@
 
 This is the TensorRT target checked without TensorRT: the same graph a plan is built from, its standard
 nodes evaluated by onnx's reference implementation, its Kiln nodes by the kernels' PyTorch references
-(backend/model/onnx_ops.py), the KV pool owned here and handed to the graph as inputs, exactly as the
+(backend/runtime/onnx_ops.py), the KV pool owned here and handed to the graph as inputs, exactly as the
 TensorRT runner binds it. It is slow (numpy, one thread) and exists to prove the graph, not to serve.
 
 Precision: the graph computes in the model's dtype (bf16 for TensorRT). ReferenceEvaluator has no fast
@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 
 from backend.logs import get_logger
-from backend.model import cpu_dtype, graph_io
-from backend.model.runner import KV_DTYPES, EngineError, EngineSpec, kv_pool_bytes, plan_kv_blocks, zeroed
+from backend.runtime import cpu_dtype, graph_io
+from backend.runtime.kv_plan import KV_DTYPES, kv_pool_bytes, plan_kv_blocks, zeroed
+from backend.runtime.spec import EngineError, EngineSpec
+from backend.runtime.runtimes import StepRunner
 
 _LOG = get_logger("model.onnx_runner")
 
@@ -97,13 +99,13 @@ def fold_constants(model) -> dict:
     return values
 
 
-class OnnxReferenceRunner:
-    """The StepRunner of backend/model/runtimes.py over the bundle's decoder graph (CPU only)."""
+class OnnxReferenceRunner(StepRunner):
+    """The StepRunner of backend/runtime/runtimes.py over the bundle's decoder graph (CPU only)."""
 
     def __init__(self, spec: EngineSpec, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                  weights=None, graph: Path | None = None) -> None:
         from onnx.reference import ReferenceEvaluator
-        from backend.model.onnx_ops import CUSTOM_OPS
+        from backend.runtime.onnx_ops import CUSTOM_OPS
         self.spec = spec
         self.device = torch.device(device)
         if self.device.type != "cpu":
@@ -150,7 +152,7 @@ class OnnxReferenceRunner:
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor,
                 capture_hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        from backend.model.onnx_ops import to_numpy, to_torch
+        from backend.runtime.onnx_ops import to_numpy, to_torch
         missing = set(capture_hidden_layers) - self.captures
         if missing:
             raise EngineError(f"{self.graph_path.name}: layers {sorted(missing)} are not graph outputs "

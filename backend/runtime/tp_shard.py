@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from backend.model.config import ModelConfig
+from backend.bundle_schema import ModelConfig
 # re-exported: callers find the rules beside the splitting they guard
-from backend.model.tp_rules import SHARDABLE_FORMATS, ShardError, check_tp  # noqa: F401
+from backend.runtime.tp_rules import SHARDABLE_FORMATS, ShardError, check_tp  # noqa: F401
 from quant.formats import get_format
 
 # The tensors a linear may carry in any format (anything else is refused, never replicated blindly);

@@ -20,11 +20,13 @@ from types import SimpleNamespace
 import torch
 
 from backend.bundle import BundleError
-from backend.model import cpu_dtype, graph_io
-from backend.model.runner import EngineError, EngineSpec, kv_cache_dtypes, kv_pool_bytes, plan_kv_blocks, zeroed
-from backend.model.trt_files import (PROFILES, TensorRTFilesError, TensorRTMissing, import_tensorrt, load_profiles,
+from backend.runtime import cpu_dtype, graph_io
+from backend.runtime.kv_plan import kv_cache_dtypes, kv_pool_bytes, plan_kv_blocks, zeroed
+from backend.runtime.spec import EngineError, EngineSpec
+from backend.runtime.runtimes import StepRunner
+from backend.runtime.trt_files import (PROFILES, TensorRTFilesError, TensorRTMissing, import_tensorrt, load_profiles,
                                      register_plugins, section)
-from backend.model.trt_session import PlanSession
+from backend.runtime.trt_session import PlanSession
 from plugins.tensorrt.variants import VariantError
 
 
@@ -32,7 +34,7 @@ def build_command(spec: EngineSpec) -> str:
     return f"make engine-plan OUT={spec.path.parent}  (python -m builder.tensorrt_build {spec.path})"
 
 
-class TensorRTRunner:
+class TensorRTRunner(StepRunner):
     """Runs steps through the bundle's TensorRT plan (see the module docstring)."""
 
     def __init__(self, spec: EngineSpec, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,

@@ -2,7 +2,7 @@
 input and output by name, enqueue. Device-agnostic (the tensors' addresses are all it passes), so it is
 tested on CPU tensors against a mock TensorRT; ``TensorRTRunner`` (trt_runner.py) runs it on the GPU.
 
-Binding rules (backend/model/graph_io.py is the contract):
+Binding rules (backend/runtime/graph_io.py is the contract):
 - step inputs come from ``graph_io.step_feeds``, converted to the plan's dtype where they differ;
 - ``k_cache.{i}``/``v_cache.{i}`` are the KV pool's tensors; ``k_cache_out.{i}``/``v_cache_out.{i}``
   alias them: bound to the same address, so the graph's writes land in the pool;
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.model import graph_io
-from backend.model.runner import EngineError
-from backend.model.trt_files import Profiles
+from backend.runtime import graph_io
+from backend.runtime.spec import EngineError
+from backend.runtime.trt_files import Profiles
 
 # trt.DataType member name -> torch dtype
 TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,

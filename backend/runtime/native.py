@@ -1,4 +1,5 @@
-"""Model runner: the weights, the KV cache tensors and one forward pass per step.
+"""The native runner: Kiln's own model with its weights, the KV cache tensors and one forward pass
+per step.
 
 The runner is the only part of the executor that touches tensors of the model's size. It knows
 nothing about requests: the executor gives it ``input_ids``, the step's ``AttentionMetadata`` and
@@ -6,74 +7,25 @@ which token rows need logits, and gets logits (and captured hidden states) back.
 """
 from __future__ import annotations
 
-import math
-import mmap
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from backend.ops.attention import get_backend, resolve_backend_name
-from backend.bundle import Bundle, BundleError, EngineSettings, Manifest, as_dict, load_bundle
-from backend.engine.kv_capacity import kv_bytes_per_token, kv_capacity_blocks
+from backend.bundle import as_dict
 from backend.logs import get_logger
-from backend.model import cpu_dtype, layer_probe
-from backend.model.config import ModelConfig
 from backend.model.llama import LlamaModel
+from backend.runtime import cpu_dtype, layer_probe
+from backend.runtime.kv_plan import (FP8_KV_NEEDS_SCALES, KV_DTYPES, kv_cache_dtypes, kv_pool_bytes,
+                                     plan_kv_blocks, zeroed)
+from backend.runtime.spec import EngineError, EngineSpec
+from backend.runtime.runtimes import StepRunner
 
 _LOG = get_logger("model.runner")
 
-# engine.kv_cache_dtype values -> torch dtype ("auto"/None = the model dtype).
-KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
-             "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Model architectures this runtime builds, by engine.json model.architecture.
 MODEL_CLASSES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel}
-# On CPU the KV pool comes from RAM shared with everything else; a tenth is plenty for serving.
-CPU_RAM_FRACTION = 0.1
-
-
-class EngineError(ValueError):
-    """The engine bundle or an engine override is unusable: one line saying what to fix."""
-
-
-@dataclass
-class EngineSpec:
-    """What the runtime reads from a bundle: its checked manifest (engine overrides applied) and path."""
-    path: Path
-    manifest: Manifest
-
-    @property
-    def model(self) -> ModelConfig:
-        return self.manifest.model
-
-    @property
-    def engine(self) -> EngineSettings:
-        return self.manifest.engine
-
-    @property
-    def quant_format(self) -> str:
-        return self.manifest.quantization.format
-
-    @property
-    def kv_cache_dtype(self) -> str:
-        return self.engine.kv_cache_dtype
-
-
-def load_engine_spec(path: str | os.PathLike | Bundle, overrides: dict[str, Any] | None = None,
-                     verify_hashes: bool = False) -> EngineSpec:
-    """Read ``<path>/engine.json`` through ``backend.bundle`` (format version, fields, files present,
-    optionally their sha256) and apply ``engine.*`` overrides by key. A ``Bundle`` already read is
-    used as it is (its caller checked it)."""
-    try:
-        bundle = path if isinstance(path, Bundle) else load_bundle(path, verify_hashes=verify_hashes)
-        manifest = bundle.manifest
-        if overrides:
-            manifest = manifest.replace(engine=manifest.engine.override(**overrides))
-    except BundleError as exc:
-        raise EngineError(str(exc)) from exc
-    return EngineSpec(path=bundle.path, manifest=manifest)
 
 
 def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
@@ -85,7 +37,7 @@ def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
     f = path / "weights.safetensors"
     if not f.is_file() and (path / "rank0.safetensors").is_file():
         from backend.bundle import BundleError, read
-        from backend.model.tp_shard import load_unsharded
+        from backend.runtime.tp_shard import load_unsharded
         try:
             manifest = read(path)
             return load_unsharded([path / w for w in manifest.weights], manifest.model, device=dev)
@@ -96,63 +48,7 @@ def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
     return load_file(str(f), device=dev)
 
 
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled KV pool tensor. On CPU an anonymous memory mapping: the kernel's zero pages, given
-    real memory only as the cache fills. ``torch.zeros`` writes the whole pool at load (SmolLM2's default
-    32k-token float32 pool is 1.5 GB: 1.2 s of every engine start on one thread) and keeps it resident
-    whether sequences ever use it or not. Zeros, not garbage: attention in tiles weighs masked keys 0,
-    and 0 times a stale NaN would still be NaN."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if torch.device(device).type != "cpu" or nbytes == 0:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
-
-
-def kv_pool_bytes(kv_caches) -> int:
-    """Bytes of a runner's KV pool (every layer's K and V tensors): what every runtime reports."""
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches)
-
-
-FP8_KV_NEEDS_SCALES = ("engine.json: kv_cache_dtype fp8 needs layers.{i}.attn.k_scale/v_scale in "
-                       "weights.safetensors; rebuild with quantization.kv_cache=fp8")
-
-
-def kv_cache_dtypes(spec: EngineSpec, dtype: torch.dtype, device: torch.device,
-                    attention) -> tuple[torch.dtype, torch.dtype]:
-    """(what the KV cache holds, what its tensors store) for a model computing in ``dtype``; sets
-    ``attention.fp8_as_float`` when the two differ. One function for every runner of a bundle
-    (``ModelRunner``, ``backend.model.layerwise``), so they cache the same numbers."""
-    kv_name = spec.kv_cache_dtype
-    if kv_name not in KV_DTYPES:
-        raise EngineError(f"engine.kv_cache_dtype: {kv_name!r}; allowed: {', '.join(KV_DTYPES)}")
-    kv_dtype = KV_DTYPES[kv_name] if kv_name != spec.model.dtype else dtype
-    # What the cache tensors hold: kv_dtype, except an fp8 cache on CPU with the torch backend,
-    # which stores the fp8 values already scaled, in the compute dtype (same numbers: see
-    # TorchAttentionBackend.fp8_as_float). PyTorch has no fast fp8 conversion on CPU, and a step
-    # converted every sequence's whole context in every layer (0.7 s of a 1.4 s step at 64
-    # sequences, SmolLM2); RAM, not bandwidth, is what a CPU has plenty of.
-    if kv_dtype == torch.float8_e4m3fn and device.type == "cpu" and attention.name == "torch":
-        attention.fp8_as_float = True
-        return kv_dtype, dtype
-    return kv_dtype, kv_dtype
-
-
-def plan_kv_blocks(spec: EngineSpec, storage_dtype: torch.dtype, kv_heads: int, free_device_bytes: int | None,
-                   cpu_ram_fraction: float = CPU_RAM_FRACTION) -> int:
-    """KV blocks for ``kv_heads`` heads per layer (a tensor-parallel rank holds its share) within the
-    engine's limits: the device's free memory on a GPU, ``cpu_ram_fraction`` of RAM on a CPU."""
-    cfg, eng = spec.model, spec.engine
-    per_tok = kv_bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, torch.empty((), dtype=storage_dtype).element_size())
-    try:
-        return kv_capacity_blocks(
-            eng.kv_block_size, per_tok, max_kv_tokens=eng.max_kv_tokens, free_device_bytes=free_device_bytes,
-            free_mem_fraction=float(eng.kv_cache_free_mem_fraction), cpu_ram_fraction=cpu_ram_fraction,
-            max_useful_tokens=eng.max_batch_size * eng.max_seq_len, min_tokens=min(eng.max_seq_len, eng.kv_block_size))
-    except ValueError as exc:
-        raise EngineError(str(exc)) from exc
-
-
-class ModelRunner:
+class ModelRunner(StepRunner):
     """Owns the model, the KV cache tensors and ``execute`` for one step."""
 
     def __init__(self, spec: EngineSpec, device: str | torch.device = "cpu",
@@ -195,7 +91,7 @@ class ModelRunner:
     def _choose_dtype(self, dtype: torch.dtype | None, weights: dict[str, torch.Tensor],
                       backend_name: str) -> cpu_dtype.DtypeChoice:
         """The caller's ``dtype`` when given (tests pin float32 for parity), else engine.cpu_dtype:
-        on a CPU, ``auto`` times one layer of this model in each candidate (backend/model/cpu_dtype.py)."""
+        on a CPU, ``auto`` times one layer of this model in each candidate (backend/runtime/cpu_dtype.py)."""
         if dtype is not None:
             return cpu_dtype.DtypeChoice(dtype, "dtype=", "the caller's dtype argument")
         kv_fp8 = KV_DTYPES.get(self.spec.kv_cache_dtype) == torch.float8_e4m3fn
@@ -234,7 +130,7 @@ def attention_backend(spec: EngineSpec, device: torch.device) -> tuple[str, Any]
     each tensor-parallel rank's ``TPRunner``) picks it here, so they run the same kernels."""
     name = resolve_backend_name(spec.engine.attention_backend, str(device))
     attention = get_backend(name, str(device))
-    if device.type == "cuda" and spec.manifest.kernels and hasattr(attention, "load_aot"):
+    if device.type == "cuda" and spec.manifest.kernels:
         # The build compiled these cubins for the bundle's target SMs: launching them skips JIT at
         # start. Any problem with them must cost speed, never the engine, so fall back to JIT.
         try:

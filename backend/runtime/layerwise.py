@@ -26,8 +26,9 @@ import torch.nn.functional as F
 
 from backend.model.layers import RotaryEmbedding, rms_norm
 from backend.model.llama import build_layer, decoder_layer
-from backend.model.runner import (FP8_KV_NEEDS_SCALES, EngineError, EngineSpec, kv_cache_dtypes,
-                                  prefill_meta)
+from backend.runtime.kv_plan import FP8_KV_NEEDS_SCALES, kv_cache_dtypes
+from backend.runtime.native import prefill_meta
+from backend.runtime.spec import EngineError, EngineSpec
 from backend.ops import cpu_matmul
 from backend.ops.attention import get_backend, resolve_backend_name
 
@@ -63,7 +64,7 @@ class LayerwiseRunner:
     def _read(self, names: list[str] | None = None, prefix: str = "") -> dict[str, torch.Tensor]:
         from safetensors import safe_open
         if len(self._files) > 1:
-            from backend.model.tp_shard import load_unsharded
+            from backend.runtime.tp_shard import load_unsharded
             try:
                 return load_unsharded(self._files, self.config, names, prefix, device=str(self.device))
             except KeyError as exc:

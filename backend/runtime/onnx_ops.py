@@ -15,9 +15,12 @@ import numpy as np
 import torch
 from onnx.reference.op_run import OpRun
 
-from plugins.reference.attention import paged_prefill_ref
-from plugins.reference.fused import rope_write_kv_ref
+from plugins import registry
 from plugins.reference.gemm import dequant_int4_awq, dequant_nvfp4
+
+# The custom nodes' kernels: the table's reference (torch) rows, what every Triton kernel is tested against
+paged_prefill_ref = registry.load("paged_prefill", "torch")
+rope_write_kv_ref = registry.load("rope_write_kv", "torch")
 
 # numpy dtypes torch cannot take directly -> (the integer view numpy can share, torch dtype)
 _VIA_BITS = {np.dtype(ml_dtypes.bfloat16): (np.int16, torch.bfloat16),

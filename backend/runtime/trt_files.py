@@ -1,5 +1,5 @@
 """A bundle's TensorRT target, as the plan builder (builder/tensorrt_build.py) and the plan runner
-(backend/model/trt_runner.py) both read it: the manifest's ``tensorrt`` section, the optimization
+(backend/runtime/trt_runner.py) both read it: the manifest's ``tensorrt`` section, the optimization
 profiles (``<dir>/profiles.json``), what the graph fixes for its plugins, the plugin registration and
 the lazy ``import tensorrt`` with the one-line answer when it is missing.
 

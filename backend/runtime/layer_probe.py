@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from backend.model.cpu_dtype import median_ms
+from backend.runtime.cpu_dtype import median_ms
 from backend.model.layers import RotaryEmbedding
 from backend.model.llama import build_layer, decoder_layer
 from backend.ops import cpu_matmul

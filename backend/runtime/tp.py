@@ -28,11 +28,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from backend.model.config import ModelConfig
+from backend.bundle_schema import ModelConfig
 from backend.model.llama import LlamaModel
-from backend.model.runner import (EngineError, EngineSpec, attention_backend, decode_graphs, kv_cache_dtypes,
-                                  load_weights, plan_kv_blocks, step_hidden, zeroed)
-from backend.model.tp_shard import shard_config, shard_weights
+from backend.runtime.kv_plan import kv_cache_dtypes, plan_kv_blocks, zeroed
+from backend.runtime.native import attention_backend, decode_graphs, load_weights, step_hidden
+from backend.runtime.spec import EngineError, EngineSpec
+from backend.runtime.runtimes import StepRunner
+from backend.runtime.tp_shard import shard_config, shard_weights
 from backend.ops import cpu_matmul
 from backend.ops.linear import QuantLinear
 
@@ -89,7 +91,7 @@ class TPLlamaModel(LlamaModel):
         return torch.cat(parts, dim=-1)
 
 
-class TPRunner:
+class TPRunner(StepRunner):
     """One rank's model and KV cache; ``execute`` has ``ModelRunner.execute``'s signature and returns
     the logits on rank 0 (None on the others). Every rank must call it with the same inputs."""
 

@@ -25,11 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from backend.model import cpu_dtype
-from backend.model.runner import CPU_RAM_FRACTION, EngineError, EngineSpec, kv_cache_dtypes
-from backend.model.runner import plan_kv_blocks as runner_plan
-from backend.model.tp import TPRunner
-from backend.model.tp_shard import ShardError, check_tp
+from backend.runtime import cpu_dtype
+from backend.runtime.kv_plan import CPU_RAM_FRACTION, kv_cache_dtypes
+from backend.runtime.spec import EngineError, EngineSpec
+from backend.runtime.runtimes import StepRunner
+from backend.runtime.kv_plan import plan_kv_blocks as runner_plan
+from backend.runtime.tp import TPRunner
+from backend.runtime.tp_shard import ShardError, check_tp
 from backend.ops.attention import get_backend
 
 # Workers wait in a broadcast between steps for as long as the engine is idle: the group's timeout
@@ -142,7 +144,7 @@ def plan_kv_blocks(spec: EngineSpec, tp_size: int, dtype: torch.dtype) -> int:
     return runner_plan(spec, storage, spec.model.num_kv_heads // tp_size, None, CPU_RAM_FRACTION / tp_size)
 
 
-class TPDriver:
+class TPDriver(StepRunner):
     """``tp_size`` ranks: this process is rank 0 (and the sampler's), the others are spawned here."""
 
     def __init__(self, spec: EngineSpec, tp_size: int, num_blocks: int | None = None,
