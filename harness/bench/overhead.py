@@ -52,7 +52,7 @@ _MEASURED_FILES = ("backend/engine/scheduler.py", "backend/engine/scheduler_type
                    "backend/engine/request.py", "backend/engine/sampling_params.py",
                    "backend/ops/attention/metadata.py", "backend/engine/executor.py", "backend/engine/overlap.py",
                    "backend/engine/late_tokens.py", "backend/engine/sampler.py", "backend/engine/events.py",
-                   "backend/engine/request_events.py",
+                   "backend/engine/request_table.py", "backend/engine/sync_loop.py",
                    "harness/bench/overhead.py", "harness/bench/executor_overhead.py")
 STUB_VOCAB = 32    # tiny on purpose: the greedy pick must not stand in for a real sampler
 SCENARIOS = ("decode", "churn", "executor", "executor_overlap")
