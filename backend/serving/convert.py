@@ -17,6 +17,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from backend.engine.sampling_params import room_problem
+
 __all__ = [
     "InvalidRequest", "InputSpec", "INPUTS", "EngineLimits", "read_inputs", "decode_text",
     "sampling_kwargs", "check_prompt", "to_words_list", "from_words_list",
@@ -233,11 +235,9 @@ def sampling_kwargs(values: Mapping[str, Any], prompt_len: int, limits: EngineLi
     could never finish is refused up front instead of being cut short silently.
     """
     max_tokens = values[max_tokens_name]
-    room = limits.max_seq_len - prompt_len
-    if max_tokens > room:
-        raise InvalidRequest(f"input '{max_tokens_name}': {max_tokens} is beyond the engine limit: "
-                             f"the prompt has {prompt_len} tokens and max_seq_len is {limits.max_seq_len}; "
-                             f"allowed: 1..{max(room, 0)}")
+    problem = room_problem(max_tokens, limits.max_seq_len - prompt_len)
+    if problem is not None:
+        raise InvalidRequest(f"input '{max_tokens_name}': {max_tokens}: {problem}")
     if values["min_tokens"] > max_tokens:
         raise InvalidRequest(f"input 'min_tokens': {values['min_tokens']} exceeds {max_tokens_name}="
                              f"{max_tokens}; allowed: 0..{max_tokens}")

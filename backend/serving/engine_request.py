@@ -96,7 +96,6 @@ def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits
                                  "ids in input_ids")
         prompt = prompt[: v["input_lengths"]]
     check_prompt(prompt, limits, vocab_size)
-    v["max_tokens"] = v["request_output_len"]
     v["seed"], v["end_id"] = _optional_id(v["seed"]), _optional_id(v["end_id"])
     kw = sampling_kwargs(v, len(prompt), limits, max_tokens_name="request_output_len")
     bad = from_words_list("bad_words_list", v["bad_words_list"], vocab_size)
