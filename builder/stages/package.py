@@ -16,6 +16,7 @@ from typing import Mapping
 
 from backend.serving.neutral_inputs import ENGINE, TEXT, declarations, ensemble_input_maps
 from backend.serving.placement import instance_groups
+from backend.serving.settings import ServingSettings
 from builder.stages.base import StageContext, StageError
 
 __all__ = ["TEMPLATE_ROOT", "MODELS", "RenderError", "render_text", "render_repository",
@@ -119,11 +120,9 @@ def template_values(serving, engine_dir: str, max_batch_size: int = 64, tp_size:
         # (B = 1 per request: backend/serving/batching.py); the engine's own bound on sequences in flight
         "triton_max_batch_size": max_batch_size,
         "engine_dir": engine_dir,
-        "device": serving.device,
-        "stream_interval": serving.stream_interval,
-        "step_timeout_s": serving.step_timeout_s,
-        "response_thread": "true" if serving.response_thread else "false",
-        "coalesce_responses": "true" if serving.coalesce_responses else "false",
+        # device, stream_interval, step_timeout_s, response_thread, coalesce_responses: the engine
+        # model's run-time settings, as its model.py reads them back (backend/serving/settings.py)
+        **ServingSettings(**{k: getattr(serving, k) for k in ServingSettings.__dataclass_fields__}).parameters(),
         # serving.device cuda: one KIND_GPU group per instance and the GPUs each owns (DP x TP)
         "engine_instance_groups": groups,
         "engine_instance_gpus": gpus,
