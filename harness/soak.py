@@ -238,7 +238,7 @@ def alone(srv: TritonServer, args: argparse.Namespace) -> dict[int, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     from harness.bench.perfinfo import cpu_machine, git_commit
     root = build(args)
     tok = load_tokenizer(root / "engine")

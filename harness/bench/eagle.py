@@ -24,7 +24,7 @@ import zipfile
 from pathlib import Path
 from harness.bench.perfinfo import cpu_machine, git_commit, write_result
 from backend import bundle
-from backend.serving.tokenizer import load_tokenizer
+from backend.serving.conversion.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 MTBENCH_DIR = REPO / "build" / "cache" / "mtbench"

@@ -95,7 +95,7 @@ def test_draft_graph_equals_the_native_draft(draft_bundle):
     layers) and a tree-masked step of 4 entries fed by the draft's own outputs, each against
     ``Eagle3Draft`` on the same cache contents."""
     from backend.model.runner import ModelRunner, load_engine_spec, prefill_meta
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     from backend.speculative.checkpoint import read_bundle_draft
     from backend.speculative.draft_model import Eagle3Draft
     from backend.speculative.draft_onnx import OnnxDraftGraph

@@ -7,10 +7,10 @@ import pytest
 from backend import bundle
 from backend.engine.sampling_params import SamplingParams
 from backend.model.config import ModelConfig
-from backend.serving.convert import EngineLimits, InvalidRequest, from_words_list, to_words_list
-from backend.serving.engine_request import parse_engine_request
-from backend.serving.postprocess import postprocess_tensors
-from backend.serving.preprocess import Preprocessor, preprocessing_outputs
+from backend.serving.conversion.convert import EngineLimits, InvalidRequest, from_words_list, to_words_list
+from backend.serving.engine_model.engine_request import parse_engine_request
+from backend.serving.text_models.postprocess import postprocess_tensors
+from backend.serving.text_models.preprocess import Preprocessor, preprocessing_outputs
 
 LIMITS = EngineLimits(max_input_len=32, max_seq_len=64)
 # a SmolLM2-shaped manifest: the preprocessor reads the engine limits from it (through backend.bundle)
@@ -306,7 +306,7 @@ def test_engine_accepts_nvidias_neutral_inputs_and_refuses_the_rest(text_tokeniz
 
 
 def test_batch_dimension_one_sequence_per_request():
-    from backend.serving.batching import batched, unbatch
+    from backend.serving.conversion.batching import batched, unbatch
     got = unbatch({"input_ids": np.array([[5, 6, 7]], np.int32), "end_id": np.array([[2]], np.int32)}, "m")
     assert got["input_ids"].tolist() == [5, 6, 7] and got["end_id"].tolist() == [2]
     with pytest.raises(InvalidRequest, match=r"input 'text_input' of model 'ensemble': batch size 2 \(shape \[2, 1\]\)"):

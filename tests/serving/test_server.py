@@ -68,7 +68,7 @@ def test_cancelled_engine_request_frees_its_blocks(reference, triton_server):
     """A client of the engine model itself (token ids in, like tensorrtllm_backend's engine)."""
     import tritonclient.grpc as g
     import tritonclient.grpc.aio as aio
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     ids = load_tokenizer(triton_server.repo.parent / "engine").encode("Write a long story about a dragon.")
     inputs = []
     for name, arr in (("input_ids", np.array(ids, np.int32)), ("request_output_len", np.array([600], np.int32)),
@@ -185,7 +185,7 @@ def test_custom_metrics_are_exported(triton_server):
 def test_a_bundle_without_a_draft_reports_zero_acceptance(reference, triton_server):
     """This bundle has no EAGLE draft: the acceptance outputs are zeros (present in the ensemble
     always, in bls when asked) and the speculation metrics exist and stay at 0."""
-    from backend.serving.acceptance import read_acceptance
+    from backend.serving.metrics.acceptance import read_acceptance
     zeros = {"acceptance_rate": 0.0, "total_accepted_draft_tokens": 0, "total_draft_tokens": 0}
     text, n = PROMPTS["paris"]
     for model, flag in ((NAMES.ensemble, {}), (NAMES.bls, {"return_perf_metrics": True})):

@@ -1,4 +1,4 @@
-"""The engine model's run-time serving settings (backend/serving/settings.py): one default per key,
+"""The engine model's run-time serving settings (backend/serving/engine_model/settings.py): one default per key,
 shared by the build config, the rendered config.pbtxt and what the engine's model.py reads back."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
-from backend.serving.settings import DEFAULTS, ServingSettings
+from backend.serving.engine_model.settings import DEFAULTS, ServingSettings
 from builder.config import BuildConfig, ServingConfig
 from builder.stages.package import render_repository, template_values
 

@@ -1,12 +1,12 @@
 """Triton model: the Kiln engine (decoupled unless built with serving.decoupled=false).
-Logic: backend/serving/engine_host.py; its device: backend/serving/placement.py."""
+Logic: backend/serving/engine_model/engine_host.py; its device: backend/serving/engine_model/placement.py."""
 import triton_python_backend_utils as pb_utils
 
 from backend.logs import route_to_triton
-from backend.serving.engine_host import EngineHost
-from backend.serving.model_args import engine_dir, exit_stub, instance_count, instance_placement, model_config
-from backend.serving.settings import ServingSettings
-from backend.serving.transaction import is_decoupled, streaming_refused
+from backend.serving.engine_model.engine_host import EngineHost
+from backend.serving.engine_model.model_args import engine_dir, exit_stub, instance_count, instance_placement, model_config
+from backend.serving.engine_model.settings import ServingSettings
+from backend.serving.conversion.transaction import is_decoupled, streaming_refused
 
 
 class TritonPythonModel:

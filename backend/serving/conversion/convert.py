@@ -6,7 +6,7 @@ live in one place. A problem raises :class:`InvalidRequest`, which the models tu
 error response (the server keeps serving).
 
 Shapes: every model declares ``max_batch_size`` > 0 as NVIDIA's do; the models strip the batch
-dimension first (backend/serving/batching.py), so the tensors read here are one request's: a scalar
+dimension first (backend/serving/conversion/batching.py), so the tensors read here are one request's: a scalar
 input is shape ``[1]``.
 """
 from __future__ import annotations
@@ -125,7 +125,7 @@ INPUTS: dict[str, InputSpec] = {
     "stop_words_list": InputSpec("int", None, many=True, allowed="[2, N] NVIDIA words list"),
     "bad_words_list": InputSpec("int", None, many=True, allowed="[2, N] NVIDIA words list"),
     "stop_request": InputSpec("bool", False),
-    # NVIDIA's name for stop_request (same rules: backend/serving/engine_host.py)
+    # NVIDIA's name for stop_request (same rules: backend/serving/engine_model/engine_host.py)
     "stop": InputSpec("bool", False),
     # encoder-decoder inputs NVIDIA's preprocessing always fills; a decoder-only engine ignores them
     "decoder_input_ids": InputSpec("int", None, many=True, allowed="ignored (decoder-only model)"),

@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 from backend.bundle import MANIFEST
 from backend.logs import get_logger
-from backend.serving.placement import Placement, place_instance, visible_gpus
-from backend.serving.settings import ServingSettings
+from backend.serving.engine_model.placement import Placement, place_instance, visible_gpus
+from backend.serving.engine_model.settings import ServingSettings
 
 __all__ = ["model_config", "parameter", "engine_dir", "exit_stub", "instance_count", "instance_placement"]
 

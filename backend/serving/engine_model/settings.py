@@ -17,14 +17,14 @@ _BOOL_TEXT = {"true": True, "false": False}
 
 @dataclasses.dataclass(frozen=True)
 class ServingSettings:
-    # where the engine runs: auto (the GPU when one is visible), cpu or cuda (backend/serving/placement.py)
+    # where the engine runs: auto (the GPU when one is visible), cpu or cuda (backend/serving/engine_model/placement.py)
     device: str = "auto"
     # tokens per streamed response, at least
     stream_interval: int = 1
     # a step running longer is a hung device: its requests end with an error and the engine's stub
     # exits; 0 turns the watchdog off
     step_timeout_s: float = 300.0
-    # a thread of its own makes and sends the engine's responses (backend/serving/responder.py)
+    # a thread of its own makes and sends the engine's responses (backend/serving/engine_model/responder.py)
     response_thread: bool = True
     # tokens that come while a stream's previous response still waits join that response
     coalesce_responses: bool = True

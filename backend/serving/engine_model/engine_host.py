@@ -50,19 +50,19 @@ from typing import Any, Callable
 
 from backend.bundle import load_bundle
 from backend.logs import for_request, get_logger
-from backend.serving.acceptance import draft_counts
-from backend.serving.convert import EngineLimits, InvalidRequest
-from backend.serving.detok import CONTEXT_TOKENS, StreamDetokenizer
-from backend.serving.engine_outputs import (error_response, make_response, merge_outputs, requested_outputs,
+from backend.serving.metrics.acceptance import draft_counts
+from backend.serving.conversion.convert import EngineLimits, InvalidRequest
+from backend.serving.conversion.detok import CONTEXT_TOKENS, StreamDetokenizer
+from backend.serving.engine_model.engine_outputs import (error_response, make_response, merge_outputs, requested_outputs,
                                             send_empty_final, send_error)
-from backend.serving.engine_stream import INBAND_ERRORS, Stream, chosen_logprobs, inband_errors
-from backend.serving.row_group import RowGroup
-from backend.serving.engine_request import is_stop_request, parse_engine_request, request_rows
-from backend.serving.metrics import ServingMetrics
-from backend.serving.responder import Responder
-from backend.serving.serving_state import ServingState
-from backend.serving.settings import DEFAULTS, ServingSettings
-from backend.serving.tokenizer import load_tokenizer
+from backend.serving.engine_model.engine_stream import INBAND_ERRORS, Stream, chosen_logprobs, inband_errors
+from backend.serving.engine_model.row_group import RowGroup
+from backend.serving.engine_model.engine_request import is_stop_request, parse_engine_request, request_rows
+from backend.serving.metrics.metrics import ServingMetrics
+from backend.serving.engine_model.responder import Responder
+from backend.serving.engine_model.serving_state import ServingState
+from backend.serving.engine_model.settings import DEFAULTS, ServingSettings
+from backend.serving.conversion.tokenizer import load_tokenizer
 
 __all__ = ["EngineHost", "INBAND_ERRORS", "MIN_STOP_ID_LEN", "chosen_logprobs"]
 
