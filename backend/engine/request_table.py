@@ -27,7 +27,6 @@ from backend.engine.scheduler import Scheduler
 from backend.logs import for_request, get_logger
 
 _LOG = get_logger("engine.executor")
-_ABORTED = RequestStatus.FINISHED_ABORTED
 # Latency samples kept for stats() (a ring: serving reads percentiles of recent traffic).
 _SAMPLES = 4096
 
@@ -73,8 +72,8 @@ class RequestTable:
                 logits: dict[int, torch.Tensor] | None, now: float) -> None:
         """Hand one step's new tokens to their clients: ``step`` yields (request, its row of the
         step's samples, its new tokens); ``logprobs[row]`` and ``logits[row]`` (raw generation
-        logits, for requests that asked) go with them. A request cancelled meanwhile (its final
-        event is out) or with no new token gets no event.
+        logits, for requests that asked) go with them. A request with no new token gets no event
+        (the loops give a request cancelled meanwhile, whose final event is out, none).
 
         The common case, a token for a request still running with no guides in the engine and no
         logits to hand over, goes straight to its handle here, without a call per request (a step
@@ -82,7 +81,7 @@ class RequestTable:
         handles = self.handles
         fast = not self.guides and not logits
         for req, i, tokens in step:
-            if req.status is _ABORTED or not tokens:
+            if not tokens:
                 continue
             lp = [logprobs[i]] if logprobs is not None and logprobs[i] is not None else None
             if lp:

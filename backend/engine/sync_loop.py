@@ -13,10 +13,13 @@ import time
 
 from backend.engine.inputs import InputPreparer
 from backend.engine.logits_out import generation_rows, stash_context
+from backend.engine.request import RequestStatus
 from backend.engine.request_table import RequestTable
 from backend.engine.sampler import Sampler
 from backend.engine.scheduler import SchedulerOutput
 from backend.engine.speculator_seam import Speculator
+
+_ABORTED = RequestStatus.FINISHED_ABORTED
 
 
 class SyncLoop:
@@ -73,7 +76,7 @@ class SyncLoop:
             finished = table.scheduler.update(out, sampled)
         if spec is not None:
             spec.propose(out, inputs, captured, finished)
-        new = [r.output_token_ids[b:] for r, b in zip(sampling, before)]
+        new = [r.output_token_ids[b:] if r.status is not _ABORTED else () for r, b in zip(sampling, before)]
         table.deliver(zip(sampling, range(len(sampling)), new), logprobs, gen, time.monotonic())
 
 
