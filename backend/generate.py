@@ -20,7 +20,7 @@ from backend.engine.executor import Executor
 from backend.engine.sampling_params import SamplingParams
 from backend.logs import setup_cli
 from backend.runtime.spec import EngineError
-from backend.serving.tokenizer import load_tokenizer
+from backend.serving.conversion.tokenizer import load_tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from backend.runtime.tp_rules import MAX_TP_SIZE, SHARDABLE_FORMATS
+from backend.serving.engine_model.settings import DEFAULTS as SERVING_DEFAULTS
 from builder.config_overrides import apply_overrides
 from builder.config_tensorrt import RUNTIMES, TensorRTConfig, check_tensorrt
 from builder.schema import ConfigError, build, opt
@@ -191,27 +192,27 @@ class ServingConfig:
     # engine and bls models answer one response per request (HTTP /infer, one-shot gRPC ModelInfer)
     # and refuses streaming requests
     decoupled: bool = opt(True)
-    # where the engine model's instances run (backend/serving/placement.py): cuda = one Triton KIND_GPU
+    # where the engine model's instances run (backend/serving/engine_model/placement.py): cuda = one Triton KIND_GPU
     # instance per engine instance, instance i on GPUs [i*tp_size, (i+1)*tp_size) (DP x TP on one
     # node); cpu = KIND_CPU; auto = KIND_CPU, the engine on the GPU when one is visible (the build
     # cannot know the serving host, and a KIND_GPU group fails to load on a host without GPUs)
-    device: str = opt("auto", choices=("auto", "cpu", "cuda"))
+    device: str = opt(SERVING_DEFAULTS.device, choices=("auto", "cpu", "cuda"))
     engine_instances: int = opt(1, min=1, max=64)
     preprocessing_instances: int = opt(1, min=1, max=64)
     postprocessing_instances: int = opt(1, min=1, max=64)
-    stream_interval: int = opt(1, min=1)
+    stream_interval: int = opt(SERVING_DEFAULTS.stream_interval, min=1)
     # a step running longer than this is a hung device: its requests end with an error and the
     # engine's stub exits (harness.serve then stops the server); 0 turns the watchdog off
-    step_timeout_s: float = opt(300.0, min=0.0)
+    step_timeout_s: float = opt(SERVING_DEFAULTS.step_timeout_s, min=0.0)
     # true: the engine model's responses are made and sent by a thread of their own
-    # (backend/serving/responder.py): each send is a round trip to the server process, which the
+    # (backend/serving/engine_model/responder.py): each send is a round trip to the server process, which the
     # engine's loop would otherwise wait for between steps; false: the loop thread sends them
-    response_thread: bool = opt(True)
+    response_thread: bool = opt(SERVING_DEFAULTS.response_thread)
     # true (with response_thread): a stream's tokens that come while its previous response still waits
     # for the responder join that response, so a responder that cannot keep up with the engine sends
     # fewer, larger responses instead of falling further behind; false: one response per
     # stream_interval tokens, however far behind
-    coalesce_responses: bool = opt(True)
+    coalesce_responses: bool = opt(SERVING_DEFAULTS.coalesce_responses)
     http_port: int = opt(8000, min=1, max=65535)
     grpc_port: int = opt(8001, min=1, max=65535)
     metrics_port: int = opt(8002, min=1, max=65535)

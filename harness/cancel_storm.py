@@ -220,7 +220,7 @@ def _settle(srv: Any, model: str, timeout_s: float) -> None:
     """Let the bls model drop the engine iterators it keeps for GRACE_S after a stream ended, then
     send one normal request (a finished iterator is released on the next request's way through)."""
     import tritonclient.grpc as g
-    from backend.serving.bls import GRACE_S
+    from backend.serving.text_models.bls import GRACE_S
     time.sleep(GRACE_S + 0.5)
     client = g.InferenceServerClient(srv.grpc_url)
     try:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from backend.serving.acceptance import read_acceptance
+from backend.serving.metrics.acceptance import read_acceptance
 from builder.schema import ConfigError
 from harness.serving_client import GenerateError, grpc_inputs, http_generate, http_stream
 from harness.model_names import DEFAULT
@@ -97,7 +97,7 @@ def grpc_run(url: str, model: str, text: str, on_piece: Callable[[str], None] | 
              **params: Any) -> tuple[str, dict | None]:
     """One request over a gRPC stream: (the whole text, the last acceptance figures or None)."""
     import tritonclient.grpc.aio as aio
-    from backend.serving.acceptance import ACCEPTANCE_OUTPUTS
+    from backend.serving.metrics.acceptance import ACCEPTANCE_OUTPUTS
 
     if "return_perf_metrics" in params:  # not in serving_client's table of typed inputs
         params["return_perf_metrics"] = np.array([[bool(params["return_perf_metrics"])]])

@@ -3,7 +3,7 @@
 A repository built for tp_size x engine_instances GPUs is refused on a host that shows fewer, with
 both numbers and what to change, instead of Triton failing to load the model minutes later (or an
 engine running out of memory on a GPU another instance holds). The engine model repeats the check in
-its ``initialize`` for repositories started by another launcher (backend/serving/placement.py).
+its ``initialize`` for repositories started by another launcher (backend/serving/engine_model/placement.py).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from backend import bundle
-from backend.serving.placement import PlacementError, parse_gpus, place_instance, visible_gpus
+from backend.serving.engine_model.placement import PlacementError, parse_gpus, place_instance, visible_gpus
 from harness.model_names import repository_names
 
 __all__ = ["PlacementError", "engine_parameters", "check_repository_gpus"]

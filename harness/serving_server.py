@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from harness.ports import free_port
-from backend.serving.serving_state import DRAIN_DIR_ENV, DRAIN_REQUEST, engine_marker, idle_marker
+from backend.serving.engine_model.serving_state import DRAIN_DIR_ENV, DRAIN_REQUEST, engine_marker, idle_marker
 
 __all__ = ["TritonServer", "TritonBinary", "find_tritonserver", "free_port", "ServerError", "proc_stat", "stub_processes"]
 
@@ -163,7 +163,7 @@ class TritonServer:
         self.extra_args = tuple(extra_args)
         # per-server shared-memory prefix: cleanup removes only this server's regions, never another's
         self.shm_prefix = f"kiln_{os.getpid()}_{self.ports['http']}_"
-        # stop()'s drain handshake with the engine stubs (backend/serving/serving_state.py)
+        # stop()'s drain handshake with the engine stubs (backend/serving/engine_model/serving_state.py)
         self.drain_dir = Path(tempfile.gettempdir()) / f"{self.shm_prefix}drain"
         self.proc: subprocess.Popen | None = None
         self.binary: TritonBinary | None = None
@@ -264,7 +264,7 @@ class TritonServer:
         rest of that engine step and never releases the request: the server waits out its exit
         timeout, exits 1 and crashes on the way out. Ending the engine requests first lets every
         ensemble, bls and engine stream end with a final response or error while the server still
-        takes the ensemble's steps (backend/serving/serving_state.py has the details)."""
+        takes the ensemble's steps (backend/serving/engine_model/serving_state.py has the details)."""
         if not self.running():
             return False
         try:

@@ -25,7 +25,6 @@ TOPS = ("harness", "builder", "backend", "plugins", "quant", "model_repository")
 # Sibling cycles that are still there, each named so that its fix removes the entry (the test below
 # fails on a stale one); a new cycle fails the check.
 KNOWN_SIBLING_CYCLES = {
-    frozenset({"backend.engine.executor", "backend.engine.overlap"}),          # the executor's split
     # annotations only (under TYPE_CHECKING) and lazy imports: to untangle with their own folders
     frozenset({"backend.engine.scheduler", "backend.engine.scheduler_policies"}),
     frozenset({"harness.mlperf.accuracy", "harness.mlperf.run"}),

@@ -9,22 +9,18 @@ Threading contract (the Triton Python backend relies on it):
 * ``cancel`` is asynchronous: the loop aborts the request before its next step and frees its blocks;
 * an exception inside a step fails the requests of that step with an error event; the loop goes on.
 
-Overlap scheduling (``engine.overlap_scheduling``: auto = on for CUDA without speculation): the host
+A step is run by one of two peer loops, both over the same request table (``request_table.py``:
+handles, generators, guides, cancels, and the one place a token is delivered) and the same runner:
+``sync_loop.py`` (speculative decoding runs there) or, with overlap scheduling
+(``engine.overlap_scheduling``: auto = on for CUDA without speculation), ``overlap.py``: the host
 schedules and prepares step n+1 while the device runs step n, and learns step n's tokens one step
-late through one asynchronous copy (``backend/engine/overlap.py``); same tokens, same events.
-
-Speculative decoding seam: an optional ``speculator`` (``speculator_seam.Speculator``) proposes draft tokens
-after each step (``propose``) and turns the target model's logits for ``1 + k`` rows per sequence
-into accepted tokens (``verify``). Without one, one token is sampled per sequence.
-
-Delivering events and ending requests early (cancel, failed steps) live in ``request_events.py``.
+late through one asynchronous copy; same tokens, same events.
 """
 from __future__ import annotations
 
 import itertools
 import threading
 import time
-from collections import deque
 from typing import Any, Callable, Sequence
 
 import torch
@@ -33,22 +29,19 @@ from backend.engine.events import GenerationResult, RequestHandle, TokenEvent
 from backend.engine.inputs import InputPreparer
 from backend.engine.kv_cache import BlockManager
 from backend.engine.loop_thread import start_built, stop_at_exit, stopped
-from backend.engine.logits_out import generation_rows, stash_context
-from backend.engine.overlap import overlap_loop
-from backend.engine.request_events import RequestEvents
-from backend.engine.request import FINAL, Request, RequestStatus
-from backend.engine.sampler import Sampler, SampleRow, make_generator
+from backend.engine.overlap import OverlapLoop, wants_overlap
+from backend.engine.request import Request, RequestStatus
+from backend.engine.request_table import RequestTable
+from backend.engine.sampler import Sampler, make_generator
 from backend.engine.sampling_params import SamplingParams
-from backend.engine.scheduler import Scheduler, SchedulerOutput
+from backend.engine.scheduler import Scheduler
 from backend.engine.speculator_seam import Speculator
+from backend.engine.sync_loop import SyncLoop
 from backend.logs import get_logger
 from backend.runtime.spec import EngineError, load_engine_spec
 from backend.runtime.runtimes import runner_class
 
-_ABORTED = RequestStatus.FINISHED_ABORTED
 _LOG = get_logger("engine.executor")
-# Latency samples kept for stats() (a ring: serving reads percentiles of recent traffic).
-_SAMPLES = 4096
 
 
 def _tp_driver(spec, device: str, dtype: torch.dtype | None, speculative: bool):
@@ -62,7 +55,7 @@ def _tp_driver(spec, device: str, dtype: torch.dtype | None, speculative: bool):
     return TPDriver(spec, tp, dtype=dtype, device=device)
 
 
-class Executor(RequestEvents):
+class Executor:
     def __init__(self, bundle_path, device: str = "cpu", dtype: torch.dtype | str | None = None,
                  speculator: Speculator | None = None, start: bool = True,
                  weights: dict[str, torch.Tensor] | None = None, verify_hashes: bool = True,
@@ -120,6 +113,7 @@ class Executor(RequestEvents):
             raise EngineError(str(exc)) from exc
         self.sampler = Sampler(cfg.eos_token_ids)
         self.device = self.runner.device
+        self.table = RequestTable(self.scheduler)
         self.speculator = speculator
         draft = self.spec.manifest.speculative
         if speculator is None and speculative and draft is not None and draft.method == "eagle3":
@@ -130,22 +124,15 @@ class Executor(RequestEvents):
         # Given the block manager, the preparer refreshes only block-table rows that changed.
         self.inputs = InputPreparer(self.runner.block_size, max_blocks, self.device,
                                     block_manager=self.block_manager)
-        self.overlap = overlap_loop(self, self.speculator)
+        self.sync = SyncLoop(self.table, self.inputs, self.runner, self.sampler, self.speculator)
+        self.overlap = self._overlap_loop(self.speculator)
 
-        self._lock = threading.Lock()            # guards the scheduler between threads
+        self._lock = self.table.lock             # guards the scheduler between threads
         self._wake = threading.Condition(self._lock)
-        self._handles: dict[str, RequestHandle] = {}
-        self._generators: dict[str, torch.Generator] = {}
-        self._guides: dict = {}                  # request id -> guided.Guide (structured output)
         self._guide_compiler = None
-        self._cancels: deque[str] = deque()
         self._ids = itertools.count()
         self._stop = False
-        self._ttft: deque[float] = deque(maxlen=_SAMPLES)
-        self._tpot: deque[float] = deque(maxlen=_SAMPLES)
-        self._step_errors = 0
         self._started = time.monotonic()
-        self._step_started: float | None = None  # set while a step runs: health() spots a stuck one
         self._dead: str | None = None            # why the loop thread ended, if it failed
 
     @property
@@ -158,11 +145,18 @@ class Executor(RequestEvents):
         chosen again: the overlapped one cannot serve a speculator, so attaching one after
         construction must not leave it running (it would bypass the speculator: no drafts at all)."""
         if "overlap" in self.__dict__:           # after construction (the constructor chooses once)
-            loop = overlap_loop(self, spec)       # raises (nothing changed) when true was asked for
+            loop = self._overlap_loop(spec)      # raises (nothing changed) when true was asked for
             if self.overlap is not None:
                 self.overlap.drain()
             self.overlap = loop
+            self.sync.speculator = spec
         self._speculator = spec
+
+    def _overlap_loop(self, speculator: Speculator | None) -> OverlapLoop | None:
+        """The overlapped loop when ``engine.overlap_scheduling`` asks for it with this speculator."""
+        if wants_overlap(self.spec.engine.overlap_scheduling, self.device, speculator is not None):
+            return OverlapLoop(self.table, self.inputs, self.runner, self.sampler)
+        return None
 
     # -- public API ---------------------------------------------------------------------------
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
@@ -190,12 +184,8 @@ class Executor(RequestEvents):
                 raise EngineError(f"the engine loop has failed ({self._dead}); restart the server")
             if self._stop:
                 raise RuntimeError("executor is shut down")
-            self.scheduler.add(req)          # raises ValueError before anything is queued
-            self._handles[rid] = handle
-            if guide is not None:
-                self._guides[rid] = guide
-            if params.seed is not None:
-                self._generators[rid] = make_generator(params.seed, self.device)
+            generator = make_generator(params.seed, self.device) if params.seed is not None else None
+            self.table.add(req, handle, guide, generator)   # raises ValueError before anything is queued
             self._wake.notify()
         return handle
 
@@ -209,7 +199,7 @@ class Executor(RequestEvents):
     def cancel(self, request_id: str) -> None:
         """Abort a request wherever it is; its final event says ``cancelled``. Unknown ids are ignored."""
         with self._lock:
-            self._cancels.append(request_id)
+            self.table.cancel(request_id)
             self._wake.notify()
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
@@ -231,8 +221,8 @@ class Executor(RequestEvents):
         if self.speculator is not None and self.speculator.stats is not None:
             s.update(self.speculator.stats.as_dict())
         s.update({"generated_tokens_per_s": s["generated_tokens"] / elapsed if elapsed > 0 else 0.0,
-                  "ttft_s": list(self._ttft), "tpot_s": list(self._tpot),
-                  "step_errors": self._step_errors, "kv_cache_bytes": self.runner.kv_cache_bytes,
+                  "ttft_s": list(self.table.ttft), "tpot_s": list(self.table.tpot),
+                  "step_errors": self.table.step_errors, "kv_cache_bytes": self.runner.kv_cache_bytes,
                   "device": str(self.device)})
         return s
 
@@ -250,7 +240,7 @@ class Executor(RequestEvents):
         with self._lock:
             pending = list(self.scheduler.requests)
         for rid in pending:
-            self._abort(rid, RequestStatus.FINISHED_ABORTED, None)
+            self.table.abort(rid, RequestStatus.FINISHED_ABORTED, None)
         self.runner.shutdown()     # tensor parallelism: stop the worker processes (elsewhere a no-op)
 
     def __enter__(self) -> "Executor":
@@ -269,7 +259,7 @@ class Executor(RequestEvents):
         reason = self.runner.health()
         if reason is not None:
             return reason
-        started = self._step_started
+        started = self.table.step_started
         if stuck_after_s > 0 and started is not None and time.monotonic() - started > stuck_after_s:
             return f"one engine step has run for more than {stuck_after_s:g} s"
         return None
@@ -278,7 +268,7 @@ class Executor(RequestEvents):
         try:
             while True:
                 with self._lock:
-                    while (not self._stop and not self._cancels and not self.scheduler.has_unfinished()
+                    while (not self._stop and not self.table.cancels and not self.scheduler.has_unfinished()
                            and (self.overlap is None or self.overlap.pending is None)):
                         self._wake.wait()
                     stop = self._stop
@@ -290,102 +280,12 @@ class Executor(RequestEvents):
         except BaseException as exc:  # noqa: BLE001 - a bug outside a step (scheduler, bookkeeping)
             self._dead = f"{type(exc).__name__}: {exc}"
             _LOG.critical("the engine loop failed; ending every request with an error", exc_info=True)
-            with self._lock:
-                pending = list(self.scheduler.requests)
-            # Every request still gets exactly one final event; with overlap, requests that finished in
-            # the scheduler may still be owed their last token (a handle but no scheduler entry).
-            for rid in dict.fromkeys(pending + list(self._handles)):
-                try:
-                    self._abort(rid, RequestStatus.FINISHED_ERROR, f"engine failure: {self._dead}")
-                except Exception:  # noqa: BLE001 - the state may be what broke: still tell the client
-                    pass
-                handle = self._handles.pop(rid, None)
-                if handle is not None:
-                    handle._deliver(TokenEvent(rid, [], None, True, "error", f"engine failure: {self._dead}"))
+            self.table.fail_all(f"engine failure: {self._dead}")
 
     def step(self) -> int:
         """Run one iteration. Returns the number of sequences scheduled (0 = nothing to do)."""
-        if self.overlap is not None:
-            return self.overlap.step()
-        self._process_cancels()
-        with self._lock:
-            out = self.scheduler.schedule()
-        if out.is_empty:
-            return 0
-        self._step_started = time.monotonic()
-        try:
-            self._run(out)
-        except Exception as exc:  # noqa: BLE001 - a failing step must not kill the loop
-            self._step_errors += 1
-            msg = f"{type(exc).__name__}: {exc}"
-            _LOG.exception("step failed; ending its %d requests with an error (%s)", len(out.scheduled),
-                           ", ".join(s.request.request_id for s in out.scheduled))
-            self._fail_requests([s.request for s in out.scheduled], msg)
-        self._step_started = None
-        return len(out.scheduled)
-
-    def _run(self, out: SchedulerOutput) -> None:
-        spec = self.speculator
-        inputs = self.inputs.prepare(out)
-        if spec is not None:
-            spec.prepare(out, inputs)
-        capture = spec.capture_hidden_layers if spec is not None else ()
-        logits, captured = self.runner.execute(inputs.input_ids, inputs.meta, inputs.logits_indices, capture)
-        if inputs.context:
-            logits = stash_context(logits, inputs.context)
-        sampling = [s.request for s in inputs.sample_seqs]
-        gen_rows = generation_rows(sampling, inputs.logits_counts)
-        gen = dict(zip((i for i, _ in gen_rows),
-                       logits[[r for _, r in gen_rows]].float().cpu())) if gen_rows else {}
-        rows = self._sample_rows(sampling)
-        logprobs = None
-        if spec is not None and out.num_spec_tokens:
-            sampled: list = spec.verify(out, logits, rows, self.sampler)
-            # Rows sampled without drafts in a speculative step keep their logprobs.
-            logprobs = spec.last_logprobs
-        else:
-            res = self.sampler(logits, rows)
-            sampled, logprobs = res.token_ids, res.logprobs
-        with self._lock:
-            before = [len(r.output_token_ids) for r in sampling]
-            finished = self.scheduler.update(out, sampled)
-        if spec is not None:
-            spec.propose(out, inputs, captured, finished)
-        now = time.monotonic()
-        # _emit_tokens' common case, delivered here (a call per request per step saved): a token for
-        # a running request, with no guides in the engine and no logits to hand over
-        fast = self._handles if not self._guides and not gen else None
-        for i, req in enumerate(sampling):
-            new = req.output_token_ids[before[i]:]
-            if req.status is _ABORTED or not new:
-                continue
-            lp = [logprobs[i]] if logprobs is not None and logprobs[i] is not None else None
-            if lp:
-                req.output_logprobs.extend(lp)
-            if fast is not None and req.status < FINAL and not req.context_logits:
-                handle = fast.get(req.request_id)
-                if handle is not None:
-                    try:
-                        handle._deliver(TokenEvent(req.request_id, new, lp, False, None, None, req))
-                    except Exception:  # noqa: BLE001 - a consumer's callback bug must not stop the engine
-                        self._callback_failed(req.request_id)
-                continue
-            done = req.status >= FINAL
-            if done:
-                self._record_latency(req, now)
-            self._emit_tokens(req, new, lp, done, gen[i].unsqueeze(0) if i in gen else None)
-
-    # -- helpers ------------------------------------------------------------------------------
-    def _sample_rows(self, sampling: Sequence[Request]) -> list[SampleRow]:
-        # One row per request for its life: what it refers to (params, token lists, generator,
-        # grammar) is fixed at submit, and the lists grow in place
-        return [r.sample_row or self._new_sample_row(r) for r in sampling]
-
-    def _new_sample_row(self, r: Request) -> SampleRow:
-        rid = r.request_id
-        row = r.sample_row = SampleRow(r.params, r.prompt_token_ids, r.output_token_ids,
-                                       self._generators.get(rid), self._guides.get(rid) if self._guides else None)
-        return row
+        loop = self.overlap if self.overlap is not None else self.sync
+        return loop.step()
 
 
 __all__ = ["Executor", "GenerationResult", "RequestHandle", "TokenEvent"]

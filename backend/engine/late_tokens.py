@@ -50,10 +50,11 @@ def late_rows(sampling: Sequence[Request], skipped: int) -> LateRows:
     return LateRows([sampling[i] for i in keep], keep)
 
 
-def fill(scheduler, rows: LateRows, tokens: Sequence[int], now: float) -> list[tuple[Request, int]]:
+def fill(scheduler, rows: LateRows, tokens: Sequence[int], now: float) -> list[tuple[Request, int, list[int]]]:
     """Put the real tokens in place of the placeholders and apply what needed their values (stop
-    tokens). Returns (request, sample row) of the rows that take an event (not cancelled or failed
-    meanwhile); a request ``is_finished`` when that token was its last."""
+    tokens). Returns (request, sample row, [its token]) of the rows that take an event (not
+    cancelled or failed meanwhile), as ``RequestTable.deliver`` takes them; a request
+    ``is_finished`` when that token was its last."""
     emit = []
     running = RequestStatus.RUNNING
     aborted, failed = RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR
@@ -78,7 +79,7 @@ def fill(scheduler, rows: LateRows, tokens: Sequence[int], now: float) -> list[t
                 req.status = RequestStatus.FINISHED_STOPPED
             elif status is running or status is RequestStatus.PREEMPTED:
                 scheduler.abort(req.request_id, RequestStatus.FINISHED_STOPPED)
-        emit.append((req, i))
+        emit.append((req, i, [tok]))
     return emit
 
 

@@ -23,42 +23,33 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from backend.engine.events import TokenEvent
+from backend.engine.inputs import InputPreparer
 from backend.engine.late_tokens import PLACEHOLDER, LateRows, fill, late_rows
 from backend.engine.logits_out import generation_rows, stash_context
-from backend.engine.request import FINAL, Request
-from backend.engine.sampler import DeviceSample
+from backend.engine.request import Request
+from backend.engine.request_table import RequestTable
+from backend.engine.sampler import DeviceSample, Sampler
 from backend.engine.scheduler import SchedulerOutput
-from backend.logs import get_logger
 from backend.runtime.spec import EngineError
 
-if TYPE_CHECKING:
-    from backend.engine.executor import Executor
 
-_LOG = get_logger("engine.overlap")
-
-
-def overlap_loop(ex: "Executor", speculator) -> "OverlapLoop | None":
-    """The loop ``engine.overlap_scheduling`` asks for, given the speculator the executor will run:
-    "auto" = overlapped on a CUDA device unless a speculator is attached; true on any device (on CPU
-    only its structure: ops are synchronous)."""
-    want = ex.spec.engine.overlap_scheduling
+def wants_overlap(want, device: torch.device, speculating: bool) -> bool:
+    """Whether ``engine.overlap_scheduling`` (``want``) asks for the overlapped loop, given the
+    device and whether a speculator will run: "auto" = overlapped on a CUDA device unless a
+    speculator is attached; true on any device (on CPU only its structure: ops are synchronous)."""
     if want not in ("auto", True, False):
         raise EngineError(f"engine.overlap_scheduling: {want!r}; allowed: auto, true, false")
-    if speculator is not None:
+    if speculating:
         # Drafts for step n+1 come from step n's accepted tokens on the host: nothing to overlap.
         if want is True:
             raise EngineError("engine.overlap_scheduling: true cannot run with speculative decoding "
                               "(the next drafts need this step's tokens on the host); allowed: auto, "
                               "false, or Executor(speculative=False)")
-        return None
-    if want is True or (want == "auto" and ex.device.type == "cuda"):
-        return OverlapLoop(ex)
-    return None
+        return False
+    return want is True or (want == "auto" and device.type == "cuda")
 
 
 class HostCopy:
@@ -108,21 +99,24 @@ class InFlight:
 
 
 class OverlapLoop:
-    """``Executor.step`` when overlap scheduling is on. Uses the executor's scheduler, preparer,
-    runner, sampler and event plumbing; owns only the step in flight."""
+    """``Executor.step`` when overlap scheduling is on: the peer of ``SyncLoop`` (``sync_loop.py``),
+    with the same table, preparer, runner and sampler; owns only the step in flight."""
 
-    def __init__(self, ex: "Executor") -> None:
-        self.ex = ex
-        self.copy = HostCopy(ex.device)
+    def __init__(self, table: RequestTable, inputs: InputPreparer, runner, sampler: Sampler) -> None:
+        self.table = table
+        self.inputs = inputs
+        self.runner = runner
+        self.sampler = sampler
+        self.copy = HostCopy(runner.device)
         self.pending: InFlight | None = None
 
     def step(self) -> int:
-        ex = self.ex
+        table = self.table
         if self.pending is not None and self.pending.needs_history:
             self._guarded(None, self._resolve_pending)   # the next step's sampling reads token values
-        ex._process_cancels()
-        with ex._lock:
-            out = ex.scheduler.schedule()
+        table.process_cancels()
+        with table.lock:
+            out = table.scheduler.schedule()
         if out.is_empty:
             if self.pending is not None:               # the last step's tokens are still owed
                 self._guarded(None, self._resolve_pending)
@@ -137,81 +131,53 @@ class OverlapLoop:
 
     # -- one step ---------------------------------------------------------------------------
     def _guarded(self, out: SchedulerOutput | None, fn) -> None:
-        """Run ``fn`` as the executor runs a step: a failure ends the requests it touched (this step's
-        and the one in flight) with an error, and the loop goes on."""
-        ex = self.ex
-        ex._step_started = time.monotonic()
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - a failing step must not kill the loop
-            ex._step_errors += 1
-            msg = f"{type(exc).__name__}: {exc}"
-            reqs = [s.request for s in out.scheduled] if out is not None else []
-            if self.pending is not None:
-                reqs += self.pending.requests
-                self.pending = None
-            _LOG.exception("step failed; ending its %d requests with an error (%s)", len(reqs),
-                           ", ".join(dict.fromkeys(r.request_id for r in reqs)))
-            ex._fail_requests(reqs, msg)
-        ex._step_started = None
+        """A failure ends the requests ``fn`` touched: this step's and the one in flight."""
+        self.table.guarded(fn, lambda: self._touched(out))
+
+    def _touched(self, out: SchedulerOutput | None) -> list[Request]:
+        reqs = [s.request for s in out.scheduled] if out is not None else []
+        if self.pending is not None:
+            reqs += self.pending.requests
+            self.pending = None
+        return reqs
 
     def _run(self, out: SchedulerOutput) -> None:
-        ex = self.ex
+        table = self.table
         prev = self.pending
-        inputs = ex.inputs.prepare(out, prev.rows if prev is not None else None)
+        inputs = self.inputs.prepare(out, prev.rows if prev is not None else None)
         ids = inputs.input_ids
         if inputs.late_dst is not None:
             # Decode rows whose input token was sampled by the step still on the device.
             ids.index_copy_(0, inputs.late_dst, prev.sample.tokens.index_select(0, inputs.late_src))
-        logits, _ = ex.runner.execute(ids, inputs.meta, inputs.logits_indices)
+        logits, _ = self.runner.execute(ids, inputs.meta, inputs.logits_indices)
         if inputs.context:
             logits = stash_context(logits, inputs.context)   # rare; a synchronous copy
         sampling = [s.request for s in inputs.sample_seqs]
         gen_rows = generation_rows(sampling, inputs.logits_counts)
         # copies on the device, read once the step's event has fired (no extra host sync)
         gen = {i: logits[r].float().clone() for i, r in gen_rows} if gen_rows else None
-        rows = ex._sample_rows(sampling)
-        ds = ex.sampler.sample(logits, rows)
+        rows = table.sample_rows(sampling)
+        ds = self.sampler.sample(logits, rows)
         copy = self.copy.start(ds.packed())
         # The device runs this step while the host finishes the previous one.
         if prev is not None:
             self._resolve_pending()
-        with ex._lock:
-            ex.scheduler.update(out, [PLACEHOLDER] * len(sampling))
-            lrows = late_rows(sampling, ex.scheduler.last_update_skipped)
+        with table.lock:
+            table.scheduler.update(out, [PLACEHOLDER] * len(sampling))
+            lrows = late_rows(sampling, table.scheduler.last_update_skipped)
         # (rows of requests aborted meanwhile may count too: at worst one step resolves early)
         self.pending = InFlight(lrows, ds, copy, any(r.history for r in rows), gen)
 
     def _resolve_pending(self) -> None:
-        """Read the step in flight's samples (waiting for its event), fill its placeholders, emit."""
-        ex = self.ex
+        """Read the step in flight's samples (waiting for its event), fill its placeholders, deliver."""
+        table = self.table
         prev = self.pending
         res = prev.sample.unpack(HostCopy.wait(prev.copy))
         now = time.monotonic()
-        with ex._lock:
-            emit = fill(ex.scheduler, prev.rows, res.token_ids, now)
+        with table.lock:
+            emit = fill(table.scheduler, prev.rows, res.token_ids, now)
         self.pending = None
-        logprobs = res.logprobs
-        tokens = res.token_ids
-        # _emit_tokens' common case delivered here, as in Executor._run
-        fast = ex._handles if not ex._guides and not prev.logits else None
-        for req, i in emit:
-            lp = [logprobs[i]] if logprobs[i] is not None else None
-            if lp:
-                req.output_logprobs.extend(lp)
-            if fast is not None and req.status < FINAL and not req.context_logits:
-                handle = fast.get(req.request_id)
-                if handle is not None:
-                    try:
-                        handle._deliver(TokenEvent(req.request_id, [tokens[i]], lp, False, None, None, req))
-                    except Exception:  # noqa: BLE001 - a consumer's callback bug must not stop the engine
-                        ex._callback_failed(req.request_id)
-                continue
-            done = req.status >= FINAL
-            if done:
-                ex._record_latency(req, now)
-            gen = prev.logits.get(i) if prev.logits else None
-            ex._emit_tokens(req, [tokens[i]], lp, done, None if gen is None else gen.cpu().unsqueeze(0))
+        table.deliver(emit, res.logprobs, prev.logits, now)
 
 
-__all__ = ["HostCopy", "InFlight", "OverlapLoop"]
+__all__ = ["HostCopy", "InFlight", "OverlapLoop", "wants_overlap"]

@@ -96,8 +96,8 @@ class Request:
         self.num_new_blocks = 0
         self.num_reused_blocks = 0
         self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)  # scheduler adds eos
-        # Most tokens (prompt + output) this request may reach; the scheduler caps it at max_seq_len.
-        self.token_limit = len(self.prompt_token_ids) + params.max_tokens
+        # ``token_limit``, the most tokens (prompt + output) it may reach, is set once by
+        # ``Scheduler.add``, which knows max_seq_len: min(prompt + max_tokens, max_seq_len).
         self.sched_seq = None              # the scheduler's reusable ScheduledSeq for decode steps
         self.sample_row = None             # the executor's SampleRow, made at the first sample
         self.first_scheduled_time: float | None = None
@@ -134,11 +134,6 @@ class Request:
         """The next step is (part of) a prefill: more than the last token lacks KV, or nothing has
         been sampled yet (a prompt's last token is still prefill). Same rule as the scheduler."""
         return len(self.all_token_ids) - self.num_computed_tokens > 1 or not self.output_token_ids
-
-    @property
-    def max_total_tokens(self) -> int:
-        """Tokens this request can hold at most: prompt + max_tokens."""
-        return len(self.prompt_token_ids) + self.params.max_tokens
 
     # -- status -----------------------------------------------------------------------------
     @property

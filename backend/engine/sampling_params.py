@@ -79,11 +79,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self, max_tokens_limit: int, vocab_size: int | None = None) -> None:
+    def validate(self, room: int, vocab_size: int | None = None) -> None:
         """Raise ``ValueError("sampling.<field>: <value>: <problem>; allowed: <...>")``.
 
-        ``max_tokens_limit`` is the most tokens this request may generate (the engine's
-        ``max_seq_len`` minus the prompt length); ``vocab_size`` bounds token ids when given.
+        ``room`` is the most tokens this request may generate (the engine's ``max_seq_len`` minus
+        the prompt length, ``room_problem``); ``vocab_size`` bounds token ids when given.
         """
         for name in _INT_FIELDS:
             value = getattr(self, name)
@@ -98,11 +98,11 @@ class SamplingParams:
             if not isinstance(value, bool):
                 _fail(name, value, "must be true or false")
 
-        if max_tokens_limit < 1:
-            _fail("max_tokens", self.max_tokens,
-                  f"no room to generate (limit {max_tokens_limit}: the prompt fills max_seq_len)")
-        if not 1 <= self.max_tokens <= max_tokens_limit:
-            _fail("max_tokens", self.max_tokens, f"allowed: 1..{max_tokens_limit}")
+        if self.max_tokens < 1 and room >= 1:
+            _fail("max_tokens", self.max_tokens, f"allowed: 1..{room}")
+        problem = room_problem(self.max_tokens, room)
+        if problem is not None:
+            _fail("max_tokens", self.max_tokens, problem)
         if not 0 <= self.min_tokens <= self.max_tokens:
             _fail("min_tokens", self.min_tokens, f"allowed: 0..max_tokens ({self.max_tokens})")
         if self.temperature < 0:
@@ -171,6 +171,18 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
+def room_problem(max_tokens: int, room: int) -> str | None:
+    """The one check of the room a prompt leaves for its output (``room`` = ``max_seq_len`` minus
+    the prompt's tokens): what is wrong with ``max_tokens`` (>= 1), or None when it fits. Every door
+    words its refusal with it after naming its own input: ``SamplingParams.validate`` (the
+    executor's ``submit``), the Triton models' request conversion and the OpenAI server."""
+    if room < 1:
+        return "no room to generate: the prompt fills max_seq_len; allowed: a shorter prompt"
+    if max_tokens > room:
+        return f"more than the {room} tokens the prompt leaves in max_seq_len; allowed: 1..{room}"
+    return None
+
+
 def _is_seq(value) -> bool:
     return isinstance(value, (list, tuple, range))
 
@@ -194,4 +206,4 @@ def _fail(name: str, value, problem: str) -> None:
     raise ValueError(f"sampling.{name}: {value!r}: {problem}")
 
 
-__all__ = ["GUIDE_KINDS", "MAX_LOGPROBS", "SamplingParams"]
+__all__ = ["GUIDE_KINDS", "MAX_LOGPROBS", "SamplingParams", "room_problem"]

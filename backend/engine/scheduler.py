@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 
 from backend.engine.kv_cache import BlockManager
 from backend.engine.request import Request, RequestStatus
+from backend.engine.sampling_params import room_problem
 from backend.engine.scheduler_policies import POLICIES, GuaranteedNoEvict, MaxUtilization
 from backend.engine.scheduler_types import ScheduledSeq, SchedulerOutput, WaitingQueue
 from backend.engine.scheduler_update import StepResults
@@ -93,12 +94,9 @@ class Scheduler(StepResults):
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def life_tokens(self, request: Request) -> int:
-        """Most tokens ``request`` can ever hold in the KV cache."""
-        return min(request.max_total_tokens, self.max_seq_len)
-
     def blocks_for_life(self, request: Request) -> int:
-        return -(-self.life_tokens(request) // self.block_manager.block_size)
+        """KV blocks ``request`` needs at most (its ``token_limit``: prompt + max_tokens, capped)."""
+        return -(-request.token_limit // self.block_manager.block_size)
 
     # -- queue operations ---------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -108,15 +106,16 @@ class Scheduler(StepResults):
             raise ValueError(f"request_id {rid!r} is already in use by an unfinished request")
         n = request.num_prompt_tokens
         if n >= self.max_seq_len:
-            raise ValueError(f"request {rid!r}: prompt of {n} tokens leaves no room to generate; "
-                             f"allowed: at most max_seq_len - 1 = {self.max_seq_len - 1}")
+            raise ValueError(f"request {rid!r}: prompt of {n} tokens (max_seq_len {self.max_seq_len}): "
+                             f"{room_problem(1, self.max_seq_len - n)}")
         if not self.enable_chunked_prefill and n > self.max_num_tokens:
             raise ValueError(f"request {rid!r}: prompt of {n} tokens exceeds engine.max_num_tokens "
                              f"({self.max_num_tokens}) and chunked prefill is off")
         bm = self.block_manager
         capacity = bm.num_blocks * bm.block_size
-        if self.blocks_for_life(request) > bm.num_blocks:
-            raise ValueError(f"request {rid!r}: prompt + max_tokens = {self.life_tokens(request)} "
+        limit = min(n + request.params.max_tokens, self.max_seq_len)
+        if -(-limit // bm.block_size) > bm.num_blocks:
+            raise ValueError(f"request {rid!r}: prompt + max_tokens = {limit} "
                              f"tokens can never fit the KV cache of {capacity} tokens")
         if request.status is not RequestStatus.WAITING:
             raise ValueError(f"request {rid!r}: status {request.status.name}; allowed: WAITING")
@@ -124,7 +123,7 @@ class Scheduler(StepResults):
         if not request.params.ignore_eos:
             stops |= self.eos_token_ids
         request.stop_ids = frozenset(stops)
-        request.token_limit = self.life_tokens(request)
+        request.token_limit = limit
         request.arrival_seq = self._next_seq
         self._next_seq += 1
         self.requests[rid] = request

@@ -44,8 +44,7 @@ class GuaranteedNoEvict:
 
     def admit(self, scheduler: "Scheduler", request: Request) -> bool:
         bm = scheduler.block_manager
-        life = scheduler.life_tokens(request)
-        return bm.num_blocks_needed(request, life) <= bm.num_free_blocks - self._reserved
+        return bm.num_blocks_needed(request, request.token_limit) <= bm.num_free_blocks - self._reserved
 
     def admitted(self, scheduler: "Scheduler", request: Request) -> None:
         self._reserved += max(scheduler.blocks_for_life(request) - len(request.block_ids), 0)

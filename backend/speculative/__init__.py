@@ -7,6 +7,6 @@
 - ``grow``: growing the next tree with the draft;
 - ``speculator``: the executor's ``Speculator`` (prepare / verify / propose), ``attach(executor)``;
 - ``record``: the same seam recording the target's hidden states (the draft stage's training data);
-- ``bench``: ``python -m harness.bench.eagle``.
+- ``bench``: ``python -m harness.perf.throughput.eagle``.
 Submodules are imported explicitly so the torch-free ones stay torch-free.
 """

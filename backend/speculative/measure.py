@@ -1,7 +1,7 @@
 """Greedy runs that measure a draft: acceptance length, acceptance rate, target passes per token.
 
 Shared by the build's verify stage (held-out prompts, recorded in engine.json) and the benchmark
-(``harness/bench/eagle.py``, MT-bench). The executor is stepped by hand (``start=False``) so that every target
+(``harness/perf/throughput/eagle.py``, MT-bench). The executor is stepped by hand (``start=False``) so that every target
 forward pass is counted: one ``step()`` that schedules anything is one pass.
 """
 from __future__ import annotations

@@ -14,8 +14,9 @@ import shutil
 from pathlib import Path
 from typing import Mapping
 
-from backend.serving.neutral_inputs import ENGINE, TEXT, declarations, ensemble_input_maps
-from backend.serving.placement import instance_groups
+from backend.serving.conversion.neutral_inputs import ENGINE, TEXT, declarations, ensemble_input_maps
+from backend.serving.engine_model.placement import instance_groups
+from backend.serving.engine_model.settings import ServingSettings
 from builder.stages.base import StageContext, StageError
 
 __all__ = ["TEMPLATE_ROOT", "MODELS", "RenderError", "render_text", "render_repository",
@@ -116,21 +117,19 @@ def template_values(serving, engine_dir: str, max_batch_size: int = 64, tp_size:
         # NVIDIA's decoupled_mode, for the engine and bls models (the ensemble follows the engine)
         "decoupled": "true" if serving.decoupled else "false",
         # NVIDIA's triton_max_batch_size: every model takes [B, ...] tensors as its clients send them
-        # (B = 1 per request: backend/serving/batching.py); the engine's own bound on sequences in flight
+        # (B = 1 per request: backend/serving/conversion/batching.py); the engine's own bound on sequences in flight
         "triton_max_batch_size": max_batch_size,
         "engine_dir": engine_dir,
-        "device": serving.device,
-        "stream_interval": serving.stream_interval,
-        "step_timeout_s": serving.step_timeout_s,
-        "response_thread": "true" if serving.response_thread else "false",
-        "coalesce_responses": "true" if serving.coalesce_responses else "false",
+        # device, stream_interval, step_timeout_s, response_thread, coalesce_responses: the engine
+        # model's run-time settings, as its model.py reads them back (backend/serving/engine_model/settings.py)
+        **ServingSettings(**{k: getattr(serving, k) for k in ServingSettings.__dataclass_fields__}).parameters(),
         # serving.device cuda: one KIND_GPU group per instance and the GPUs each owns (DP x TP)
         "engine_instance_groups": groups,
         "engine_instance_gpus": gpus,
         "preprocessing_instances": serving.preprocessing_instances,
         "postprocessing_instances": serving.postprocessing_instances,
         # NVIDIA's inputs for features Kiln lacks, declared so that they are checked, not refused
-        # unread by Triton (backend/serving/neutral_inputs.py)
+        # unread by Triton (backend/serving/conversion/neutral_inputs.py)
         "neutral_engine_inputs": declarations(ENGINE),
         "neutral_text_inputs": declarations(TEXT),
         "neutral_ensemble_maps": ensemble_input_maps(),

@@ -187,7 +187,7 @@ def whole_compare(ref_dir: Path, spec, prompts: list[list[int]], progress) -> tu
 
 def run(ctx: StageContext) -> dict:
     from backend.runtime.spec import load_engine_spec
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
 
     bundle_dir = ctx.results["compile"].path
     ref_dir = ctx.results["import"].path
@@ -232,7 +232,7 @@ def draft_acceptance(ctx: StageContext, bundle_dir: Path, texts: list[str], spec
         return None
     from backend.engine.executor import Executor
     from backend.speculative.measure import acceptance
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
 
     tok = load_tokenizer(bundle_dir)
     prompts = [tok.encode(t, chat=True)[-MAX_PROMPT_TOKENS:] for t in texts]

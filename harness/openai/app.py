@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from backend.engine.sampling_params import room_problem
 from harness.openai.engine_client import EngineCall, Piece
 from harness.openai.errors import ApiError, bad_request, error_body
 from harness.openai.params import Sampling, check_logit_bias, check_unsupported, parse_sampling, parse_stream
@@ -175,10 +176,10 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None) -> 
                else completion_prompt_ids(model, body.get("prompt")))
         room = model.max_seq_len - len(ids)
         max_tokens = sampling.max_tokens if sampling.max_tokens is not None else room
-        if max_tokens > room:
+        problem = room_problem(max_tokens, room)
+        if problem is not None:
             name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-            raise bad_request(name, f"{max_tokens} is more than the room the prompt leaves: the prompt has "
-                              f"{len(ids)} tokens and max_seq_len is {model.max_seq_len}; allowed: 1..{room}")
+            raise bad_request(name, f"{max_tokens}: {problem}")
         call = EngineCall(state["client"], model, ids, max_tokens, sampling)
         pieces = call.pieces()
         answer = _Answer(model, sampling, chat)

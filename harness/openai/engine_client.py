@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
-from backend.serving.postprocess import postprocess
+from backend.serving.text_models.postprocess import postprocess
 from harness.openai.errors import ApiError, engine_error
 from harness.openai.params import Sampling
 from harness.openai.served_model import ServedModel

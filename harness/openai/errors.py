@@ -39,7 +39,7 @@ _UNAVAILABLE = ("shutting down", "not serving", "unavailable", "not ready", "is 
 
 
 # What the engine's refusal of a structured-output guide names: NVIDIA's inputs
-# (backend.serving.convert.InvalidRequest) or the engine's own sampling field (SamplingParams)
+# (backend.serving.conversion.convert.InvalidRequest) or the engine's own sampling field (SamplingParams)
 _GUIDE_WORDS = ("guided_decoding_guide", "sampling.guide")
 
 
@@ -55,6 +55,6 @@ def engine_error(message: str, sent_anything: bool, guide_param: str | None = No
     if any(s in low for s in _UNAVAILABLE):
         return ApiError(503, f"the engine is not available: {message}", type="service_unavailable",
                         code="engine_unavailable")
-    if not sent_anything and "input '" in low:  # backend.serving.convert.InvalidRequest's wording
+    if not sent_anything and "input '" in low:  # backend.serving.conversion.convert.InvalidRequest's wording
         return ApiError(400, message, code="invalid_value")
     return ApiError(500, f"the engine failed: {message}", type="server_error", code="engine_error")

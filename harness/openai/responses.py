@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any
 
-from backend.serving.tokenizer import TextTokenizer
+from backend.serving.conversion.tokenizer import TextTokenizer
 
 __all__ = ["Completion", "usage", "chat_logprobs", "completion_logprobs", "new_id"]
 

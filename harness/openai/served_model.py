@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from backend import bundle
-from backend.serving.tokenizer import TextTokenizer, load_tokenizer
+from backend.serving.conversion.tokenizer import TextTokenizer, load_tokenizer
 from harness.model_names import repository_names
 
 __all__ = ["ServedModel", "load_served_model", "engine_dir_of"]
@@ -34,7 +34,7 @@ class ServedModel:
 
 def engine_dir_of(repo: Path, engine_model: str) -> Path:
     """The bundle the engine model loads: its ``engine_dir`` parameter, a relative one taken from the
-    repository's root as the engine model itself does (backend/serving/model_args.py)."""
+    repository's root as the engine model itself does (backend/serving/engine_model/model_args.py)."""
     cfg = repo / engine_model / "config.pbtxt"
     if not cfg.is_file():
         raise FileNotFoundError(f"{cfg}: no engine model '{engine_model}' in {repo}; build it with: make build")

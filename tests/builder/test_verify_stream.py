@@ -42,7 +42,7 @@ def test_streamed_verify_equals_whole_on_smollm2(build_bundle, smollm2_hf_dir, t
     assert record["path"] == "streamed" and record["device"] == "cpu"   # auto, and no GPU here
 
     spec = load_engine_spec(bundle, {"max_kv_tokens": verify.MAX_PROMPT_TOKENS + 16})
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     tok = load_tokenizer(bundle)
     prompts = [tok.encode(t)[:verify.MAX_PROMPT_TOKENS] for t in verify.load_prompts(PROMPTS)]
     agree, kl_sum, positions = verify.whole_compare(smollm2_hf_dir, spec, prompts, ctx.progress)

@@ -83,7 +83,7 @@ def test_bad_guides_are_refused_before_anything_is_queued(make_executor, tokeniz
             (SamplingParams(guide=("json", ""), min_tokens=2), "cannot be combined with ignore_eos or min_tokens")):
         with pytest.raises(ValueError, match=re.escape(message)):
             ex.submit(prompt, params)
-    assert not ex.scheduler.has_unfinished() and not ex._guides
+    assert not ex.scheduler.has_unfinished() and not ex.table.guides
 
 
 def test_guided_requests_may_speculate():

@@ -96,7 +96,7 @@ def test_draft_graph_equals_the_native_draft(draft_bundle):
     ``Eagle3Draft`` on the same cache contents."""
     from backend.runtime.native import ModelRunner, prefill_meta
     from backend.runtime.spec import load_engine_spec
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     from backend.speculative.checkpoint import read_bundle_draft
     from backend.speculative.draft_model import Eagle3Draft
     from backend.speculative.draft_onnx import OnnxDraftGraph

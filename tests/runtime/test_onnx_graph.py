@@ -95,7 +95,7 @@ def _tree_step(ctx: int, tokens: list[int], tree: torch.Tensor | None):
 
 
 def test_bf16_graph_equals_native_over_prefill_and_tree_verify(bf16_bundle):
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     native, graph = runners(bf16_bundle)
     assert graph.dtype == torch.float32 and graph.kv_dtype == torch.float32
     ids = load_tokenizer(bf16_bundle / "tokenizer").encode(TEXT)[:40]   # 3 KV blocks
@@ -138,7 +138,7 @@ def test_fp8_graph_is_within_the_formats_own_noise(fp8_graph):
     disagreement with the native fp32 runner is no larger than the native runner's own between bf16 and
     fp32 compute (its rounding noise through the fp8 quantizers), with a little slack."""
     from backend.runtime.native import ModelRunner, prefill_meta
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     fp8_bundle, path = fp8_graph
     native, graph = runners(fp8_bundle, path)
     assert graph.kv_dtype == torch.float8_e4m3fn

@@ -181,7 +181,7 @@ def test_graph_equals_native_w4a16_over_prefill_and_decode(w4_bundle, tmp_path):
     import onnx
     from backend import bundle as b
     from backend.runtime.native import load_weights
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     from builder.tensorrt.onnx_export import decoder_model
     fmt, path = w4_bundle
     m = b.read(path)

@@ -272,7 +272,7 @@ def test_a_request_ending_at_its_prefill_among_steady_decodes(make_executor, var
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_raising_event_callback_is_logged_and_the_others_are_served(make_executor, varied_prompts,
                                                                       overlap, caplog):
-    """Both loops hand a running request's token straight to its handle (not through _emit_tokens):
+    """Both loops hand a running request's token straight to its handle (not through the slow path of RequestTable.deliver):
     a consumer callback that raises there, and on the final event, is logged with its request id and
     changes nothing for the request beside it (the same prompt: the same greedy tokens), nor for
     the raising request's own tokens."""
@@ -297,4 +297,4 @@ def test_a_raising_event_callback_is_logged_and_the_others_are_served(make_execu
     assert [lp for ev in seen for lp in ev.logprobs] == r.logprobs
     failed = [rec for rec in caplog.records if "the response callback failed" in rec.getMessage()]
     assert len(failed) == 5 and all("[request bad]" in rec.getMessage() for rec in failed)
-    assert not ex._handles            # every final event was delivered
+    assert not ex.table.handles       # every final event was delivered

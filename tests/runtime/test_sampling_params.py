@@ -7,7 +7,7 @@ from backend.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def test_defaults_are_valid_and_greedy_flag():
-    SamplingParams().validate(max_tokens_limit=100, vocab_size=1000)
+    SamplingParams().validate(room=100, vocab_size=1000)
     assert SamplingParams(temperature=0.0).greedy
     assert not SamplingParams().greedy
 
@@ -47,7 +47,7 @@ def test_defaults_are_valid_and_greedy_flag():
 def test_invalid_values_name_field_value_and_allowed(changes, field, allowed):
     params = SamplingParams(**changes)
     with pytest.raises(ValueError) as exc:
-        params.validate(max_tokens_limit=50, vocab_size=1000)
+        params.validate(room=50, vocab_size=1000)
     msg = str(exc.value)
     assert msg.startswith(f"sampling.{field}: "), msg
     assert allowed in msg, msg
@@ -59,16 +59,16 @@ def test_invalid_values_name_field_value_and_allowed(changes, field, allowed):
 
 def test_no_room_to_generate_is_explained():
     with pytest.raises(ValueError, match=r"sampling\.max_tokens: .*no room to generate"):
-        SamplingParams(max_tokens=1).validate(max_tokens_limit=0)
+        SamplingParams(max_tokens=1).validate(room=0)
 
 
 def test_boundaries_are_accepted():
     SamplingParams(temperature=0.0, top_p=1.0, top_k=1000, min_p=1.0, max_tokens=50, min_tokens=50,
                    presence_penalty=-2.0, frequency_penalty=2.0, logprobs=MAX_LOGPROBS,
                    seed=2**64 - 1, stop_token_ids=(0, 999), bad_token_ids=((999,),)
-                   ).validate(max_tokens_limit=50, vocab_size=1000)
+                   ).validate(room=50, vocab_size=1000)
     # Without a vocabulary only the sign of token ids is checked.
-    SamplingParams(stop_token_ids=(10**6,), top_k=10**6).validate(max_tokens_limit=16)
+    SamplingParams(stop_token_ids=(10**6,), top_k=10**6).validate(room=16)
 
 
 def test_lists_are_stored_as_tuples_so_params_stay_frozen_and_hashable():

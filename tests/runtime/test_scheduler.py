@@ -292,7 +292,7 @@ def test_add_rejects_requests_that_can_never_run():
         sched.add(make("long", range(9), max_tokens=1))
     with pytest.raises(ValueError, match=r"prompt \+ max_tokens = 20 tokens can never fit the KV cache of 16"):
         sched.add(make("big", range(8), max_tokens=12))
-    with pytest.raises(ValueError, match=r"leaves no room to generate; allowed: at most max_seq_len - 1 = 31"):
+    with pytest.raises(ValueError, match=r"prompt of 32 tokens \(max_seq_len 32\): no room to generate: the prompt fills max_seq_len; allowed: a shorter prompt"):
         Scheduler(BlockManager(64, 4), 2, 64, max_seq_len=32).add(make("full", range(32)))
     with pytest.raises(ValueError, match=r"engine.scheduler_policy: 'fifo'; allowed: max_utilization, guaranteed_no_evict"):
         Scheduler(bm, 2, 8, policy="fifo")

@@ -35,7 +35,7 @@ def tokenizer_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def text_tokenizer(tokenizer_dir):
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     return load_tokenizer(tokenizer_dir)
 
 
@@ -68,7 +68,7 @@ def reference(serving_build):
     """Greedy outputs of the same bundle through backend's Executor in this process (batch of one)."""
     from backend.engine.executor import Executor
     from backend.engine.sampling_params import SamplingParams
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     tok = load_tokenizer(serving_build / "engine")
     ex = Executor(serving_build / "engine", start=False)
     try:

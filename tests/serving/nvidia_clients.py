@@ -62,7 +62,7 @@ def make_refs(dec_build: Path) -> Refs:
     """The in-process engine's greedy answers to every prompt the tests send (and the stop word)."""
     from backend.engine.executor import Executor
     from backend.engine.sampling_params import SamplingParams
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     engine_dir = dec_build / "engine"
     tok = load_tokenizer(engine_dir)
     # what NVIDIA's clients do: encode(eos_token, add_special_tokens=False)[0]

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from backend import bundle
-from backend.serving.acceptance import ACCEPTANCE_OUTPUTS, acceptance_tensors, draft_counts, read_acceptance
-from backend.serving.convert import EngineLimits, InvalidRequest
-from backend.serving.engine_request import parse_engine_request
-from backend.serving.metrics import ServingMetrics, stats_counters, stats_gauges
-from backend.serving.postprocess import postprocess_tensors
-from backend.serving.preprocess import Preprocessor, preprocessing_outputs
+from backend.serving.metrics.acceptance import ACCEPTANCE_OUTPUTS, acceptance_tensors, draft_counts, read_acceptance
+from backend.serving.conversion.convert import EngineLimits, InvalidRequest
+from backend.serving.engine_model.engine_request import parse_engine_request
+from backend.serving.metrics.metrics import ServingMetrics, stats_counters, stats_gauges
+from backend.serving.text_models.postprocess import postprocess_tensors
+from backend.serving.text_models.preprocess import Preprocessor, preprocessing_outputs
 from tests.serving.test_convert import MANIFEST
 
 LIMITS = EngineLimits(max_input_len=32, max_seq_len=64)

@@ -131,7 +131,7 @@ def test_bls_cancel_storm_keeps_the_server_up_and_leaves_nothing_behind(serving_
     idle once the bls model released the finished engine iterators it keeps for GRACE_S (glibc keeps
     freed arenas and stacks of a 32-thread burst: 3-7 MiB measured; the old leak kept ~90 KiB of
     thread per stream plus every response of its engine stream)."""
-    from backend.serving.bls import GRACE_S
+    from backend.serving.text_models.bls import GRACE_S
     srv = TritonServer(serving_build / "model_repository", model_control="explicit", load_models=MODELS,
                        exit_timeout=EXIT_TIMEOUT).start()
     try:
@@ -163,7 +163,7 @@ def test_bls_cancel_storm_keeps_the_server_up_and_leaves_nothing_behind(serving_
 
 
 def _engine_inputs(srv, text: str, n: int):
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     ids = load_tokenizer(srv.repo.parent / "engine").encode(text)
     return _inputs(input_ids=np.array(ids, np.int32), request_output_len=np.array([n], np.int32),
                    min_tokens=np.array([n], np.int32), streaming=np.array([True]))

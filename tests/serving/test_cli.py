@@ -5,8 +5,8 @@ import types
 
 import pytest
 
-from backend.serving.engine_host import chosen_logprobs
-from backend.serving.metrics import stats_gauges
+from backend.serving.engine_model.engine_host import chosen_logprobs
+from backend.serving.metrics.metrics import stats_gauges
 from harness.perf.serving import sweep as bench
 from harness import client, serve
 from harness.serving_server import free_port

@@ -1,4 +1,4 @@
-"""Coalesced responses (backend/serving/engine_outputs.py ``merge_outputs``): the responses of one stream
+"""Coalesced responses (backend/serving/engine_model/engine_outputs.py ``merge_outputs``): the responses of one stream
 that waited for the responder, joined, must equal the one response that would have carried all their
 tokens, output by output, whatever the request asked for.
 
@@ -16,9 +16,9 @@ import torch
 from backend.engine.events import TokenEvent
 from backend.engine.request import Request
 from backend.engine.sampling_params import SamplingParams
-from backend.serving.engine_outputs import MERGE_RULES, merge_outputs
-from backend.serving.engine_request import EngineRequest
-from backend.serving.engine_stream import Stream
+from backend.serving.engine_model.engine_outputs import MERGE_RULES, merge_outputs
+from backend.serving.engine_model.engine_request import EngineRequest
+from backend.serving.engine_model.engine_stream import Stream
 
 PROMPT = [11, 12, 13, 14, 15, 16]
 VOCAB = 7
@@ -139,7 +139,7 @@ class _Recording:
 def test_a_response_carries_only_the_outputs_its_request_asked_for():
     """The sender would drop the others with the GIL released (engine_outputs.requested_outputs): a
     joined response's new arrays freed that way corrupted the stub's heap."""
-    from backend.serving.engine_outputs import error_response, make_response, requested_outputs
+    from backend.serving.engine_model.engine_outputs import error_response, make_response, requested_outputs
 
     outputs = merge_outputs(_responses(_events(2, per_event=1), [1, 1], {}))
     wanted = frozenset({"output_ids", "finish_reason", "not_an_output"})

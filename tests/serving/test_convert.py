@@ -7,10 +7,10 @@ import pytest
 from backend import bundle
 from backend.engine.sampling_params import SamplingParams
 from backend.bundle_schema import ModelConfig
-from backend.serving.convert import EngineLimits, InvalidRequest, from_words_list, to_words_list
-from backend.serving.engine_request import parse_engine_request
-from backend.serving.postprocess import postprocess_tensors
-from backend.serving.preprocess import Preprocessor, preprocessing_outputs
+from backend.serving.conversion.convert import EngineLimits, InvalidRequest, from_words_list, to_words_list
+from backend.serving.engine_model.engine_request import parse_engine_request
+from backend.serving.text_models.postprocess import postprocess_tensors
+from backend.serving.text_models.preprocess import Preprocessor, preprocessing_outputs
 
 LIMITS = EngineLimits(max_input_len=32, max_seq_len=64)
 # a SmolLM2-shaped manifest: the preprocessor reads the engine limits from it (through backend.bundle)
@@ -92,7 +92,7 @@ def test_chat_or_exclude_leaves_the_prompt_out(pre):
     ({"text_input": text(b"\xff\xfe")}, "not valid UTF-8"),
     ({"text_input": text("x"), "max_tokens": i32(0)}, "input 'max_tokens': 0 must be above 0"),
     ({"text_input": text("x"), "max_tokens": i32(-3)}, "input 'max_tokens'"),
-    ({"text_input": text("x"), "max_tokens": i32(128)}, "beyond the engine limit"),
+    ({"text_input": text("x"), "max_tokens": i32(128)}, "input 'max_tokens': 128: more than the"),
     ({"text_input": text("word " * 80)}, "more than the engine's max_input_len=64"),
     ({"text_input": text("")}, "the prompt is empty"),
     ({"text_input": text("x"), "temperature": f32(-0.5)}, "input 'temperature': -0.5 is below 0"),
@@ -153,7 +153,7 @@ def test_engine_request_round_trip(pre, text_tokenizer):
     (engine_tensors([1, 2, 49152]), "token id 49152 is outside the vocabulary"),
     (engine_tensors(list(range(40))), "more than the engine's max_input_len=32"),
     (engine_tensors([1, 2], request_output_len=i32(0)), "input 'request_output_len': 0 must be above 0"),
-    (engine_tensors([1, 2], request_output_len=i32(63)), "beyond the engine limit"),
+    (engine_tensors([1, 2], request_output_len=i32(63)), "input 'request_output_len': 63: more than the"),
     (engine_tensors([1, 2], input_lengths=i32(3)), "exceeds the 2 ids"),
     (engine_tensors([1, 2], bad_words_list=np.array([1, 2], dtype=np.int32)), "expected shape [2, N]"),
     # out-of-vocabulary ids in the words lists were accepted silently (a stop word that could never match)
@@ -306,7 +306,7 @@ def test_engine_accepts_nvidias_neutral_inputs_and_refuses_the_rest(text_tokeniz
 
 
 def test_batch_dimension_one_sequence_per_request():
-    from backend.serving.batching import batched, unbatch
+    from backend.serving.conversion.batching import batched, unbatch
     got = unbatch({"input_ids": np.array([[5, 6, 7]], np.int32), "end_id": np.array([[2]], np.int32)}, "m")
     assert got["input_ids"].tolist() == [5, 6, 7] and got["end_id"].tolist() == [2]
     with pytest.raises(InvalidRequest, match=r"input 'text_input' of model 'ensemble': batch size 2 \(shape \[2, 1\]\)"):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.serving.detok import REPLACEMENT, StreamDetokenizer, decode_piece
+from backend.serving.conversion.detok import REPLACEMENT, StreamDetokenizer, decode_piece
 
 MULTIBYTE = "Tokyo 東京タワー and a cat 🐱🐈‍⬛ café — naïve 日本語テキスト."
 

@@ -27,7 +27,7 @@ def graph_build(build_bundle) -> Path:
 def test_onnx_reference_runtime_streams_the_native_text(graph_build):
     from backend.engine.executor import Executor
     from backend.engine.sampling_params import SamplingParams
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     engine = graph_build / "engine"
     assert json.loads((engine / "engine.json").read_text())["engine"]["runtime"] == "onnx-reference"
     tok = load_tokenizer(engine)

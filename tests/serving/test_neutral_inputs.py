@@ -1,4 +1,4 @@
-"""NVIDIA inputs Kiln declares but cannot honour (backend/serving/neutral_inputs.py): the neutral
+"""NVIDIA inputs Kiln declares but cannot honour (backend/serving/conversion/neutral_inputs.py): the neutral
 value passes, anything else is refused naming the input and the reason, and the rendered configs
 declare exactly the table's inputs with its types."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backend.serving.convert import InvalidRequest
-from backend.serving.neutral_inputs import ENGINE, NEUTRAL_INPUTS, TEXT, check_neutral, declarations
+from backend.serving.conversion.convert import InvalidRequest
+from backend.serving.conversion.neutral_inputs import ENGINE, NEUTRAL_INPUTS, TEXT, check_neutral, declarations
 
 BY_NAME = {n.name: n for n in NEUTRAL_INPUTS}
 

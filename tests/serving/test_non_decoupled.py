@@ -35,7 +35,7 @@ def build(build_bundle) -> Path:
 def reference(build):
     from backend.engine.executor import Executor
     from backend.engine.sampling_params import SamplingParams
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     tok = load_tokenizer(build / "engine")
     ex = Executor(build / "engine", start=False)
     try:

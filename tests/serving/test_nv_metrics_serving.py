@@ -100,7 +100,7 @@ def engine(triton_server):
 
 @pytest.fixture(scope="module")
 def tok(triton_server):
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     return load_tokenizer(triton_server.repo.parent / "engine")
 
 

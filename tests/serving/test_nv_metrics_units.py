@@ -9,9 +9,9 @@ import numpy as np
 
 from backend.engine.kv_cache import BlockManager
 from backend.engine.scheduler import Scheduler
-from backend.serving.metrics import ServingMetrics
-from backend.serving.nv_metrics import NV_FAMILIES, NV_NOT_EXPORTED, nv_values
-from backend.serving.perf_metrics import PERF_OUTPUTS, perf_tensors
+from backend.serving.metrics.metrics import ServingMetrics
+from backend.serving.metrics.nv_metrics import NV_FAMILIES, NV_NOT_EXPORTED, nv_values
+from backend.serving.metrics.perf_metrics import PERF_OUTPUTS, perf_tensors
 from tests.runtime.scheduler_helpers import make, run, step
 from tests.serving.test_reliability_units import _Family, _series
 
@@ -116,7 +116,7 @@ def test_no_request_means_zero_perf_figures():
 
 
 def test_instance_count_decides_the_extra_instance_label():
-    from backend.serving.model_args import instance_count
+    from backend.serving.engine_model.model_args import instance_count
     assert instance_count({}) == 1
     assert instance_count({"instance_group": [{"count": 1, "kind": "KIND_CPU"}]}) == 1
     assert instance_count({"instance_group": [{"count": 2}, {"count": 1}]}) == 3

@@ -1,4 +1,4 @@
-"""Data parallel x tensor parallel placement of the engine model (backend/serving/placement.py).
+"""Data parallel x tensor parallel placement of the engine model (backend/serving/engine_model/placement.py).
 
 No GPU exists here: the rendered KIND_GPU repository is checked with Triton's own protobuf schema
 (tritonclient's model_config_pb2), not loaded (Triton refuses a KIND_GPU group on a host without a
@@ -13,8 +13,8 @@ from tritonclient.grpc import model_config_pb2
 
 from backend import bundle
 from backend.bundle_schema import ModelConfig
-from backend.serving.model_args import instance_count, instance_placement
-from backend.serving.placement import (PlacementError, check_visible, instance_gpus, parse_gpus,
+from backend.serving.engine_model.model_args import instance_count, instance_placement
+from backend.serving.engine_model.placement import (PlacementError, check_visible, instance_gpus, parse_gpus,
                                        place_instance)
 from builder.config import BuildConfig
 from builder.stages.package import render_repository, template_values

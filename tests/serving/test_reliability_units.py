@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import types
 
-from backend.serving.metrics import ERROR_KINDS, RequestErrors, ServingMetrics, stats_counters
+from backend.serving.metrics.metrics import ERROR_KINDS, RequestErrors, ServingMetrics, stats_counters
 
 
 def test_bls_inner_ids_are_unguessable():
-    from backend.serving.bls import new_inner_id
-    from backend.serving.engine_host import MIN_STOP_ID_LEN
+    from backend.serving.text_models.bls import new_inner_id
+    from backend.serving.engine_model.engine_host import MIN_STOP_ID_LEN
     ids = {new_inner_id() for _ in range(1000)}
     assert len(ids) == 1000
     assert all(i.startswith("bls-") and len(i) == 4 + 32 and len(i) >= MIN_STOP_ID_LEN for i in ids)

@@ -1,4 +1,4 @@
-"""The engine model's responder (backend/serving/responder.py): responses made and sent off the loop.
+"""The engine model's responder (backend/serving/engine_model/responder.py): responses made and sent off the loop.
 
 The senders here are stand-ins that record or block, because what is under test is the queueing: one
 FIFO (a request's responses in order, its FINAL last), the caller never waiting for a send, the
@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from backend.serving.responder import Responder
+from backend.serving.engine_model.responder import Responder
 
 
 class Recorder:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from backend.serving.row_group import RowGroup
+from backend.serving.engine_model.row_group import RowGroup
 
 
 def test_only_the_last_row_to_finish_carries_the_final_flag():

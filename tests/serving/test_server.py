@@ -68,7 +68,7 @@ def test_cancelled_engine_request_frees_its_blocks(reference, triton_server):
     """A client of the engine model itself (token ids in, like tensorrtllm_backend's engine)."""
     import tritonclient.grpc as g
     import tritonclient.grpc.aio as aio
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     ids = load_tokenizer(triton_server.repo.parent / "engine").encode("Write a long story about a dragon.")
     inputs = []
     for name, arr in (("input_ids", np.array(ids, np.int32)), ("request_output_len", np.array([600], np.int32)),
@@ -103,7 +103,7 @@ def test_cancelled_engine_request_frees_its_blocks(reference, triton_server):
 INVALID = [
     ({"max_tokens": 4}, None, "text_input"),
     ({"text_input": "Hi", "max_tokens": 0}, None, "max_tokens"),
-    ({"text_input": "Hi", "max_tokens": 5000}, None, "beyond the engine limit"),
+    ({"text_input": "Hi", "max_tokens": 5000}, None, "5000: more than the"),
     ({"text_input": "word " * 700, "max_tokens": 4}, None, "max_input_len"),
     ({"text_input": "Hi", "temperature": -1.0}, None, "temperature"),
     ({"text_input": "Hi", "top_p": -0.5}, None, "top_p"),
@@ -185,7 +185,7 @@ def test_custom_metrics_are_exported(triton_server):
 def test_a_bundle_without_a_draft_reports_zero_acceptance(reference, triton_server):
     """This bundle has no EAGLE draft: the acceptance outputs are zeros (present in the ensemble
     always, in bls when asked) and the speculation metrics exist and stay at 0."""
-    from backend.serving.acceptance import read_acceptance
+    from backend.serving.metrics.acceptance import read_acceptance
     zeros = {"acceptance_rate": 0.0, "total_accepted_draft_tokens": 0, "total_draft_tokens": 0}
     text, n = PROMPTS["paris"]
     for model, flag in ((NAMES.ensemble, {}), (NAMES.bls, {"return_perf_metrics": True})):

@@ -126,7 +126,7 @@ def _engine_stream(url, ids, **extra):
 
 
 def test_engine_model_takes_nvidia_names_and_stop_semantics(reference, text_tokenizer, triton_server):
-    from backend.serving.convert import to_words_list
+    from backend.serving.conversion.convert import to_words_list
     text, n = PROMPTS["paris"]
     ids = text_tokenizer.encode(text)
     i32 = lambda v: np.array([v], np.int32)  # noqa: E731

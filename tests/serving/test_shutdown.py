@@ -6,7 +6,7 @@ Before the fix (Triton 24.10, nvidia-pytriton): SIGTERM with such streams in fli
 wait out --exit-timeout-secs ("Model 'ensemble' (version 1) has 3 in-flight inferences" every
 second), give up ("Exit timeout expired. Exiting immediately."), exit 1 and abort on the way out
 ("malloc(): unaligned tcache chunk detected", Signal 6); the streams were cut by the dying process.
-The mechanism is in backend/serving/serving_state.py.
+The mechanism is in backend/serving/engine_model/serving_state.py.
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_serving_state_drain_handshake(tmp_path, monkeypatch):
     """The harness's side: a drain request in the folder; the engine registered itself at start and
     acknowledges once idle (harness.serving_server.TritonServer.drain waits for that)."""
     import os
-    from backend.serving.serving_state import (DRAIN_DIR_ENV, DRAIN_REQUEST, SHUTTING_DOWN, ServingState,
+    from backend.serving.engine_model.serving_state import (DRAIN_DIR_ENV, DRAIN_REQUEST, SHUTTING_DOWN, ServingState,
                                                engine_marker, idle_marker)
     monkeypatch.setenv(DRAIN_DIR_ENV, str(tmp_path))
     st = ServingState("tensorrt_llm")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import requests
 
-from backend.serving.acceptance import ACCEPTANCE_OUTPUTS, read_acceptance
+from backend.serving.metrics.acceptance import ACCEPTANCE_OUTPUTS, read_acceptance
 from harness.serving_client import grpc_inputs, http_generate
 from harness.model_names import DEFAULT as NAMES
 
@@ -45,7 +45,7 @@ def reference(eagle_build):
     the text with speculation); plus "dtype": the runtime's compute dtype."""
     from backend.engine.executor import Executor
     from backend.engine.sampling_params import SamplingParams
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     tok = load_tokenizer(eagle_build / "engine")
     ex = Executor(eagle_build / "engine", start=False)
     assert ex.speculator is not None, "the bundle's draft was not attached"

@@ -238,7 +238,7 @@ def alone(srv: TritonServer, args: argparse.Namespace) -> dict[int, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     from harness.perf.lib.results import header, write_result
     head = header("soak", "harness.perf.reliability.soak", argv)
     root = build(args)

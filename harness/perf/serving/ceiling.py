@@ -141,7 +141,7 @@ def through_triton(build_dir: Path, prompts: list[str], a: argparse.Namespace) -
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     workdir = Path(a.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     started = dt.datetime.now(dt.timezone.utc)

@@ -162,7 +162,7 @@ def run(a: argparse.Namespace, url: str, tokenizer, server_pid: int | None = Non
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     from backend import bundle
-    from backend.serving.tokenizer import load_tokenizer
+    from backend.serving.conversion.tokenizer import load_tokenizer
     repo = Path(a.model_repository)
     engine_dir = repo.parent / "engine"
     srv = None

@@ -49,7 +49,7 @@ _MEASURED_FILES = ("backend/engine/scheduler.py", "backend/engine/scheduler_type
                    "backend/engine/request.py", "backend/engine/sampling_params.py",
                    "backend/ops/attention/metadata.py", "backend/engine/executor.py", "backend/engine/overlap.py",
                    "backend/engine/late_tokens.py", "backend/engine/sampler.py", "backend/engine/events.py",
-                   "backend/engine/request_events.py",
+                   "backend/engine/request_table.py", "backend/engine/sync_loop.py",
                    "harness/perf/step/host_overhead.py", "harness/perf/step/executor_overhead.py",
                    "harness/perf/lib/models.py")
 SCENARIOS = ("decode", "churn", "executor", "executor_overlap")

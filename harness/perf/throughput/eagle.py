@@ -23,7 +23,7 @@ import zipfile
 from pathlib import Path
 from harness.perf.lib.results import header, write_result
 from backend import bundle
-from backend.serving.tokenizer import load_tokenizer
+from backend.serving.conversion.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[3]
 MTBENCH_DIR = REPO / "build" / "cache" / "mtbench"

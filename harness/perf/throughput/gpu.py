@@ -57,7 +57,7 @@ def overlap_ab(ex, vocab: int, *stream_args) -> dict:
     default = ex.overlap
     res = {}
     try:
-        for name, loop in (("on", default or OverlapLoop(ex)), ("off", None)):
+        for name, loop in (("on", default or OverlapLoop(ex.table, ex.inputs, ex.runner, ex.sampler)), ("off", None)):
             ex.overlap = loop    # between generations the loop thread has no step in flight
             res[name] = single_stream(ex, vocab, *stream_args)
     finally:

@@ -1,10 +1,10 @@
-"""Triton model: BLS version of the ensemble (decoupled unless built with serving.decoupled=false). Logic: backend/serving/bls.py."""
+"""Triton model: BLS version of the ensemble (decoupled unless built with serving.decoupled=false). Logic: backend/serving/text_models/bls.py."""
 import triton_python_backend_utils as pb_utils
 
 from backend.logs import route_to_triton
-from backend.serving.bls import BlsHost
-from backend.serving.model_args import engine_dir, model_config, parameter
-from backend.serving.transaction import is_decoupled, streaming_refused
+from backend.serving.text_models.bls import BlsHost
+from backend.serving.engine_model.model_args import engine_dir, model_config, parameter
+from backend.serving.conversion.transaction import is_decoupled, streaming_refused
 
 
 class TritonPythonModel:

@@ -1,12 +1,12 @@
 """Triton model: the Kiln engine (decoupled unless built with serving.decoupled=false).
-Logic: backend/serving/engine_host.py; its device: backend/serving/placement.py."""
+Logic: backend/serving/engine_model/engine_host.py; its device: backend/serving/engine_model/placement.py."""
 import triton_python_backend_utils as pb_utils
 
 from backend.logs import route_to_triton
-from backend.serving.engine_host import EngineHost
-from backend.serving.model_args import (engine_dir, exit_stub, instance_count, instance_placement, model_config,
-                                        parameter)
-from backend.serving.transaction import is_decoupled, streaming_refused
+from backend.serving.engine_model.engine_host import EngineHost
+from backend.serving.engine_model.model_args import engine_dir, exit_stub, instance_count, instance_placement, model_config
+from backend.serving.engine_model.settings import ServingSettings
+from backend.serving.conversion.transaction import is_decoupled, streaming_refused
 
 
 class TritonPythonModel:
@@ -18,15 +18,11 @@ class TritonPythonModel:
         # KIND_GPU: cuda:<the instance's first GPU> (its tensor-parallel ranks take the next ones);
         # refuses here, before loading, when fewer GPUs are visible than tp_size x instances
         place = instance_placement(args, cfg, bundle)
-        self.host = EngineHost(pb_utils, bundle, device=place.device,
-                               stream_interval=int(parameter(cfg, "stream_interval", "1")),
+        self.host = EngineHost(pb_utils, bundle, device=place.device, settings=ServingSettings.from_parameters(cfg),
                                model_name=args["model_name"], instance=args["model_instance_name"],
                                # nv_trt_llm_*: NVIDIA's labels, plus the instance when several run
                                version=str(args["model_version"]),
                                nv_instance=args["model_instance_name"] if instance_count(cfg) > 1 else None,
-                               step_timeout_s=float(parameter(cfg, "step_timeout_s", "300")),
-                               response_thread=parameter(cfg, "response_thread", "true") == "true",
-                               coalesce_responses=parameter(cfg, "coalesce_responses", "true") == "true",
                                on_fatal=exit_stub, decoupled=self.decoupled)
 
     def execute(self, requests):

@@ -1,11 +1,11 @@
-"""Triton model: stateless detokenization of one engine response. Logic: backend/serving/postprocess.py."""
+"""Triton model: stateless detokenization of one engine response. Logic: backend/serving/text_models/postprocess.py."""
 import triton_python_backend_utils as pb_utils
 
 from backend.logs import get_logger, route_to_triton
-from backend.serving.model_args import engine_dir, model_config
-from backend.serving.convert import InvalidRequest
-from backend.serving.postprocess import POSTPROCESSING_INPUTS, postprocess_tensors
-from backend.serving.tokenizer import load_tokenizer
+from backend.serving.engine_model.model_args import engine_dir, model_config
+from backend.serving.conversion.convert import InvalidRequest
+from backend.serving.text_models.postprocess import POSTPROCESSING_INPUTS, postprocess_tensors
+from backend.serving.conversion.tokenizer import load_tokenizer
 
 _LOG = get_logger("serving.postprocessing")
 

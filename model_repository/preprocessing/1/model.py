@@ -1,12 +1,12 @@
-"""Triton model: tokenization and request validation. Logic: backend/serving/preprocess.py."""
+"""Triton model: tokenization and request validation. Logic: backend/serving/text_models/preprocess.py."""
 import triton_python_backend_utils as pb_utils
 
 from backend.logs import get_logger, route_to_triton
-from backend.serving.batching import rows
-from backend.serving.convert import InvalidRequest
-from backend.serving.metrics import RequestErrors
-from backend.serving.model_args import engine_dir, model_config
-from backend.serving.preprocess import PREPROCESSING_INPUTS, Preprocessor, preprocessing_outputs
+from backend.serving.conversion.batching import rows
+from backend.serving.conversion.convert import InvalidRequest
+from backend.serving.metrics.metrics import RequestErrors
+from backend.serving.engine_model.model_args import engine_dir, model_config
+from backend.serving.text_models.preprocess import PREPROCESSING_INPUTS, Preprocessor, preprocessing_outputs
 
 _LOG = get_logger("serving.preprocessing")
 

@@ -25,7 +25,7 @@ cancelled stream):
   ``max_tokens``, and the thread returns.
 * The client's response sender is used by this request's thread only, never after its FINAL flag,
   and after a cancellation only for the FINAL flag itself (Triton requires it).
-* Metric updates go through ``backend.serving.metrics``' lock: the Python backend keeps a metric's
+* Metric updates go through ``backend.serving.metrics.metrics``' lock: the Python backend keeps a metric's
   pending operation in the metric object and sends it with the GIL released, so two threads
   updating one metric at once race (the first storm after adding bls's counters crashed the server).
 * Inner request ids are unguessable (``secrets``): the engine honours a ``stop_request`` only for
@@ -33,7 +33,7 @@ cancelled stream):
 * Shutdown needs nothing more here: Triton calls ``finalize()`` only once no request holds this
   model, and it does not count bls streams as in flight, so it goes on to unload the models while
   they run. The engine ends every inner request itself when it should stop serving (the harness's
-  drain before its SIGTERM: backend/serving/serving_state.py) with an in-band "error: the server is
+  drain before its SIGTERM: backend/serving/engine_model/serving_state.py) with an in-band "error: the server is
   shutting down ...", which ``_relay`` sends to the client as its final error; the thread has read
   its iterator to the end and returns, and Triton can unload this model. No stop_request is needed
   (one sent after Triton began unloading the engine is refused by Triton).
@@ -49,15 +49,15 @@ from typing import Any
 import numpy as np
 
 from backend.logs import get_logger
-from backend.serving.acceptance import ACCEPTANCE_OUTPUTS
-from backend.serving.batching import rows, stack_rows
-from backend.serving.perf_metrics import PERF_OUTPUTS
-from backend.serving.convert import InvalidRequest
-from backend.serving.engine_host import INBAND_ERRORS
-from backend.serving.engine_outputs import requested_outputs
-from backend.serving.metrics import RequestErrors
-from backend.serving.postprocess import postprocess
-from backend.serving.preprocess import TEXT_MODEL_INPUTS, Preprocessor
+from backend.serving.metrics.acceptance import ACCEPTANCE_OUTPUTS
+from backend.serving.conversion.batching import rows, stack_rows
+from backend.serving.metrics.perf_metrics import PERF_OUTPUTS
+from backend.serving.conversion.convert import InvalidRequest
+from backend.serving.engine_model.engine_host import INBAND_ERRORS
+from backend.serving.engine_model.engine_outputs import requested_outputs
+from backend.serving.metrics.metrics import RequestErrors
+from backend.serving.text_models.postprocess import postprocess
+from backend.serving.text_models.preprocess import TEXT_MODEL_INPUTS, Preprocessor
 
 __all__ = ["BlsHost", "MAX_IN_FLIGHT", "new_inner_id"]
 

@@ -6,7 +6,7 @@ live in one place. A problem raises :class:`InvalidRequest`, which the models tu
 error response (the server keeps serving).
 
 Shapes: every model declares ``max_batch_size`` > 0 as NVIDIA's do; the models strip the batch
-dimension first (backend/serving/batching.py), so the tensors read here are one request's: a scalar
+dimension first (backend/serving/conversion/batching.py), so the tensors read here are one request's: a scalar
 input is shape ``[1]``.
 """
 from __future__ import annotations
@@ -16,6 +16,8 @@ import math
 from typing import Any, Callable, Mapping
 
 import numpy as np
+
+from backend.engine.sampling_params import room_problem
 
 __all__ = [
     "InvalidRequest", "InputSpec", "INPUTS", "EngineLimits", "read_inputs", "decode_text",
@@ -123,7 +125,7 @@ INPUTS: dict[str, InputSpec] = {
     "stop_words_list": InputSpec("int", None, many=True, allowed="[2, N] NVIDIA words list"),
     "bad_words_list": InputSpec("int", None, many=True, allowed="[2, N] NVIDIA words list"),
     "stop_request": InputSpec("bool", False),
-    # NVIDIA's name for stop_request (same rules: backend/serving/engine_host.py)
+    # NVIDIA's name for stop_request (same rules: backend/serving/engine_model/engine_host.py)
     "stop": InputSpec("bool", False),
     # encoder-decoder inputs NVIDIA's preprocessing always fills; a decoder-only engine ignores them
     "decoder_input_ids": InputSpec("int", None, many=True, allowed="ignored (decoder-only model)"),
@@ -233,11 +235,9 @@ def sampling_kwargs(values: Mapping[str, Any], prompt_len: int, limits: EngineLi
     could never finish is refused up front instead of being cut short silently.
     """
     max_tokens = values[max_tokens_name]
-    room = limits.max_seq_len - prompt_len
-    if max_tokens > room:
-        raise InvalidRequest(f"input '{max_tokens_name}': {max_tokens} is beyond the engine limit: "
-                             f"the prompt has {prompt_len} tokens and max_seq_len is {limits.max_seq_len}; "
-                             f"allowed: 1..{max(room, 0)}")
+    problem = room_problem(max_tokens, limits.max_seq_len - prompt_len)
+    if problem is not None:
+        raise InvalidRequest(f"input '{max_tokens_name}': {max_tokens}: {problem}")
     if values["min_tokens"] > max_tokens:
         raise InvalidRequest(f"input 'min_tokens': {values['min_tokens']} exceeds {max_tokens_name}="
                              f"{max_tokens}; allowed: 0..{max_tokens}")

@@ -11,11 +11,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from backend.serving.batching import rows
-from backend.serving.convert import (EngineLimits, InvalidRequest, check_prompt, from_words_list,
+from backend.serving.conversion.batching import rows
+from backend.serving.conversion.convert import (EngineLimits, InvalidRequest, check_prompt, from_words_list,
                                     read_inputs, sampling_kwargs)
-from backend.serving.detok import Decoder
-from backend.serving.neutral_inputs import ENGINE, check_neutral, neutral_names
+from backend.serving.conversion.detok import Decoder
+from backend.serving.conversion.neutral_inputs import ENGINE, check_neutral, neutral_names
 
 __all__ = ["ENGINE_INPUT_NAMES", "ENGINE_READ_NAMES", "EngineRequest", "is_stop_request", "parse_engine_request",
            "request_rows"]
@@ -96,7 +96,6 @@ def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits
                                  "ids in input_ids")
         prompt = prompt[: v["input_lengths"]]
     check_prompt(prompt, limits, vocab_size)
-    v["max_tokens"] = v["request_output_len"]
     v["seed"], v["end_id"] = _optional_id(v["seed"]), _optional_id(v["end_id"])
     kw = sampling_kwargs(v, len(prompt), limits, max_tokens_name="request_output_len")
     bad = from_words_list("bad_words_list", v["bad_words_list"], vocab_size)

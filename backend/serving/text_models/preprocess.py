@@ -14,12 +14,12 @@ from typing import Any, Mapping
 import numpy as np
 
 from backend import bundle
-from backend.serving.batching import stack_rows
-from backend.serving.convert import (EngineLimits, InvalidRequest, check_prompt, read_inputs,
+from backend.serving.conversion.batching import stack_rows
+from backend.serving.conversion.convert import (EngineLimits, InvalidRequest, check_prompt, read_inputs,
                                     sampling_kwargs, to_words_list)
-from backend.serving.engine_request import read_guide
-from backend.serving.neutral_inputs import TEXT, check_neutral, neutral_names
-from backend.serving.tokenizer import TextTokenizer, load_tokenizer
+from backend.serving.engine_model.engine_request import read_guide
+from backend.serving.conversion.neutral_inputs import TEXT, check_neutral, neutral_names
+from backend.serving.conversion.tokenizer import TextTokenizer, load_tokenizer
 
 __all__ = ["TEXT_INPUT_NAMES", "TEXT_MODEL_INPUTS", "NVIDIA_INPUTS", "PREPROCESSING_INPUTS", "PreparedRequest", "Preprocessor",
            "preprocessing_outputs"]

@@ -15,9 +15,9 @@ from typing import Mapping
 
 import numpy as np
 
-from backend.serving.acceptance import acceptance_tensors, read_acceptance
-from backend.serving.convert import InvalidRequest
-from backend.serving.detok import Decoder, decode_piece
+from backend.serving.metrics.acceptance import acceptance_tensors, read_acceptance
+from backend.serving.conversion.convert import InvalidRequest
+from backend.serving.conversion.detok import Decoder, decode_piece
 
 __all__ = ["postprocess", "postprocess_tensors", "POSTPROCESSING_INPUTS"]
 

@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 from backend.bundle import MANIFEST
 from backend.logs import get_logger
-from backend.serving.placement import Placement, place_instance, visible_gpus
+from backend.serving.engine_model.placement import Placement, place_instance, visible_gpus
+from backend.serving.engine_model.settings import ServingSettings
 
 __all__ = ["model_config", "parameter", "engine_dir", "exit_stub", "instance_count", "instance_placement"]
 
@@ -55,7 +56,7 @@ def instance_placement(args: dict[str, Any], cfg: dict[str, Any], bundle_dir: st
     ``PlacementError`` when the host has fewer GPUs than tp_size x instances."""
     from backend.bundle import read
     return place_instance(args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id") or 0),
-                          parameter(cfg, "device", "cpu"), parameter(cfg, "instance_gpus", ""),
+                          ServingSettings.from_parameters(cfg).device, parameter(cfg, "instance_gpus", ""),
                           read(bundle_dir).engine.tp_size, visible)
 
 

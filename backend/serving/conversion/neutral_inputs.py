@@ -17,7 +17,7 @@ from typing import Mapping
 
 import numpy as np
 
-from backend.serving.convert import InvalidRequest
+from backend.serving.conversion.convert import InvalidRequest
 
 __all__ = ["ENGINE", "TEXT", "NeutralInput", "NEUTRAL_INPUTS", "check_neutral", "declarations",
            "ensemble_input_maps", "neutral_names"]

@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from backend.serving.acceptance import acceptance_tensors
-from backend.serving.detok import StreamDetokenizer
-from backend.serving.engine_outputs import response_tensors
-from backend.serving.engine_request import EngineRequest
-from backend.serving.perf_metrics import perf_tensors
-from backend.serving.row_group import RowGroup
+from backend.serving.metrics.acceptance import acceptance_tensors
+from backend.serving.conversion.detok import StreamDetokenizer
+from backend.serving.engine_model.engine_outputs import response_tensors
+from backend.serving.engine_model.engine_request import EngineRequest
+from backend.serving.metrics.perf_metrics import perf_tensors
+from backend.serving.engine_model.row_group import RowGroup
 
 __all__ = ["Stream", "chosen_logprobs", "inband_errors", "INBAND_ERRORS"]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Mapping
 
-from backend.serving.nv_metrics import NvMetrics
+from backend.serving.metrics.nv_metrics import NvMetrics
 
 __all__ = ["ERROR_KINDS", "RequestErrors", "ServingMetrics", "TTFT_BUCKETS", "TPOT_BUCKETS", "stats_counters",
            "stats_gauges"]
@@ -61,7 +61,7 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
                                "recomputed later)", ("preemptions", "num_preemptions")),
     "kiln_engine_step_errors_total": ("Engine steps that raised (their requests ended with an error; the "
                                       "engine kept serving)", ("step_errors",)),
-    # the engine model's responder (backend/serving/responder.py), not the executor
+    # the engine model's responder (backend/serving/engine_model/responder.py), not the executor
     "kiln_engine_responses_total": ("Responses the engine model sent", ("responses_sent",)),
     "kiln_engine_response_parts_total": ("Token groups those responses carried: more than the responses when "
                                          "groups waiting to be sent were joined (serving.coalesce_responses)",

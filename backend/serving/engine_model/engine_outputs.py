@@ -35,9 +35,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from backend.serving.acceptance import ACCEPTANCE_OUTPUTS
-from backend.serving.batching import batched
-from backend.serving.perf_metrics import PERF_OUTPUTS
+from backend.serving.metrics.acceptance import ACCEPTANCE_OUTPUTS
+from backend.serving.conversion.batching import batched
+from backend.serving.metrics.perf_metrics import PERF_OUTPUTS
 
 __all__ = ["MERGE_RULES", "error_response", "make_response", "merge_outputs", "requested_outputs",
            "response_tensors", "send_error", "send_empty_final"]

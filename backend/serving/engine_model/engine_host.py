@@ -50,18 +50,19 @@ from typing import Any, Callable
 
 from backend.bundle import load_bundle
 from backend.logs import for_request, get_logger
-from backend.serving.acceptance import draft_counts
-from backend.serving.convert import EngineLimits, InvalidRequest
-from backend.serving.detok import CONTEXT_TOKENS, StreamDetokenizer
-from backend.serving.engine_outputs import (error_response, make_response, merge_outputs, requested_outputs,
+from backend.serving.metrics.acceptance import draft_counts
+from backend.serving.conversion.convert import EngineLimits, InvalidRequest
+from backend.serving.conversion.detok import CONTEXT_TOKENS, StreamDetokenizer
+from backend.serving.engine_model.engine_outputs import (error_response, make_response, merge_outputs, requested_outputs,
                                             send_empty_final, send_error)
-from backend.serving.engine_stream import INBAND_ERRORS, Stream, chosen_logprobs, inband_errors
-from backend.serving.row_group import RowGroup
-from backend.serving.engine_request import is_stop_request, parse_engine_request, request_rows
-from backend.serving.metrics import ServingMetrics
-from backend.serving.responder import Responder
-from backend.serving.serving_state import ServingState
-from backend.serving.tokenizer import load_tokenizer
+from backend.serving.engine_model.engine_stream import INBAND_ERRORS, Stream, chosen_logprobs, inband_errors
+from backend.serving.engine_model.row_group import RowGroup
+from backend.serving.engine_model.engine_request import is_stop_request, parse_engine_request, request_rows
+from backend.serving.metrics.metrics import ServingMetrics
+from backend.serving.engine_model.responder import Responder
+from backend.serving.engine_model.serving_state import ServingState
+from backend.serving.engine_model.settings import DEFAULTS, ServingSettings
+from backend.serving.conversion.tokenizer import load_tokenizer
 
 __all__ = ["EngineHost", "INBAND_ERRORS", "MIN_STOP_ID_LEN", "chosen_logprobs"]
 
@@ -75,27 +76,28 @@ MIN_STOP_ID_LEN = 16   # a stop_request may name only a request id at least this
 
 
 class EngineHost:
-    def __init__(self, pb: Any, engine_dir: str, *, device: str = "cpu", stream_interval: int = 1,
+    def __init__(self, pb: Any, engine_dir: str, *, device: str = "cpu", settings: ServingSettings = DEFAULTS,
                  model_name: str = "engine", instance: str = "0", version: str = "1",
                  nv_instance: str | None = None,
-                 executor_factory: Callable[..., Any] | None = None, step_timeout_s: float = 0.0,
-                 on_fatal: Callable[[str], None] | None = None,
-                 decoupled: bool = True, response_thread: bool = True, coalesce_responses: bool = True):
-        """``step_timeout_s`` > 0: a step running longer counts as a hung engine. When the engine
-        fails (its loop thread died, or a step hung) every in-flight request gets a final error,
-        new ones are refused, and ``on_fatal(reason)`` runs (the Triton model exits its stub).
-        ``response_thread``, ``coalesce_responses``: the responder's (``responder.py``)."""
+                 executor_factory: Callable[..., Any] | None = None,
+                 on_fatal: Callable[[str], None] | None = None, decoupled: bool = True):
+        """``device``: where the executor runs (``auto``: the GPU when there is one). ``settings``
+        (``settings.py``): ``step_timeout_s`` > 0: a step running longer counts as a hung engine;
+        ``stream_interval``; ``response_thread``, ``coalesce_responses``: the responder's
+        (``responder.py``). When the engine fails (its loop thread died, or a step hung) every
+        in-flight request gets a final error, new ones are refused, and ``on_fatal(reason)`` runs
+        (the Triton model exits its stub)."""
         self.pb = pb
         # a request with batch size B > 1 is answered row by row: only a decoupled model may
         self.decoupled = decoupled
-        self.step_timeout_s = step_timeout_s
+        self.step_timeout_s = settings.step_timeout_s
         self.on_fatal = on_fatal
         self.failed: str | None = None
         bundle = load_bundle(engine_dir)  # engine.json read once: format, fields, files and their sha256
         self.limits = EngineLimits.from_engine(bundle.engine)
         self.vocab_size = bundle.model.vocab_size
         self.tok = load_tokenizer(engine_dir)
-        self.interval = stream_interval
+        self.interval = settings.stream_interval
         if device == "auto":  # the rendered default: the GPU when there is one
             import torch
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -118,7 +120,7 @@ class EngineHost:
         self._active: dict[str, Stream] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.responder = Responder(response_thread, coalesce=coalesce_responses)
+        self.responder = Responder(settings.response_thread, coalesce=settings.coalesce_responses)
         self.serving = ServingState(model_name)
         self.draining: str | None = None  # set for good once the engine should stop serving (serving_state)
         self.refresh_metrics()  # the pool's size etc. from the start, not from the first poll

@@ -16,7 +16,7 @@ from typing import Mapping
 
 import numpy as np
 
-from backend.serving.convert import InvalidRequest
+from backend.serving.conversion.convert import InvalidRequest
 
 __all__ = ["rows", "unbatch", "batched", "batched_all", "stack_rows"]
 
