@@ -49,6 +49,8 @@ def check_shapes(shapes: EngineShapes) -> EngineShapes:
         value = getattr(shapes, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise AotError(f"shapes.{name}: {value!r}; allowed: a positive integer")
+    if not isinstance(shapes.sliding_window, bool):
+        raise AotError(f"shapes.sliding_window: {shapes.sliding_window!r}; allowed: true, false")
     return shapes
 
 

@@ -115,6 +115,9 @@ class EngineShapes:
     quant_format: str
     group_size: int | None
     speculative: bool
+    # what the architecture adds (default: a Llama-shaped model): some layer attends within a sliding
+    # window (the window kernels are planned beside the full ones)
+    sliding_window: bool = False
 
 
 def linear_in_features(e: EngineShapes) -> set[int]:

@@ -10,6 +10,9 @@ FP8 KV: the codes are converted to q's dtype in registers (e4m3 is exact in bf16
 the tile unless q itself is fp32), and each scale is applied once: K's folded into the softmax scale
 (one multiply per score), V's to the accumulator after the loop (one multiply per output element of
 the program, not per cached element).
+
+Sliding windows (paged_decode_window_kernel): the key loop starts in the block of the window's first key,
+so the work is bounded by the window and freed blocks before it are never read.
 Reference: plugins/reference/attention.py (paged_decode_ref).
 """
 from __future__ import annotations
@@ -53,16 +56,15 @@ def _decode_store(acc, m_i, l_i, cols, q_ptr, out_ptr, part_acc_ptr, part_ml_ptr
 
 
 @triton.jit
-def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
-                        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                        k_scale_ptr, v_scale_ptr, out_scale_ptr, sm_scale,
-                        stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
-                        tokens_per_split, num_splits,
-                        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                        KV_FP8: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr,
-                        DOT_F16: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
-                        V_U16: tl.constexpr = False):
+def _decode_program(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                    seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_scale_ptr, sm_scale, stride_qb, stride_qh, stride_ob,
+                    stride_oh, stride_bt, tokens_per_split, num_splits, window,
+                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                    KV_FP8: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr,
+                    DOT_F16: tl.constexpr, HEADS_FIRST: tl.constexpr, V_U16: tl.constexpr, WINDOW: tl.constexpr):
+    """One (sequence, KV head, split) program; the two entry kernels below differ only in WINDOW (a
+    constexpr, so the full-attention kernel compiles to exactly the code it had before windows)."""
     # HEADS_FIRST: the KV heads of one sequence are neighbours in launch order, so the programs running
     # together read adjacent 128-byte pieces of the same cache rows (one row = all heads of a token)
     if HEADS_FIRST:
@@ -73,7 +75,17 @@ def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
         kvh = tl.program_id(1)
     sp = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start = sp * tokens_per_split
+    ALIGN: tl.constexpr = TILE if TILE < BLOCK_SIZE else BLOCK_SIZE
+    if WINDOW:
+        # the query (position seq_len - 1) sees keys in (seq_len - 1 - window, seq_len - 1]: from lo on.
+        # The splits start at `base`, lo rounded down to a multiple of min(TILE, BLOCK_SIZE): inside lo's
+        # block, so the loop never touches a block wholly before the window (freed blocks: stale or -1
+        # table entries), and inside the first tile, so no tile is wholly masked (its max would be -inf)
+        lo = tl.maximum(seq_len - window, 0)
+        base = lo - lo % ALIGN
+    else:
+        base = 0
+    start = base + sp * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
@@ -112,6 +124,8 @@ def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
     for t0 in range(start, end, TILE):
         tok = t0 + tl.arange(0, TILE)
         tmask = tok < end
+        if WINDOW:
+            tmask = tmask & (tok >= lo)
         page = tl.load(block_tables_ptr + b * stride_bt + tok // BLOCK_SIZE, mask=tmask, other=0)
         slot = page.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
         off = slot[:, None] * row + kvh * HEAD_DIM + d[None, :]
@@ -156,6 +170,41 @@ def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
         _decode_store(acc * tl.load(v_scale_ptr), m_i, l_i, d, q_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                       out_scale_ptr, b, qh, gmask, sp, num_splits, stride_ob, stride_oh, True,
                       NUM_KV_HEADS * GROUP, HEAD_DIM, SPLIT, OUT_FP8)
+
+
+@triton.jit
+def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
+                        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                        k_scale_ptr, v_scale_ptr, out_scale_ptr, sm_scale,
+                        stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+                        tokens_per_split, num_splits,
+                        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                        KV_FP8: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr,
+                        DOT_F16: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
+                        V_U16: tl.constexpr = False):
+    _decode_program(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                    seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_scale_ptr, sm_scale, stride_qb, stride_qh, stride_ob,
+                    stride_oh, stride_bt, tokens_per_split, num_splits, 0, NUM_KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM,
+                    BLOCK_SIZE, TILE, KV_FP8, SPLIT, OUT_FP8, DOT_F16, HEADS_FIRST, V_U16, False)
+
+
+@triton.jit
+def paged_decode_window_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
+                               q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                               k_scale_ptr, v_scale_ptr, out_scale_ptr, sm_scale,
+                               stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+                               tokens_per_split, num_splits, window,
+                               NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                               HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                               KV_FP8: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr,
+                               DOT_F16: tl.constexpr, HEADS_FIRST: tl.constexpr, V_U16: tl.constexpr):
+    """Sliding-window decode: the query sees its last `window` keys (a runtime int > 0: one compiled
+    variant serves every window); the splits share out the window, not the whole sequence."""
+    _decode_program(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                    seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_scale_ptr, sm_scale, stride_qb, stride_qh, stride_ob,
+                    stride_oh, stride_bt, tokens_per_split, num_splits, window, NUM_KV_HEADS, GROUP, GROUP_PAD,
+                    HEAD_DIM, BLOCK_SIZE, TILE, KV_FP8, SPLIT, OUT_FP8, DOT_F16, HEADS_FIRST, V_U16, True)
 
 
 @triton.jit
@@ -239,13 +288,15 @@ def _split_target(target_programs: int, cfg: dict) -> int:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, k_scale=None, v_scale=None,
                  max_seq_len: int | None = None, num_splits: int | None = None, aot=None,
-                 out_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 out_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (last dim contiguous); caches: contiguous [num_blocks, block_size, Hkv, D]
     (q's dtype or float8_e4m3fn with per-layer scales); block_tables: [B, max_blocks] int32;
     seq_lens: [B] int32 (tokens in cache including the query's own). -> [B, Hq, D] in q.dtype, or with
     ``out_scale`` (fp32, one element: the O projection's static input scale) its float8_e4m3fn codes of
     out / out_scale (the output's quantization folded into the kernel: no launch of its own).
-    max_seq_len: host-side upper bound of seq_lens (avoids a device sync); num_splits forces the split."""
+    max_seq_len: host-side upper bound of seq_lens (avoids a device sync); num_splits forces the split.
+    window: sliding window (None or 0 = full attention): the query sees its last `window` tokens only, as
+    reference.attention defines, and no block before the window is read (its table entry may be stale)."""
     B, Hq, D = q.shape
     _, bs, Hkv, Dc = k_cache.shape
     check(Dc == D and v_cache.shape == k_cache.shape, f"paged_decode: cache {tuple(k_cache.shape)} vs q {tuple(q.shape)}")
@@ -256,6 +307,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
           "paged_decode: caches must be contiguous and q's head_dim contiguous")
     out_fp8 = out_scale is not None
     out = torch.empty(q.shape, dtype=torch.float8_e4m3fn if out_fp8 else q.dtype, device=q.device)
+    check(window is None or (isinstance(window, int) and window >= 0),
+          f"paged_decode: window {window!r} must be None or an integer >= 0 (0 = full attention)")
     if B == 0:
         return out
     if max_seq_len is None:
@@ -263,6 +316,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     cfg = _cfg(fp8)
     tile = cfg["tile"]
+    if window:
+        # the splits share out the window (plus the start's rounding down to its tile), not the sequence
+        max_seq_len = min(max_seq_len, window + min(tile, bs) - 1)
     if num_splits is None:
         target = _target_programs(q.device, fp8)
         num_splits, per = choose_splits(B, Hkv, max_seq_len, target, tile, _split_target(target, cfg))
@@ -284,7 +340,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     cx = _constexprs(Hkv, group, D, bs, fp8, split, tile, out_fp8, _dot_f16(cfg, fp8, q.dtype), cfg["heads_first"],
                      _v_u16(cfg, fp8, q.dtype, D))
     grid = (Hkv, B, num_splits) if cfg["heads_first"] else (B, Hkv, num_splits)
-    launch(paged_decode_kernel, grid, args, cx, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aot=aot)
+    kernel = paged_decode_window_kernel if window else paged_decode_kernel
+    if window:
+        args += (window,)
+    launch(kernel, grid, args, cx, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aot=aot)
     if split:
         launch(paged_decode_reduce_kernel, (B, Hq),
                (out, part_acc, part_ml, q, os_, out.stride(0), out.stride(1), num_splits),
@@ -343,10 +402,14 @@ def aot_variants(e) -> list[Variant]:
             if not split:   # the unused partial buffers are the output tensor itself
                 t.update(part_acc_ptr=o, part_ml_ptr=o)
             fp8 = e.kv == "fp8e4nv"
-            cx = _constexprs(e.num_kv_heads, group, e.head_dim, e.block_size, fp8, split, cfg["tile"], out_fp8,
-                             _dot_f16(cfg, fp8, e.act), cfg["heads_first"], _v_u16(cfg, fp8, e.act, e.head_dim))
-            out.append(Variant(paged_decode_kernel, t, cx,
-                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible=DIVISIBLE))
+            cx = _constexprs(e.num_kv_heads, group, e.head_dim, e.block_size, fp8, split, cfg["tile"],
+                             out_fp8, _dot_f16(cfg, fp8, e.act), cfg["heads_first"],
+                             _v_u16(cfg, fp8, e.act, e.head_dim))
+            # sliding-window layers: the window kernel as well (the window is a runtime argument)
+            for kernel, extra in ((paged_decode_kernel, {}), (paged_decode_window_kernel, {"window": "i32"}))[
+                    :2 if e.sliding_window else 1]:
+                out.append(Variant(kernel, dict(t, **extra), cx, num_warps=cfg["num_warps"],
+                                   num_stages=cfg["num_stages"], divisible=DIVISIBLE))
         rtypes = dict(out_ptr=o, part_acc_ptr="*fp32", part_ml_ptr="*fp32", act_ptr=f"*{e.act}",
                       out_scale_ptr="*fp32", stride_ob="i32", stride_oh="i32", num_splits="i32")
         out.append(Variant(paged_decode_reduce_kernel, rtypes, _reduce_constexprs(e.num_heads, e.head_dim, out_fp8),
