@@ -22,9 +22,14 @@ from .common import Variant, check, launch, next_pow2, scale_tensor
 CPU_TILES = (32, 32)
 
 
-def gpu_tiles() -> tuple[int, int]:
+def gpu_tiles(head_dim: int = 128) -> tuple[int, int]:
+    """(rows, tile_n) on a GPU: the tuned ones up to head dim 128. Above it (Gemma 3's 256) the rows
+    shrink so the fp32 accumulator (rows x head_dim) keeps the registers it has at 128: 128 rows at 256
+    would need 256 per thread for it alone (spilled), and the bf16 tree variant's sm_90 compile took
+    224 KB of the 227 KB of shared memory a block may have (176 KB at 64 rows). Speed not measured yet."""
     cfg = tuning.get("paged_prefill")
-    return cfg["rows"], cfg["tile_n"]
+    rows = cfg["rows"] * 128 // head_dim if head_dim > 128 else cfg["rows"]
+    return max(16, rows), cfg["tile_n"]
 
 
 def _launch_opts() -> tuple[int, int]:
@@ -192,7 +197,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         tm = tree_mask.to(torch.uint8).contiguous()
     else:
         tm = out  # unused by the HAS_TREE=False variant
-    rows, tile_n = gpu_tiles() if q.is_cuda else CPU_TILES
+    rows, tile_n = gpu_tiles(D) if q.is_cuda else CPU_TILES
     group = Hq // Hkv
     group_pad = next_pow2(group)
     block_m = max(1, rows // group_pad)   # tokens per program
@@ -220,7 +225,7 @@ def aot_variants(e) -> list[Variant]:
     """GPU variants an engine with shapes `e` launches; the tree-mask one only with speculation."""
     out = []
     group = e.num_heads // e.num_kv_heads
-    (rows, tile_n), cfg = gpu_tiles(), tuning.get("paged_prefill")
+    (rows, tile_n), cfg = gpu_tiles(e.head_dim), tuning.get("paged_prefill")
     for tree in ((False, True) if e.speculative else (False,)):
         types = dict(out_ptr=f"*{e.act}", q_ptr=f"*{e.act}", k_cache_ptr=f"*{e.kv}", v_cache_ptr=f"*{e.kv}",
                      block_tables_ptr="*i32", query_start_ptr="*i32", context_lens_ptr="*i32",
