@@ -193,3 +193,35 @@ def test_window_rejects_bad_values(device):
     lens, qsl, ctx_t = _batch([0], [4], device)
     with pytest.raises(ValueError, match="window 2.5"):
         paged_prefill(q.expand(4, 2, 64).contiguous(), k, v, tables, qsl, ctx_t, 1.0, window=2.5)
+
+
+class _Grids:
+    """Stands in for a KernelSet: records each launch's grid and arguments, then lets it JIT."""
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, key, grid, args):
+        self.calls.append((key, grid, args))
+        return False
+
+
+def test_decode_window_splits_share_out_the_window_not_the_sequence(monkeypatch, device, fresh_seed):
+    """A long sequence with a short window is split as the window is (one 64-token tile here, where the
+    full sequence would take 32 splits): the window's work does not grow with the context. With one
+    split covering only the window's tiles, a right answer also shows the key loop starts there."""
+    monkeypatch.setattr("plugins.paged_decode._target_programs", lambda dev, fp8=False: 1000)
+    lens, window = [2000], 40
+    k, v, tables = make_paged(lens, 16, 1, 64, torch.float16, device)
+    k, v, tables, _ = _poison_before(k, v, tables, [lens[0] - window])
+    q = torch.randn(1, 2, 64, device=device).half()
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    rec = _Grids()
+    out = paged_decode(q, k, v, tables, seq_lens, 0.125, window=window, aot=rec)
+    (key, grid, args), = rec.calls          # no reduction launch: a single split
+    assert key.startswith("paged_decode_window_kernel") and grid[2] == 1 and args[-1] == window
+    assert_close(out, paged_decode_ref(q, k, v, tables, seq_lens, 0.125, window=window), torch.float16,
+                 "decode window, one split", fresh_seed)
+    full = _Grids()
+    k2, v2, t2 = make_paged(lens, 16, 1, 64, torch.float16, device)
+    paged_decode(q, k2, v2, t2, seq_lens, 0.125, aot=full)
+    assert full.calls[0][1][2] == 32         # the same context unwindowed: 2000 tokens in 64-token splits
