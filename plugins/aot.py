@@ -27,6 +27,7 @@ from triton.compiler import ASTSource
 from . import (act_quant, gemm_fp8, gemm_fp8_small, gemm_w4a16, gemm_w4a16_small, kv_write, norm_quant,
                paged_decode, paged_prefill, rmsnorm, rope, rope_kv)
 from .common import ACT_TYPES, AOT_META_VERSION, EngineShapes, Variant
+from .rope_kv import QK_NORMS
 
 KERNEL_MODULES = (kv_write, paged_decode, paged_prefill, rmsnorm, rope, gemm_w4a16, gemm_w4a16_small, gemm_fp8,
                   gemm_fp8_small, norm_quant, act_quant, rope_kv)
@@ -49,6 +50,10 @@ def check_shapes(shapes: EngineShapes) -> EngineShapes:
         value = getattr(shapes, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise AotError(f"shapes.{name}: {value!r}; allowed: a positive integer")
+    if not isinstance(shapes.sliding_window, bool):
+        raise AotError(f"shapes.sliding_window: {shapes.sliding_window!r}; allowed: true, false")
+    if shapes.qk_norm not in QK_NORMS:
+        raise AotError(f"shapes.qk_norm: {shapes.qk_norm!r}; allowed: {', '.join(QK_NORMS)}")
     return shapes
 
 

@@ -115,6 +115,11 @@ class EngineShapes:
     quant_format: str
     group_size: int | None
     speculative: bool
+    # what the architecture adds (defaults: a Llama-shaped model): some layer attends within a sliding
+    # window (the window kernels are planned beside the full ones), and q/k RMS norms fused into the
+    # rope + KV write: "none", "rms" (x_normed * w, Qwen3) or "rms_1p" (x_normed * (1 + w), Gemma 3)
+    sliding_window: bool = False
+    qk_norm: str = "none"
 
 
 def linear_in_features(e: EngineShapes) -> set[int]:

@@ -4,12 +4,16 @@ Each program takes one (sequence, KV head, split) and all the query heads that s
 (GQA), so K/V are read once per group; the group is padded to 16 rows for tl.dot. Long contexts are
 split along the sequence into `num_splits` programs whose partial results (unnormalized output,
 running max, running sum) are merged by a second, small reduction kernel, which walks the splits
-REDUCE_CHUNK at a time (so up to MAX_SPLITS splits: batch 1 at long context can fill every SM).
+REDUCE_CHUNK at a time (so up to MAX_SPLITS splits: batch 1 at long context can fill every SM). The
+split choice, the partials' store and the reduction live in plugins/decode_splits.py.
 
 FP8 KV: the codes are converted to q's dtype in registers (e4m3 is exact in bf16/fp16; no fp32 copy of
 the tile unless q itself is fp32), and each scale is applied once: K's folded into the softmax scale
 (one multiply per score), V's to the accumulator after the loop (one multiply per output element of
 the program, not per cached element).
+
+Sliding windows (paged_decode_window_kernel): the key loop starts in the block of the window's first key,
+so the work is bounded by the window and freed blocks before it are never read.
 Reference: plugins/reference/attention.py (paged_decode_ref).
 """
 from __future__ import annotations
@@ -19,11 +23,10 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .common import Variant, check, launch, next_pow2, round_to_e4m3, scale_tensor
-
-MAX_SPLITS = 128   # bounds the partial buffers (fp32 [B, Hq, splits, D + 2]) and the split choice
-REDUCE_CHUNK = 32  # splits the reduction kernel holds at once; it loops over more
-TILE_N = 64       # default tokens per inner iteration (the launch uses plugins.tuning "paged_decode")
+from .common import Variant, check, launch, next_pow2, scale_tensor
+# the split-K half lives beside it; re-exported, as callers (tests, benches, TensorRT wrappers) import it here
+from .decode_splits import (MAX_SPLITS, REDUCE_CHUNK, REDUCE_DIVISIBLE, TILE_N, _decode_store,  # noqa: F401
+                            _reduce_constexprs, choose_splits, paged_decode_reduce_kernel, split_sequence)
 
 
 def _cfg(fp8: bool) -> dict:
@@ -33,36 +36,15 @@ def _cfg(fp8: bool) -> dict:
 
 
 @triton.jit
-def _decode_store(acc, m_i, l_i, cols, q_ptr, out_ptr, part_acc_ptr, part_ml_ptr, out_scale_ptr, b, qh, gmask,
-                  sp, num_splits, stride_ob, stride_oh, WRITE_ML: tl.constexpr,
-                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr):
-    """Write output columns `cols` of the program's heads: the split's partials (acc, and m/l once:
-    WRITE_ML) or the normalized output, as fp8 codes of the O projection's input with OUT_FP8."""
-    if SPLIT:
-        base = (b * NUM_HEADS + qh) * num_splits + sp
-        tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + cols[None, :], acc, mask=gmask[:, None])
-        if WRITE_ML:
-            tl.store(part_ml_ptr + base * 2, m_i, mask=gmask)
-            tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=gmask)
-    else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # an empty sequence yields zeros
-        if OUT_FP8:   # the O projection's input: rounded to the activation dtype first, as the unfused model does
-            out = round_to_e4m3(tl.math.div_rn(out.to(q_ptr.dtype.element_ty).to(tl.float32), tl.load(out_scale_ptr)))
-        tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + cols[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-
-
-@triton.jit
-def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
-                        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                        k_scale_ptr, v_scale_ptr, out_scale_ptr, sm_scale,
-                        stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
-                        tokens_per_split, num_splits,
-                        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                        KV_FP8: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr,
-                        DOT_F16: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
-                        V_U16: tl.constexpr = False):
+def _decode_program(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                    seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_scale_ptr, sm_scale, stride_qb, stride_qh, stride_ob,
+                    stride_oh, stride_bt, tokens_per_split, num_splits, window,
+                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                    KV_FP8: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr,
+                    DOT_F16: tl.constexpr, HEADS_FIRST: tl.constexpr, V_U16: tl.constexpr, WINDOW: tl.constexpr):
+    """One (sequence, KV head, split) program; the two entry kernels below differ only in WINDOW (a
+    constexpr, so the full-attention kernel compiles to exactly the code it had before windows)."""
     # HEADS_FIRST: the KV heads of one sequence are neighbours in launch order, so the programs running
     # together read adjacent 128-byte pieces of the same cache rows (one row = all heads of a token)
     if HEADS_FIRST:
@@ -73,7 +55,17 @@ def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
         kvh = tl.program_id(1)
     sp = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start = sp * tokens_per_split
+    ALIGN: tl.constexpr = TILE if TILE < BLOCK_SIZE else BLOCK_SIZE
+    if WINDOW:
+        # the query (position seq_len - 1) sees keys in (seq_len - 1 - window, seq_len - 1]: from lo on.
+        # The splits start at `base`, lo rounded down to a multiple of min(TILE, BLOCK_SIZE): inside lo's
+        # block, so the loop never touches a block wholly before the window (freed blocks: stale or -1
+        # table entries), and inside the first tile, so no tile is wholly masked (its max would be -inf)
+        lo = tl.maximum(seq_len - window, 0)
+        base = lo - lo % ALIGN
+    else:
+        base = 0
+    start = base + sp * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
@@ -112,6 +104,8 @@ def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
     for t0 in range(start, end, TILE):
         tok = t0 + tl.arange(0, TILE)
         tmask = tok < end
+        if WINDOW:
+            tmask = tmask & (tok >= lo)
         page = tl.load(block_tables_ptr + b * stride_bt + tok // BLOCK_SIZE, mask=tmask, other=0)
         slot = page.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
         off = slot[:, None] * row + kvh * HEAD_DIM + d[None, :]
@@ -159,67 +153,38 @@ def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
 
 
 @triton.jit
-def paged_decode_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, act_ptr, out_scale_ptr, stride_ob, stride_oh,
-                               num_splits, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               SPLITS_PAD: tl.constexpr, OUT_FP8: tl.constexpr):
-    """Merge the splits of one (sequence, head), SPLITS_PAD (= REDUCE_CHUNK) at a time: a first pass over
-    the running maxima (2 floats per split) finds the global max, a second weights and sums the partial
-    outputs. One chunk (num_splits <= SPLITS_PAD) is the single-pass merge of before."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    d = tl.arange(0, HEAD_DIM)
-    row = (b * NUM_HEADS + h) * num_splits
-    m_max = tl.max(tl.full([SPLITS_PAD], float("-inf"), tl.float32), 0)
-    for s0 in range(0, num_splits, SPLITS_PAD):
-        s = s0 + tl.arange(0, SPLITS_PAD)
-        m = tl.load(part_ml_ptr + (row + s) * 2, mask=s < num_splits, other=float("-inf"))
-        m_max = tl.maximum(m_max, tl.max(m, 0))
-    # splits past the end of the sequence carry m = -inf; an empty sequence has no finite m at all
-    m_ref = tl.where(m_max > float("-inf"), m_max, 0.0)
-    num = tl.zeros([HEAD_DIM], tl.float32)
-    den = tl.sum(tl.zeros([SPLITS_PAD], tl.float32), 0)
-    for s0 in range(0, num_splits, SPLITS_PAD):
-        s = s0 + tl.arange(0, SPLITS_PAD)
-        smask = s < num_splits
-        base = row + s
-        m = tl.load(part_ml_ptr + base * 2, mask=smask, other=float("-inf"))
-        l = tl.load(part_ml_ptr + base * 2 + 1, mask=smask, other=0.0)
-        w = tl.where(m > float("-inf"), tl.exp2(m - m_ref), 0.0)   # maxima are in log2 units
-        acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
-        num += tl.sum(acc * w[:, None], 0)
-        den += tl.sum(l * w, 0)
-    out = num / tl.where(den > 0, den, 1.0)
-    if OUT_FP8:   # act_ptr (q) only gives the activation dtype the unfused model rounds to first
-        out = round_to_e4m3(tl.math.div_rn(out.to(act_ptr.dtype.element_ty).to(tl.float32), tl.load(out_scale_ptr)))
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+def paged_decode_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
+                        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                        k_scale_ptr, v_scale_ptr, out_scale_ptr, sm_scale,
+                        stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+                        tokens_per_split, num_splits,
+                        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                        KV_FP8: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr,
+                        DOT_F16: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
+                        V_U16: tl.constexpr = False):
+    _decode_program(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                    seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_scale_ptr, sm_scale, stride_qb, stride_qh, stride_ob,
+                    stride_oh, stride_bt, tokens_per_split, num_splits, 0, NUM_KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM,
+                    BLOCK_SIZE, TILE, KV_FP8, SPLIT, OUT_FP8, DOT_F16, HEADS_FIRST, V_U16, False)
 
 
-def choose_splits(batch: int, num_kv_heads: int, max_seq_len: int, target_programs: int,
-                  tile: int = TILE_N, split_target: int | None = None) -> tuple[int, int]:
-    """-> (num_splits, tokens_per_split), each split at least one tile, at most MAX_SPLITS.
-
-    `target_programs` (programs_per_sm x SMs) is what the batch alone must reach to go unsplit; below
-    it the sequence is split to reach `split_target` programs (default: target_programs; the wrapper
-    passes split_programs_per_sm x SMs). Batch 1 at ctx 8192 on Llama-3-8B heads (Hkv = 8, tile 128,
-    132 SMs, 4 per SM): 64 splits of one tile = 512 programs, where the old cap of 32 splits left 256,
-    two 4-warp programs per SM: too few loads in flight to cover HBM latency. Batch 64 (512 (b, head)
-    programs >= 264) stays unsplit, as measured best. Expected, not measured: the bench-kernels decode
-    rows at b1 ctx8192 and the sweep's split_programs_per_sm candidates decide."""
-    groups = max(1, batch * num_kv_heads)
-    if split_target is None:
-        split_target = target_programs
-    want = 1 if groups >= target_programs else max(1, -(-split_target // groups))
-    splits = max(1, min(want, MAX_SPLITS, -(-max_seq_len // tile)))
-    return split_sequence(max_seq_len, splits, tile)
-
-
-def split_sequence(max_seq_len: int, splits: int, tile: int = TILE_N) -> tuple[int, int]:
-    """-> (num_splits, tokens_per_split) with whole tiles per split; rounding up to tiles may leave
-    fewer splits than asked (never an empty trailing one)."""
-    n = max(1, max_seq_len)
-    per = -(-n // splits)                 # ceil
-    per = -(-per // tile) * tile          # whole tiles
-    return -(-n // per), per
+@triton.jit
+def paged_decode_window_kernel(out_ptr, part_acc_ptr, part_ml_ptr,
+                               q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                               k_scale_ptr, v_scale_ptr, out_scale_ptr, sm_scale,
+                               stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+                               tokens_per_split, num_splits, window,
+                               NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                               HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                               KV_FP8: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr,
+                               DOT_F16: tl.constexpr, HEADS_FIRST: tl.constexpr, V_U16: tl.constexpr):
+    """Sliding-window decode: the query sees its last `window` keys (a runtime int > 0: one compiled
+    variant serves every window); the splits share out the window, not the whole sequence."""
+    _decode_program(out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                    seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_scale_ptr, sm_scale, stride_qb, stride_qh, stride_ob,
+                    stride_oh, stride_bt, tokens_per_split, num_splits, window, NUM_KV_HEADS, GROUP, GROUP_PAD,
+                    HEAD_DIM, BLOCK_SIZE, TILE, KV_FP8, SPLIT, OUT_FP8, DOT_F16, HEADS_FIRST, V_U16, True)
 
 
 def _target_programs(device: torch.device, fp8: bool = False) -> int:
@@ -239,13 +204,15 @@ def _split_target(target_programs: int, cfg: dict) -> int:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, k_scale=None, v_scale=None,
                  max_seq_len: int | None = None, num_splits: int | None = None, aot=None,
-                 out_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 out_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (last dim contiguous); caches: contiguous [num_blocks, block_size, Hkv, D]
     (q's dtype or float8_e4m3fn with per-layer scales); block_tables: [B, max_blocks] int32;
     seq_lens: [B] int32 (tokens in cache including the query's own). -> [B, Hq, D] in q.dtype, or with
     ``out_scale`` (fp32, one element: the O projection's static input scale) its float8_e4m3fn codes of
     out / out_scale (the output's quantization folded into the kernel: no launch of its own).
-    max_seq_len: host-side upper bound of seq_lens (avoids a device sync); num_splits forces the split."""
+    max_seq_len: host-side upper bound of seq_lens (avoids a device sync); num_splits forces the split.
+    window: sliding window (None or 0 = full attention): the query sees its last `window` tokens only, as
+    reference.attention defines, and no block before the window is read (its table entry may be stale)."""
     B, Hq, D = q.shape
     _, bs, Hkv, Dc = k_cache.shape
     check(Dc == D and v_cache.shape == k_cache.shape, f"paged_decode: cache {tuple(k_cache.shape)} vs q {tuple(q.shape)}")
@@ -256,6 +223,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
           "paged_decode: caches must be contiguous and q's head_dim contiguous")
     out_fp8 = out_scale is not None
     out = torch.empty(q.shape, dtype=torch.float8_e4m3fn if out_fp8 else q.dtype, device=q.device)
+    check(window is None or (isinstance(window, int) and window >= 0),
+          f"paged_decode: window {window!r} must be None or an integer >= 0 (0 = full attention)")
     if B == 0:
         return out
     if max_seq_len is None:
@@ -263,6 +232,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     cfg = _cfg(fp8)
     tile = cfg["tile"]
+    if window:
+        # the splits share out the window (plus the start's rounding down to its tile), not the sequence
+        max_seq_len = min(max_seq_len, window + min(tile, bs) - 1)
     if num_splits is None:
         target = _target_programs(q.device, fp8)
         num_splits, per = choose_splits(B, Hkv, max_seq_len, target, tile, _split_target(target, cfg))
@@ -284,7 +256,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     cx = _constexprs(Hkv, group, D, bs, fp8, split, tile, out_fp8, _dot_f16(cfg, fp8, q.dtype), cfg["heads_first"],
                      _v_u16(cfg, fp8, q.dtype, D))
     grid = (Hkv, B, num_splits) if cfg["heads_first"] else (B, Hkv, num_splits)
-    launch(paged_decode_kernel, grid, args, cx, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aot=aot)
+    kernel = paged_decode_window_kernel if window else paged_decode_kernel
+    if window:
+        args += (window,)
+    launch(kernel, grid, args, cx, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aot=aot)
     if split:
         launch(paged_decode_reduce_kernel, (B, Hq),
                (out, part_acc, part_ml, q, os_, out.stride(0), out.stride(1), num_splits),
@@ -312,16 +287,11 @@ def _constexprs(hkv, group, head_dim, block_size, fp8, split, tile, out_fp8=Fals
                 DOT_F16=bool(dot_f16), HEADS_FIRST=bool(heads_first), V_U16=bool(v_u16))
 
 
-def _reduce_constexprs(heads, head_dim, out_fp8=False) -> dict:
-    return dict(NUM_HEADS=heads, HEAD_DIM=head_dim, SPLITS_PAD=REDUCE_CHUNK, OUT_FP8=out_fp8)
-
-
 # integer arguments compiled as multiples of 16 (plugins/aot.py): q's and the output's strides are
 # multiples of head_dim (a power of two >= 16, checked by the wrapper) for q a view of the fused qkv or
 # a tensor of its own, and tokens_per_split is whole tiles. The launcher sends a call that breaks it to
 # JIT. Not stride_bt: the block-table width is whatever the runtime allocated.
 DIVISIBLE = ("stride_qb", "stride_qh", "stride_ob", "stride_oh", "tokens_per_split")
-REDUCE_DIVISIBLE = ("stride_ob", "stride_oh")
 
 
 def aot_variants(e) -> list[Variant]:
@@ -343,10 +313,14 @@ def aot_variants(e) -> list[Variant]:
             if not split:   # the unused partial buffers are the output tensor itself
                 t.update(part_acc_ptr=o, part_ml_ptr=o)
             fp8 = e.kv == "fp8e4nv"
-            cx = _constexprs(e.num_kv_heads, group, e.head_dim, e.block_size, fp8, split, cfg["tile"], out_fp8,
-                             _dot_f16(cfg, fp8, e.act), cfg["heads_first"], _v_u16(cfg, fp8, e.act, e.head_dim))
-            out.append(Variant(paged_decode_kernel, t, cx,
-                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible=DIVISIBLE))
+            cx = _constexprs(e.num_kv_heads, group, e.head_dim, e.block_size, fp8, split, cfg["tile"],
+                             out_fp8, _dot_f16(cfg, fp8, e.act), cfg["heads_first"],
+                             _v_u16(cfg, fp8, e.act, e.head_dim))
+            # sliding-window layers: the window kernel as well (the window is a runtime argument)
+            for kernel, extra in ((paged_decode_kernel, {}), (paged_decode_window_kernel, {"window": "i32"}))[
+                    :2 if e.sliding_window else 1]:
+                out.append(Variant(kernel, dict(t, **extra), cx, num_warps=cfg["num_warps"],
+                                   num_stages=cfg["num_stages"], divisible=DIVISIBLE))
         rtypes = dict(out_ptr=o, part_acc_ptr="*fp32", part_ml_ptr="*fp32", act_ptr=f"*{e.act}",
                       out_scale_ptr="*fp32", stride_ob="i32", stride_oh="i32", num_splits="i32")
         out.append(Variant(paged_decode_reduce_kernel, rtypes, _reduce_constexprs(e.num_heads, e.head_dim, out_fp8),

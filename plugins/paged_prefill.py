@@ -4,7 +4,8 @@ Variable-length batch: each program takes BLOCK new tokens of one sequence and a
 that share one KV head (rows = token x head, so K/V tiles are loaded once per GQA group), and runs
 causal flash attention over that sequence's cache, which already holds both the earlier context
 (prefix cache hits, earlier chunks) and this step's tokens. An optional tree mask (EAGLE token trees)
-restricts which of the new tokens each query sees.
+restricts which of the new tokens each query sees. With a sliding window (paged_prefill_window_kernel)
+a program's key loop starts in the block of the lowest key its queries see.
 Reference: plugins/reference/attention.py (paged_prefill_ref).
 """
 from __future__ import annotations
@@ -21,9 +22,14 @@ from .common import Variant, check, launch, next_pow2, scale_tensor
 CPU_TILES = (32, 32)
 
 
-def gpu_tiles() -> tuple[int, int]:
+def gpu_tiles(head_dim: int = 128) -> tuple[int, int]:
+    """(rows, tile_n) on a GPU: the tuned ones up to head dim 128. Above it (Gemma 3's 256) the rows
+    shrink so the fp32 accumulator (rows x head_dim) keeps the registers it has at 128: 128 rows at 256
+    would need 256 per thread for it alone (spilled), and the bf16 tree variant's sm_90 compile took
+    224 KB of the 227 KB of shared memory a block may have (176 KB at 64 rows). Speed not measured yet."""
     cfg = tuning.get("paged_prefill")
-    return cfg["rows"], cfg["tile_n"]
+    rows = cfg["rows"] * 128 // head_dim if head_dim > 128 else cfg["rows"]
+    return max(16, rows), cfg["tile_n"]
 
 
 def _launch_opts() -> tuple[int, int]:
@@ -32,12 +38,14 @@ def _launch_opts() -> tuple[int, int]:
 
 
 @triton.jit
-def paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr,
-                         context_lens_ptr, tree_mask_ptr, k_scale_ptr, v_scale_ptr, sm_scale,
-                         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_tm,
-                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-                         TILE: tl.constexpr, KV_FP8: tl.constexpr, HAS_TREE: tl.constexpr):
+def _prefill_program(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr,
+                     context_lens_ptr, tree_mask_ptr, k_scale_ptr, v_scale_ptr, sm_scale,
+                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_tm, window,
+                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+                     TILE: tl.constexpr, KV_FP8: tl.constexpr, HAS_TREE: tl.constexpr, WINDOW: tl.constexpr):
+    """One (query block, sequence, KV head) program; the entry kernels below differ only in WINDOW (a
+    constexpr: the full-attention kernel compiles to the code it had before windows)."""
     mb = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -55,6 +63,7 @@ def paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_
                     mask=imask[:, None], other=0.0)
         qpos = ctx + i
         qk_scale = sm_scale * tl.load(k_scale_ptr)
+        ALIGN: tl.constexpr = TILE if TILE < BLOCK_SIZE else BLOCK_SIZE
 
         m_i = tl.full([BLOCK * GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK * GROUP_PAD], tl.float32)
@@ -62,9 +71,31 @@ def paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_
         row = NUM_KV_HEADS * HEAD_DIM
         # causality: no query of this block sees past its last row's position
         kv_end = tl.minimum(seq_len, ctx + (mb + 1) * BLOCK)
-        for t0 in range(0, kv_end, TILE):
+        if WINDOW:
+            # a query at position p sees keys in (p - window, p]; a tree node's position is ctx + its
+            # depth (its ancestors among the new tokens, itself included, less one), where EAGLE puts it
+            if HAS_TREE:
+                seen = tl.zeros([BLOCK * GROUP_PAD], tl.int32)
+                for j0 in range(0, q_len, TILE):
+                    jj = j0 + tl.arange(0, TILE)
+                    tm = tl.load(tree_mask_ptr + (q_start + i)[:, None] * stride_tm + jj[None, :],
+                                 mask=imask[:, None] & (jj < q_len)[None, :], other=0)
+                    seen += tl.sum((tm != 0).to(tl.int32), 1)
+                wpos = ctx + seen - 1
+            else:
+                wpos = qpos
+            w_lo = wpos - window + 1
+            # the loop starts in the block of the lowest key any row sees, at a whole tile (so blocks
+            # wholly before every row's window, maybe freed, are never read)
+            lo = tl.maximum(tl.min(tl.where(imask, w_lo, seq_len), 0), 0)
+            kv_start = lo - lo % ALIGN
+        else:
+            kv_start = 0
+        for t0 in range(kv_start, kv_end, TILE):
             tok = t0 + tl.arange(0, TILE)
             tmask = tok < kv_end
+            if WINDOW:
+                tmask = tmask & (tok >= lo)
             page = tl.load(block_tables_ptr + b * stride_bt + tok // BLOCK_SIZE, mask=tmask, other=0)
             slot = page.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
             off = slot[:, None] * row + kvh * HEAD_DIM + d[None, :]
@@ -79,6 +110,8 @@ def paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_
             else:
                 s = tl.dot(q, tl.trans(k)) * qk_scale
             allowed = (tok[None, :] <= qpos[:, None]) & tmask[None, :]
+            if WINDOW:
+                allowed = allowed & (tok[None, :] >= w_lo[:, None])
             if HAS_TREE:
                 j = tok - ctx   # index among this step's tokens; < 0 for context, always visible
                 tm = tl.load(tree_mask_ptr + (q_start + i)[:, None] * stride_tm + j[None, :],
@@ -101,14 +134,43 @@ def paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_
                  out.to(out_ptr.dtype.element_ty), mask=imask[:, None])
 
 
+@triton.jit
+def paged_prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr,
+                         context_lens_ptr, tree_mask_ptr, k_scale_ptr, v_scale_ptr, sm_scale,
+                         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_tm,
+                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+                         TILE: tl.constexpr, KV_FP8: tl.constexpr, HAS_TREE: tl.constexpr):
+    _prefill_program(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
+                     tree_mask_ptr, k_scale_ptr, v_scale_ptr, sm_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                     stride_bt, stride_tm, 0, NUM_KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK, TILE,
+                     KV_FP8, HAS_TREE, False)
+
+
+@triton.jit
+def paged_prefill_window_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr,
+                                context_lens_ptr, tree_mask_ptr, k_scale_ptr, v_scale_ptr, sm_scale,
+                                stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_tm, window,
+                                NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                                HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+                                TILE: tl.constexpr, KV_FP8: tl.constexpr, HAS_TREE: tl.constexpr):
+    """Sliding-window prefill: `window` (a runtime int > 0: one compiled variant serves every window)."""
+    _prefill_program(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
+                     tree_mask_ptr, k_scale_ptr, v_scale_ptr, sm_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                     stride_bt, stride_tm, window, NUM_KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK,
+                     TILE, KV_FP8, HAS_TREE, True)
+
+
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
                   k_scale=None, v_scale=None, tree_mask: torch.Tensor | None = None,
-                  max_query_len: int | None = None, aot=None) -> torch.Tensor:
+                  max_query_len: int | None = None, aot=None, window: int | None = None) -> torch.Tensor:
     """q: [T, Hq, D] (last dim contiguous); caches: contiguous [num_blocks, block_size, Hkv, D]
     holding the context AND this step's K/V; block_tables: [B, max_blocks] int32; query_start_loc:
     [B+1] int32; context_lens: [B] int32; tree_mask: optional [T, max_q] bool (column j = j-th new
     token of the same sequence). max_query_len: host-side bound (avoids a device sync).
+    window: sliding window (None or 0 = full attention): a query sees the keys in (p - window, p] only and
+    no block before its window is read (its table entry may be stale).
     -> [T, Hq, D] in q.dtype. Same semantics as reference.attention.paged_prefill_ref."""
     T, Hq, D = q.shape
     _, bs, Hkv, Dc = k_cache.shape
@@ -122,6 +184,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     check(context_lens.shape == (B,) and block_tables.shape[0] == B,
           f"paged_prefill: {B} sequences in query_start_loc but context_lens {tuple(context_lens.shape)}, "
           f"block_tables {tuple(block_tables.shape)}")
+    check(window is None or (isinstance(window, int) and window >= 0),
+          f"paged_prefill: window {window!r} must be None or an integer >= 0 (0 = full attention)")
     out = torch.empty_like(q)
     if T == 0 or B == 0:
         return out
@@ -133,7 +197,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         tm = tree_mask.to(torch.uint8).contiguous()
     else:
         tm = out  # unused by the HAS_TREE=False variant
-    rows, tile_n = gpu_tiles() if q.is_cuda else CPU_TILES
+    rows, tile_n = gpu_tiles(D) if q.is_cuda else CPU_TILES
     group = Hq // Hkv
     group_pad = next_pow2(group)
     block_m = max(1, rows // group_pad)   # tokens per program
@@ -143,7 +207,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             tm.stride(0) if tree_mask is not None else 0)
     warps, stages = _launch_opts()
-    launch(paged_prefill_kernel, grid, args,
+    kernel = paged_prefill_window_kernel if window else paged_prefill_kernel
+    if window:
+        args += (window,)
+    launch(kernel, grid, args,
            _constexprs(Hkv, group, D, bs, block_m, tile_n, k_cache.dtype == torch.float8_e4m3fn,
                        tree_mask is not None), num_warps=warps, num_stages=stages, aot=aot)
     return out
@@ -158,15 +225,18 @@ def aot_variants(e) -> list[Variant]:
     """GPU variants an engine with shapes `e` launches; the tree-mask one only with speculation."""
     out = []
     group = e.num_heads // e.num_kv_heads
-    (rows, tile_n), cfg = gpu_tiles(), tuning.get("paged_prefill")
+    (rows, tile_n), cfg = gpu_tiles(e.head_dim), tuning.get("paged_prefill")
     for tree in ((False, True) if e.speculative else (False,)):
         types = dict(out_ptr=f"*{e.act}", q_ptr=f"*{e.act}", k_cache_ptr=f"*{e.kv}", v_cache_ptr=f"*{e.kv}",
                      block_tables_ptr="*i32", query_start_ptr="*i32", context_lens_ptr="*i32",
                      tree_mask_ptr="*u8" if tree else f"*{e.act}", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
                      sm_scale="fp32", stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_oh="i32",
                      stride_bt="i32", stride_tm="i32")
-        out.append(Variant(paged_prefill_kernel, types,
-                           _constexprs(e.num_kv_heads, group, e.head_dim, e.block_size,
-                                       max(1, rows // next_pow2(group)), tile_n, e.kv == "fp8e4nv", tree),
-                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+        cx = _constexprs(e.num_kv_heads, group, e.head_dim, e.block_size, max(1, rows // next_pow2(group)), tile_n,
+                         e.kv == "fp8e4nv", tree)
+        # sliding-window layers: the window kernel as well (the window is a runtime argument)
+        for kernel, extra in ((paged_prefill_kernel, {}), (paged_prefill_window_kernel, {"window": "i32"}))[
+                :2 if e.sliding_window else 1]:
+            out.append(Variant(kernel, dict(types, **extra), cx, num_warps=cfg["num_warps"],
+                               num_stages=cfg["num_stages"]))
     return out

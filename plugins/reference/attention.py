@@ -1,18 +1,25 @@
 """Reference: paged attention for decode (one query token per sequence) and for prefill / chunked
 prefill (new tokens attending to the cached context and causally to each other, optionally restricted
-by an EAGLE tree mask). Everything is computed in fp32 from the paged cache."""
+by an EAGLE tree mask). Everything is computed in fp32 from the paged cache.
+
+Sliding window (`window`, None or 0 = full attention): a query at position p sees the keys at positions
+in (p - window, p], i.e. p - k < window. This is transformers' own rule (masking_utils'
+sliding_window_overlay keeps kv_idx > q_idx - sliding_window, for Mistral, Gemma 2/3 and Qwen2 alike).
+The references gather only the keys inside the window, so they never read a block-table entry outside
+it either (such entries may name freed blocks)."""
 from __future__ import annotations
 
 import torch
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, n: int, scale=None) -> torch.Tensor:
-    """The first n tokens of one sequence from a paged cache.
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, n: int, scale=None, start: int = 0) -> torch.Tensor:
+    """Tokens start .. n-1 of one sequence from a paged cache (block-table entries before start's block
+    are not read).
 
-    cache: [num_blocks, block_size, Hkv, D]; block_table: [max_blocks] int32 -> [n, Hkv, D] fp32.
+    cache: [num_blocks, block_size, Hkv, D]; block_table: [max_blocks] int32 -> [n - start, Hkv, D] fp32.
     """
     bs = cache.shape[1]
-    pos = torch.arange(n, device=cache.device)
+    pos = torch.arange(start, n, device=cache.device)
     blocks = block_table.long()[pos // bs]
     out = cache[blocks, pos % bs].float()
     if cache.dtype == torch.float8_e4m3fn:
@@ -31,20 +38,27 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     return torch.einsum("hqs,shd->qhd", p, v)
 
 
+def _window_start(pos: int, window: int | None) -> int:
+    """The first key position a query at `pos` sees: pos - window + 1 (keys in (pos - window, pos])."""
+    return max(0, pos - window + 1) if window else 0
+
+
 def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     k_scale=None, v_scale=None) -> torch.Tensor:
+                     k_scale=None, v_scale=None, window: int | None = None) -> torch.Tensor:
     """One query token per sequence. q: [B, Hq, D]; block_tables: [B, max_blocks] int32;
     seq_lens: [B] int32 (tokens in cache, the query's own token included) -> [B, Hq, D] in q.dtype.
+    The query sits at position seq_len - 1; with `window` it sees the last `window` tokens only.
     A sequence of length 0 yields zeros."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b in range(q.shape[0]):
         n = int(seq_lens[b])
         if n == 0:
             continue
-        k = gather_kv(k_cache, block_tables[b], n, k_scale)
-        v = gather_kv(v_cache, block_tables[b], n, v_scale)
-        allowed = torch.ones(1, n, dtype=torch.bool, device=q.device)
+        lo = _window_start(n - 1, window)
+        k = gather_kv(k_cache, block_tables[b], n, k_scale, lo)
+        v = gather_kv(v_cache, block_tables[b], n, v_scale, lo)
+        allowed = torch.ones(1, n - lo, dtype=torch.bool, device=q.device)
         out[b] = _attend(q[b:b + 1], k, v, allowed, scale)[0]
     return out.to(q.dtype)
 
@@ -52,7 +66,7 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, k_scale=None, v_scale=None,
-                      tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      tree_mask: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Variable-length causal attention over this step's tokens, whose K/V (context and new) are
     already in the paged cache.
 
@@ -60,6 +74,8 @@ def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     step); query i of sequence b sits at position context_lens[b] + i and sees cache positions <= it.
     tree_mask: optional [T, max_q] bool; row = token of this step, column j = j-th new token of the same
     sequence; it further restricts which new tokens a query sees (context tokens stay visible).
+    window: keys a query sees are those in (p - window, p], p its position: context_lens[b] + i, or with a
+    tree mask context_lens[b] + depth (its ancestors among the new tokens), where EAGLE places a node.
     -> [T, Hq, D] in q.dtype.
     """
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -69,14 +85,20 @@ def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         if ql == 0:
             continue
         n = ctx + ql
-        k = gather_kv(k_cache, block_tables[b], n, k_scale)
-        v = gather_kv(v_cache, block_tables[b], n, v_scale)
         qpos = ctx + torch.arange(ql, device=q.device)
-        kpos = torch.arange(n, device=q.device)
-        allowed = kpos[None, :] <= qpos[:, None]
+        if tree_mask is not None and window:
+            qpos = ctx + tree_mask[s0:s1, :ql].bool().sum(1) - 1   # a node counts itself among its ancestors
+        lo = _window_start(int(qpos.min()), window)
+        k = gather_kv(k_cache, block_tables[b], n, k_scale, lo)
+        v = gather_kv(v_cache, block_tables[b], n, v_scale, lo)
+        kpos = torch.arange(lo, n, device=q.device)
+        slot = ctx + torch.arange(ql, device=q.device)     # where each new token's own K/V sits
+        allowed = kpos[None, :] <= slot[:, None]
+        if window:
+            allowed &= kpos[None, :] > qpos[:, None] - window
         if tree_mask is not None:
             among_new = torch.ones(ql, n, dtype=torch.bool, device=q.device)
             among_new[:, ctx:] = tree_mask[s0:s1, :ql].bool()
-            allowed &= among_new
+            allowed &= among_new[:, lo:]
         out[s0:s1] = _attend(q[s0:s1], k, v, allowed, scale)
     return out.to(q.dtype)

@@ -193,3 +193,98 @@ def test_a_tensor_parallel_bundle_compiles_one_ranks_shapes():
     rank = kernel_shapes(manifest(3))
     assert (rank.num_heads, rank.num_kv_heads, rank.intermediate_size, rank.hidden_size) == (3, 1, 512, 576)
     assert {v.key for v in aot.plan(rank)} != {v.key for v in aot.plan(ENGINE)}
+
+
+GEMMA3 = EngineShapes(  # Gemma 3 270M: head dim 256, 4 heads over 1 KV head, 5 sliding : 1 global, q/k (1 + w) norms
+    act="bf16", kv="fp8e4nv", num_heads=4, num_kv_heads=1, head_dim=256, hidden_size=640, intermediate_size=2048,
+    block_size=16, quant_format="fp8", group_size=None, speculative=True, sliding_window=True, qk_norm="rms_1p")
+
+
+def test_window_and_qk_norm_variants_are_planned_only_where_needed():
+    names = {v.fn.__name__ for v in aot.plan(GEMMA3)}
+    assert {"paged_decode_window_kernel", "paged_decode_kernel", "paged_prefill_window_kernel",
+            "paged_prefill_kernel", "rope_kv_norm_write_kernel"} <= names
+    assert "rope_kv_write_kernel" not in names   # the model always norms q and k
+    plain = {v.fn.__name__ for v in aot.plan(ENGINE)}
+    assert not {n for n in plain if "window" in n or "norm_write" in n}
+    assert any(v.constexprs.get("QK_NORM") == 2 for v in aot.plan(GEMMA3))
+    qwen = dataclasses.replace(GEMMA3, qk_norm="rms", sliding_window=False)
+    assert any(v.constexprs.get("QK_NORM") == 1 for v in aot.plan(qwen))
+    with pytest.raises(aot.AotError, match="shapes.qk_norm: 'gemma'; allowed: none, rms, rms_1p"):
+        aot.plan(dataclasses.replace(GEMMA3, qk_norm="gemma"))
+
+
+def test_window_and_qk_norm_launches_are_planned(monkeypatch, device):
+    """What the wrappers launch for a windowed, q/k-normed, head-256 engine (decode split or not,
+    prefill with and without a tree, the fused norm + rope + KV write) is in its plan, so its cubins
+    are found rather than compiled at start."""
+    from plugins import rope_kv
+    from plugins.paged_decode import paged_decode
+    monkeypatch.setattr(paged_prefill, "CPU_TILES", paged_prefill.gpu_tiles(256))
+    monkeypatch.setattr(rope_kv, "CPU_TOKENS", rope_kv.GPU_TOKENS)
+    rec = _Recorder()
+    d, bs, s = 256, 16, torch.tensor(0.1)
+    kc = torch.zeros(16, bs, 1, d).to(torch.float8_e4m3fn)
+    tables = torch.arange(16, dtype=torch.int32).view(1, 16)
+    q = torch.randn(3, 4, d).bfloat16()
+    for window in (None, 150):   # a window of more than one 128-token tile: two splits of it
+        for splits in (1, 2):
+            paged_decode(q[:1], kc, kc, tables, torch.tensor([200], dtype=torch.int32), 0.0625, s, s,
+                         num_splits=splits, aot=rec, window=window)
+        qsl, ctx = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([30], dtype=torch.int32)
+        for tree in (None, torch.ones(3, 3, dtype=torch.bool)):
+            paged_prefill.paged_prefill(q, kc, kc, tables, qsl, ctx, 0.0625, s, s, tree_mask=tree, aot=rec,
+                                        window=window)
+    qkv = torch.randn(2, 6 * d).bfloat16()
+    w = torch.zeros(d).bfloat16()
+    cs = torch.zeros(8, 2, d // 2)
+    idx = torch.zeros(2, dtype=torch.long)
+    rope_kv.rope_write_kv(qkv, idx, cs, kc, kc.clone(), idx, 4, 1, s, s, aot=rec, q_norm=w, k_norm=w, qk_norm="rms_1p")
+    planned = {v.key for v in aot.plan(GEMMA3)}
+    # decode: 2 kernels x (split or not) + one reduction; prefill: 2 kernels x (tree or not); the norm write
+    assert len(rec.keys) == 10 and rec.keys <= planned, rec.keys - planned
+
+
+_COMPILE_NEW_VARIANTS = r"""
+import json, sys
+from plugins import aot, paged_decode, paged_prefill, rope_kv
+from plugins.common import EngineShapes
+e = EngineShapes(**json.loads(sys.argv[1]))
+# one variant per new kind: window decode (split) and prefill (tree), the fused q/k norm, head dim 256 plain
+pick = [next(v for v in paged_decode.aot_variants(e) if v.fn is paged_decode.paged_decode_window_kernel
+             and v.constexprs["SPLIT"]),
+        next(v for v in paged_prefill.aot_variants(e) if v.fn is paged_prefill.paged_prefill_window_kernel
+             and v.constexprs["HAS_TREE"]),
+        rope_kv.aot_variants(e)[0],
+        next(v for v in paged_decode.aot_variants(e) if v.fn is paged_decode.paged_decode_kernel)]
+res = []
+for v in pick:
+    for sm in (90, 100):
+        k, meta = aot.compile_variant(v, sm)
+        res.append({"kernel": v.fn.__name__, "sm": sm, "elf": k.asm["cubin"][:4] == b"\x7fELF",
+                    "ptx_target": f".target sm_{sm}" in k.asm["ptx"], "shared": meta["shared"],
+                    "params": meta["params"], "extra": meta["extra_params"]})
+print(json.dumps(res))
+"""
+
+
+def test_window_qk_norm_and_head_256_variants_compile_for_both_sms():
+    """sm_90 and sm_100 cubins with no GPU for each new kind, within the 227 KB of shared memory a
+    block may have on both (the head-256 prefill with a tree is the largest)."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_NEW_VARIANTS, json.dumps(dataclasses.asdict(GEMMA3))],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {(r["kernel"], r["sm"]) for r in res} == {
+        (k, sm) for k in ("paged_decode_window_kernel", "paged_prefill_window_kernel", "rope_kv_norm_write_kernel",
+                          "paged_decode_kernel") for sm in (90, 100)}
+    for r in res:
+        assert r["elf"] and r["ptx_target"] and r["extra"] == 2, r
+        assert 0 < r["shared"] <= 227 * 1024 or r["kernel"] == "rope_kv_norm_write_kernel", r
+        if "window" in r["kernel"]:
+            assert r["params"][-1] == "window", r   # the runtime window is the last argument
+        if r["kernel"] == "rope_kv_norm_write_kernel":
+            assert {"q_norm_ptr", "k_norm_ptr", "eps"} <= set(r["params"]), r

@@ -1,4 +1,4 @@
-"""Paged decode attention (flash-decoding with split-K) vs reference: GQA 1/4/8, head dims 64/128,
+"""Paged decode attention (flash-decoding with split-K) vs reference: GQA 1/4/8, head dims 64/128/256,
 block sizes 16/32/64, lengths crossing block boundaries, empty and single-token sequences, fp8 KV;
 more splits than the reduction holds at once (its chunked merge), up to MAX_SPLITS."""
 import os
@@ -18,6 +18,7 @@ CASES = [  # (num_kv_heads, gqa ratio, head_dim, block_size, seq lens, num_split
     (2, 4, 64, 16, [0, 150, 5], 3),      # empty sequence; split-K over 3 parts
     (1, 8, 128, 32, [200, 1], 4),        # more splits than a short sequence can use
     (3, 3, 64, 16, [70], 2),             # SmolLM2's shape: 9 heads over 3 KV heads
+    (1, 4, 256, 16, [40, 3], 2),         # Gemma 3's head dim (270M: 4 heads over 1 KV head)
 ]
 
 

@@ -1,5 +1,6 @@
 """Paged prefill / chunked-prefill attention vs reference: causal over cached context + new tokens,
-mixed prefill and decode rows in one batch, empty and single-token sequences, EAGLE tree masks, fp8 KV."""
+mixed prefill and decode rows in one batch, empty and single-token sequences, EAGLE tree masks, fp8 KV,
+head dims 64/128/256."""
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ CASES = [  # (num_kv_heads, gqa, head_dim, block_size, context lens, query lens)
     (1, 4, 64, 32, [33, 0, 7], [17, 40, 1]),      # chunked prefill after 33 cached tokens + a decode row
     (1, 8, 128, 64, [65, 3], [3, 1]),             # prefix-cache hit crossing a block boundary
     (3, 3, 64, 16, [0, 5, 9], [0, 18, 1]),        # an empty sequence in the middle; SmolLM2's head shape
+    (1, 4, 256, 16, [20, 0], [9, 5]),             # Gemma 3's head dim
 ]
 
 
