@@ -30,6 +30,10 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": LLAMA3, "num_hidden_layers": 3}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"hidden_size": 96, "num_attention_heads": 6}),
+    # head_dim is not hidden / heads (64 / 4) in Qwen3; one checkpoint ties the head, one does not
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "num_attention_heads": 8, "num_hidden_layers": 3,
+                                                       "tie_word_embeddings": True}),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -116,3 +120,20 @@ def test_greedy_tokens_and_logits_equal_transformers(family, prompts):
         with torch.no_grad():
             want = hf(torch.tensor([full])).logits[0, len(prompt) - 1:-1]
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m: f"{name} prompt {k}: {m}")
+
+
+def test_the_bundle_holds_the_checkpoint_norms_under_runtime_names(family):
+    """Every norm of the checkpoint (Qwen3's per-head q/k norms included) is in the bundle, renamed, as it was."""
+    from safetensors import safe_open
+
+    name, src, bundle_dir = family
+    hf, ours = safe_open(str(src / "model.safetensors"), "pt"), safe_open(str(bundle_dir / "weights.safetensors"), "pt")
+    renames = {"input_layernorm": "input_norm", "post_attention_layernorm": "post_attn_norm",
+               "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
+    norms = [n for n in hf.keys() if n.startswith("model.layers.") and "norm" in n]
+    assert any("q_norm" in n for n in norms) == name.startswith("qwen3")
+    for n in norms:
+        i, module = n[len("model.layers."):].split(".", 1)
+        assert torch.equal(ours.get_tensor(f"layers.{i}.{renames[module.removesuffix('.weight')]}.weight"),
+                           hf.get_tensor(n)), n
+    assert ("lm_head.weight" in ours.keys()) == (not json.loads((src / "config.json").read_text())["tie_word_embeddings"])
