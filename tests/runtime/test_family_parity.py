@@ -70,12 +70,23 @@ def _build(src: Path, out: Path, quantized: bool = False) -> Path:
     return run_pipeline(cfg, out, until="verify" if quantized else "compile", log=lambda m: None).bundle
 
 
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, smollm2_hf_dir):
+    """``built(name) -> (name, HF checkpoint dir, bundle dir)``, each family built once for this module."""
+    done: dict[str, tuple[str, Path, Path]] = {}
+
+    def get(name: str) -> tuple[str, Path, Path]:
+        if name not in done:
+            root = tmp_path_factory.mktemp(name)
+            src = _checkpoint(name, root / name, Path(smollm2_hf_dir))
+            done[name] = (name, src, _build(src, root / "out"))
+        return done[name]
+    return get
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tmp_path_factory, smollm2_hf_dir):
-    """(name, HF checkpoint dir, bundle dir): built once per family for this module."""
-    root = tmp_path_factory.mktemp(request.param)
-    src = _checkpoint(request.param, root / request.param, Path(smollm2_hf_dir))
-    return request.param, src, _build(src, root / "out")
+def family(request, built):
+    return built(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +174,16 @@ def test_qwen3_fp8_with_fp8_kv_passes_the_accuracy_gate(tmp_path, smollm2_hf_dir
     # the q/k norms stay unquantized: fp32 as the checkpoint has them
     assert ours.get_tensor("layers.1.q_norm.weight").dtype == torch.float32
     assert "layers.1.attn.k_scale" in ours.keys()
+
+
+def test_the_onnx_export_refuses_qk_norm_in_one_line(built):
+    from backend import bundle
+    from builder.tensorrt.onnx_export import ExportError, decoder_model
+
+    _, _, bundle_dir = built("qwen3")
+    with pytest.raises(ExportError) as exc:
+        decoder_model(bundle_dir, bundle.read(bundle_dir))
+    assert str(exc.value) == (f"{bundle_dir / 'engine.json'}: model.arch.qk_norm: the ONNX export has no per-head "
+                              f"q/k norm yet; allowed: tensorrt.enabled=false for this model")
+    llama_dir = built("llama")[2]
+    assert decoder_model(llama_dir, bundle.read(llama_dir)).graph.node   # the llama layer still exports
