@@ -52,7 +52,7 @@ class BundleError(RuntimeError):
 
 # -- the model section ----------------------------------------------------------------------------
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class ModelConfigError(SectionError):

@@ -1,7 +1,8 @@
 """HF checkpoint (plain or ModelOpt unified) -> runtime weight layout (docs/contracts.md section 3).
 
 Names: ``model.layers.{i}.self_attn.{q,k,v}_proj`` fuse into ``layers.{i}.qkv``, ``mlp.{gate,up}_proj``
-into ``layers.{i}.gate_up``, norms are renamed, ``attn.k_scale``/``attn.v_scale`` come from ModelOpt's
+into ``layers.{i}.gate_up``, norms are renamed (``self_attn.{q,k}_norm`` to ``layers.{i}.{q,k}_norm`` when
+the architecture spec has ``qk_norm``), ``attn.k_scale``/``attn.v_scale`` come from ModelOpt's
 KV-cache scales. Unquantized linears are concatenated here; quantized ones go through
 ``quant.pack.pack_linear(fmt, parts)``, which knows each format's scale rules.
 Tensors are yielded one at a time so the caller can stream them to disk.
@@ -24,6 +25,8 @@ FUSED = {  # runtime name -> HF module names in fusion order
     "down": ("mlp.down_proj",),
 }
 NORMS = {"input_layernorm": "input_norm", "post_attention_layernorm": "post_attn_norm"}
+# per-head norms on q and k before rope (model.arch.qk_norm: Qwen3), weights [head_dim]
+QK_NORMS = {"self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
 # ModelOpt has written the KV scales under both names across versions
 KV_SCALE_NAMES = {"k_scale": ("self_attn.k_proj.k_scale", "self_attn.k_scale"),
                   "v_scale": ("self_attn.v_proj.v_scale", "self_attn.v_scale")}
@@ -110,9 +113,10 @@ def runtime_tensors(ckpt: Checkpoint, model: dict, dtype: torch.dtype, fmt: str,
         if "weight" not in head:
             raise StageError(f"{ckpt.path}: tensor lm_head.weight is missing and the model does not tie embeddings")
         yield from _pack("lm_head", [head], fmt, dtype, unquantized)
+    norms = {**NORMS, **(QK_NORMS if (model.get("arch") or {}).get("qk_norm") else {})}
     for i in range(model["num_layers"]):
         base = f"model.layers.{i}"
-        for hf, ours in NORMS.items():
+        for hf, ours in norms.items():
             yield f"layers.{i}.{ours}.weight", need(f"{base}.{hf}.weight").to(dtype)
         for ours, hf_parts in FUSED.items():
             parts = [_module(ckpt, f"{base}.{p}") for p in hf_parts]

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) that runs an engine bundle's weights.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) that runs an engine bundle's weights.
 
 Weights use the runtime layout of docs/contracts.md section 3 (fused ``qkv`` and ``gate_up``).
 The model owns no KV memory: the runner passes ``kv_caches`` (one ``(k_cache, v_cache)`` per layer)
@@ -17,6 +17,7 @@ from backend.ops import cpu_matmul
 from backend.ops.attention import AttentionBackend
 from backend.ops.linear import FP8Linear, QuantLinear, make_linear
 from backend.bundle_schema import ModelConfig
+from backend.model import decoder_parts
 from backend.model.layers import RotaryEmbedding, apply_rope, rms_norm, silu_and_mul
 from plugins import registry
 
@@ -50,6 +51,8 @@ class DecoderLayer:
     down: QuantLinear
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
+    q_norm: torch.Tensor | None = None      # per-head RMSNorm weights [D] (model.arch.qk_norm: Qwen3)
+    k_norm: torch.Tensor | None = None
 
 
 def build_layer(weights: dict[str, torch.Tensor], i: int, quant_format: str, dtype: torch.dtype,
@@ -65,7 +68,8 @@ def build_layer(weights: dict[str, torch.Tensor], i: int, quant_format: str, dty
         input_norm=_tensor(weights, f"{p}.input_norm.weight").to(device=device, dtype=dtype),
         post_attn_norm=_tensor(weights, f"{p}.post_attn_norm.weight").to(device=device, dtype=dtype),
         k_scale=ks.to(device).float().reshape(()) if ks is not None else None,
-        v_scale=vs.to(device).float().reshape(()) if vs is not None else None, **lin)
+        v_scale=vs.to(device).float().reshape(()) if vs is not None else None, **lin,
+        **decoder_parts.layer_qk_norms(weights, p, dtype, device))
 
 
 def decoder_layer(c: ModelConfig, layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor,
@@ -81,7 +85,10 @@ def decoder_layer(c: ModelConfig, layer: DecoderLayer, hidden: torch.Tensor, cos
     qkv = _apply(layer.qkv, x)
     # queries and keys rotated together: one set of small ops instead of two (a decode step is
     # bound by their count on CPU), the same numbers
-    qk = apply_rope(qkv[:, :c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+    qk = qkv[:, :c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
+    if layer.q_norm is not None:
+        qk = decoder_parts.qk_norm(qk, layer.q_norm, layer.k_norm, c.num_heads, c.rms_norm_eps)
+    qk = apply_rope(qk, cos, sin)
     q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
     v = qkv[:, c.q_size + c.kv_size:].view(t, c.num_kv_heads, c.head_dim)
     k_cache, v_cache = kv_cache
@@ -131,6 +138,9 @@ class LlamaModel:
         # The kernel table says whether the backend's kind has them (None: the plain layer).
         self._kernels = registry.fused_layer_kernels(attention.name, dev, dt)
         self.fused = self._kernels is not None
+        spec = getattr(config, "arch_spec", None)   # engine.json model.arch (ModelSection); None before it
+        decoder_parts.check_spec(spec, self.fused)
+        decoder_parts.check_qk_norms(spec, self.layers)
         if self.fused:
             half = config.head_dim // 2
             # [max_pos, 2, D/2] fp32: the same angles as the torch path's tables (before their dtype cast)

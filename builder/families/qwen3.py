@@ -16,4 +16,4 @@ def to_spec(cfg: HfConfig) -> ArchSpec:
                     qkv_bias=bias, o_bias=bias, tie_word_embeddings=cfg.flag("tie_word_embeddings", False))
 
 
-FAMILY = Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",), FIELDS, to_spec, LAYER, runtime=False)
+FAMILY = Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",), FIELDS, to_spec, LAYER, runtime=True)

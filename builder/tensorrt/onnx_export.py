@@ -191,6 +191,10 @@ def decoder_model(bundle_dir: Path, manifest: bundle.Manifest, capture_layers: t
     if q.format not in FORMATS:
         raise ExportError(f"{bundle_dir / bundle.MANIFEST}: quantization.format {q.format} has no ONNX export "
                           f"yet (its int8/W4A8 GEMM plugin is not in the graph); allowed: {', '.join(FORMATS)}")
+    spec = manifest.model.arch_spec
+    if spec is not None and spec.qk_norm:
+        raise ExportError(f"{bundle_dir / bundle.MANIFEST}: model.arch.qk_norm: the ONNX export has no per-head q/k "
+                          f"norm yet; allowed: tensorrt.enabled=false for this model")
     if manifest.weights != (bundle.WEIGHTS,):
         raise ExportError(f"{bundle_dir}: engine.tp_size {e.tp_size}: the ONNX export is one graph for one device; "
                           f"allowed: engine.tp_size=1 with tensorrt.enabled")

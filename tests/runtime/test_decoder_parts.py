@@ -1,0 +1,71 @@
+"""backend/model/decoder_parts.py: the spec fields the runtime refuses at load, and Qwen3's per-head q/k
+RMSNorm against transformers' own module."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from backend.arch_spec import ArchSpec
+from backend.model import decoder_parts
+
+QWEN3 = ArchSpec(("full", "full"), qk_norm=True)
+
+
+def test_the_llama_layer_and_qwen3_on_the_torch_path_load():
+    decoder_parts.check_spec(None, fused=True)
+    decoder_parts.check_spec(ArchSpec(("full",)), fused=True)
+    decoder_parts.check_spec(QWEN3, fused=False)
+
+
+def test_qk_norm_on_the_fused_path_is_refused_in_one_line():
+    with pytest.raises(ValueError) as exc:
+        decoder_parts.check_spec(QWEN3, fused=True)
+    assert str(exc.value) == ("engine.json: model.arch.qk_norm: the fused (triton) attention path does not apply "
+                              "q/k norms yet; allowed: engine.attention_backend=torch")
+
+
+@pytest.mark.parametrize("field, value", [("norm", "rms_one_plus"), ("norm_placement", "pre_post"),
+                                          ("activation", "gelu_tanh"), ("qkv", "fused"), ("gate_up", "fused"),
+                                          ("embedding_scale", "sqrt_hidden"), ("query_pre_attn_scalar", 256.0)])
+def test_a_spec_field_the_layer_does_not_compute_is_refused(field, value):
+    spec = dataclasses.replace(ArchSpec(("full",)), **{field: value})
+    with pytest.raises(ValueError) as exc:
+        decoder_parts.check_spec(spec, fused=False)
+    assert str(exc.value).startswith(f"engine.json: model.arch.{field}: {value!r} is not run by this runtime yet")
+
+
+def test_qk_norm_equals_transformers_qwen3_rmsnorm():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    torch.manual_seed(0)
+    heads, kv_heads, d, eps = 6, 2, 32, 1e-6
+    q_mod, k_mod = Qwen3RMSNorm(d, eps), Qwen3RMSNorm(d, eps)
+    with torch.no_grad():
+        q_mod.weight.copy_(torch.randn(d)), k_mod.weight.copy_(torch.randn(d))
+    qk = torch.randn(5, heads + kv_heads, d) * 3
+    got = decoder_parts.qk_norm(qk, q_mod.weight.detach(), k_mod.weight.detach(), heads, eps)
+    with torch.no_grad():
+        want = torch.cat([q_mod(qk[:, :heads]), k_mod(qk[:, heads:])], dim=1)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_layer_qk_norms_are_a_pair_and_agree_with_the_spec():
+    w = torch.ones(8)
+    got = decoder_parts.layer_qk_norms({"layers.0.q_norm.weight": w, "layers.0.k_norm.weight": w}, "layers.0",
+                                       torch.float32, torch.device("cpu"))
+    assert set(got) == {"q_norm", "k_norm"} and all(v is not None for v in got.values())
+    assert decoder_parts.layer_qk_norms({}, "layers.0", torch.float32, torch.device("cpu")) == \
+        {"q_norm": None, "k_norm": None}
+    with pytest.raises(KeyError, match="missing tensor 'layers.0.k_norm.weight'"):
+        decoder_parts.layer_qk_norms({"layers.0.q_norm.weight": w}, "layers.0", torch.float32, torch.device("cpu"))
+
+    class Layer:
+        q_norm = None
+    with pytest.raises(KeyError, match="'layers.0.q_norm.weight' missing"):
+        decoder_parts.check_qk_norms(QWEN3, [Layer()])
+    decoder_parts.check_qk_norms(ArchSpec(("full",)), [Layer()])
+    Layer.q_norm = w
+    with pytest.raises(KeyError, match="present, but model.arch.qk_norm is not true"):
+        decoder_parts.check_qk_norms(None, [Layer()])
