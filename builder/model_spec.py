@@ -67,7 +67,8 @@ def model_spec(checkpoint: Path, dtype: str) -> dict[str, Any]:
         # Qwen2 has q/k/v biases without saying so in config.json
         "attention_bias": bool(hf.get("attention_bias", arch == "qwen2")),
         "mlp_bias": bool(hf.get("mlp_bias", False)),
-        "sliding_window": hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mistral") else None,
+        "sliding_window": hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mistral") else
+        min((a.window for a in spec.attention if a.window), default=None),   # a family that needs no switch
         "bos_token_id": gen.get("bos_token_id", hf.get("bos_token_id")),
         "eos_token_ids": eos,
         "pad_token_id": pad if pad is not None else (eos[0] if eos else None),

@@ -5,7 +5,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 DTYPES = ("bfloat16", "float16", "float32")
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 class ModelConfigError(ValueError):

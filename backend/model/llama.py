@@ -126,13 +126,13 @@ class LlamaModel:
         aot = getattr(attention, "aot", None)   # the bundle's cubins (GPU) serve the 4-bit GEMMs too
         self.layers = [build_layer(weights, i, quant_format, dt, dev, aot) for i in range(config.num_layers)]
         self._check_shapes()
-        self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                    config.rope_scaling, dev)
+        spec = getattr(config, "arch_spec", None)   # engine.json model.arch (ModelSection); None before it
+        self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                    *decoder_parts.rope_args(config, spec), dev)
         # With the Triton attention backend (a GPU, or the interpreter in tests) a decoder layer runs
         # fused kernels: norm, QKV GEMM, rope+KV write, attention, O GEMM, norm, gate/up GEMM, act, down
         # GEMM (see _forward_fused). The torch backend keeps the plain ops below, numbers unchanged.
         self.fused = getattr(attention, "name", None) == "triton"
-        spec = getattr(config, "arch_spec", None)   # engine.json model.arch (ModelSection); None before it
         decoder_parts.check_spec(spec, self.fused)
         decoder_parts.check_qk_norms(spec, self.layers)
         if self.fused:

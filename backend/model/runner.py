@@ -29,7 +29,8 @@ _LOG = get_logger("model.runner")
 KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
              "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Model architectures this runtime builds, by engine.json model.architecture.
-MODEL_CLASSES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "qwen3": LlamaModel}
+MODEL_CLASSES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "qwen3": LlamaModel,
+                 "phi3": LlamaModel}
 # On CPU the KV pool comes from RAM shared with everything else; a tenth is plenty for serving.
 CPU_RAM_FRACTION = 0.1
 

@@ -25,6 +25,11 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             vocab_size=VOCAB, max_position_embeddings=1024, tie_word_embeddings=False)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32, "rope_theta": 500000.0}
+# LongRoPE: 8 frequencies at head_dim 16; the prompts stay within the pretraining length, as transformers
+# switches every position to the long factors past it (the runtime only the positions past it)
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 4 for i in range(8)],
+            "long_factor": [2.0 + i for i in range(8)]}
+PHI3 = {"pad_token_id": 0, "sliding_window": None}     # Phi3Config's pad id 32000 is outside the tiny vocabulary
 # name -> (config class, model class, config changes from TINY)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -34,6 +39,10 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
     "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "num_attention_heads": 8, "num_hidden_layers": 3,
                                                        "tie_word_embeddings": True}),
+    # q/k/v in one qkv_proj and gate/up in one gate_up_proj
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", PHI3),
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", {**PHI3, "rope_parameters": LONGROPE,
+                                                        "original_max_position_embeddings": 128}),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
