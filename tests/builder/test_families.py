@@ -265,3 +265,13 @@ def test_the_spec_agrees_with_the_model_sections_own_keys(case, tmp_path):
     assert m["rope_theta"] == rope.theta and (m["rope_scaling"] is None) == (rope.type == "default")
     assert (m["tie_word_embeddings"], m["attention_bias"], m["mlp_bias"]) == \
         (spec.tie_word_embeddings, spec.qkv_bias, spec.mlp_bias)
+
+
+@pytest.mark.parametrize("window", [None, 32])
+def test_a_phi3_window_reaches_the_model_section_the_runtime_checks(window, tmp_path):
+    """Phi-3 has no use_sliding_window switch: its window comes from the spec, so a max_seq_len above it is
+    refused at load (backend/model/runner.py) instead of attending past the window."""
+    config = transformers.Phi3Config(**TINY, sliding_window=window, pad_token_id=0)
+    config.architectures = ["Phi3ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    assert model_spec(tmp_path, "float32")["sliding_window"] == window
