@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) that runs an engine bundle's weights.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) that runs an engine bundle's weights.
 
 Weights use the runtime layout of docs/contracts.md section 3 (fused ``qkv`` and ``gate_up``).
 The model owns no KV memory: the runner passes ``kv_caches`` (one ``(k_cache, v_cache)`` per layer)
