@@ -37,6 +37,7 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"hidden_size": 96, "num_attention_heads": 6}),
     # head_dim is not hidden / heads (64 / 4) in Qwen3; one checkpoint ties the head, one does not
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    "qwen3_bias": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "attention_bias": True}),   # q/k/v and o
     "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "num_attention_heads": 8, "num_hidden_layers": 3,
                                                        "tie_word_embeddings": True}),
     # q/k/v in one qkv_proj and gate/up in one gate_up_proj
@@ -160,6 +161,9 @@ def test_the_bundle_holds_the_checkpoint_norms_under_runtime_names(family):
         assert torch.equal(ours.get_tensor(f"layers.{i}.{renames[module.removesuffix('.weight')]}.weight"),
                            hf.get_tensor(n)), n
     assert ("lm_head.weight" in ours.keys()) == (not json.loads((src / "config.json").read_text())["tie_word_embeddings"])
+    for hf_name, runtime in (("self_attn.q_proj.bias", "qkv.bias"), ("self_attn.o_proj.bias", "o.bias")):
+        assert (f"layers.0.{runtime}" in ours.keys()) == (f"model.layers.0.{hf_name}" in hf.keys()), runtime
+    assert ("model.layers.0.self_attn.o_proj.bias" in hf.keys()) == (name == "qwen3_bias")
 
 
 # name -> the tiny checkpoint's changes for the gate (the whole vocabulary is added)
