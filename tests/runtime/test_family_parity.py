@@ -66,7 +66,7 @@ def _checkpoint(name: str, out: Path, tokenizer_src: Path, **extra) -> Path:
     return out
 
 
-def _build(src: Path, out: Path, quantized: bool = False) -> Path:
+def _build(src: Path, out: Path, quantized: bool = False, dtype: str = "float32") -> Path:
     from builder.config import BuildConfig
     from builder.pipeline import run_pipeline
 
@@ -75,7 +75,7 @@ def _build(src: Path, out: Path, quantized: bool = False) -> Path:
               "quantization.calibration.max_seq_len=64"] if quantized else
              ["quantization.format=none", "quantization.kv_cache=none", "verify.enabled=false"])
     cfg = BuildConfig.from_dict({}, f"{src.name}.yaml", [
-        f"model.source={src}", "model.dtype=float32", *quant, "engine.max_seq_len=256", "engine.max_input_len=128",
+        f"model.source={src}", f"model.dtype={dtype}", *quant, "engine.max_seq_len=256", "engine.max_input_len=128",
         "engine.max_kv_tokens=2048", "engine.cpu_dtype=float32"])
     return run_pipeline(cfg, out, until="verify" if quantized else "compile", log=lambda m: None).bundle
 
@@ -206,3 +206,16 @@ def test_the_onnx_export_refuses_qk_norm_in_one_line(built):
                               f"q/k norm yet; allowed: tensorrt.enabled=false for this model")
     llama_dir = built("llama")[2]
     assert decoder_model(llama_dir, bundle.read(llama_dir)).graph.node   # the llama layer still exports
+
+
+@pytest.mark.parametrize("name", ["phi3_longrope", "qwen3"])
+def test_the_load_time_dtype_probe_runs_the_family_layer(name, built, tmp_path):
+    """A bf16 bundle with engine.cpu_dtype auto times one decoder layer in each dtype at load
+    (backend/model/layer_probe.py), with the bundle's own rope and q/k norms; the fp32 parity builds skip it."""
+    from backend.model.runner import ModelRunner, load_engine_spec
+
+    _, src, _ = built(name)
+    bundle_dir = _build(src, tmp_path / "bf16", dtype="bfloat16")
+    runner = ModelRunner(load_engine_spec(bundle_dir, {"cpu_dtype": "auto"}), device="cpu")
+    # (a CPU without bf16 instructions skips the timing; one that has them times both dtypes)
+    assert "timing failed" not in runner.dtype_choice.reason, runner.dtype_choice
