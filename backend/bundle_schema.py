@@ -52,7 +52,7 @@ class BundleError(RuntimeError):
 
 # -- the model section ----------------------------------------------------------------------------
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 class ModelConfigError(SectionError):
@@ -120,6 +120,12 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def arch_spec(self) -> "ArchSpec | None":
+        """The architecture spec (``ModelSection`` reads it from engine.json's ``model.arch``); a bare
+        ModelConfig has none, and the runtime then runs the Llama layer its fields describe."""
+        return None
 
 
 @dataclass(frozen=True)

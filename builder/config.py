@@ -75,7 +75,7 @@ def _tree_paths(v: tuple[tuple[int, ...], ...]) -> str | None:
 class ModelConfig:
     source: str = opt("smollm2", check=_nonempty,
                       allowed="smollm2 | path to a HF checkpoint folder | path to a .gguf file")
-    architecture: str = opt("auto", choices=("auto", "llama", "mistral", "qwen2"))
+    architecture: str = opt("auto", choices=("auto", "llama", "mistral", "qwen2", "qwen3", "phi3"))
     dtype: str = opt("bfloat16", choices=("bfloat16", "float16", "float32"))
     max_position_embeddings: int | None = opt(None, min=1)
 

@@ -50,6 +50,9 @@ def model_spec(checkpoint: Path, dtype: str) -> dict[str, Any]:
     pad = gen.get("pad_token_id", hf.get("pad_token_id"))
     modelopt = MODELOPT_FIELDS if (checkpoint / "hf_quant_config.json").is_file() else frozenset()
     spec = family.spec(hf, path, modelopt)
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mistral") else None
+    # a family whose window needs no switch (Phi-3): the narrowest of the spec's sliding layers
+    window = window or min((a.window for a in spec.attention if a.window), default=None)
     return {
         "architecture": arch,
         "hidden_size": hidden,
@@ -67,7 +70,7 @@ def model_spec(checkpoint: Path, dtype: str) -> dict[str, Any]:
         # Qwen2 has q/k/v biases without saying so in config.json
         "attention_bias": bool(hf.get("attention_bias", arch == "qwen2")),
         "mlp_bias": bool(hf.get("mlp_bias", False)),
-        "sliding_window": hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mistral") else None,
+        "sliding_window": window,
         "bos_token_id": gen.get("bos_token_id", hf.get("bos_token_id")),
         "eos_token_ids": eos,
         "pad_token_id": pad if pad is not None else (eos[0] if eos else None),

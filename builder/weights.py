@@ -25,6 +25,9 @@ FUSED = {  # runtime name -> HF module names in fusion order
     "down": ("mlp.down_proj",),
 }
 NORMS = {"input_layernorm": "input_norm", "post_attention_layernorm": "post_attn_norm"}
+# a checkpoint that stores them fused already (model.arch.qkv / gate_up "fused": Phi-3) holds the runtime's
+# row order: q|k|v and gate|up
+FUSED_IN_CHECKPOINT = {"qkv": ("self_attn.qkv_proj",), "gate_up": ("mlp.gate_up_proj",)}
 # per-head norms on q and k before rope (model.arch.qk_norm: Qwen3), weights [head_dim]
 QK_NORMS = {"self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
 # ModelOpt has written the KV scales under both names across versions
@@ -113,12 +116,14 @@ def runtime_tensors(ckpt: Checkpoint, model: dict, dtype: torch.dtype, fmt: str,
         if "weight" not in head:
             raise StageError(f"{ckpt.path}: tensor lm_head.weight is missing and the model does not tie embeddings")
         yield from _pack("lm_head", [head], fmt, dtype, unquantized)
-    norms = {**NORMS, **(QK_NORMS if (model.get("arch") or {}).get("qk_norm") else {})}
+    arch = model.get("arch") or {}
+    norms = {**NORMS, **(QK_NORMS if arch.get("qk_norm") else {})}
+    fused = {ours: FUSED_IN_CHECKPOINT[ours] if arch.get(ours) == "fused" else parts for ours, parts in FUSED.items()}
     for i in range(model["num_layers"]):
         base = f"model.layers.{i}"
         for hf, ours in norms.items():
             yield f"layers.{i}.{ours}.weight", need(f"{base}.{hf}.weight").to(dtype)
-        for ours, hf_parts in FUSED.items():
+        for ours, hf_parts in fused.items():
             parts = [_module(ckpt, f"{base}.{p}") for p in hf_parts]
             for p, part in zip(hf_parts, parts):
                 if "weight" not in part:

@@ -11,9 +11,10 @@ import torch
 
 from backend.arch_spec import ArchSpec
 
-# spec fields -> the only value this runtime computes today (the Llama layer's)
-LLAMA_LAYER = {"norm": "rms", "norm_placement": "pre", "activation": "silu", "mlp": "gated", "gate_up": "separate",
-               "qkv": "separate", "embedding_scale": "none", "query_pre_attn_scalar": None}
+# spec fields -> the only value this runtime computes today (the Llama layer's). ``qkv`` and ``gate_up`` say how
+# the checkpoint stores them: the bundle always holds them fused (builder/weights.py), so both layouts run
+LLAMA_LAYER = {"norm": "rms", "norm_placement": "pre", "activation": "silu", "mlp": "gated",
+               "embedding_scale": "none", "query_pre_attn_scalar": None}
 QK_NORMS = ("q_norm", "k_norm")
 
 
@@ -30,6 +31,23 @@ def check_spec(spec: ArchSpec | None, fused: bool) -> None:
     if spec.qk_norm and fused:
         raise ValueError("engine.json: model.arch.qk_norm: the fused (triton) attention path does not apply "
                          "q/k norms yet; allowed: engine.attention_backend=torch")
+
+
+def rope_args(config, spec: ArchSpec | None) -> tuple[float, dict | None]:
+    """``(theta, scaling)`` for ``layers.RotaryEmbedding``: the spec's rope (every variant resolved by the
+    builder), else, for a bundle from before the spec, the model section's ``rope_theta`` / ``rope_scaling``."""
+    if spec is None:
+        return config.rope_theta, config.rope_scaling
+    ropes = list(dict.fromkeys(a.rope for a in spec.attention))
+    if len(ropes) > 1:
+        raise ValueError("engine.json: model.arch.attention: its kinds rotate with different ropes, which this "
+                         "runtime does not run yet; allowed: one rope for every layer")
+    rope = ropes[0]
+    if rope.partial_rotary_factor != 1.0:
+        raise ValueError(f"engine.json: model.arch.attention.{spec.attention[0].kind}.rope.partial_rotary_factor: "
+                         f"{rope.partial_rotary_factor} is not run by this runtime yet; allowed: 1.0")
+    scaling = {k: v for k, v in rope.to_dict().items() if k not in ("theta", "partial_rotary_factor")}
+    return rope.theta, None if rope.type == "default" else scaling
 
 
 def layer_qk_norms(weights: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype,

@@ -64,11 +64,70 @@ def _llama3_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _dynamic_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """Dynamic NTK: the base grows with the sequence beyond ``original_max_position_embeddings`` (transformers
+    scales from max_position_embeddings and recomputes while generating past it). Within that length, which is
+    where a bundle runs, it is the default rope; the formula is evaluated there."""
+    factor, old_ctx = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    seq_len = old_ctx
+    base = theta * ((factor * seq_len / old_ctx) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    return _default_inv_freq(head_dim, base, None)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: interpolated (divided by ``factor``) below the correction range's low dims, extrapolated above
+    its high dims, a linear ramp between; cos/sin also scale (``rope_attention_factor``)."""
+    factor, old_ctx = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001        # a zero-width ramp would divide by zero
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolated = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+
+
+def _longrope_inv_freq(head_dim: int, theta: float, scaling: dict, long: bool = False) -> torch.Tensor:
+    """LongRoPE (Phi-3): each frequency divided by its own factor, ``short_factor`` within the pretraining
+    length (``original_max_position_embeddings``), ``long_factor`` beyond it."""
+    ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    return 1.0 / (ext * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
 ROPE_TYPES: dict[str, Callable[[int, float, dict | None], torch.Tensor]] = {
     "default": _default_inv_freq,
     "linear": _linear_inv_freq,
+    "dynamic": _dynamic_inv_freq,
     "llama3": _llama3_inv_freq,
+    "yarn": _yarn_inv_freq,
+    "longrope": _longrope_inv_freq,
 }
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What cos and sin are multiplied by: YaRN's mscale and LongRoPE's length factor, else 1."""
+    kind = rope_type(scaling)
+    if kind not in ("yarn", "longrope"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    if kind == "longrope":
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
 
 
 def rope_type(scaling: dict | None) -> str:
@@ -86,12 +145,21 @@ class RotaryEmbedding:
 
     def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: dict | None,
                  device: torch.device | str = "cpu") -> None:
-        inv_freq = ROPE_TYPES[rope_type(scaling)](head_dim, theta, scaling)
+        kind = rope_type(scaling)
+        inv_freq = ROPE_TYPES[kind](head_dim, theta, scaling)
         pos = torch.arange(max_pos, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)
+        if kind == "longrope":
+            # positions past the pretraining length rotate with the long factors. transformers instead
+            # re-rotates every position with them once a sequence passes that length, which a KV cache of
+            # keys rotated earlier cannot do: the two agree on sequences within it.
+            old_ctx = int(scaling["original_max_position_embeddings"])
+            long = torch.outer(pos[old_ctx:], _longrope_inv_freq(head_dim, theta, scaling, long=True))
+            freqs = torch.cat([freqs[:old_ctx], long])
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        scale = rope_attention_factor(scaling)
+        self.cos = (emb.cos() * scale).to(device)
+        self.sin = (emb.sin() * scale).to(device)
         self.max_pos = max_pos
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

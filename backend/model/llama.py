@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) that runs an engine bundle's weights.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) that runs an engine bundle's weights.
 
 Weights use the runtime layout of docs/contracts.md section 3 (fused ``qkv`` and ``gate_up``).
 The model owns no KV memory: the runner passes ``kv_caches`` (one ``(k_cache, v_cache)`` per layer)
@@ -130,15 +130,15 @@ class LlamaModel:
         aot = attention.aot   # the bundle's cubins (GPU) serve the 4-bit GEMMs too
         self.layers = [build_layer(weights, i, quant_format, dt, dev, aot) for i in range(config.num_layers)]
         self._check_shapes()
-        self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                    config.rope_scaling, dev)
+        spec = config.arch_spec   # engine.json model.arch; None in bundles built before the spec
+        self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                    *decoder_parts.rope_args(config, spec), dev)
         # With the Triton attention backend (a GPU, or the interpreter in tests) a decoder layer runs
         # fused kernels: norm, QKV GEMM, rope+KV write, attention, O GEMM, norm, gate/up GEMM, act, down
         # GEMM (see _forward_fused). The torch backend keeps the plain ops below, numbers unchanged.
         # The kernel table says whether the backend's kind has them (None: the plain layer).
         self._kernels = registry.fused_layer_kernels(attention.name, dev, dt)
         self.fused = self._kernels is not None
-        spec = getattr(config, "arch_spec", None)   # engine.json model.arch (ModelSection); None before it
         decoder_parts.check_spec(spec, self.fused)
         decoder_parts.check_qk_norms(spec, self.layers)
         if self.fused:

@@ -22,6 +22,7 @@ import time
 import torch
 
 from backend.runtime.cpu_dtype import median_ms
+from backend.model import decoder_parts
 from backend.model.layers import RotaryEmbedding
 from backend.model.llama import build_layer, decoder_layer
 from backend.ops import cpu_matmul
@@ -69,7 +70,7 @@ class _Case:
             meta = _decode_meta(rows, context, bs)
             nblk = meta.block_tables.numel()
             kv = tuple(torch.randn(nblk, bs, c.num_kv_heads, c.head_dim, generator=gen).to(dtype) for _ in range(2))
-            rope = RotaryEmbedding(c.head_dim, context + 1, c.rope_theta, c.rope_scaling)
+            rope = RotaryEmbedding(c.head_dim, context + 1, *decoder_parts.rope_args(c, c.arch_spec))
             cos, sin = rope.tables(meta.positions, dtype)
             hidden = torch.randn(rows, c.hidden_size, generator=gen).to(dtype)
             self.steps.append((f"{rows} seq x {context} ctx", hidden, cos, sin, kv, meta))

@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from backend.model import decoder_parts
 from backend.model.layers import RotaryEmbedding, rms_norm
 from backend.model.llama import build_layer, decoder_layer
 from backend.runtime.kv_plan import FP8_KV_NEEDS_SCALES, kv_cache_dtypes
@@ -58,7 +59,9 @@ class LayerwiseRunner:
         c = self.config
         # LlamaModel's tables, all positions: a shorter table could round its last rows otherwise
         # (a vectorized cos over the body of a tensor, a scalar one over its tail)
-        self._rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling,
+        arch = c.arch_spec
+        decoder_parts.check_spec(arch, fused=False)
+        self._rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, *decoder_parts.rope_args(c, arch),
                                      self.device)
 
     def _read(self, names: list[str] | None = None, prefix: str = "") -> dict[str, torch.Tensor]:

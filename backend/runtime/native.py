@@ -25,7 +25,8 @@ from backend.runtime.runtimes import StepRunner
 _LOG = get_logger("model.runner")
 
 # Model architectures this runtime builds, by engine.json model.architecture.
-MODEL_CLASSES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "qwen3": LlamaModel}
+MODEL_CLASSES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "qwen3": LlamaModel,
+                 "phi3": LlamaModel}
 
 
 def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:

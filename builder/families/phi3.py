@@ -23,4 +23,4 @@ def to_spec(cfg: HfConfig) -> ArchSpec:
         tie_word_embeddings=cfg.flag("tie_word_embeddings", False))
 
 
-FAMILY = Family("phi3", ("Phi3ForCausalLM",), ("phi3",), ("phi3",), FIELDS, to_spec, LAYER, runtime=False)
+FAMILY = Family("phi3", ("Phi3ForCausalLM",), ("phi3",), ("phi3",), FIELDS, to_spec, LAYER, runtime=True)

@@ -32,6 +32,7 @@ from onnx import TensorProto, helper
 
 from backend import bundle
 from backend.runtime import graph_io
+from backend.model.decoder_parts import rope_args
 from backend.model.layers import RotaryEmbedding
 from plugins.tensorrt.variants import W4A16
 
@@ -166,7 +167,7 @@ def layer_constants(g: Graph, c, max_positions: int) -> None:
     g.const("rms_eps", np.array(c.rms_norm_eps, np.float32))
     g.const("sm_scale", np.array([1.0 / math.sqrt(c.head_dim)], np.float32))
     g.const("kv_scale_unused", np.ones(1, np.float32))
-    rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling)
+    rope = RotaryEmbedding(c.head_dim, max_positions, *rope_args(c, c.arch_spec))  # as the runtime
     half = c.head_dim // 2
     g.const("cos_sin", np.stack([rope.cos[:, :half].numpy(), rope.sin[:, :half].numpy()], axis=1))
 

@@ -176,20 +176,21 @@ def test_what_a_family_cannot_map_is_refused_in_one_line(cls, change, fragment, 
 
 def test_runtime_tables_come_from_the_families():
     assert sources.SUPPORTED_HF_ARCHITECTURES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                                                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+                                                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                                                  "Phi3ForCausalLM": "phi3"}
     assert sources.SUPPORTED_GGUF_ARCHITECTURES == {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
-                                                    "qwen3": "qwen3"}
+                                                    "qwen3": "qwen3", "phi3": "phi3"}
     assert families.BY_GGUF["gemma3"].name == "gemma3" and families.BY_MODEL_TYPE["gemma3_text"].name == "gemma3"
 
 
-@pytest.mark.parametrize("cls", ["Gemma3TextConfig", "Phi3Config"])
+@pytest.mark.parametrize("cls", ["Gemma3TextConfig"])
 def test_a_family_the_runtime_does_not_run_yet_is_refused_at_build(cls, tmp_path):
     config = getattr(transformers, cls)(**TINY)
     config.architectures = [cls.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
     config.save_pretrained(tmp_path)
     name = families.BY_ARCHITECTURE[config.architectures[0]].name
     line = f"{tmp_path / 'config.json'}: architectures: {name} is a known family but the runtime does not run it " \
-           f"yet; allowed: llama, mistral, qwen2, qwen3"
+           f"yet; allowed: llama, mistral, qwen2, qwen3, phi3"
     with pytest.raises(StageError) as exc:
         sources.resolve(str(tmp_path), "x.yaml")
     assert str(exc.value) == line
@@ -264,3 +265,13 @@ def test_the_spec_agrees_with_the_model_sections_own_keys(case, tmp_path):
     assert m["rope_theta"] == rope.theta and (m["rope_scaling"] is None) == (rope.type == "default")
     assert (m["tie_word_embeddings"], m["attention_bias"], m["mlp_bias"]) == \
         (spec.tie_word_embeddings, spec.qkv_bias, spec.mlp_bias)
+
+
+@pytest.mark.parametrize("window", [None, 32])
+def test_a_phi3_window_reaches_the_model_section_the_runtime_checks(window, tmp_path):
+    """Phi-3 has no use_sliding_window switch: its window comes from the spec, so a max_seq_len above it is
+    refused at load (backend/runtime/native.py) instead of attending past the window."""
+    config = transformers.Phi3Config(**TINY, sliding_window=window, pad_token_id=0)
+    config.architectures = ["Phi3ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    assert model_spec(tmp_path, "float32")["sliding_window"] == window

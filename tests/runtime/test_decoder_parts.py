@@ -27,7 +27,7 @@ def test_qk_norm_on_the_fused_path_is_refused_in_one_line():
 
 
 @pytest.mark.parametrize("field, value", [("norm", "rms_one_plus"), ("norm_placement", "pre_post"),
-                                          ("activation", "gelu_tanh"), ("qkv", "fused"), ("gate_up", "fused"),
+                                          ("activation", "gelu_tanh"),
                                           ("embedding_scale", "sqrt_hidden"), ("query_pre_attn_scalar", 256.0)])
 def test_a_spec_field_the_layer_does_not_compute_is_refused(field, value):
     spec = dataclasses.replace(ArchSpec(("full",)), **{field: value})

@@ -25,6 +25,11 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             vocab_size=VOCAB, max_position_embeddings=1024, tie_word_embeddings=False)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32, "rope_theta": 500000.0}
+# LongRoPE: 8 frequencies at head_dim 16; the prompts stay within the pretraining length, as transformers
+# switches every position to the long factors past it (the runtime only the positions past it)
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 4 for i in range(8)],
+            "long_factor": [2.0 + i for i in range(8)]}
+PHI3 = {"pad_token_id": 0, "sliding_window": None}     # Phi3Config's pad id 32000 is outside the tiny vocabulary
 # name -> (config class, model class, config changes from TINY)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -32,8 +37,13 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"hidden_size": 96, "num_attention_heads": 6}),
     # head_dim is not hidden / heads (64 / 4) in Qwen3; one checkpoint ties the head, one does not
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    "qwen3_bias": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "attention_bias": True}),   # q/k/v and o
     "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "num_attention_heads": 8, "num_hidden_layers": 3,
                                                        "tie_word_embeddings": True}),
+    # q/k/v in one qkv_proj and gate/up in one gate_up_proj
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", PHI3),
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", {**PHI3, "rope_parameters": LONGROPE,
+                                                        "original_max_position_embeddings": 128}),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -56,7 +66,7 @@ def _checkpoint(name: str, out: Path, tokenizer_src: Path, **extra) -> Path:
     return out
 
 
-def _build(src: Path, out: Path, quantized: bool = False) -> Path:
+def _build(src: Path, out: Path, quantized: bool = False, dtype: str = "float32") -> Path:
     from builder.config import BuildConfig
     from builder.pipeline import run_pipeline
 
@@ -65,7 +75,7 @@ def _build(src: Path, out: Path, quantized: bool = False) -> Path:
               "quantization.calibration.max_seq_len=64"] if quantized else
              ["quantization.format=none", "quantization.kv_cache=none", "verify.enabled=false"])
     cfg = BuildConfig.from_dict({}, f"{src.name}.yaml", [
-        f"model.source={src}", "model.dtype=float32", *quant, "engine.max_seq_len=256", "engine.max_input_len=128",
+        f"model.source={src}", f"model.dtype={dtype}", *quant, "engine.max_seq_len=256", "engine.max_input_len=128",
         "engine.max_kv_tokens=2048", "engine.cpu_dtype=float32"])
     return run_pipeline(cfg, out, until="verify" if quantized else "compile", log=lambda m: None).bundle
 
@@ -152,29 +162,38 @@ def test_the_bundle_holds_the_checkpoint_norms_under_runtime_names(family):
         assert torch.equal(ours.get_tensor(f"layers.{i}.{renames[module.removesuffix('.weight')]}.weight"),
                            hf.get_tensor(n)), n
     assert ("lm_head.weight" in ours.keys()) == (not json.loads((src / "config.json").read_text())["tie_word_embeddings"])
+    for hf_name, runtime in (("self_attn.q_proj.bias", "qkv.bias"), ("self_attn.o_proj.bias", "o.bias")):
+        assert (f"layers.0.{runtime}" in ours.keys()) == (f"model.layers.0.{hf_name}" in hf.keys()), runtime
+    assert ("model.layers.0.self_attn.o_proj.bias" in hf.keys()) == (name == "qwen3_bias")
 
 
-def test_qwen3_fp8_with_fp8_kv_passes_the_accuracy_gate(tmp_path, smollm2_hf_dir):
+# name -> the tiny checkpoint's changes for the gate (the whole vocabulary is added)
+GATED = {"qwen3_tied": {"num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 32},
+         "phi3_longrope": {"original_max_position_embeddings": 512}}
+
+
+@pytest.mark.parametrize("name", sorted(GATED))
+def test_fp8_with_fp8_kv_passes_the_accuracy_gate(name, tmp_path, smollm2_hf_dir):
     """The verify stage's reference is the same one: the imported checkpoint run by transformers in fp32. The
     held-out and calibration prompts are real text, so this checkpoint has the tokenizer's whole vocabulary.
-    Measured: top-1 0.90 (a bundle run without its q/k norms: 0.61, failing the 0.80 gate)."""
+    Measured on qwen3: top-1 0.90 (the bundle run without its q/k norms: 0.61, failing the 0.80 gate)."""
     from safetensors import safe_open
     from builder.stages.verify import DEFAULT_THRESHOLDS
 
     vocab = json.loads((Path(smollm2_hf_dir) / "config.json").read_text())["vocab_size"]
-    src = _checkpoint("qwen3_tied", tmp_path / "qwen3", Path(smollm2_hf_dir), vocab_size=vocab, num_hidden_layers=2,
-                      num_attention_heads=4, head_dim=32)
+    src = _checkpoint(name, tmp_path / name, Path(smollm2_hf_dir), vocab_size=vocab, **GATED[name])
     bundle_dir = _build(src, tmp_path / "out", quantized=True)
     engine = json.loads((bundle_dir / "engine.json").read_text())
     gate = engine["verify"]
     assert (engine["quantization"]["format"], engine["engine"]["kv_cache_dtype"]) == ("fp8", "fp8_e4m3")
     assert (gate["min_top1_agreement"], gate["max_mean_kl"]) == DEFAULT_THRESHOLDS["fp8"]
+    print(f"{name}: fp8 + fp8 KV top-1 {gate['top1_agreement']:.3f}, mean KL {gate['mean_kl']:.2g}")
     assert gate["passed"] is True, gate
     ours = safe_open(str(bundle_dir / "weights.safetensors"), "pt")
     assert ours.get_tensor("layers.1.qkv.weight").dtype == torch.float8_e4m3fn
-    # the q/k norms stay unquantized: fp32 as the checkpoint has them
-    assert ours.get_tensor("layers.1.q_norm.weight").dtype == torch.float32
     assert "layers.1.attn.k_scale" in ours.keys()
+    if engine["model"]["arch"]["qk_norm"]:   # the q/k norms stay unquantized: fp32 as the checkpoint has them
+        assert ours.get_tensor("layers.1.q_norm.weight").dtype == torch.float32
 
 
 def test_the_onnx_export_refuses_qk_norm_in_one_line(built):
@@ -188,3 +207,17 @@ def test_the_onnx_export_refuses_qk_norm_in_one_line(built):
                               f"q/k norm yet; allowed: tensorrt.enabled=false for this model")
     llama_dir = built("llama")[2]
     assert decoder_model(llama_dir, bundle.read(llama_dir)).graph.node   # the llama layer still exports
+
+
+@pytest.mark.parametrize("name", ["phi3_longrope", "qwen3"])
+def test_the_load_time_dtype_probe_runs_the_family_layer(name, built, tmp_path):
+    """A bf16 bundle with engine.cpu_dtype auto times one decoder layer in each dtype at load
+    (backend/runtime/layer_probe.py), with the bundle's own rope and q/k norms; the fp32 parity builds skip it."""
+    from backend.runtime.native import ModelRunner
+    from backend.runtime.spec import load_engine_spec
+
+    _, src, _ = built(name)
+    bundle_dir = _build(src, tmp_path / "bf16", dtype="bfloat16")
+    runner = ModelRunner(load_engine_spec(bundle_dir, {"cpu_dtype": "auto"}), device="cpu")
+    # (a CPU without bf16 instructions skips the timing; one that has them times both dtypes)
+    assert "timing failed" not in runner.dtype_choice.reason, runner.dtype_choice

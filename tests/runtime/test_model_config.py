@@ -45,8 +45,10 @@ def test_rope_scaling_types():
     assert torch.allclose(plain.cos[:, 0], scaled.cos[:, 0])
     assert not torch.allclose(plain.cos[:, 63], scaled.cos[:, 63])
     assert rope_type({"type": "linear", "factor": 2.0}) == "linear"
-    with pytest.raises(ValueError, match="rope_scaling.rope_type: 'yarn'"):
-        rope_type({"rope_type": "yarn", "factor": 4.0})
+    assert rope_type({"rope_type": "yarn", "factor": 4.0}) == "yarn"
+    with pytest.raises(ValueError, match="rope_scaling.rope_type: 'ntk' is not supported; allowed: default, linear, "
+                                         "dynamic, llama3, yarn, longrope"):
+        rope_type({"rope_type": "ntk", "factor": 4.0})
 
 
 def test_runner_refuses_sliding_window_beyond_max_seq_len():
