@@ -47,7 +47,10 @@ _PER_TENSOR = ("input_scale", "weight_scale_2")
 _COLUMN = ("qkv", "gate_up")      # output rows split
 _ROW = ("o", "down")              # input columns split, outputs all-reduced
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")
-_LAYER_COPIED = ("input_norm.weight", "post_attn_norm.weight", "attn.k_scale", "attn.v_scale")
+# Copied whole to every rank: the norms of the hidden state, the KV scales, and the per-head q/k norms
+# (Qwen3, Gemma 3): one [head_dim] weight applied to every head, so whichever heads a rank holds
+_LAYER_COPIED = ("input_norm.weight", "post_attn_norm.weight", "attn.k_scale", "attn.v_scale",
+                 "q_norm.weight", "k_norm.weight")
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 Spans = list[tuple[int, int]]     # (start, count) runs of rows, in the order one rank keeps them

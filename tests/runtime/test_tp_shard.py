@@ -219,3 +219,18 @@ def test_sharding_refuses_what_it_cannot_split():
 
 
 # ---- the real model: a tp_size=3 bundle, and three gloo ranks against the unsharded model -------
+
+
+def test_per_head_qk_norms_go_whole_to_every_rank():
+    """Qwen3's q/k norms weigh each head's dimensions alike: each rank gets the [head_dim] weight as it is
+    (its heads are a subset); the rest of the layer still splits."""
+    c = _tiny()
+    w = _tiny_weights(c, "none")
+    g = torch.Generator().manual_seed(1)
+    w["layers.0.q_norm.weight"] = torch.randn(c.head_dim, generator=g)
+    w["layers.0.k_norm.weight"] = torch.randn(c.head_dim, generator=g)
+    for rank in range(2):
+        s = shard_weights(w, c, "none", 2, rank)
+        for name in ("layers.0.q_norm.weight", "layers.0.k_norm.weight"):
+            assert torch.equal(s[name], w[name])
+        assert s["layers.0.qkv.weight"].shape[0] == w["layers.0.qkv.weight"].shape[0] // 2
