@@ -202,7 +202,7 @@ def test_raw_stream_ends_with_done_and_usage(stack):
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed on this machine")
 def test_readme_openai_curl_examples_work_as_printed(stack):
-    """README "OpenAI API": its curl lines for port 9000, run with this stack's port and model id."""
+    """docs/openai.md: its curl lines for port 9000, run with this stack's port and model id."""
     from tests.serving.test_readme_examples import readme_curl_commands
     cmds = [c for c in readme_curl_commands() if "localhost:9000" in c]
     assert len(cmds) >= 3 and any("/v1/chat/completions" in c for c in cmds), cmds

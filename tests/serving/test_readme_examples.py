@@ -20,7 +20,7 @@ from tests.serving.conftest import ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 
-DOCS = ("README.md", "docs/serving.md")
+DOCS = ("README.md", "docs/serving.md", "docs/openai.md")   # the pages whose curl lines are run as printed
 
 
 def readme_curl_commands() -> list[str]:
