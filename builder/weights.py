@@ -56,7 +56,7 @@ class Checkpoint:
 
     def get(self, name: str) -> torch.Tensor:
         # Open per tensor: a handle kept open keeps every page read through its memory map resident,
-        # so packing grew by the whole checkpoint's size (issue #22, docs/perf/build-memory.json)
+        # so packing grew by the whole checkpoint's size (docs/perf/build-memory.json)
         with safe_open(str(self._where[name]), "pt") as f:
             return f.get_tensor(name)
 

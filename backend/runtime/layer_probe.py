@@ -30,7 +30,7 @@ from backend.ops.attention import get_backend
 from backend.ops.attention.metadata import AttentionMetadata
 
 # Decode steps timed: (sequences, context tokens). One sequence is the latency case, 16 the
-# concurrency the serving benchmark and issue #18 measure.
+# concurrency the serving benchmark measures.
 SHAPES = ((1, 256), (16, 256))
 # Rows of the logits weight timed (then scaled to the vocabulary)
 HEAD_ROWS = 8192

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP front door over a running Triton server (issue #19).
+"""An OpenAI-compatible HTTP front door over a running Triton server.
 
     python -m harness.openai --triton-url 127.0.0.1:8001 \\
         --model-repository build/smollm2-135m-fp8/model_repository

@@ -2,8 +2,8 @@
 
 `compile_all(shapes, floats, sms, out_dir)` writes `out_dir/sm<sm>/<plugin>-<hash>.{ptx,json}` for each
 variant of `convention.trt_plan` and each SM, after checking the entry against TensorRT's calling
-convention and assembling it with ptxas for that SM; it returns the .json contents. Not wired into
-the build yet (a later step adds `tensorrt.enabled`), so bundles are unchanged. Under
+convention and assembling it with ptxas for that SM; it returns the .json contents. The build calls it
+for a bundle with `tensorrt.enabled` (builder/tensorrt/target.py). Under
 TRITON_INTERPRET=1 (the CPU kernel tests) the @triton.jit wrappers cannot be compiled in process, so it
 runs `python -m plugins.tensorrt.compile` in a child, as plugins.aot does.
 """
