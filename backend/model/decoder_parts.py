@@ -14,6 +14,8 @@ from backend.arch_spec import ArchSpec
 # spec fields -> the only value this runtime computes today (the Llama layer's)
 LLAMA_LAYER = {"norm": "rms", "norm_placement": "pre", "activation": "silu", "mlp": "gated", "gate_up": "separate",
                "qkv": "separate", "embedding_scale": "none", "query_pre_attn_scalar": None}
+# the fields whose every value the torch path's spec layer computes (backend/model/spec_layer.py)
+SPEC_LAYER = ("norm", "norm_placement", "activation", "embedding_scale", "query_pre_attn_scalar")
 QK_NORMS = ("q_norm", "k_norm")
 
 
@@ -24,9 +26,11 @@ def check_spec(spec: ArchSpec | None, fused: bool) -> None:
         return
     for name, value in LLAMA_LAYER.items():
         got = getattr(spec, name)
-        if got != value:
-            raise ValueError(f"engine.json: model.arch.{name}: {got!r} is not run by this runtime yet; "
-                             f"allowed: {value!r}")
+        if got == value or (not fused and name in SPEC_LAYER):   # backend/model/spec_layer.py computes these
+            continue
+        where = "the fused (triton) attention path" if name in SPEC_LAYER else "this runtime"
+        raise ValueError(f"engine.json: model.arch.{name}: {got!r} is not run by {where} yet; "
+                         f"allowed: {value!r}" + (" (or engine.attention_backend=torch)" if name in SPEC_LAYER else ""))
     if spec.qk_norm and fused:
         raise ValueError("engine.json: model.arch.qk_norm: the fused (triton) attention path does not apply "
                          "q/k norms yet; allowed: engine.attention_backend=torch")
