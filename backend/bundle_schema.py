@@ -52,7 +52,7 @@ class BundleError(RuntimeError):
 
 # -- the model section ----------------------------------------------------------------------------
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 
 
 class ModelConfigError(SectionError):
@@ -81,7 +81,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     dtype: str = "bfloat16"
-    sliding_window: int | None = None   # Mistral; attention is full-context, see ModelRunner
+    sliding_window: int | None = None   # the sliding layers' window (model.arch has it per layer kind)
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:

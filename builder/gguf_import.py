@@ -269,6 +269,11 @@ def convert(path: Path, arch: str, out: Path, dtype: torch.dtype, progress=lambd
     config.dtype = str(dtype).removeprefix("torch.")
     config.to_json_file(str(out / "config.json"))
     gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    if gguf_arch == "gemma3" and "<end_of_turn>" in tokens and isinstance(gen.get("eos_token_id"), int):
+        # a Gemma chat turn ends with <end_of_turn>, which the GGUF's metadata does not name: Google's own
+        # generation_config stops on it beside <eos>, so the bundle's stop tokens are both
+        gen["eos_token_id"] = [gen["eos_token_id"], tokens.index("<end_of_turn>")]
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
     if gguf_arch == "gemma3":

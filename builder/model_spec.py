@@ -50,9 +50,6 @@ def model_spec(checkpoint: Path, dtype: str) -> dict[str, Any]:
     pad = gen.get("pad_token_id", hf.get("pad_token_id"))
     modelopt = MODELOPT_FIELDS if (checkpoint / "hf_quant_config.json").is_file() else frozenset()
     spec = family.spec(hf, path, modelopt)
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mistral") else None
-    # a family whose window needs no switch (Phi-3): the narrowest of the spec's sliding layers
-    window = window or min((a.window for a in spec.attention if a.window), default=None)
     return {
         "architecture": arch,
         "hidden_size": hidden,
@@ -66,11 +63,13 @@ def model_spec(checkpoint: Path, dtype: str) -> dict[str, Any]:
         "rope_theta": float(rope_theta),
         "rope_scaling": rope_scaling,
         "max_position_embeddings": int(need("max_position_embeddings")),
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "tie_word_embeddings": spec.tie_word_embeddings,   # the family's default when config.json is silent
         # Qwen2 has q/k/v biases without saying so in config.json
         "attention_bias": bool(hf.get("attention_bias", arch == "qwen2")),
         "mlp_bias": bool(hf.get("mlp_bias", False)),
-        "sliding_window": window,
+        # the sliding layers' window (the narrowest, should kinds differ); the spec holds it per layer kind
+        # (None: no sliding layer; the family read use_sliding_window and the like into the spec)
+        "sliding_window": min((a.window for a in spec.attention if a.window), default=None),
         "bos_token_id": gen.get("bos_token_id", hf.get("bos_token_id")),
         "eos_token_ids": eos,
         "pad_token_id": pad if pad is not None else (eos[0] if eos else None),

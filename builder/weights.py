@@ -30,6 +30,8 @@ NORMS = {"input_layernorm": "input_norm", "post_attention_layernorm": "post_attn
 FUSED_IN_CHECKPOINT = {"qkv": ("self_attn.qkv_proj",), "gate_up": ("mlp.gate_up_proj",)}
 # per-head norms on q and k before rope (model.arch.qk_norm: Qwen3), weights [head_dim]
 QK_NORMS = {"self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
+# model.arch.norm_placement pre_post (Gemma 3): the MLP's own norms; post_attn_norm then follows attention
+FF_NORMS = {"pre_feedforward_layernorm": "pre_ff_norm", "post_feedforward_layernorm": "post_ff_norm"}
 # ModelOpt has written the KV scales under both names across versions
 KV_SCALE_NAMES = {"k_scale": ("self_attn.k_proj.k_scale", "self_attn.k_scale"),
                   "v_scale": ("self_attn.v_proj.v_scale", "self_attn.v_scale")}
@@ -117,7 +119,8 @@ def runtime_tensors(ckpt: Checkpoint, model: dict, dtype: torch.dtype, fmt: str,
             raise StageError(f"{ckpt.path}: tensor lm_head.weight is missing and the model does not tie embeddings")
         yield from _pack("lm_head", [head], fmt, dtype, unquantized)
     arch = model.get("arch") or {}
-    norms = {**NORMS, **(QK_NORMS if arch.get("qk_norm") else {})}
+    norms = {**NORMS, **(QK_NORMS if arch.get("qk_norm") else {}),
+             **(FF_NORMS if arch.get("norm_placement") == "pre_post" else {})}
     fused = {ours: FUSED_IN_CHECKPOINT[ours] if arch.get(ours) == "fused" else parts for ours, parts in FUSED.items()}
     for i in range(model["num_layers"]):
         base = f"model.layers.{i}"

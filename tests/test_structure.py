@@ -313,7 +313,7 @@ def test_the_protocols_defaults_are_read_from_the_classes():
     assert protocol_defaults(ROOT) == {
         "StepRunner": {"health", "shutdown", "dtype_choice", "graphs"},
         "Speculator": {"stats", "last_logprobs", "request_stats"},
-        "AttentionBackend": {"aot", "load_aot", "holds_fp8_as_float", "fp8_as_float"}}
+        "AttentionBackend": {"aot", "load_aot", "holds_fp8_as_float", "fp8_as_float", "sliding_window"}}
 
 
 def test_a_kernel_choice_outside_the_table_is_found(tmp_path):

@@ -15,6 +15,8 @@ from backend.arch_spec import ArchSpec
 # the checkpoint stores them: the bundle always holds them fused (builder/weights.py), so both layouts run
 LLAMA_LAYER = {"norm": "rms", "norm_placement": "pre", "activation": "silu", "mlp": "gated",
                "embedding_scale": "none", "query_pre_attn_scalar": None}
+# the fields whose every value the torch path's spec layer computes (backend/model/spec_layer.py)
+SPEC_LAYER = ("norm", "norm_placement", "activation", "embedding_scale", "query_pre_attn_scalar")
 QK_NORMS = ("q_norm", "k_norm")
 
 
@@ -25,9 +27,11 @@ def check_spec(spec: ArchSpec | None, fused: bool) -> None:
         return
     for name, value in LLAMA_LAYER.items():
         got = getattr(spec, name)
-        if got != value:
-            raise ValueError(f"engine.json: model.arch.{name}: {got!r} is not run by this runtime yet; "
-                             f"allowed: {value!r}")
+        if got == value or (not fused and name in SPEC_LAYER):   # backend/model/spec_layer.py computes these
+            continue
+        where = "the fused (triton) attention path" if name in SPEC_LAYER else "this runtime"
+        raise ValueError(f"engine.json: model.arch.{name}: {got!r} is not run by {where} yet; "
+                         f"allowed: {value!r}" + (" (or engine.attention_backend=torch)" if name in SPEC_LAYER else ""))
     if spec.qk_norm and fused:
         raise ValueError("engine.json: model.arch.qk_norm: the fused (triton) attention path does not apply "
                          "q/k norms yet; allowed: engine.attention_backend=torch")
@@ -35,17 +39,24 @@ def check_spec(spec: ArchSpec | None, fused: bool) -> None:
 
 def rope_args(config, spec: ArchSpec | None) -> tuple[float, dict | None]:
     """``(theta, scaling)`` for ``layers.RotaryEmbedding``: the spec's rope (every variant resolved by the
-    builder), else, for a bundle from before the spec, the model section's ``rope_theta`` / ``rope_scaling``."""
+    builder), else, for a bundle from before the spec, the model section's ``rope_theta`` / ``rope_scaling``.
+    One rope for every layer (the fused path, the layer probe, the layerwise runner, the ONNX export);
+    ``spec_layer.rope_tables`` gives one per attention kind."""
     if spec is None:
         return config.rope_theta, config.rope_scaling
     ropes = list(dict.fromkeys(a.rope for a in spec.attention))
     if len(ropes) > 1:
         raise ValueError("engine.json: model.arch.attention: its kinds rotate with different ropes, which this "
-                         "runtime does not run yet; allowed: one rope for every layer")
-    rope = ropes[0]
+                         "path does not run yet; allowed: one rope for every layer")
+    return rope_of(ropes[0], f"model.arch.attention.{spec.attention[0].kind}.rope")
+
+
+def rope_of(rope, where: str) -> tuple[float, dict | None]:
+    """One spec ``Rope`` as ``RotaryEmbedding``'s ``(theta, scaling)``; what it cannot rotate is refused
+    in one line naming the spec field (``where``)."""
     if rope.partial_rotary_factor != 1.0:
-        raise ValueError(f"engine.json: model.arch.attention.{spec.attention[0].kind}.rope.partial_rotary_factor: "
-                         f"{rope.partial_rotary_factor} is not run by this runtime yet; allowed: 1.0")
+        raise ValueError(f"engine.json: {where}.partial_rotary_factor: {rope.partial_rotary_factor} is not run "
+                         f"by this runtime yet; allowed: 1.0")
     scaling = {k: v for k, v in rope.to_dict().items() if k not in ("theta", "partial_rotary_factor")}
     return rope.theta, None if rope.type == "default" else scaling
 

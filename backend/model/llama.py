@@ -17,8 +17,8 @@ from backend.ops import cpu_matmul
 from backend.ops.attention import AttentionBackend
 from backend.ops.linear import FP8Linear, QuantLinear, make_linear
 from backend.bundle_schema import ModelConfig
-from backend.model import decoder_parts
-from backend.model.layers import RotaryEmbedding, apply_rope, rms_norm, silu_and_mul
+from backend.model import decoder_parts, spec_layer
+from backend.model.layers import apply_rope, rms_norm, silu_and_mul
 from plugins import registry
 
 # The CPU kernels of the plain layer, where they apply (float32 on CPU): rows of the kernel table.
@@ -53,6 +53,13 @@ class DecoderLayer:
     v_scale: torch.Tensor | None
     q_norm: torch.Tensor | None = None      # per-head RMSNorm weights [D] (model.arch.qk_norm: Qwen3)
     k_norm: torch.Tensor | None = None
+    # model.arch.norm_placement pre_post (Gemma 3): post_attn_norm then normalizes the attention output,
+    # these the MLP's input and output (backend/model/spec_layer.py)
+    pre_ff_norm: torch.Tensor | None = None
+    post_ff_norm: torch.Tensor | None = None
+
+
+FF_NORMS = ("pre_ff_norm", "post_ff_norm")
 
 
 def build_layer(weights: dict[str, torch.Tensor], i: int, quant_format: str, dtype: torch.dtype,
@@ -69,15 +76,18 @@ def build_layer(weights: dict[str, torch.Tensor], i: int, quant_format: str, dty
         post_attn_norm=_tensor(weights, f"{p}.post_attn_norm.weight").to(device=device, dtype=dtype),
         k_scale=ks.to(device).float().reshape(()) if ks is not None else None,
         v_scale=vs.to(device).float().reshape(()) if vs is not None else None, **lin,
-        **decoder_parts.layer_qk_norms(weights, p, dtype, device))
+        **decoder_parts.layer_qk_norms(weights, p, dtype, device),
+        **{n: _tensor(weights, f"{p}.{n}.weight").to(device=device, dtype=dtype) if f"{p}.{n}.weight" in weights
+           else None for n in FF_NORMS})
 
 
 def decoder_layer(c: ModelConfig, layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, attention: AttentionBackend, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                  meta, scale: float, row_linear: Callable | None = None) -> torch.Tensor:
+                  meta, scale: float, row_linear: Callable | None = None, window: int | None = None) -> torch.Tensor:
     """One layer on plain ops (the torch attention backend): ``hidden [T, H]`` -> ``[T, H]``; writes
     the step's keys and values into ``kv_cache``. ``row_linear(linear, x)`` computes the ``o`` and
-    ``down`` products (``LlamaModel.row_linear``: a tensor-parallel rank all-reduces them there)."""
+    ``down`` products (``LlamaModel.row_linear``: a tensor-parallel rank all-reduces them there).
+    ``window``: the layer's sliding window (None: full attention)."""
     row = row_linear or _apply
     t = hidden.shape[0]
     # Attention block.
@@ -93,7 +103,8 @@ def decoder_layer(c: ModelConfig, layer: DecoderLayer, hidden: torch.Tensor, cos
     v = qkv[:, c.q_size + c.kv_size:].view(t, c.num_kv_heads, c.head_dim)
     k_cache, v_cache = kv_cache
     attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale)
-    attn = attention.forward(q, k_cache, v_cache, meta, scale, layer.k_scale, layer.v_scale)
+    extra = {"window": window} if window is not None else {}   # a backend without windows never sees one
+    attn = attention.forward(q, k_cache, v_cache, meta, scale, layer.k_scale, layer.v_scale, **extra)
     # MLP block: the residual add, its norm and gate_up's input quantization in one kernel call on CPU
     hidden, x = _norm_input(layer.gate_up, hidden, row(layer.o, attn.reshape(t, c.q_size)),
                             layer.post_attn_norm, c.rms_norm_eps)
@@ -114,7 +125,9 @@ class LlamaModel:
         self.device = torch.device(device)
         self.dtype = dtype or config.torch_dtype
         self.attention = attention
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        spec = config.arch_spec   # engine.json model.arch; None in bundles built before the spec
+        self.plan = spec_layer.plan_of(spec, config)
+        self.scale = self.plan.scale
         dt, dev = self.dtype, self.device
 
         def dense(name: str) -> torch.Tensor:
@@ -130,9 +143,11 @@ class LlamaModel:
         aot = attention.aot   # the bundle's cubins (GPU) serve the 4-bit GEMMs too
         self.layers = [build_layer(weights, i, quant_format, dt, dev, aot) for i in range(config.num_layers)]
         self._check_shapes()
-        spec = config.arch_spec   # engine.json model.arch; None in bundles built before the spec
-        self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                    *decoder_parts.rope_args(config, spec), dev)
+        # one table per attention kind (Gemma 3: sliding layers rope base 10k, full ones 1M)
+        self.ropes = spec_layer.rope_tables(spec, config, dev)
+        self.rope = next(iter(self.ropes.values()))   # the fused path's (it refuses more than one)
+        # per layer: its sliding window (None: full); windows that never bind are dropped (bound_windows)
+        self.windows = list(self.plan.windows)
         # With the Triton attention backend (a GPU, or the interpreter in tests) a decoder layer runs
         # fused kernels: norm, QKV GEMM, rope+KV write, attention, O GEMM, norm, gate/up GEMM, act, down
         # GEMM (see _forward_fused). The torch backend keeps the plain ops below, numbers unchanged.
@@ -141,6 +156,19 @@ class LlamaModel:
         self.fused = self._kernels is not None
         decoder_parts.check_spec(spec, self.fused)
         decoder_parts.check_qk_norms(spec, self.layers)
+        if self.plan.one_plus:   # (1 + w) norms: the multiplier once, in fp32 as transformers computes it
+            self.norm = spec_layer.one_plus_weight(self.norm)
+            for layer in self.layers:
+                for name in ("input_norm", "post_attn_norm", "q_norm", "k_norm") + FF_NORMS:
+                    if getattr(layer, name) is not None:
+                        setattr(layer, name, spec_layer.one_plus_weight(getattr(layer, name)))
+        if self.plan.post_norms and any(layer.pre_ff_norm is None or layer.post_ff_norm is None
+                                        for layer in self.layers):
+            raise KeyError("weights.safetensors: a layer lacks pre_ff_norm/post_ff_norm weights, which "
+                           "model.arch.norm_placement pre_post needs; rebuild the bundle")
+        if self.fused and len(self.ropes) > 1:
+            raise ValueError("engine.json: model.arch.attention: per-kind rope tables are not run by the fused "
+                             "(triton) attention path yet; allowed: engine.attention_backend=torch")
         if self.fused:
             half = config.head_dim // 2
             # [max_pos, 2, D/2] fp32: the same angles as the torch path's tables (before their dtype cast)
@@ -179,16 +207,30 @@ class LlamaModel:
                 capture_hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         if self.fused:
             return self._forward_fused(input_ids, meta, kv_caches, capture_hidden_layers)
-        c = self.config
-        cos, sin = self.rope.tables(meta.positions, self.dtype)
+        c, plan = self.config, self.plan
+        tables = {kind: rope.tables(meta.positions, self.dtype) for kind, rope in self.ropes.items()}
         captured: dict[int, torch.Tensor] = {}
         hidden = self.embed(input_ids)
+        if plan.embedding_scale is not None:   # sqrt(hidden) rounded to the model's dtype first, as transformers
+            hidden = hidden * torch.tensor(plan.embedding_scale, dtype=hidden.dtype, device=hidden.device)
         for i, layer in enumerate(self.layers):
-            hidden = decoder_layer(c, layer, hidden, cos, sin, self.attention, kv_caches[i], meta, self.scale,
-                                   self.row_linear)
+            cos, sin = tables[plan.rope_of[i]]
+            if plan.plain:
+                hidden = decoder_layer(c, layer, hidden, cos, sin, self.attention, kv_caches[i], meta, self.scale,
+                                       self.row_linear, self.windows[i])
+            else:
+                hidden = spec_layer.spec_layer(c, plan, layer, hidden, cos, sin, self.attention, kv_caches[i], meta,
+                                               self.windows[i], self.row_linear, _apply)
             if i in capture_hidden_layers:
                 captured[i] = hidden
-        return rms_norm(hidden, self.norm, c.rms_norm_eps), captured
+        return spec_layer.norm(hidden, self.norm, c.rms_norm_eps, plan.one_plus), captured
+
+    def bound_windows(self, max_seq_len: int) -> list[int]:
+        """Drop the windows no sequence of at most ``max_seq_len`` tokens reaches past (there sliding-window
+        attention is full attention, and the full path is the faster one); the windows left, which the
+        attention backend must honour."""
+        self.windows = [w if w is not None and w < max_seq_len else None for w in self.windows]
+        return sorted({w for w in self.windows if w is not None})
 
     def _forward_fused(self, input_ids, meta, kv_caches, capture_hidden_layers):
         """The same layer on fused kernels. The residual stream is added lazily: each block's output

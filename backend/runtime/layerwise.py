@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from backend.model import decoder_parts
 from backend.model.layers import RotaryEmbedding, rms_norm
+from backend.model import spec_layer
 from backend.model.llama import build_layer, decoder_layer
 from backend.runtime.kv_plan import FP8_KV_NEEDS_SCALES, kv_cache_dtypes
 from backend.runtime.native import prefill_meta
@@ -46,6 +47,11 @@ class LayerwiseRunner:
             # the fused path (triton backend) runs other kernels per layer: not what decoder_layer runs
             raise EngineError(f"engine.attention_backend: {backend} resolves to fused kernels, which the "
                               f"layer-by-layer runner does not run; allowed here: auto (on a CPU) or torch")
+        plan = spec_layer.plan_of(self.config.arch_spec, self.config)
+        if not plan.plain or len(set(plan.rope_of)) > 1:
+            # it runs llama.py's decoder_layer with one rope table: not the spec layer's norms and ropes
+            raise EngineError("engine.json: model.arch: this architecture's layer (its norms, activation or "
+                              "per-kind ropes) is not run layer by layer yet; allowed: the Llama layer")
         self.attention = get_backend("torch", str(self.device))
         self.kv_dtype, self.kv_storage_dtype = kv_cache_dtypes(spec, dtype, self.device, self.attention)
         self.scale = 1.0 / math.sqrt(self.config.head_dim)

@@ -15,6 +15,7 @@ import torch
 from backend.ops.attention import get_backend, resolve_backend_name
 from backend.bundle import as_dict
 from backend.logs import get_logger
+from backend.model import spec_layer
 from backend.model.llama import LlamaModel
 from backend.runtime import cpu_dtype, layer_probe
 from backend.runtime.kv_plan import (FP8_KV_NEEDS_SCALES, KV_DTYPES, kv_cache_dtypes, kv_pool_bytes,
@@ -26,7 +27,7 @@ _LOG = get_logger("model.runner")
 
 # Model architectures this runtime builds, by engine.json model.architecture.
 MODEL_CLASSES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "qwen3": LlamaModel,
-                 "phi3": LlamaModel}
+                 "phi3": LlamaModel, "gemma3": LlamaModel}
 
 
 def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
@@ -64,12 +65,15 @@ class ModelRunner(StepRunner):
         except cpu_dtype.CpuDtypeError as exc:
             raise EngineError(str(exc)) from exc
         backend_name, self.attention = attention_backend(spec, self.device)
-        window = cfg.sliding_window
         max_seq = spec.engine.max_seq_len
-        if window and max_seq > window:
-            # Below the window, sliding-window attention IS full attention; above it we would be wrong.
-            raise EngineError(f"engine.max_seq_len: {max_seq} exceeds the model's sliding_window ({window}), "
-                              f"which this runtime does not implement; allowed: at most {window}")
+        # Below a window, sliding-window attention IS full attention; above it a backend without
+        # windows would be wrong: refused before any weight is read.
+        windows = [w for w in spec_layer.plan_of(cfg.arch_spec, cfg).windows
+                   if w is not None and w < max_seq]
+        if windows and not self.attention.sliding_window:
+            raise EngineError(f"engine.max_seq_len: {max_seq} exceeds the model's sliding_window ({min(windows)}), "
+                              f"which the {backend_name} attention backend does not implement yet; allowed: at most "
+                              f"{min(windows)}, or engine.attention_backend=torch")
         cls = MODEL_CLASSES[cfg.architecture]
         weights = weights if weights is not None else load_weights(spec.path, self.device)
         # what the model computes in, why, and the timings behind it (generate --json, /metrics)
@@ -77,6 +81,7 @@ class ModelRunner(StepRunner):
         self.dtype = self.dtype_choice.dtype
         self.model = cls(cfg, weights, spec.quant_format, self.attention, self.device, self.dtype)
         del weights
+        self.model.bound_windows(max_seq)   # windows no sequence reaches past run as full attention
 
         self.kv_dtype, self.kv_storage_dtype = kv_cache_dtypes(spec, self.dtype, self.device, self.attention)
         if self.kv_dtype == torch.float8_e4m3fn and any(k is None for k, _ in self.model.kv_cache_scales):

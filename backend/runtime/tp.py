@@ -109,6 +109,10 @@ class TPRunner(StepRunner):
         self.model = TPLlamaModel(spec.model, shard, spec.quant_format, self.attention, self.device, dtype,
                                   tp_size=tp_size, rank=rank, group=group)
         del shard   # the model holds its own (device, dtype) copies
+        if self.model.bound_windows(spec.engine.max_seq_len) and not self.attention.sliding_window:
+            raise EngineError(f"engine.max_seq_len: {spec.engine.max_seq_len} exceeds the model's sliding window, "
+                              f"which the {backend_name} attention backend does not implement yet; allowed: "
+                              f"engine.attention_backend=torch")
         self.dtype = self.model.dtype
         self.kv_dtype, storage = kv_cache_dtypes(spec, self.dtype, self.device, self.attention)
         c = self.model.config

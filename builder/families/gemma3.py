@@ -61,4 +61,4 @@ def to_spec(cfg: HfConfig) -> ArchSpec:
 
 
 FAMILY = Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",), FIELDS, to_spec, LAYER,
-                runtime=False)
+                runtime=True)

@@ -214,13 +214,13 @@ def test_type_gguf_cannot_dequantize_is_refused(tmp_path):
         convert(tmp_path / "f64.gguf", "gemma3", tmp_path, torch.float32)
 
 
-def test_pipeline_still_refuses_gemma3(tiny):
-    """The importer handles gemma3, but a build must not start until the runtime runs its architecture."""
+def test_a_gemma3_gguf_resolves_as_a_source_the_build_runs(tiny):
+    """The runtime runs gemma3 now: its GGUF is a build source (no 'not run yet' refusal)."""
     from builder import sources
 
     path, _, _, _ = tiny
-    with pytest.raises(StageError, match="gemma3 is a known family but the runtime does not run it yet; allowed: llama, mistral"):
-        sources.resolve(str(path), "gemma.yaml")
+    src = sources.resolve(str(path), "gemma.yaml")
+    assert (src.kind, src.path, src.architecture) == ("gguf", path, "gemma3")
 
 
 def test_imported_config_maps_to_the_gemma3_spec(tiny):

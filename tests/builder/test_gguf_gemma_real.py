@@ -89,3 +89,12 @@ def test_tensors_equal_transformers_gguf_loader(gemma_hf_dir):
                 "rope_parameters", "query_pre_attn_scalar", "tie_word_embeddings", "hidden_activation",
                 "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
         assert getattr(cfg, key) == getattr(ref_cfg, key), key
+
+
+def test_the_named_source_resolves_to_the_assembled_gguf():
+    """``model.source: gemma3-270m`` (configs/gemma3-270m-*.yaml) is the file assembled from the chunk wheels."""
+    from builder import sources
+
+    src = sources.resolve("gemma3-270m", "configs/gemma3-270m-bf16.yaml")
+    assert (src.kind, src.path, src.architecture) == ("gguf", gemma3_270m_gguf(), "gemma3")
+    assert src.files() == [gemma3_270m_gguf()]

@@ -80,7 +80,7 @@ def _setup(ctx, qlens, num_prefills, kv_dtype=torch.float32, scale=None, tree=No
     return be, q, kc, vc, meta, full_k, full_v
 
 
-def _reference(q, full_k, full_v, ctx, qlens, tree=None):
+def _reference(q, full_k, full_v, ctx, qlens, tree=None, window=None):
     outs, t = [], 0
     for b, (c, n) in enumerate(zip(ctx, qlens)):
         k = full_k[b].repeat_interleave(HQ // HKV, 1)
@@ -88,6 +88,8 @@ def _reference(q, full_k, full_v, ctx, qlens, tree=None):
         for i in range(n):
             visible = torch.zeros(c + n, dtype=torch.bool)
             visible[:c + i + 1] = True
+            if window is not None:   # transformers' sliding_window_overlay: key > query position - window
+                visible[:max(0, c + i + 1 - window)] = False
             if tree is not None:
                 visible[c:c + n] &= tree[t, :n]
             s = torch.einsum("hd,khd->hk", q[t], k) / math.sqrt(D)
@@ -108,6 +110,22 @@ def test_matches_reference(ctx, qlens, num_prefills, path):
     out = be.forward(q, kc, vc, meta, 1 / math.sqrt(D))
     torch.testing.assert_close(out, _reference(q, fk, fv, ctx, qlens), atol=1e-5, rtol=1e-5)
     assert not (kc == 99.0).any(), "slot -1 must be skipped, not written"
+
+
+@pytest.mark.parametrize("ctx, qlens, num_prefills", [
+    ([0], [21], 1),                      # a prefill longer than the window
+    ([13, 0], [9, 3], 2),                # chunked prefill: the window reaches back into cached blocks
+    ([17, 6, 2], [4, 1, 1], 1),          # a prefill with decodes, contexts past and within the window
+    ([30, 9], [1, 1], 0),                # plain decode rows (the folded tiles)
+])
+def test_a_sliding_window_sees_the_last_window_positions(ctx, qlens, num_prefills, path):
+    window = 5
+    be, q, kc, vc, meta, fk, fv = _setup(ctx, qlens, num_prefills)
+    out = be.forward(q, kc, vc, meta, 1 / math.sqrt(D), window=window)
+    torch.testing.assert_close(out, _reference(q, fk, fv, ctx, qlens, window=window), atol=1e-5, rtol=1e-5)
+    # the same step's full-attention layer (its plan cached beside the window's) is unchanged
+    torch.testing.assert_close(be.forward(q, kc, vc, meta, 1 / math.sqrt(D)), _reference(q, fk, fv, ctx, qlens),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_tree_mask_restricts_same_step_tokens(path):

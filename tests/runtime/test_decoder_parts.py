@@ -26,14 +26,27 @@ def test_qk_norm_on_the_fused_path_is_refused_in_one_line():
                               "q/k norms yet; allowed: engine.attention_backend=torch")
 
 
-@pytest.mark.parametrize("field, value", [("norm", "rms_one_plus"), ("norm_placement", "pre_post"),
-                                          ("activation", "gelu_tanh"),
-                                          ("embedding_scale", "sqrt_hidden"), ("query_pre_attn_scalar", 256.0)])
-def test_a_spec_field_the_layer_does_not_compute_is_refused(field, value):
+SPEC_LAYER_FIELDS = [("norm", "rms_one_plus"), ("norm_placement", "pre_post"), ("activation", "gelu_tanh"),
+                     ("embedding_scale", "sqrt_hidden"), ("query_pre_attn_scalar", 256.0)]
+
+
+@pytest.mark.parametrize("field", ["qkv", "gate_up"])
+def test_fused_checkpoint_layouts_run_on_both_paths(field):
+    """``qkv`` / ``gate_up`` say how the checkpoint stores them; the bundle always holds them fused."""
+    spec = dataclasses.replace(ArchSpec(("full",)), **{field: "fused"})
+    for fused in (False, True):
+        decoder_parts.check_spec(spec, fused=fused)
+
+
+@pytest.mark.parametrize("field, value", SPEC_LAYER_FIELDS)
+def test_the_spec_layer_fields_run_on_the_torch_path_and_are_refused_on_the_fused_one(field, value):
     spec = dataclasses.replace(ArchSpec(("full",)), **{field: value})
+    decoder_parts.check_spec(spec, fused=False)
     with pytest.raises(ValueError) as exc:
-        decoder_parts.check_spec(spec, fused=False)
-    assert str(exc.value).startswith(f"engine.json: model.arch.{field}: {value!r} is not run by this runtime yet")
+        decoder_parts.check_spec(spec, fused=True)
+    assert str(exc.value) == (f"engine.json: model.arch.{field}: {value!r} is not run by the fused (triton) "
+                              f"attention path yet; allowed: {decoder_parts.LLAMA_LAYER[field]!r} "
+                              f"(or engine.attention_backend=torch)")
 
 
 def test_qk_norm_equals_transformers_qwen3_rmsnorm():

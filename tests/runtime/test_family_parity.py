@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 32
 PROMPT_LENS = (5, 23, 41)           # under, across and over two 16-token KV blocks
 VOCAB = 256
+WINDOW = 16                         # sliding layers' window: below every prompt + generated length
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=VOCAB, max_position_embeddings=1024, tie_word_embeddings=False)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -44,6 +45,14 @@ FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", PHI3),
     "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", {**PHI3, "rope_parameters": LONGROPE,
                                                         "original_max_position_embeddings": 128}),
+    # every layer slides, over a window shorter than every prompt + its 32 tokens
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW}),
+    # 2 sliding : 1 full (rope bases 10k / 1M), four (1 + w) norms a layer, GELU-tanh, sqrt(hidden) embedding
+    # scale, per-head q/k norms, a query scalar that is not head_dim, a tied head
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 32, "num_hidden_layers": 4, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        "tie_word_embeddings": True}),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -147,6 +156,26 @@ def test_greedy_tokens_and_logits_equal_transformers(family, prompts):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m: f"{name} prompt {k}: {m}")
 
 
+@pytest.mark.parametrize("name", ["gemma3", "mistral_window"])
+def test_windows_hold_over_chunked_prefill(built, prompts, name):
+    """A prefill split into 8-token chunks attends the window across chunk edges (the cached keys of earlier
+    chunks fall out of it as the real positions say): the same greedy tokens as transformers. A prompt twice,
+    the second reusing the first's cached prefix blocks, gives them again."""
+    from backend.engine.executor import Executor
+
+    _, src, bundle_dir = built(name)
+    hf = _hf_model(src)
+    runs = prompts + [prompts[2]]
+    ex = Executor(bundle_dir, dtype=torch.float32, verify_hashes=False, max_num_tokens=8)
+    try:
+        ours = [ex.generate([p], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))[0]
+                for p in runs]
+    finally:
+        ex.shutdown()
+    for k, (prompt, res) in enumerate(zip(runs, ours)):
+        assert res.token_ids == _hf_greedy(hf, prompt), f"{name} prompt {k}"
+
+
 def test_the_bundle_holds_the_checkpoint_norms_under_runtime_names(family):
     """Every norm of the checkpoint (Qwen3's per-head q/k norms included) is in the bundle, renamed, as it was."""
     from safetensors import safe_open
@@ -154,9 +183,10 @@ def test_the_bundle_holds_the_checkpoint_norms_under_runtime_names(family):
     name, src, bundle_dir = family
     hf, ours = safe_open(str(src / "model.safetensors"), "pt"), safe_open(str(bundle_dir / "weights.safetensors"), "pt")
     renames = {"input_layernorm": "input_norm", "post_attention_layernorm": "post_attn_norm",
-               "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
+               "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm",
+               "pre_feedforward_layernorm": "pre_ff_norm", "post_feedforward_layernorm": "post_ff_norm"}
     norms = [n for n in hf.keys() if n.startswith("model.layers.") and "norm" in n]
-    assert any("q_norm" in n for n in norms) == name.startswith("qwen3")
+    assert any("q_norm" in n for n in norms) == name.startswith(("qwen3", "gemma3"))
     for n in norms:
         i, module = n[len("model.layers."):].split(".", 1)
         assert torch.equal(ours.get_tensor(f"layers.{i}.{renames[module.removesuffix('.weight')]}.weight"),

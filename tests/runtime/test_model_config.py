@@ -51,10 +51,21 @@ def test_rope_scaling_types():
         rope_type({"rope_type": "ntk", "factor": 4.0})
 
 
-def test_runner_refuses_sliding_window_beyond_max_seq_len():
+def _windowed_spec(backend: str) -> EngineSpec:
     cfg = ModelConfig.from_dict({**SMOL, "architecture": "mistral", "sliding_window": 1024})
-    spec = EngineSpec(Path("/nonexistent"), Manifest(model=cfg, quantization=Quantization("none"),
-                                                      engine=EngineSettings(max_seq_len=2048)))
-    with pytest.raises(EngineError, match="engine.max_seq_len: 2048 exceeds the model's sliding_window"):
-        ModelRunner(spec)
+    return EngineSpec(Path("/nonexistent"), Manifest(model=cfg, quantization=Quantization("none"),
+                                                     engine=EngineSettings(max_seq_len=2048, attention_backend=backend)))
 
+
+def test_runner_refuses_a_binding_window_where_the_backend_has_none():
+    with pytest.raises(EngineError) as exc:
+        ModelRunner(_windowed_spec("triton"))
+    assert str(exc.value) == ("engine.max_seq_len: 2048 exceeds the model's sliding_window (1024), which the triton "
+                              "attention backend does not implement yet; allowed: at most 1024, or "
+                              "engine.attention_backend=torch")
+
+
+def test_the_torch_backend_takes_a_max_seq_len_above_the_window():
+    # past the window check: the next thing the runner does is read the (absent) weights
+    with pytest.raises(EngineError, match="weights.safetensors: not found"):
+        ModelRunner(_windowed_spec("torch"))

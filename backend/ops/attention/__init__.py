@@ -26,7 +26,9 @@ class AttentionBackend(Protocol):
     everything cached for each sequence (context + this step's tokens, already written) and returns
     ``[T, Hq, D]`` in ``q``'s dtype. ``meta.tree_mask`` (``[T, max_query_len]`` bool), when given,
     further restricts which of the *same step's* tokens a query may see (EAGLE token trees); the
-    cached context is always fully visible.
+    cached context is always fully visible. A backend with ``sliding_window`` takes ``window=W`` in
+    ``forward`` (a sliding layer): a query at position ``p`` then sees keys at positions ``p - W < k <= p``
+    (transformers' sliding_window_overlay); without the keyword, or with None, every earlier key.
     """
 
     name: str    # also the backend's kind in the kernel table (plugins/registry.py)
@@ -36,6 +38,8 @@ class AttentionBackend(Protocol):
     # whether an fp8 KV cache may be held as its scaled values in the compute dtype (``fp8_as_float``,
     # set by backend/runtime/kv_plan.py: on a CPU, where PyTorch has no fast fp8 conversion)
     holds_fp8_as_float: bool = False
+    # whether forward honours ``window=`` (the runner refuses a window that binds on a backend without it)
+    sliding_window: bool = False
     fp8_as_float: bool = False
 
     def write_kv(self, k: "torch.Tensor", v: "torch.Tensor", k_cache: "torch.Tensor",

@@ -103,12 +103,13 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, run: tuple[int, int]
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     holds_fp8_as_float = True
+    sliding_window = True
     # Set by the runner for an fp8 KV cache on CPU: the cache tensors are float and hold what an fp8
     # cache would give back on reading, ``dequantize(quantize(x))``, rounded to the cache dtype once on
     # writing (the same fp32 product and rounding as dequantizing at read time, so the same numbers
     # reach attention), and reading needs no conversion.
     fp8_as_float = False
-    _plan = None   # (the step's metadata, its tile groups): see forward
+    _plan = None   # (the step's metadata, {window: its tile groups}): see forward
     _slots = None  # (the step's slot mapping, whether every slot is >= 0): see write_kv
     _rows = None   # (the step's metadata, (block tables, query rows) for the CPU kernel, or None)
 
@@ -142,21 +143,24 @@ class TorchAttentionBackend(AttentionBackend):
         k_flat.index_copy_(0, slot_mapping, k_new)
         v_flat.index_copy_(0, slot_mapping, v_new)
 
-    def forward(self, q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None, window=None) -> torch.Tensor:
         """Causal attention of ``q [T, Hq, D]`` over each sequence's cached keys, in query tiles
-        (see the module docstring: what a row's numbers depend on, and why)."""
+        (see the module docstring: what a row's numbers depend on, and why). ``window``: a sliding
+        layer's, keys ``p - window < k <= p`` only; the tiles' masks take it (the CPU kernel has none)."""
         if self._rows is None or self._rows[0] is not meta:
             self._rows = (meta, self._kernel_rows(q, k_cache, meta))
-        if self._rows[1] is not None:
+        if self._rows[1] is not None and window is None:
             tables, rows = self._rows[1]
             out = _cpu_paged_attention(q, k_cache, v_cache, tables, rows, meta.tree_mask, scale)
             if out is not None:
                 return out
         if self._plan is None or self._plan[0] is not meta:
             # Every layer of a step attends the same tiles: planned once per step (the metadata is a
-            # new object every step; holding it keeps its identity from being reused).
-            self._plan = (meta, self._make_plan(meta, k_cache.shape[1], k_cache.shape[0], q.device))
-        groups = self._plan[1]
+            # new object every step; holding it keeps its identity from being reused), once per window.
+            self._plan = (meta, {})
+        if window not in self._plan[1]:
+            self._plan[1][window] = self._make_plan(meta, k_cache.shape[1], k_cache.shape[0], q.device, window)
+        groups = self._plan[1][window]
         if len(groups) == 1 and groups[0].folded and groups[0].all_rows:
             # a plain decode step: its one group is every row in order, the folded output is the output
             return self._forward_folded(q, k_cache, v_cache, groups[0], scale, k_scale, v_scale, None)
@@ -220,7 +224,7 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _make_plan(meta, bs: int, num_blocks: int, dev) -> list["_TileGroup"]:
+    def _make_plan(meta, bs: int, num_blocks: int, dev, window: int | None = None) -> list["_TileGroup"]:
         """The step's query tiles, grouped: each prefill's tiles (sharing its keys), then every
         decode-like sequence's (speculative verification included) ordered by key length."""
         tile = QUERY_TILE
@@ -238,7 +242,7 @@ class TorchAttentionBackend(AttentionBackend):
             tiles = [(i, a) for a in range(c // tile * tile, c + n, tile)]
             if i < meta.num_prefills:
                 groups.append(_TileGroup(tiles, qsl, ctx, meta.tree_mask, tables, bs, num_blocks, dev,
-                                         shared_keys=True))
+                                         shared_keys=True, window=window))
             elif fold and n == 1:
                 single.extend(tiles)
             else:
@@ -247,7 +251,7 @@ class TorchAttentionBackend(AttentionBackend):
             if items:
                 items.sort(key=lambda t: _key_len(t[1] + tile))
                 groups.append(_TileGroup(items, qsl, ctx, meta.tree_mask, tables, bs, num_blocks, dev,
-                                         shared_keys=False, folded=folded))
+                                         shared_keys=False, folded=folded, window=window))
         return groups
 
 
@@ -265,7 +269,7 @@ class _TileGroup:
 
     def __init__(self, items: list[tuple[int, int]], qsl, ctx, tree, tables, bs: int, num_blocks: int, dev,
                  shared_keys: bool,
-                 folded: bool = False):
+                 folded: bool = False, window: int | None = None):
         tile = QUERY_TILE
         g = len(items)
         self.shared_keys = shared_keys
@@ -284,6 +288,8 @@ class _TileGroup:
         keys = torch.arange(longest, device=dev).view(1, 1, -1)
         rows = torch.tensor([a for _, a in items], device=dev).view(g, 1, 1) + torch.arange(tile, device=dev).view(1, tile, 1)
         visible = keys <= rows                                   # [g, tile, L]: causal
+        if window is not None:   # a sliding layer: the last ``window`` positions, the row's own included
+            visible &= keys > rows - window
         if tree is not None:
             # tree[t, m]: row t may see the m-th token of its own step (position ctx + m); the cached
             # context stays visible.
