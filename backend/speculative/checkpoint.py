@@ -60,6 +60,12 @@ class DraftConfig:
     format: str = DRAFT_FORMAT
     format_version: int = DRAFT_FORMAT_VERSION
 
+    @property
+    def arch_spec(self) -> None:
+        """A draft is one Llama decoder layer (EAGLE-3 drafts stay dense): no architecture spec, as a
+        target's ModelConfig answers for the graph export's shared layer code."""
+        return None
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["aux_layers"] = list(self.aux_layers)
