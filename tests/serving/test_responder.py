@@ -189,3 +189,27 @@ def test_without_coalescing_or_a_thread_every_part_is_a_response(threaded):
             r.send_part("a", a, f"a{i}", joined, 1 if i == 2 else 0)
     assert [(x, f) for x, f, _ in a.got] == [("a0", 0), ("a1", 0), ("a2", 1)]
     assert (r.responses, r.parts) == (4, 4)
+
+
+def test_a_final_part_never_goes_out_ahead_of_a_response_queued_after_its_stream_s():
+    """Rows of one request share its sender (RowGroup): row "a" has a response waiting, row "b" queues
+    one behind it, then "a" ends the request (FINAL). Joined into a's waiting response, the FINAL would
+    go out before b's tokens and end the request without them; it goes out last, after b's."""
+    r = Responder(True)
+    shared = Recorder()
+    with busy(r):
+        r.send_part("a", shared, "a0", joined, 0)
+        r.send_part("b", shared, "b0", joined, 0)
+        r.send_part("b", shared, "b1", joined, 0)   # b's own parts still join
+        r.send_part("a", shared, "a1", joined, 1)   # the FINAL, behind b's response
+    assert [(x, f) for x, f, _ in shared.got] == [("a0", 0), ("b0+b1", 0), ("a1", 1)]
+
+
+def test_a_final_part_still_joins_a_response_that_is_last_in_the_queue():
+    r = Responder(True)
+    a, b = Recorder(), Recorder()
+    with busy(r):
+        r.send_part("b", b, "b0", joined, 0)
+        r.send_part("a", a, "a0", joined, 0)
+        r.send_part("a", a, "a1", joined, 1)
+    assert [(x, f) for x, f, _ in a.got] == [("a0+a1", 1)]

@@ -39,11 +39,12 @@ _STOP = object()
 
 class _Parts:
     """A queued response made of one or more parts; parts join it until the responder takes it."""
-    __slots__ = ("key", "sender", "make", "parts", "flags", "on_error")
+    __slots__ = ("key", "sender", "make", "parts", "flags", "on_error", "seq")
 
-    def __init__(self, key, sender, make, part, flags, on_error) -> None:
+    def __init__(self, key, sender, make, part, flags, on_error, seq) -> None:
         self.key, self.sender, self.make = key, sender, make
         self.parts, self.flags, self.on_error = [part], flags, on_error
+        self.seq = seq                   # its place in the queue (Responder._queued when it was put)
 
     def __call__(self) -> Any:
         return self.make(self.parts)
@@ -57,6 +58,12 @@ class Responder:
         # key -> its queued response that parts may still join (the responder has not taken it)
         self._open: dict[Hashable, _Parts] = {}
         self._open_lock = threading.Lock()
+        # responses queued so far, and per sender (its id) the number of the last one queued for it: a
+        # FINAL part joins its stream's waiting response only while that is its sender's last (numbers,
+        # not objects: this thread must not hold a response's Python-backend objects, which are dropped
+        # on the responder's thread only; every request's FINAL removes its sender's entry)
+        self._queued = 0
+        self._last_of: dict[int, int] = {}
         self.responses = 0               # responses made (sent or failed)
         self.parts = 0                   # parts they carried (parts - responses = coalesced away)
         self._worker = None              # None: made and sent inline
@@ -69,14 +76,16 @@ class Responder:
         """Send ``make()`` (the response) through ``sender`` after everything queued before it.
         ``on_error(exc)`` runs on the sending thread when making or sending fails (the client went away).
         ``key``: the stream it belongs to; no later part of that stream joins a response queued before it."""
-        if key is not None and self._open:
-            with self._open_lock:
-                self._open.pop(key, None)
         if self._worker is None:
             self._deliver(sender, make, flags, on_error)
             return
         assert not self._closed, "responder closed"
-        self._queue.put((sender, make, flags, on_error))
+        with self._open_lock:
+            if key is not None:
+                self._open.pop(key, None)
+            self._queue.put((sender, make, flags, on_error))
+            self._queued += 1
+            self._note_last(sender, self._queued, flags)
 
     def send_part(self, key: Hashable, sender: Any, part: Any, make: Callable[[list], Any], flags: int,
                   on_error: Callable[[BaseException], None] | None = None) -> None:
@@ -85,21 +94,37 @@ class Responder:
         ``make(parts)`` makes the response from its parts, in order; ``flags`` and ``on_error`` are the
         last part's. Inline, or with coalescing off, every part is a response of its own."""
         if self._worker is None or not self._coalesce:
-            self.send(sender, _Parts(key, sender, make, part, flags, on_error), flags, on_error)
+            self.send(sender, _Parts(key, sender, make, part, flags, on_error, 0), flags, on_error)
             return
         assert not self._closed, "responder closed"
         with self._open_lock:
             item = self._open.get(key)
-            if item is not None:
+            # A FINAL part joins only a response nothing was queued behind: the rows of one request
+            # (RowGroup) share a sender, and a FINAL joined into a row's earlier response would go out
+            # ahead of another row's waiting response and end the request before that row's last
+            # tokens (the bls model then never saw its last row end). Non-final parts of one stream
+            # may pass other streams' responses: only the FINAL flag must come last.
+            if item is not None and (not flags or item.seq == self._last_of.get(id(sender))):
                 item.parts.append(part)
                 item.flags, item.on_error = flags, on_error
+                if flags:
+                    self._last_of.pop(id(sender), None)
             else:
-                item = _Parts(key, sender, make, part, flags, on_error)
+                self._queued += 1
+                item = _Parts(key, sender, make, part, flags, on_error, self._queued)
                 self._queue.put(item)
+                self._note_last(sender, self._queued, flags)
             if flags:                    # a FINAL response ends the stream: nothing may join it
                 self._open.pop(key, None)
             else:
                 self._open[key] = item
+
+    def _note_last(self, sender: Any, seq: int, flags: int) -> None:
+        """(under the lock) ``seq`` is ``sender``'s last queued response; a FINAL one ends its entry."""
+        if flags:
+            self._last_of.pop(id(sender), None)
+        else:
+            self._last_of[id(sender)] = seq
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far has been sent (False: ``timeout`` passed first)."""
