@@ -15,26 +15,7 @@ import triton.language as tl
 
 from . import tuning
 from .common import Variant, check, launch
-
-FMT_INT4_AWQ = 0
-FMT_NVFP4 = 1
-FORMATS = {"int4_awq": FMT_INT4_AWQ, "nvfp4": FMT_NVFP4}
-
-
-@triton.jit
-def _decode(nib, FMT: tl.constexpr):
-    """4-bit codes (int32) -> fp32 values (before scaling)."""
-    if FMT == 0:
-        val = (nib - 8).to(tl.float32)
-    else:
-        mag = nib & 7
-        e = mag >> 1
-        m = (mag & 1).to(tl.float32)
-        # e2m1: subnormal m*0.5 when e == 0, else (1 + m/2) * 2^(e-1)
-        val = tl.where(e == 0, m * 0.5, (2.0 + m) * (1 << e).to(tl.float32) * 0.25)
-        val = tl.where(nib >= 8, -val, val)
-    return val
-
+from .w4a16_codes import FMT_INT4_AWQ, FORMATS, decode_4bit, divisible, w4a16_format
 
 @triton.jit
 def w4a16_gemm_kernel(out_ptr, x_ptr, w_ptr, ws_ptr, ws2_ptr, M, N, K, k_per_split,
@@ -78,8 +59,8 @@ def w4a16_gemm_kernel(out_ptr, x_ptr, w_ptr, ws_ptr, ws2_ptr, M, N, K, k_per_spl
                             mask=wmask, other=0.0).to(tl.float32)
             if FMT == 1:
                 scale = scale * global_scale
-            w_even = (_decode(packed & 15, FMT) * scale).to(x_ptr.dtype.element_ty)
-            w_odd = (_decode(packed >> 4, FMT) * scale).to(x_ptr.dtype.element_ty)
+            w_even = (decode_4bit(packed & 15, FMT) * scale).to(x_ptr.dtype.element_ty)
+            w_odd = (decode_4bit(packed >> 4, FMT) * scale).to(x_ptr.dtype.element_ty)
             acc += tl.dot(x_even, tl.trans(w_even))
             acc += tl.dot(x_odd, tl.trans(w_odd))
     if SPLIT:   # fp32 partials [splits, M, N], summed by the wrapper
@@ -155,25 +136,6 @@ def _constexprs(fmt_id: int, group: int, cfg: dict, split: bool) -> dict:
     row_scale = fmt_id == FMT_INT4_AWQ and group % cfg["block_k"] == 0
     return dict(FMT=fmt_id, GROUP=group, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
                 SPLIT=split, ROW_SCALE=row_scale)
-
-
-def divisible(e) -> tuple[str, ...]:
-    """Integer arguments the engine's shapes make multiples of 16 (compiled so: 16-byte weight loads):
-    K and x's row stride (x is made contiguous), the packed row K/2, the scale row K/group; k_per_split is
-    whole K tiles. The launcher sends a call that breaks one to JIT."""
-    from .common import divisible_args, linear_in_features
-    ks = linear_in_features(e)
-    group = 16 if e.quant_format == "nvfp4" else int(e.group_size or 0)
-    vals = {"K": ks, "k_per_split": {16}, "stride_xm": ks, "stride_wn": {k // 2 for k in ks}}
-    if group and all(k % group == 0 for k in ks):
-        vals["stride_sn"] = {k // group for k in ks}
-    return divisible_args(vals)
-
-
-def w4a16_format(e) -> str | None:
-    """The W4A16 kernel format an engine's quantization runs (W4A8 runs the same GEMM), or None."""
-    fmt = "int4_awq" if e.quant_format == "w4a8_awq" else e.quant_format
-    return fmt if fmt in FORMATS else None
 
 
 def aot_variants(e) -> list[Variant]:

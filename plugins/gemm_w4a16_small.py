@@ -39,7 +39,7 @@ from . import tuning
 from . import splitk
 from .common import Variant, check, launch
 from .splitk import plan_splits, store_split_k
-from .gemm_w4a16 import FORMATS, FMT_INT4_AWQ, FMT_NVFP4, _decode
+from .w4a16_codes import FORMATS, FMT_INT4_AWQ, FMT_NVFP4, decode_4bit, divisible, w4a16_format
 
 MAX_M = 16                      # rows this kernel takes; larger M is plugins/gemm_w4a16.py's
 
@@ -76,8 +76,8 @@ def w4a16_small_m_kernel(out_ptr, x_ptr, w_ptr, ws_ptr, ws2_ptr, part_ptr, lock_
         kk = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & (kk < k_hi)[None, :], other=0.0)
         x_even, x_odd = tl.split(tl.reshape(xt, [BLOCK_M, BLOCK_K // 2, 2]))   # [BLOCK_M, BLOCK_K/2] each
-        v_even = _decode(packed & 15, FMT)                    # fp32 code values, unscaled
-        v_odd = _decode(packed >> 4, FMT)
+        v_even = decode_4bit(packed & 15, FMT)                    # fp32 code values, unscaled
+        v_odd = decode_4bit(packed >> 4, FMT)
         if SCALE == 2:
             # CUDA cores (BLOCK_M == 1): products summed per group, each group sum scaled once
             prod = v_even * x_even.to(tl.float32) + v_odd * x_odd.to(tl.float32)   # [BLOCK_N, BLOCK_K/2]
@@ -213,8 +213,7 @@ def _constexprs(fmt_id: int, group: int, cfg: dict) -> dict:
 def aot_variants(e) -> list[Variant]:
     """4-bit engines: one variant per M class of gemm_config (M = 1, M = 2..16); N, K, the split count
     and the strides are runtime arguments, so every linear of the engine shares them. Integer arguments
-    the shapes make multiples of 16 are compiled so (gemm_w4a16.divisible)."""
-    from .gemm_w4a16 import divisible, w4a16_format
+    the shapes make multiples of 16 are compiled so (w4a16_codes.divisible)."""
     fmt = w4a16_format(e)
     if fmt is None:
         return []

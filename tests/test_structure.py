@@ -22,15 +22,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TOPS = ("harness", "builder", "backend", "plugins", "quant", "model_repository")
 
-# Sibling cycles that are still there, each named so that its fix removes the entry (the test below
-# fails on a stale one); a new cycle fails the check.
-KNOWN_SIBLING_CYCLES = {
-    # annotations only (under TYPE_CHECKING) and lazy imports: to untangle with their own folders
-    frozenset({"backend.engine.scheduler", "backend.engine.scheduler_policies"}),
-    frozenset({"harness.mlperf.accuracy", "harness.mlperf.run"}),
-    frozenset({"plugins.gemm_w4a16", "plugins.gemm_w4a16_small"}),
-}
-
 # The interfaces whose members must not be probed for, and the names a caller holds them by.
 PROTOCOLS = {"StepRunner": "backend/runtime/runtimes.py", "Speculator": "backend/engine/speculator_seam.py",
              "AttentionBackend": "backend/ops/attention/__init__.py"}
@@ -235,16 +226,9 @@ def kernel_choices(files: list[Path], root: Path, targets: set[str]) -> list[str
 # -- the checks on the project -------------------------------------------------------------------
 
 def test_no_sibling_file_import_cycle():
-    found = [c for c in sibling_cycles(python_files(ROOT), ROOT) if frozenset(c) not in KNOWN_SIBLING_CYCLES]
+    found = sibling_cycles(python_files(ROOT), ROOT)
     assert not found, ("sibling files import each other (move what both need into a third module, or "
                        "pass it in):\n" + "\n".join(" <-> ".join(c) for c in found))
-
-
-def test_the_known_sibling_cycles_still_exist():
-    # an entry left behind after its fix would let that cycle come back unnoticed
-    found = {frozenset(c) for c in sibling_cycles(python_files(ROOT), ROOT)}
-    gone = [sorted(c) for c in KNOWN_SIBLING_CYCLES if c not in found]
-    assert not gone, f"remove these from KNOWN_SIBLING_CYCLES, they are fixed: {gone}"
 
 
 def test_no_package_cycle_in_backend():

@@ -9,25 +9,32 @@ reserving the same for every running request, so running requests never need pre
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from backend.engine.kv_cache import BlockManager
 from backend.engine.request import Request
 
-if TYPE_CHECKING:
-    from backend.engine.scheduler import Scheduler
+
+class Scheduler(Protocol):
+    """What a policy reads of the scheduler (``scheduler.Scheduler`` is one): named here, not imported,
+    because the scheduler imports its policies."""
+    block_manager: BlockManager
+    running: list[Request]
+
+    def blocks_for_life(self, request: Request) -> int: ...
 
 
 class MaxUtilization:
     """Admit greedily; when a running request needs a block and none is free, preempt."""
     name = "max_utilization"
 
-    def begin(self, scheduler: "Scheduler") -> None:
+    def begin(self, scheduler: Scheduler) -> None:
         pass
 
-    def admit(self, scheduler: "Scheduler", request: Request) -> bool:
+    def admit(self, scheduler: Scheduler, request: Request) -> bool:
         return True
 
-    def admitted(self, scheduler: "Scheduler", request: Request) -> None:
+    def admitted(self, scheduler: Scheduler, request: Request) -> None:
         pass
 
 
@@ -38,15 +45,15 @@ class GuaranteedNoEvict:
     def __init__(self) -> None:
         self._reserved = 0
 
-    def begin(self, scheduler: "Scheduler") -> None:
+    def begin(self, scheduler: Scheduler) -> None:
         need = scheduler.blocks_for_life
         self._reserved = sum(max(need(r) - len(r.block_ids), 0) for r in scheduler.running)
 
-    def admit(self, scheduler: "Scheduler", request: Request) -> bool:
+    def admit(self, scheduler: Scheduler, request: Request) -> bool:
         bm = scheduler.block_manager
         return bm.num_blocks_needed(request, request.token_limit) <= bm.num_free_blocks - self._reserved
 
-    def admitted(self, scheduler: "Scheduler", request: Request) -> None:
+    def admitted(self, scheduler: Scheduler, request: Request) -> None:
         self._reserved += max(scheduler.blocks_for_life(request) - len(request.block_ids), 0)
 
 

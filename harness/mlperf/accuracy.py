@@ -115,7 +115,7 @@ def rescore(log_dir: Path, reference: Path | None = None, trust_pickle: bool = F
     """Score an existing AccuracyOnly run folder again (e.g. after the targets or the reference
     changed): rewrites its accuracy.txt and the accuracy entry of its run.json."""
     from harness.mlperf import settings
-    from harness.mlperf.run import load_samples
+    from harness.mlperf.samples import load_samples
 
     log_dir = Path(log_dir)
     info_path = log_dir / "run.json"

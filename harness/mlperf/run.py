@@ -22,11 +22,11 @@ from pathlib import Path
 from backend import bundle
 from harness.mlperf import accuracy, compliance, settings
 from harness.mlperf.build_check import check_build_matches
-from harness.mlperf.datasets import REPO_ROOT, Sample, load_dataset
+from harness.mlperf.datasets import REPO_ROOT, Sample
+from harness.mlperf.samples import REFERENCE_FILE, engine_config, load_samples
 from harness.model_names import DEFAULT, repository_names
 
 log = logging.getLogger(__name__)
-REFERENCE_FILE = "reference.json"
 
 
 @dataclasses.dataclass
@@ -50,44 +50,6 @@ class RunRequest:
     reference: Path | None = None      # reference outputs file (default: see reference_path)
     trust_pickle: bool = False         # allow a .pkl dataset (unpickling runs the file's code)
     overrides: tuple[str, ...] = ()    # key=value on the engine config, as `make build OVERRIDES=...` got them
-
-
-def _engine_config(config: Path, overrides: tuple[str, ...] = ()):
-    from builder.config import BuildConfig
-
-    return BuildConfig.from_yaml(config, list(overrides))
-
-
-def _engine_paths(config: Path, output: Path | None, overrides: tuple[str, ...] = ()) -> tuple[Path, str, int]:
-    cfg = _engine_config(config, overrides)
-    return cfg.output_dir(output), cfg.stem, cfg.serving.grpc_port
-
-
-def reference_path(benchmark: settings.Benchmark, out_dir: Path) -> Path | None:
-    """Where the unquantized engine's outputs for `benchmark` are stored (None: dataset has them)."""
-    if benchmark.dataset_kind != "mtbench":
-        return None
-    if benchmark.reference_engine_config:
-        ref_out, _, _ = _engine_paths(REPO_ROOT / benchmark.reference_engine_config, None)
-        return (ref_out if ref_out.is_absolute() else REPO_ROOT / ref_out) / "mlperf" / REFERENCE_FILE
-    return out_dir / "mlperf" / REFERENCE_FILE
-
-
-def load_samples(benchmark: settings.Benchmark, out_dir: Path, dataset_path: Path | None,
-                 reference: Path | None = None, trust_pickle: bool = False) -> list[Sample]:
-    refs = None
-    ref_file = Path(reference) if reference else reference_path(benchmark, out_dir)
-    if ref_file is not None and ref_file.is_file():
-        data = json.loads(ref_file.read_text())
-        if data.get("max_output_tokens") == benchmark.max_output_tokens:
-            refs = {int(k): v for k, v in data["outputs"].items()}
-        else:
-            log.warning("%s was made with max_output_tokens=%s, not %s: ignored", ref_file,
-                        data.get("max_output_tokens"), benchmark.max_output_tokens)
-    return load_dataset(benchmark.dataset_kind, dataset_path or benchmark.dataset_path,
-                        tokenizer_dir=out_dir / "engine" / "tokenizer",
-                        cache_dir=REPO_ROOT / "build" / "cache" / "mlperf", references=refs,
-                        trust_pickle=trust_pickle)
 
 
 def server_reachable(url: str) -> bool:
@@ -175,7 +137,7 @@ def run(req: RunRequest) -> dict:
     if req.max_output_tokens is not None:
         bench = dataclasses.replace(bench, max_output_tokens=req.max_output_tokens)
     config = Path(req.config) if req.config else REPO_ROOT / bench.engine_config
-    cfg = _engine_config(config, tuple(req.overrides))
+    cfg = engine_config(config, tuple(req.overrides))
     out_dir, stem, grpc_port = cfg.output_dir(req.output), cfg.stem, cfg.serving.grpc_port
     # tp_size / engine_instances / device of the build served = the config's with these overrides
     layout = check_build_matches(cfg, out_dir, config, tuple(req.overrides))

@@ -75,7 +75,7 @@ def test_accuracy_texts_equal_the_servers_greedy_outputs(served):
     from tokenizers import Tokenizer
 
     from harness.mlperf.accuracy import read_accuracy_log
-    from harness.mlperf.run import load_samples
+    from harness.mlperf.samples import load_samples
     from harness.mlperf.settings import load_benchmarks
 
     res = _run(served, "Offline", "AccuracyOnly")
