@@ -1,9 +1,9 @@
 """One generation = one gRPC stream to the engine model (``tensorrt_llm``), token ids in, pieces out.
 
 Why the engine model and not the ensemble or bls: the front door already holds the token ids (exact
-usage, the length check), the engine answers with ids and the few ids before them, so the text of
-each piece is decoded here exactly as Kiln's postprocessing does (``postprocess``: a piece decodes
-as a continuation, a stop string's characters cut), and closing the stream cancels the request in
+usage, the length check), the engine answers with the ids and their text (``output_text``: decoded
+once in the engine host, a piece as a continuation, a stop string's characters cut), and closing
+the stream cancels the request in
 the engine, which frees its KV blocks. Closing an ensemble stream would not reach its engine step
 on Triton 24.10 (model_repository/README.md, "Cancellation"), and bls would add a second hop.
 
@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
-from backend.serving.text_models.postprocess import postprocess
+from backend.serving.text_models.postprocess import engine_text
 from harness.openai.errors import ApiError, engine_error
 from harness.openai.params import Sampling
 from harness.openai.served_model import ServedModel
@@ -170,9 +170,6 @@ class EngineCall:
 
     def _piece(self, result: Any) -> Piece | None:
         ids = [int(t) for t in _flat(result, "output_ids")]
-        context = [int(t) for t in _flat(result, "context_ids")]
-        trim_arr = _flat(result, "text_trim")
-        trim = int(trim_arr[0]) if trim_arr.size else 0
         reason_arr = _flat(result, "finish_reason")
         reason = reason_arr[0].decode("utf-8") if reason_arr.size else ""
         if reason.startswith("error"):  # in-band error (bls's requests only): final, read on to the end
@@ -180,7 +177,7 @@ class EngineCall:
             self._error = engine_error(reason.partition(":")[2].strip() or reason, True, self.guide_param)
             return None
         logprobs = [float(x) for x in _flat(result, "output_log_probs")]
-        text = postprocess(self.model.tokenizer, ids, context, trim) if ids else ""
+        text = engine_text(result.as_numpy("output_text")) or ""
         finish = openai_finish_reason(reason) if reason else None
         if not ids and finish is None:
             return None

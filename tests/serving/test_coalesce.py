@@ -69,7 +69,10 @@ def _responses(events: list[TokenEvent], groups: list[int], asks: dict, final_re
             ids += ev.token_ids
         i += n
         last = k == len(groups) - 1
-        out.append(st.outputs(ids, context, 0, final_reason if last else "", draft=(4 * (k + 1), 3 * (k + 1))))
+        # each response's text, as the detokenizer's chunks have it (a multi-byte character in it)
+        text = "".join(f"<{t}\u00e9>" for t in ids)
+        out.append(st.outputs(ids, context, 0, final_reason if last else "", text,
+                              draft=(4 * (k + 1), 3 * (k + 1))))
         context = (context + ids)[-4:]
     return out
 
@@ -93,6 +96,7 @@ def test_joined_responses_equal_the_one_response_of_all_their_tokens(asks, group
                   if k in whole})
     _same(merge_outputs(parts), whole)
     assert merge_outputs(parts)["output_ids"].shape == (1, 1, 8)
+    assert merge_outputs(parts)["output_text"][0, 0].decode() == "".join(f"<{t}\u00e9>" for t in range(100, 108))
 
 
 def test_every_output_a_stream_can_send_has_a_rule():

@@ -314,3 +314,18 @@ def test_batch_dimension_one_sequence_per_request():
     with pytest.raises(InvalidRequest, match="no batch dimension"):
         unbatch({"x": np.array(3)}, "m")
     assert batched([1, 2], np.int32).shape == (1, 2)
+
+
+class _NoDecode:
+    def decode(self, ids):
+        raise AssertionError("postprocessing decoded ids the engine had already decoded")
+
+
+def test_postprocess_takes_the_engines_text_without_decoding_again():
+    # Kiln's ensemble sends the engine's output_text (decoded once there, stop string already cut);
+    # the ids still travel as NVIDIA's TOKENS_BATCH but are not decoded a second time
+    out = postprocess_tensors(_NoDecode(), {
+        "TOKENS_BATCH": np.array([[[5, 6, 7]]], np.int32), "SEQUENCE_LENGTH": np.array([[3]], np.int32),
+        "output_text": np.array([["caf\u00e9 ok".encode()]], dtype=object),
+        "text_trim": np.array([[4]], np.int32)})
+    assert out["OUTPUT"].tolist() == ["caf\u00e9 ok".encode()]

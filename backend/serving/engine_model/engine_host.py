@@ -238,22 +238,25 @@ class EngineHost:
                     self.metrics.errors.count("cancelled")
                 self._retire(st)  # before the FINAL response: its sender sees metrics that count it
             if st.req.streaming:
-                self._send(st, chunk.ids, chunk.context, chunk.trim, reason, chunk.finished)
+                self._send(st, chunk.ids, chunk.context, chunk.trim, reason, chunk.finished, chunk.text)
             else:
                 st.ids.extend(chunk.ids)
+                st.text += chunk.text
                 st.trim = chunk.trim
                 if chunk.finished and st.req.exclude_input_in_output:
-                    self._send(st, st.ids, st.req.prompt_ids[-CONTEXT_TOKENS:], st.trim, reason, True)
+                    self._send(st, st.ids, st.req.prompt_ids[-CONTEXT_TOKENS:], st.trim, reason, True, st.text)
                 elif chunk.finished:  # NVIDIA's non-streamed output_ids: the prompt, then the new ids
-                    self._send(st, st.req.prompt_ids + st.ids, [], st.trim, reason, True)
+                    # the prompt's text is decoded here, once; the generated text is the chunks'
+                    self._send(st, st.req.prompt_ids + st.ids, [], st.trim, reason, True,
+                               self.tok.decode(st.req.prompt_ids) + st.text)
 
-    def _send(self, st: Stream, ids, context, trim, reason, final) -> None:
+    def _send(self, st: Stream, ids, context, trim, reason, final, text: str = "") -> None:
         """Called with st.lock held: takes the response's outputs now (st's pending log-probs and
         logits go with them); the responder makes the response and sends it."""
         if st.group is not None:  # the request ends (FINAL flag) with the response ending its last row
             final = final and (st.group.closed or st.group.row_finished())
         draft = draft_counts(self.executor, st.rid) if st.req.return_perf_metrics else None
-        outputs = st.outputs(ids, context, trim, reason, draft)
+        outputs = st.outputs(ids, context, trim, reason, text, draft)
         st.sent = True
         on_error = None if final else partial(self._undelivered, st)
         # a part: when st's previous response still waits for the responder, these tokens join it

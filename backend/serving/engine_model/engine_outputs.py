@@ -13,9 +13,12 @@ Every response carries, batch dimension first (``max_batch_size`` > 0, one seque
 * ``sequence_index`` INT32 ``[1, 1]``: 0 (Kiln returns one sequence per request);
   ``batch_index`` INT32 ``[1, 1]``: the row of the request this response belongs to (0 for a
   request of one row: always present, so an ensemble forwarding it never waits for it).
-* Kiln's own, for its postprocessing: ``context_ids`` INT32 ``[1, c]`` (ids before ``output_ids``,
-  to decode it as a continuation), ``text_trim`` INT32 ``[1, 1]`` (characters to cut for a stop
-  string), ``finish_reason`` BYTES ``[1, 1]`` (non-empty exactly on the final response).
+* Kiln's own, for its postprocessing: ``output_text`` BYTES ``[1, 1]`` (the text of ``output_ids``,
+  stop-string cut applied: the engine host decodes each token once, to know when its text is whole
+  and whether a stop string appeared, and its text models and the OpenAI front door take that text
+  instead of decoding again), ``context_ids`` INT32 ``[1, c]`` (ids before ``output_ids``, to decode it
+  as a continuation when a caller has only the ids), ``text_trim`` INT32 ``[1, 1]`` (characters cut
+  for a stop string), ``finish_reason`` BYTES ``[1, 1]`` (non-empty exactly on the final response).
 * ``context_logits`` FP32 ``[1, prompt, vocab]`` (with ``return_context_logits``: on the first
   response, the model's logits at every prompt position) and ``generation_logits`` FP32
   ``[1, 1, g, vocab]`` (with ``return_generation_logits``: the raw logits of this response's
@@ -48,7 +51,8 @@ _NO_GENERATION_LOGITS = np.zeros((1, 1, 0, 0), np.float32)
 
 
 def response_tensors(ids: Sequence[int], context: Sequence[int], trim: int, logprobs: Sequence[float],
-                     cum_logprob: float, reason: str, extra: Mapping[str, np.ndarray] | None = None,
+                     cum_logprob: float, reason: str, text: str = "",
+                     extra: Mapping[str, np.ndarray] | None = None,
                      row: int = 0, context_logits: np.ndarray | None = None,
                      generation_logits: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """``context_logits`` ``[prompt, vocab]`` and ``generation_logits`` ``[g, vocab]`` (fp32), or None."""
@@ -61,6 +65,7 @@ def response_tensors(ids: Sequence[int], context: Sequence[int], trim: int, logp
         "sequence_index": np.zeros((1, 1), np.int32),
         "context_ids": batched(context, np.int32),
         "text_trim": np.asarray([[trim]], np.int32),
+        "output_text": _text(text),
         "finish_reason": np.asarray([[reason.encode("utf-8")]], dtype=object),
         "context_logits": (_NO_CONTEXT_LOGITS if context_logits is None
                            else np.asarray(context_logits, np.float32)[None]),
@@ -70,6 +75,15 @@ def response_tensors(ids: Sequence[int], context: Sequence[int], trim: int, logp
     for name, value in (extra or {}).items():
         out[name] = batched(value)
     return out
+
+
+def _text(text: str) -> np.ndarray:
+    return np.asarray([[text.encode("utf-8")]], dtype=object)
+
+
+def _join_text(parts: list[np.ndarray]) -> np.ndarray:
+    # each part's text continues the one before (the detokenizer sends whole characters only)
+    return np.asarray([[b"".join(p.reshape(-1)[0] for p in parts)]], dtype=object)
 
 
 def _concat(axis: int) -> Callable[[list[np.ndarray]], np.ndarray]:
@@ -102,6 +116,7 @@ MERGE_RULES: dict[str, Callable[[list[np.ndarray]], np.ndarray]] = {
     "context_logits": _concat(1),       # only a request's first response carries them
     "sequence_length": _add, "num_output_tokens": _add,
     "context_ids": _first,              # the tokens before the first part's: decoding continues from them
+    "output_text": _join_text,
     # running totals and the final response's fields: the last part's
     "cum_log_probs": _last, "text_trim": _last, "finish_reason": _last, "batch_index": _last,
     "sequence_index": _last, "num_input_tokens": _last,

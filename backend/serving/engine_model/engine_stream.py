@@ -58,6 +58,7 @@ class Stream:
     last: float | None = None
     n_tokens: int = 0
     ids: list[int] = dataclasses.field(default_factory=list)       # non-streaming: all sent ids
+    text: str = ""          # non-streaming: their text (the detokenizer's chunks, joined)
     logprobs: list[float] = dataclasses.field(default_factory=list)  # not yet sent
     cum_logprob: float = 0.0  # of every generated token so far (NVIDIA's cum_log_probs)
     context_logits: Any = None  # [prompt, vocab] numpy, until the response that carries it
@@ -92,7 +93,7 @@ class Stream:
         self.keep_logits(ev)
         return len(ev.token_ids)
 
-    def outputs(self, ids, context, trim: int, reason: str,
+    def outputs(self, ids, context, trim: int, reason: str, text: str = "",
                 draft: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
         """The tensors of the response carrying ``ids`` (``engine_outputs.response_tensors``): it
         takes every pending log-prob, top alternative and logits row (chunks take every pending
@@ -111,7 +112,7 @@ class Stream:
         if req.return_perf_metrics:  # cumulative on every response, as tensorrtllm_backend does
             extra.update(acceptance_tensors(*(draft or (0, 0))))
             extra.update(perf_tensors(self.engine_req))
-        return response_tensors(ids, context, trim, lp, self.cum_logprob, reason, extra, self.row,
+        return response_tensors(ids, context, trim, lp, self.cum_logprob, reason, text, extra, self.row,
                                 *self.take_logits())
 
     def keep_top(self, ev: Any) -> None:

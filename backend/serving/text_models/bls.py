@@ -1,7 +1,7 @@
 """The ``bls`` model's logic: the ensemble's pipeline written as business-logic scripting.
 
-Tokenization and detokenization run in-process (the same functions the preprocessing and
-postprocessing models use); only the engine is a separate model, called with
+Tokenization runs in-process (the function the preprocessing model uses) and the text is the
+engine's own (``output_text``, decoded once there); only the engine is a separate model, called with
 ``exec(decoupled=True)`` so its responses stream back as they are produced. Each request runs on a
 thread of its own because a decoupled ``execute()`` must return at once; the thread ends with the
 request, so an idle stub is back to its idle thread count.
@@ -56,7 +56,7 @@ from backend.serving.conversion.convert import InvalidRequest
 from backend.serving.engine_model.engine_host import INBAND_ERRORS
 from backend.serving.engine_model.engine_outputs import requested_outputs
 from backend.serving.metrics.metrics import RequestErrors
-from backend.serving.text_models.postprocess import postprocess
+from backend.serving.text_models.postprocess import engine_text
 from backend.serving.text_models.preprocess import TEXT_MODEL_INPUTS, Preprocessor
 
 __all__ = ["BlsHost", "MAX_IN_FLIGHT", "new_inner_id"]
@@ -64,7 +64,7 @@ __all__ = ["BlsHost", "MAX_IN_FLIGHT", "new_inner_id"]
 _LOG = get_logger("serving.bls")
 
 MAX_IN_FLIGHT = 512  # requests streamed at once (one thread each; they mostly wait)
-_ENGINE_OUTPUTS = ["output_ids", "context_ids", "text_trim", "output_log_probs", "cum_log_probs", "finish_reason"]
+_ENGINE_OUTPUTS = ["output_ids", "output_text", "output_log_probs", "cum_log_probs", "finish_reason"]
 # return_perf_metrics: every perf output of the engine, passed through as tensorrtllm_backend's bls does
 _PERF = list(ACCEPTANCE_OUTPUTS) + list(PERF_OUTPUTS)
 # return_context_logits / return_generation_logits: asked of the engine and passed through only then
@@ -87,10 +87,6 @@ def new_inner_id() -> str:
     """The request id of an inner engine request: 128 random bits, so only this model can name it
     in a stop_request (the engine refuses stops of short, guessable ids)."""
     return f"bls-{secrets.token_hex(16)}"
-
-
-def _ids(resp_tensor) -> list[int]:
-    return [] if resp_tensor is None else resp_tensor.as_numpy().reshape(-1).tolist()
 
 
 class _Reply:
@@ -287,9 +283,9 @@ class BlsHost:
             self.errors.count("cancelled")
             out.error("request cancelled")
             return
-        trim = int(get("text_trim").as_numpy().reshape(-1)[0])
-        # non-streamed: output_ids holds the prompt too unless exclude_input_in_output (engine_outputs.py)
-        text = postprocess(self.tok, _ids(get("output_ids")), _ids(get("context_ids")), trim)
+        # the engine's text (decoded once, there); non-streamed it holds the prompt's text too unless
+        # exclude_input_in_output, as output_ids does (engine_outputs.py)
+        text = engine_text(get("output_text").as_numpy())
         # 1-D, one string per beam, as NVIDIA's postprocessing (its clients read output[0] as the text)
         tensors = [pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),
                    pb.Tensor("output_log_probs", get("output_log_probs").as_numpy().astype(np.float32)),

@@ -4,9 +4,11 @@ The ``postprocessing`` model speaks NVIDIA's names: ``TOKENS_BATCH`` (the engine
 ``[1, beams, n]``) and ``SEQUENCE_LENGTH`` (``[1, beams]``) in, ``OUTPUT`` out: one string per
 beam, 1-D (``[beams]``, as NVIDIA's postprocessing returns it: its clients read ``output[0]`` as the
 text), each beam's first ``SEQUENCE_LENGTH`` ids decoded with special tokens skipped. Kiln's ensemble
-adds optional inputs: ``context_ids`` (the ids before ``TOKENS_BATCH``, so that a streamed piece
-decodes as a continuation: leading spaces, characters split across responses) and ``text_trim``
-(characters to cut for a stop string), and passes the engine's log-probabilities and acceptance
+adds optional inputs: ``output_text`` (the engine's text of ``TOKENS_BATCH``, stop-string cut
+applied: taken as it is, so the ensemble decodes each token once), or, for a caller with only the
+ids, ``context_ids`` (the ids before ``TOKENS_BATCH``, so that a streamed piece decodes as a
+continuation: leading spaces, characters split across responses) and ``text_trim`` (characters to
+cut for a stop string); and it passes the engine's log-probabilities and acceptance
 figures through (a decoupled ensemble answers once every output exists, so they are always there).
 """
 from __future__ import annotations
@@ -19,9 +21,10 @@ from backend.serving.metrics.acceptance import acceptance_tensors, read_acceptan
 from backend.serving.conversion.convert import InvalidRequest
 from backend.serving.conversion.detok import Decoder, decode_piece
 
-__all__ = ["postprocess", "postprocess_tensors", "POSTPROCESSING_INPUTS"]
+__all__ = ["engine_text", "postprocess", "postprocess_tensors", "POSTPROCESSING_INPUTS"]
 
-POSTPROCESSING_INPUTS = ("TOKENS_BATCH", "SEQUENCE_LENGTH", "context_ids", "text_trim", "output_log_probs",
+POSTPROCESSING_INPUTS = ("TOKENS_BATCH", "SEQUENCE_LENGTH", "output_text", "context_ids", "text_trim",
+                         "output_log_probs",
                          "cum_log_probs", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
                          "CONTEXT_LOGITS", "GENERATION_LOGITS", "OUTPUT_LOG_PROBS", "CUM_LOG_PROBS", "BATCH_INDEX")
 
@@ -31,6 +34,14 @@ def postprocess(tok: Decoder, output_ids: list[int], context_ids: list[int], tri
     if trim > 0:
         piece = piece[: max(len(piece) - trim, 0)]
     return piece
+
+
+def engine_text(arr: np.ndarray | None) -> str | None:
+    """The engine's ``output_text`` of one response (``[1, 1]`` BYTES), or None when absent."""
+    if arr is None:
+        return None
+    v = np.asarray(arr, dtype=object).reshape(-1)[0]
+    return v.decode("utf-8") if isinstance(v, bytes) else str(v)
 
 
 def _ids(arr: np.ndarray | None) -> list[int]:
@@ -66,9 +77,12 @@ def postprocess_tensors(tok: Decoder, t: Mapping[str, np.ndarray]) -> dict[str, 
     """Tensors of the ``postprocessing`` model in and out (batch dimension included; ``OUTPUT`` is
     1-D, row by row and beam by beam, as NVIDIA's)."""
     seqs = _sequences(t["TOKENS_BATCH"], t.get("SEQUENCE_LENGTH"))
-    contexts, trims = _per_row(t.get("context_ids"), len(seqs)), _per_row(t.get("text_trim"), len(seqs))
-    texts = [postprocess(tok, ids, _ids(ctx), int(trim.reshape(-1)[0]) if trim is not None else 0)
-             for row, ctx, trim in zip(seqs, contexts, trims) for ids in row]
+    if t.get("output_text") is not None:  # the engine's (Kiln's ensemble): one sequence per row
+        texts = [engine_text(x) for x in _per_row(t["output_text"], len(seqs))]
+    else:
+        contexts, trims = _per_row(t.get("context_ids"), len(seqs)), _per_row(t.get("text_trim"), len(seqs))
+        texts = [postprocess(tok, ids, _ids(ctx), int(trim.reshape(-1)[0]) if trim is not None else 0)
+                 for row, ctx, trim in zip(seqs, contexts, trims) for ids in row]
     # Kiln's ensemble sends the lower-case names; NVIDIA's postprocessing takes the upper-case ones
     lp = t.get("output_log_probs", t.get("OUTPUT_LOG_PROBS"))
     cum = t.get("cum_log_probs", t.get("CUM_LOG_PROBS"))
