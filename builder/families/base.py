@@ -110,6 +110,9 @@ class Family:
     # role -> module name under model.layers.{i}. (``.weight`` / ``.bias`` appended by the reader)
     layer_tensors: Mapping[str, str]
     runtime: bool                           # the runtime runs it today (else the build refuses it)
+    # the family's chat turns as a Jinja template, for a checkpoint that carries none (a base model's
+    # GGUF): chat requests are then written as the family's instruction-tuned models were trained
+    chat_template: str | None = None
 
     def spec(self, hf: Mapping[str, Any], path: Path | str, also_understood: frozenset[str] = frozenset()) -> ArchSpec:
         cfg = HfConfig(hf, path, self.name)

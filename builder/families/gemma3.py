@@ -60,5 +60,21 @@ def to_spec(cfg: HfConfig) -> ArchSpec:
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256))
 
 
+# Gemma 3's turns: <start_of_turn>user|model, text, <end_of_turn>; no system role, so a system message
+# opens the first user turn; one <bos> first. Rendered by backend/serving/conversion/tokenizer.py
+# (trim_blocks, lstrip_blocks); content as a string or as OpenAI text parts.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none %}"
+    "{% for m in messages if m['role'] != 'system' %}"
+    "{% set text = m['content'] if m['content'] is string"
+    " else m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if loop.first and system is not none %}{{ system | trim }}\n\n{% endif %}"
+    "{{ text | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
 FAMILY = Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",), FIELDS, to_spec, LAYER,
-                runtime=True)
+                runtime=True, chat_template=CHAT_TEMPLATE)

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 
-from builder import sources
+from builder import families, sources
 from builder.config import ConfigError
 from builder.config_model import check_against_model
 from builder.model_spec import model_spec
@@ -48,6 +48,10 @@ def run(ctx: StageContext) -> dict:
     else:
         _import_hf(src, ctx.out_dir)
     _ensure_tokenizer(ctx.out_dir, src)
+    template = _ensure_chat_template(ctx.out_dir, src)
+    if template == "family":
+        ctx.log(f"{src.path.name} has no chat template: chat requests use the {src.architecture} family's "
+                f"turn format (builder/families/{src.architecture}.py)")
     quant = _prequantized(ctx.out_dir)
     return {
         "kind": src.kind,
@@ -56,6 +60,7 @@ def run(ctx: StageContext) -> dict:
         "source_bytes": total,
         "architecture": src.architecture,
         "prequantized": quant,
+        "chat_template": template,      # "checkpoint" | "family" (its own is missing) | None
         "model": model_spec(ctx.out_dir, ctx.config.model.dtype),
     }
 
@@ -125,6 +130,21 @@ def _ensure_tokenizer(out: Path, src: sources.Source) -> None:
     if "chat_template" not in tok_cfg and jinja.is_file():
         tok_cfg["chat_template"] = jinja.read_text()
         cfg_path.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def _ensure_chat_template(out: Path, src: sources.Source) -> str | None:
+    """Where the bundle's chat template comes from: the checkpoint ("checkpoint"), else the family's turn
+    format written into tokenizer_config.json ("family"), else None (chat requests are refused)."""
+    cfg_path = out / "tokenizer_config.json"
+    tok_cfg = sources.read_json_object(cfg_path) if cfg_path.is_file() else {}
+    if tok_cfg.get("chat_template"):
+        return "checkpoint"
+    family = families.BY_NAME.get(src.architecture)
+    if family is None or family.chat_template is None:
+        return None
+    tok_cfg["chat_template"] = family.chat_template
+    cfg_path.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
+    return "family"
 
 
 def _prequantized(out: Path) -> dict | None:

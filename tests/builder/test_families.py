@@ -282,3 +282,24 @@ def test_a_phi3_window_reaches_the_model_section_the_runtime_checks(window, tmp_
     config.architectures = ["Phi3ForCausalLM"]
     config.save_pretrained(tmp_path)
     assert model_spec(tmp_path, "float32")["sliding_window"] == window
+
+
+def test_gemma3_chat_turns_for_a_checkpoint_without_a_template():
+    # the base Gemma 3 GGUF carries no chat template; the family's writes Gemma 3's documented turns
+    from backend.serving.conversion.tokenizer import TextTokenizer
+    from builder.families import BY_NAME
+
+    class _Tok:   # render_messages needs no vocabulary
+        pass
+
+    tok = TextTokenizer(_Tok(), BY_NAME["gemma3"].chat_template, {"bos_token": "<bos>", "eos_token": "<eos>"})
+    assert tok.render_messages([{"role": "user", "content": "Hi?"}]) == \
+        "<bos><start_of_turn>user\nHi?<end_of_turn>\n<start_of_turn>model\n"
+    # no system role in Gemma 3: the system text opens the first user turn; assistant turns are "model";
+    # OpenAI's text parts are joined
+    assert tok.render_messages([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]},
+        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]) == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+        "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
