@@ -103,8 +103,10 @@ class Executor:
         self.max_seq_len = eng.max_seq_len
         self.max_input_len = eng.max_input_len
         self.vocab_size = cfg.vocab_size
+        # an EAGLE draft attends to the whole context: with one, the window frees nothing
+        window = None if speculating else self.runner.kv_window
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
-                                          eng.enable_prefix_caching)
+                                          eng.enable_prefix_caching, window)
         try:
             self.scheduler = Scheduler(self.block_manager, eng.max_batch_size, eng.max_num_tokens,
                                        eng.scheduler_policy, eng.enable_chunked_prefill,

@@ -13,6 +13,15 @@ Speculative decoding: ``append_slots(..., num_tentative=k)`` / ``append_tentativ
 unverified tokens, ``rollback(request, n)`` returns the last ``n``; tentative tokens are never hashed
 because hashes only cover ``all_token_ids`` (accepted tokens) up to ``num_computed_tokens``.
 
+Sliding windows: when every layer of the model attends to at most ``window`` trailing tokens
+(``BlockManager(window=W)``), the query at position ``p`` reads keys ``p - W < k <= p`` only, and no
+later query reads further back. So once ``num_computed_tokens`` is ``p``, every block that ends at or
+before ``p - W`` is released (``num_released_blocks``: the leading entries of ``block_ids`` the request
+no longer holds; committed blocks stay cached like any freed block). A sequence then holds about
+``W / block_size`` blocks plus its step's chunk however long it grows. The released entries stay in
+the block table (their ids may be reused by other requests): the attention masks those positions, so
+what the table points to there is never used.
+
 A request's ``block_ids`` list is only ever appended to in place; any other change (free, rollback,
 re-admission) installs a new list. Consumers that keep a copy (``backend/engine/inputs.py``) rely on that,
 or read the opt-in ``block_table_changes`` log.
@@ -45,14 +54,18 @@ class BlockManager:
     hash; LRU order, reused on a prefix hit or evicted when free runs out), *used* (refcount > 0).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"kv cache: num_blocks {num_blocks!r}; allowed: an integer >= 1")
         if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"engine.kv_block_size: {block_size!r}; allowed: a power of two >= 1")
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"kv cache: window {window!r}; allowed: an integer >= 1 or None")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window               # see "Sliding windows" above; None: every token stays
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}            # hash -> block holding that prefix
@@ -72,6 +85,7 @@ class BlockManager:
         # Counters (blocks): taken from the pool for a request, and cached blocks a request reused
         self.num_alloc_new_blocks = 0
         self.num_reused_blocks = 0
+        self.num_released_blocks = 0   # blocks given back because they fell out of every window
 
     # -- counters -----------------------------------------------------------------------------
     @property
@@ -106,7 +120,7 @@ class BlockManager:
                 "prefix_cache_hits": self.prefix_cache_hits,
                 "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
                 "kv_evictions": self.num_evictions, "kv_alloc_new_blocks": self.num_alloc_new_blocks,
-                "kv_reused_blocks": self.num_reused_blocks}
+                "kv_reused_blocks": self.num_reused_blocks, "kv_window_released_blocks": self.num_released_blocks}
 
     # -- prefix lookup ------------------------------------------------------------------------
     def _compute_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
@@ -119,30 +133,53 @@ class BlockManager:
             hashes.append(parent)
         return hashes
 
-    def _lookup_blocks(self, request: Request) -> list[int]:
+    def _behind_window(self, num_tokens: int) -> int:
+        """Leading blocks no query after the first ``num_tokens`` tokens reads (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(num_tokens - self.window + 1, 0) // self.block_size
+
+    def _lookup_blocks(self, request: Request) -> tuple[int, list[int]]:
+        """The longest cached prefix: (skip, hits) where the prefix is ``skip + len(hits)`` blocks, the
+        first ``skip`` behind the window (not needed, so not looked for: with a window only the last
+        window's blocks of a prefix must still be cached) and ``hits`` the cached blocks after them."""
         if not self.enable_prefix_caching or request.params.return_context_logits:
-            return []            # context logits need every prompt position computed
+            return 0, []         # context logits need every prompt position computed
         # Leave at least the last token to compute: its logits give the next token.
         max_blocks = (len(request.all_token_ids) - 1) // self.block_size
         hashes = self._compute_hashes(request, max_blocks)
-        hits = []
-        cached = self._cached
+        cached, bs = self._cached, self.block_size
+        best, run_start = 0, 0          # best prefix (blocks); where the current run of cached blocks began
         for i in range(max_blocks):
-            block = cached.get(hashes[i])
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+            if hashes[i] not in cached:
+                if self.window is None:
+                    break               # a prefix is cached from its first block on
+                run_start = i + 1
+                continue
+            if run_start <= self._behind_window((i + 1) * bs):
+                best = i + 1
+        skip = self._behind_window(best * bs)
+        return skip, [cached[hashes[i]] for i in range(skip, best)]
 
     def lookup(self, request: Request) -> int:
         """Tokens of ``request`` that the prefix cache would serve now (no side effects)."""
-        return len(self._lookup_blocks(request)) * self.block_size
+        skip, hits = self._lookup_blocks(request)
+        return (skip + len(hits)) * self.block_size
+
+    def most_blocks(self, num_tokens: int, step_tokens: int) -> int:
+        """The most blocks a sequence of ``num_tokens`` tokens holds at once when a step computes at most
+        ``step_tokens`` of them: all its blocks, or with a window the window's, the step's and one more."""
+        whole = -(-num_tokens // self.block_size)
+        if self.window is None:
+            return whole
+        return min(whole, -(-(step_tokens + self.window - 1) // self.block_size) + 1)
 
     def num_blocks_needed(self, request: Request, num_tokens: int) -> int:
         """Free blocks an admission of ``request`` holding ``num_tokens`` tokens would consume
-        (cache hits on blocks already in use are free; hits on evictable blocks are not)."""
-        hits = self._lookup_blocks(request)
-        total = -(-num_tokens // self.block_size)
+        (cache hits on blocks already in use are free; hits on evictable blocks are not). With a window:
+        as if none were released before ``num_tokens`` (``most_blocks`` bounds what a sequence holds)."""
+        skip, hits = self._lookup_blocks(request)
+        total = -(-num_tokens // self.block_size) - skip
         ref = self.ref_counts
         return max(total - len(hits), 0) + sum(1 for b in hits if ref[b] == 0)
 
@@ -179,12 +216,12 @@ class BlockManager:
         """
         assert not request.block_ids and request.num_slots == 0, f"{request} already holds blocks"
         assert num_tokens >= 1
-        hits = self._lookup_blocks(request)
+        skip, hits = self._lookup_blocks(request)
         bs = self.block_size
-        num_cached = len(hits) * bs
+        num_cached = (skip + len(hits)) * bs
         target = min(num_cached + num_tokens, len(request.all_token_ids))
         ref = self.ref_counts
-        num_new = -(-target // bs) - len(hits)
+        num_new = -(-target // bs) - skip - len(hits)
         if num_new + sum(1 for b in hits if ref[b] == 0) > self.num_free_blocks:
             return None
         evictable = self._evictable
@@ -192,7 +229,9 @@ class BlockManager:
             if ref[b] == 0:
                 del evictable[b]
             ref[b] += 1
-        request.block_ids = hits + self._take(num_new)
+        # the skipped entries are released already (never read: the attention masks them); any valid
+        # block id stands in the table there
+        request.block_ids = [0] * skip + hits + self._take(num_new)
         request.slot_room = 0
         request.num_new_blocks += num_new
         request.num_reused_blocks += len(hits)
@@ -202,13 +241,16 @@ class BlockManager:
             self.block_table_changes.append(request)
         request.num_slots = target
         request.num_tentative_tokens = 0
-        request.num_committed_blocks = len(hits)
+        request.num_committed_blocks = skip + len(hits)
         request.num_computed_tokens = num_cached
         request.num_cached_tokens = num_cached
         self._holders[request.request_id] = request
+        request.num_released_blocks = skip
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(request.all_token_ids)
             self.prefix_cache_hits += num_cached
+        if self.window is not None:
+            self._release_behind_window(request)
         return num_cached
 
     def append_slots(self, request: Request, num_new_tokens: int, num_tentative: int = 0) -> bool:
@@ -217,6 +259,8 @@ class BlockManager:
         is exhausted: the scheduler then preempts someone."""
         assert request.num_tentative_tokens == 0, "roll back tentative slots before reserving more"
         self._commit(request)
+        if self.window is not None:
+            self._release_behind_window(request)
         target = request.num_computed_tokens + num_new_tokens + num_tentative
         assert target >= request.num_slots, "append_slots cannot shrink a reservation"
         blocks = request.block_ids
@@ -288,6 +332,31 @@ class BlockManager:
             if self.block_table_changes is not None:
                 self.block_table_changes.append(request)
 
+    def _release_behind_window(self, request: Request) -> None:
+        """Give back the blocks no query from ``num_computed_tokens`` on can read (called after
+        ``_commit``, so a full block leaves with its hash and stays a prefix-cache hit)."""
+        first_needed = request.num_computed_tokens - self.window + 1   # the oldest key still read
+        upto = min(max(first_needed, 0) // self.block_size, len(request.block_ids))
+        done = request.num_released_blocks
+        if upto <= done:
+            return
+        ref, block_hash = self.ref_counts, self.block_hash
+        evictable, free, blocks = self._evictable, self._free, request.block_ids
+        for i in range(done, upto):
+            b = blocks[i]
+            ref[b] -= 1
+            if ref[b] == 0:
+                if block_hash[b] is not None:
+                    evictable[b] = None
+                else:
+                    free.append(b)
+        request.num_released_blocks = upto
+        self.num_released_blocks += upto - done
+
+    def held_blocks(self, request: Request) -> int:
+        """Blocks ``request`` holds now (its block table less the entries a window released)."""
+        return len(request.block_ids) - request.num_released_blocks
+
     def _commit(self, request: Request) -> None:
         """Register the hashes of blocks that became full with computed, accepted tokens."""
         if not self.enable_prefix_caching:
@@ -320,7 +389,7 @@ class BlockManager:
             self._commit(request)
             ref, block_hash = self.ref_counts, self.block_hash
             evictable, free = self._evictable, self._free
-            for b in reversed(request.block_ids):
+            for b in reversed(request.block_ids[request.num_released_blocks:]):
                 ref[b] -= 1
                 assert ref[b] >= 0
                 if ref[b] == 0:
@@ -336,6 +405,7 @@ class BlockManager:
         request.num_slots = 0
         request.num_tentative_tokens = 0
         request.num_committed_blocks = 0
+        request.num_released_blocks = 0
         self._holders.pop(request.request_id, None)
 
     def track_block_table_changes(self) -> list[Request]:
@@ -366,7 +436,7 @@ class BlockManager:
         """Assert the pool is a consistent partition and refcounts match the block tables."""
         counts = [0] * self.num_blocks
         for req in self._holders.values():
-            for b in req.block_ids:
+            for b in req.block_ids[req.num_released_blocks:]:
                 counts[b] += 1
             assert len(req.block_ids) == -(-req.num_slots // self.block_size), req
         assert counts == self.ref_counts, "refcounts do not match the block tables"

@@ -95,8 +95,9 @@ class Scheduler(StepResults):
         return bool(self.requests)
 
     def blocks_for_life(self, request: Request) -> int:
-        """KV blocks ``request`` needs at most (its ``token_limit``: prompt + max_tokens, capped)."""
-        return -(-request.token_limit // self.block_manager.block_size)
+        """KV blocks ``request`` holds at most at once (its ``token_limit``: prompt + max_tokens, capped;
+        with a sliding window on every layer, the window's and one step's: kv_cache.py)."""
+        return self.block_manager.most_blocks(request.token_limit, self.max_num_tokens)
 
     # -- queue operations ---------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -114,7 +115,7 @@ class Scheduler(StepResults):
         bm = self.block_manager
         capacity = bm.num_blocks * bm.block_size
         limit = min(n + request.params.max_tokens, self.max_seq_len)
-        if -(-limit // bm.block_size) > bm.num_blocks:
+        if bm.most_blocks(limit, self.max_num_tokens) > bm.num_blocks:
             raise ValueError(f"request {rid!r}: prompt + max_tokens = {limit} "
                              f"tokens can never fit the KV cache of {capacity} tokens")
         if request.status is not RequestStatus.WAITING:

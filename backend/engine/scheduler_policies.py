@@ -46,15 +46,16 @@ class GuaranteedNoEvict:
         self._reserved = 0
 
     def begin(self, scheduler: Scheduler) -> None:
-        need = scheduler.blocks_for_life
-        self._reserved = sum(max(need(r) - len(r.block_ids), 0) for r in scheduler.running)
+        need, held = scheduler.blocks_for_life, scheduler.block_manager.held_blocks
+        self._reserved = sum(max(need(r) - held(r), 0) for r in scheduler.running)
 
     def admit(self, scheduler: Scheduler, request: Request) -> bool:
         bm = scheduler.block_manager
-        return bm.num_blocks_needed(request, request.token_limit) <= bm.num_free_blocks - self._reserved
+        need = min(bm.num_blocks_needed(request, request.token_limit), scheduler.blocks_for_life(request))
+        return need <= bm.num_free_blocks - self._reserved
 
     def admitted(self, scheduler: Scheduler, request: Request) -> None:
-        self._reserved += max(scheduler.blocks_for_life(request) - len(request.block_ids), 0)
+        self._reserved += max(scheduler.blocks_for_life(request) - scheduler.block_manager.held_blocks(request), 0)
 
 
 POLICIES: dict[str, Callable[[], object]] = {

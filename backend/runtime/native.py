@@ -21,7 +21,7 @@ from backend.runtime import cpu_dtype, layer_probe
 from backend.runtime.kv_plan import (FP8_KV_NEEDS_SCALES, KV_DTYPES, kv_cache_dtypes, kv_pool_bytes,
                                      plan_kv_blocks, zeroed)
 from backend.runtime.spec import EngineError, EngineSpec
-from backend.runtime.runtimes import StepRunner
+from backend.runtime.runtimes import StepRunner, every_layer_window
 
 _LOG = get_logger("model.runner")
 
@@ -82,6 +82,7 @@ class ModelRunner(StepRunner):
         self.model = cls(cfg, weights, spec.quant_format, self.attention, self.device, self.dtype)
         del weights
         self.model.bound_windows(max_seq)   # windows no sequence reaches past run as full attention
+        self.kv_window = every_layer_window(self.model.windows)
 
         self.kv_dtype, self.kv_storage_dtype = kv_cache_dtypes(spec, self.dtype, self.device, self.attention)
         if self.kv_dtype == torch.float8_e4m3fn and any(k is None for k, _ in self.model.kv_cache_scales):

@@ -46,6 +46,10 @@ class StepRunner(Protocol):
     # the decode CUDA graphs (``backend.ops.cuda_graphs.DecodeGraphs``) a speculator's chain draft
     # shares its capture with; None where the runner replays none
     graphs: Any = None
+    # the most trailing tokens any layer attends to when EVERY layer slides (their windows' largest);
+    # None when some layer attends to the whole context. KV blocks wholly before that many tokens are
+    # never read again, so the block manager frees them (kv_cache.py, "Sliding windows")
+    kv_window: int | None = None
 
     @property
     def kv_cache_bytes(self) -> int: ...
@@ -60,6 +64,12 @@ class StepRunner(Protocol):
     def shutdown(self) -> None:
         """Release what the runner started besides its tensors (tensor parallelism: the workers)."""
         return None
+
+
+def every_layer_window(windows) -> int | None:
+    """``StepRunner.kv_window`` from a model's per-layer windows (None: full attention)."""
+    windows = list(windows)
+    return max(windows) if windows and None not in windows else None
 
 
 def runner_class(runtime: str):

@@ -320,3 +320,73 @@ def test_identical_prefixes_computed_concurrently_keep_one_cached_copy():
     assert bm.num_cached_blocks == 2 and bm.num_free_blocks == 8
     assert bm.lookup(req("c", range(9))) == 8
     bm.check_invariants()
+
+
+# -- sliding windows ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("window", [1, 5, 8, 9])
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_window_releases_exactly_the_blocks_no_later_query_reads(window, caching):
+    # the query at position p reads keys p - window < k <= p; a block may go once every key in it is at
+    # most p - window for the next position p to compute (every later query reads less far back)
+    bm = BlockManager(64, BS, enable_prefix_caching=caching, window=window)
+    r = req("r", range(100, 103), max_tokens=60)
+    assert bm.allocate_for(r, 3) == 0
+    for p in range(3, 60):
+        compute(bm, r)
+        r.all_token_ids.append(p)
+        assert bm.append_slots(r, 1)
+        unread = sum(1 for i in range(len(r.block_ids)) if (i + 1) * BS - 1 <= p - window)
+        assert r.num_released_blocks == unread, (p, r.num_released_blocks, unread)
+        assert bm.held_blocks(r) <= bm.most_blocks(p + 1, 1)
+        bm.check_invariants()
+    bm.free(r)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 64 and bm.num_released_blocks == bm.stats()["kv_window_released_blocks"] > 0
+
+
+def test_with_a_window_a_prefix_hit_needs_only_the_last_windows_blocks():
+    bm = BlockManager(64, BS, enable_prefix_caching=True, window=6)
+    a = req("a", range(40))
+    assert bm.allocate_for(a, 40) == 0
+    compute(bm, a)
+    blocks = list(a.block_ids)
+    bm.free(a)
+    # every block of a is cached; drop the first three from the cache: a prefix stays usable as long as
+    # the blocks its last window reads are there
+    for b in blocks[:3]:
+        bm._cached.pop(bm.block_hash[b])
+        bm.block_hash[b] = None
+        del bm._evictable[b]
+        bm._free.append(b)
+    bm.check_invariants()
+    b = req("b", list(range(40)) + [7, 7])
+    served = bm.lookup(b)
+    assert served == 40                               # blocks 0-2 gone, yet every prompt block counts
+    assert bm.allocate_for(b, 2) == 40
+    # resuming at position 40, keys from 35 on are read: blocks 8 and 9 hit, 0-7 are released
+    assert b.num_released_blocks == 8 and bm.held_blocks(b) == len(b.block_ids) - 8
+    bm.check_invariants()
+    # without a window the same cache serves nothing: a prefix is cached from its first block on
+    full = BlockManager(64, BS, enable_prefix_caching=True)
+    c = req("c", range(40))
+    full.allocate_for(c, 40)
+    compute(full, c)
+    blocks = list(c.block_ids)
+    full.free(c)
+    for blk in blocks[:1]:
+        full._cached.pop(full.block_hash[blk])
+        full.block_hash[blk] = None
+        del full._evictable[blk]
+        full._free.append(blk)
+    assert full.lookup(req("d", list(range(40)) + [7])) == 0
+    assert full.lookup(req("e", list(range(4)) + [7])) == 0 and len(full._cached) == 9
+
+
+def test_a_window_bounds_what_a_request_can_ever_need():
+    bm = BlockManager(16, BS, window=8)
+    assert bm.most_blocks(4000, 4) == -(-(4 + 8 - 1) // BS) + 1 == 4
+    assert bm.most_blocks(6, 4) == 2                   # short: all its blocks
+    assert BlockManager(16, BS).most_blocks(4000, 4) == 1000
+    with pytest.raises(ValueError, match="window 0; allowed: an integer >= 1 or None"):
+        BlockManager(16, BS, window=0)
