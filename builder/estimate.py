@@ -43,8 +43,20 @@ SHAPES: dict[str, dict] = {
                          max_position_embeddings=131072, torch_dtype="bfloat16", rope_theta=500000.0,
                          bos_token_id=128000, eos_token_id=128009),
 }
+_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu", "head_dim": 128,
+          "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
+          "bos_token_id": 151643, "eos_token_id": 151645, "vocab_size": 151936, "max_position_embeddings": 40960,
+          "rope_theta": 1000000, "rope_scaling": None, "sliding_window": None, "use_sliding_window": False,
+          "initializer_range": 0.02, "use_cache": True, "torch_dtype": "bfloat16"}
+SHAPES.update({
+    "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, max_window_layers=36),
+    "qwen3-32b": dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, max_window_layers=64),
+})
 # model.source folder name -> shape, for the configs that name these checkpoints
-SOURCE_SHAPES = {"Llama-2-70b-chat-hf": "llama-2-70b", "Llama-3.1-8B-Instruct": "llama-3.1-8b"}
+SOURCE_SHAPES = {"Llama-2-70b-chat-hf": "llama-2-70b", "Llama-3.1-8B-Instruct": "llama-3.1-8b",
+                 "Qwen3-8B": "qwen3-8b", "Qwen3-32B": "qwen3-32b"}
 # peak RSS of an HF-folder import (files linked, sha256 streamed): 41 MiB measured at 1.5 and 2.6 GB
 # (docs/perf/build-memory.json); rounded up, it does not grow with the checkpoint
 IMPORT_HF_HOST_BYTES = 128 << 20
@@ -69,19 +81,30 @@ DEVICES = {
 }
 
 
+def _role_dims(shape: dict) -> dict[str, list[int]]:
+    """A layer tensor's [out, in] by its role in the family tables (builder/families)."""
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    d = shape.get("head_dim") or h // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    return {"q_proj": [q, h], "k_proj": [kv, h], "v_proj": [kv, h], "o_proj": [h, q],
+            "qkv_proj": [q + 2 * kv, h], "gate_proj": [inter, h], "up_proj": [inter, h],
+            "gate_up_proj": [2 * inter, h], "down_proj": [h, inter], "q_norm": [d], "k_norm": [d]}
+
+
 def header_checkpoint(shape: dict, out: Path) -> Path:
-    """config.json + safetensors shards with the shape's Llama tensors: real headers, sparse data."""
-    h, inter, n, v = (shape[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
-    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    """config.json + safetensors shards with the shape's tensors, named as its family's checkpoints name
+    them (``layer_tensors``; every norm [hidden] but the per-head q/k norms): real headers, sparse data."""
+    from builder.families import BY_ARCHITECTURE  # noqa: PLC0415
+
+    family = BY_ARCHITECTURE[shape["architectures"][0]]
+    h, n, v = (shape[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
+    dims = _role_dims(shape)
     tensors = [("model.embed_tokens.weight", [v, h])]
     for i in range(n):
-        p = f"model.layers.{i}."
-        tensors += [(p + "self_attn.q_proj.weight", [h, h]), (p + "self_attn.k_proj.weight", [kv, h]),
-                    (p + "self_attn.v_proj.weight", [kv, h]), (p + "self_attn.o_proj.weight", [h, h]),
-                    (p + "mlp.gate_proj.weight", [inter, h]), (p + "mlp.up_proj.weight", [inter, h]),
-                    (p + "mlp.down_proj.weight", [h, inter]), (p + "input_layernorm.weight", [h]),
-                    (p + "post_attention_layernorm.weight", [h])]
-    tensors += [("model.norm.weight", [h]), ("lm_head.weight", [v, h])]
+        tensors += [(name + ".weight", dims.get(role, [h])) for role, name in family.layer_tensor_names(i).items()]
+    tensors.append(("model.norm.weight", [h]))
+    if not shape.get("tie_word_embeddings", False):
+        tensors.append(("lm_head.weight", [v, h]))
     dtype = {"float16": "F16", "bfloat16": "BF16"}[shape["torch_dtype"]]
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(shape, indent=1))

@@ -7,6 +7,7 @@ into the 70B/8B configs and docs/build-at-scale.md must be what `python -m build
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from builder.config import BuildConfig
 
 REPO = Path(__file__).resolve().parents[2]
 PERF = REPO / "docs" / "perf"
-SCALE_CONFIGS = ("llama70b-fp8", "llama3.1-8b-fp8", "llama3.1-8b-nvfp4")
+SCALE_CONFIGS = ("llama70b-fp8", "llama3.1-8b-fp8", "llama3.1-8b-nvfp4", "qwen3-8b-fp8", "qwen3-32b-fp8")
 # the random Llamas of docs/perf/build-memory*.json (hidden 2048), as header-only checkpoints
 MEASURED_SHAPE = dict(estimate.SHAPES["llama-3.1-8b"], hidden_size=2048, intermediate_size=5632,
                       num_attention_heads=16, num_key_value_heads=4, vocab_size=49152)
@@ -107,3 +108,21 @@ def test_estimate_cli_refuses_an_unknown_shape(tmp_path, capsys):
         estimate.main([str(cfg)])
     assert estimate.main([str(cfg), "--shape", "llama-3.1-8b", "--device", "cpu"]) == 0
     assert "quantize" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name,billions", [("qwen3-8b", 8.19), ("qwen3-32b", 32.76), ("llama-3.1-8b", 8.03),
+                                           ("llama-2-70b", 68.98)])
+def test_header_checkpoints_hold_each_familys_tensors_and_the_published_size(tmp_path, name, billions):
+    # the parameter count of each shape's published checkpoint (model cards: 8.2B, 32.8B, 8.0B, 69B)
+    from safetensors import safe_open
+
+    hf = estimate.header_checkpoint(estimate.SHAPES[name], tmp_path)
+    shapes = {}
+    for f in hf.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as s:
+            shapes.update({k: s.get_slice(k).get_shape() for k in s.keys()})
+    total = sum(math.prod(v) for v in shapes.values())
+    assert abs(total / 1e9 - billions) < 0.01, total
+    assert ("model.layers.0.self_attn.q_norm.weight" in shapes) == name.startswith("qwen3")
+    if name.startswith("qwen3"):
+        assert shapes["model.layers.0.self_attn.q_norm.weight"] == [128]

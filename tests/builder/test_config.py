@@ -41,7 +41,8 @@ def test_shipped_configs_validate(path):
 def test_expected_configs_are_shipped():
     names = {p.name for p in SHIPPED}
     for name in ("smollm2-135m-fp8.yaml", "smollm2-135m-bf16.yaml", "smollm2-135m-nvfp4.yaml",
-                 "smollm2-135m-int4-awq.yaml", "llama3.1-8b-fp8.yaml", "llama3.1-8b-nvfp4.yaml", "llama70b-fp8.yaml"):
+                 "smollm2-135m-int4-awq.yaml", "llama3.1-8b-fp8.yaml", "llama3.1-8b-nvfp4.yaml", "llama70b-fp8.yaml",
+                 "qwen3-8b-fp8.yaml", "qwen3-32b-fp8.yaml"):
         assert name in names
 
 
