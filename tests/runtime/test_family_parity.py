@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from backend.engine.sampling_params import SamplingParams
+from tests.runtime.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -121,13 +122,7 @@ def _hf_model(src: Path):
 
 
 def _hf_greedy(model, prompt: list[int]) -> list[int]:
-    """transformers' own greedy loop, EOS disabled so that it runs the whole length as Kiln does."""
-    gen = model.generation_config
-    gen.eos_token_id, gen.pad_token_id = None, 0
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, generation_config=gen)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy(model, prompt, NEW_TOKENS)
 
 
 def test_greedy_tokens_and_logits_equal_transformers(family, prompts):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from backend.engine.sampling_params import SamplingParams
+from tests.runtime.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -42,12 +43,7 @@ def gemma_bundle(build_bundle):
 
 
 def _hf_greedy(model, prompt: list[int]) -> list[int]:
-    gen = model.generation_config
-    gen.eos_token_id, gen.pad_token_id = None, 0
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, generation_config=gen)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy(model, prompt, NEW_TOKENS)
 
 
 def test_bf16_greedy_equals_transformers_except_at_near_ties(gemma_bundle):

@@ -345,21 +345,26 @@ def test_a_window_releases_exactly_the_blocks_no_later_query_reads(window, cachi
     assert bm.num_free_blocks == 64 and bm.num_released_blocks == bm.stats()["kv_window_released_blocks"] > 0
 
 
-def test_with_a_window_a_prefix_hit_needs_only_the_last_windows_blocks():
-    bm = BlockManager(64, BS, enable_prefix_caching=True, window=6)
-    a = req("a", range(40))
-    assert bm.allocate_for(a, 40) == 0
-    compute(bm, a)
-    blocks = list(a.block_ids)
-    bm.free(a)
-    # every block of a is cached; drop the first three from the cache: a prefix stays usable as long as
-    # the blocks its last window reads are there
-    for b in blocks[:3]:
+def _cache_then_evict_head(bm, tokens, n: int) -> None:
+    """A request's blocks computed, freed (so cached), then its first ``n`` blocks evicted."""
+    r = req("cached", tokens)
+    assert bm.allocate_for(r, len(r.all_token_ids)) == 0
+    compute(bm, r)
+    blocks = list(r.block_ids)
+    bm.free(r)
+    for b in blocks[:n]:   # what eviction does to a block (kv_cache.BlockManager._take)
         bm._cached.pop(bm.block_hash[b])
         bm.block_hash[b] = None
         del bm._evictable[b]
         bm._free.append(b)
     bm.check_invariants()
+
+
+def test_with_a_window_a_prefix_hit_needs_only_the_last_windows_blocks():
+    bm = BlockManager(64, BS, enable_prefix_caching=True, window=6)
+    # 40 tokens cached, then the first three blocks evicted: a prefix stays usable as long as the blocks
+    # its last window reads are there
+    _cache_then_evict_head(bm, range(40), 3)
     b = req("b", list(range(40)) + [7, 7])
     served = bm.lookup(b)
     assert served == 40                               # blocks 0-2 gone, yet every prompt block counts
@@ -369,16 +374,7 @@ def test_with_a_window_a_prefix_hit_needs_only_the_last_windows_blocks():
     bm.check_invariants()
     # without a window the same cache serves nothing: a prefix is cached from its first block on
     full = BlockManager(64, BS, enable_prefix_caching=True)
-    c = req("c", range(40))
-    full.allocate_for(c, 40)
-    compute(full, c)
-    blocks = list(c.block_ids)
-    full.free(c)
-    for blk in blocks[:1]:
-        full._cached.pop(full.block_hash[blk])
-        full.block_hash[blk] = None
-        del full._evictable[blk]
-        full._free.append(blk)
+    _cache_then_evict_head(full, range(40), 1)
     assert full.lookup(req("d", list(range(40)) + [7])) == 0
     assert full.lookup(req("e", list(range(4)) + [7])) == 0 and len(full._cached) == 9
 

@@ -73,8 +73,9 @@ def ensemble_text(stack: Stack, prompt: str, max_tokens: int, chat: bool) -> str
     return res.text
 
 
-def engine_token_count(stack: Stack, prompt_ids: list[int], max_tokens: int) -> int:
-    """Generated ids of a greedy request straight to the engine model (no front door)."""
+def engine_stream(grpc_url: str, prompt_ids: list[int], max_tokens: int) -> list:
+    """The responses of one greedy streamed request straight to the engine model (no front door),
+    read to the stream's end; asserts none is an error and a final one came."""
     import tritonclient.grpc as g
     inputs = []
     for name, arr, dt in [("input_ids", np.array([prompt_ids], np.int32), "INT32"),
@@ -84,14 +85,19 @@ def engine_token_count(stack: Stack, prompt_ids: list[int], max_tokens: int) -> 
         inp.set_data_from_numpy(arr)
         inputs.append(inp)
     got, done = [], []
-    client = g.InferenceServerClient(stack.grpc_url)
+    client = g.InferenceServerClient(grpc_url)
     client.start_stream(callback=lambda result, error: (got.append((result, error)), done.append(
         error is not None or result.as_numpy("finish_reason").reshape(-1)[0] != b"")))
     client.async_stream_infer(NAMES.engine, inputs)
     client.stop_stream()  # waits for the stream's end
     client.close()
     assert all(e is None for _, e in got) and any(done), got
-    return sum(r.as_numpy("output_ids").size for r, _ in got)
+    return [r for r, _ in got]
+
+
+def engine_token_count(stack: Stack, prompt_ids: list[int], max_tokens: int) -> int:
+    """Generated ids of a greedy request straight to the engine model (no front door)."""
+    return sum(r.as_numpy("output_ids").size for r in engine_stream(stack.grpc_url, prompt_ids, max_tokens))
 
 
 def sse_events(resp) -> list[str]:

@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import signal
 
-import numpy as np
 import pytest
 
 from harness.model_names import DEFAULT as NAMES
 from harness.serving_client import grpc_generate
 from harness.serving_server import free_port
+from tests.serving.openai_stack import engine_stream
 from tests.serving.serve_process import READY, start_serve
 
 pytestmark = pytest.mark.slow
@@ -62,24 +62,9 @@ def tokenizer(gemma_served):
 
 def _engine_greedy(grpc_port: int, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], str]:
     """Token ids straight to the engine model, streamed: (generated ids, the engine's output_text)."""
-    import tritonclient.grpc as g
-
-    inputs = []
-    for name, arr, dt in [("input_ids", np.array([prompt_ids], np.int32), "INT32"),
-                          ("request_output_len", np.array([[max_tokens]], np.int32), "INT32"),
-                          ("streaming", np.array([[True]]), "BOOL")]:
-        inp = g.InferInput(name, list(arr.shape), dt)
-        inp.set_data_from_numpy(arr)
-        inputs.append(inp)
-    got = []
-    client = g.InferenceServerClient(f"127.0.0.1:{grpc_port}")
-    client.start_stream(callback=lambda result, error: got.append((result, error)))
-    client.async_stream_infer(NAMES.engine, inputs)
-    client.stop_stream()  # waits for the stream's end
-    client.close()
-    assert got and all(e is None for _, e in got), got
-    ids = [int(t) for r, _ in got for t in r.as_numpy("output_ids").reshape(-1)]
-    text = "".join(t.decode() for r, _ in got for t in r.as_numpy("output_text").reshape(-1))
+    got = engine_stream(f"127.0.0.1:{grpc_port}", prompt_ids, max_tokens)
+    ids = [int(t) for r in got for t in r.as_numpy("output_ids").reshape(-1)]
+    text = "".join(t.decode() for r in got for t in r.as_numpy("output_text").reshape(-1))
     return ids, text
 
 
