@@ -1,4 +1,4 @@
-"""GGUF (llama / mistral / qwen2 / gemma3) -> HF checkpoint in ONE pass over the file.
+"""GGUF (llama / mistral / qwen2 / qwen3 / gemma3) -> HF checkpoint in ONE pass over the file.
 
 transformers' GGUF path parses the file four to five times (config, tensors, tokenizer twice) and
 rebuilds gguf's TensorNameMap per tensor: ~100 s for a 100 MB file on a busy 2-core machine, and
@@ -8,8 +8,9 @@ and transformers is used only for its key tables and, for the llama family, its 
 so the result is the same checkpoint transformers produces (the import tests compare it). Gemma 3's
 tokenizer is Kiln's own (builder/gguf_tokenizer.py): transformers' conversion of it is wrong.
 
-Gemma 3 is imported by this module but not yet built by the pipeline (builder/sources.py refuses it):
-the runtime does not run its architecture yet.
+Qwen3's per-head q/k norms are llama.cpp's ``attn_q_norm`` / ``attn_k_norm``; its head size is not
+hidden / heads, so it is read from ``qwen3.attention.key_length`` (transformers' GGUF key table leaves it
+out and relies on Qwen3Config's default of 128).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ GEMMA3_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", **_PROJECTIONS,
 }
+QWEN3_LAYER_NAMES = {**LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 IGNORED = {"rope_freqs"}  # llama3 rope table: HF recomputes it from the config
 
@@ -58,6 +60,7 @@ FAMILIES = {
     "llama": Family("LlamaForCausalLM", "llama", LAYER_NAMES, True, 0.0),
     "mistral": Family("MistralForCausalLM", "mistral", LAYER_NAMES, False, 0.0),
     "qwen2": Family("Qwen2ForCausalLM", "qwen2", LAYER_NAMES, False, 0.0),
+    "qwen3": Family("Qwen3ForCausalLM", "qwen3", QWEN3_LAYER_NAMES, False, 0.0),
     # Gemma's RMSNorm multiplies by (1 + w) and llama.cpp's converter adds the 1 in; HF's Gemma3RMSNorm
     # holds w. Its rope is NEOX-style (halves, as HF's): q/k were written unpermuted.
     "gemma3": Family("Gemma3ForCausalLM", "gemma3_text", GEMMA3_LAYER_NAMES, False, 1.0),
@@ -242,6 +245,8 @@ def convert(path: Path, arch: str, out: Path, dtype: torch.dtype, progress=lambd
         hf = gemma3_config(path, meta)
     else:
         hf, tok, tok_cfg = _llama_family_config(meta, gguf_arch)
+        if gguf_arch == "qwen3":
+            hf["head_dim"] = _head_dim(path, meta, gguf_arch)
     hf["tie_word_embeddings"] = "output.weight" not in names
 
     state: dict[str, torch.Tensor] = {}
@@ -286,6 +291,18 @@ def convert(path: Path, arch: str, out: Path, dtype: torch.dtype, progress=lambd
     else:
         _save_llama_family_tokenizer(gguf_arch, tok, tok_cfg, out)
     return {"tensors": len(state), "gguf_architecture": gguf_arch}
+
+
+def _head_dim(path: Path, meta: dict, arch: str) -> int:
+    """The attention head size a GGUF states (``<arch>.attention.key_length``, equal to value_length)."""
+    key, value = meta.get(f"{arch}.attention.key_length"), meta.get(f"{arch}.attention.value_length")
+    if not isinstance(key, int) or key <= 0:
+        raise StageError(f"{path}: GGUF field {arch}.attention.key_length = {key!r}; allowed: the head size "
+                         f"(a positive integer), which a {arch} model must state")
+    if value is not None and value != key:
+        raise StageError(f"{path}: GGUF field {arch}.attention.value_length = {value!r} differs from "
+                         f"{arch}.attention.key_length {key}; allowed: equal")
+    return key
 
 
 def _llama_family_config(meta: dict, gguf_arch: str) -> tuple[dict, dict, dict]:

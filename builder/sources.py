@@ -27,7 +27,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class Source:
     kind: str               # gguf | hf | modelopt
     path: Path              # the .gguf file or the checkpoint folder
-    architecture: str       # llama | mistral | qwen2
+    architecture: str       # a family name (builder/families): llama | mistral | qwen2 | qwen3 | gemma3 | phi3
 
     def files(self) -> list[Path]:
         if self.kind == "gguf":
