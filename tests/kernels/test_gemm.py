@@ -95,7 +95,7 @@ def test_fp8_and_w4a16_variants_declare_what_the_shapes_guarantee():
     makes them so (plugins.common.divisible_args); a call that breaks it is refused by the launcher."""
     import dataclasses
 
-    from plugins import aot, gemm_fp8, gemm_w4a16
+    from plugins import aot, gemm_fp8, gemm_w4a16, w4a16_codes
     from plugins.common import EngineShapes
     from plugins.launcher import pack_params
     llama = EngineShapes(act="bf16", kv="fp8e4nv", num_heads=32, num_kv_heads=8, head_dim=128, hidden_size=4096,
@@ -106,7 +106,7 @@ def test_fp8_and_w4a16_variants_declare_what_the_shapes_guarantee():
         if v.fn is gemm_fp8.fp8_gemm_kernel:
             assert set(v.divisible) == {"K", "stride_xm", "stride_wn"}
     awq = dataclasses.replace(llama, quant_format="int4_awq", group_size=128)
-    assert set(gemm_w4a16.divisible(awq)) == {"K", "k_per_split", "stride_xm", "stride_wn", "stride_sn"}
+    assert set(w4a16_codes.divisible(awq)) == {"K", "k_per_split", "stride_xm", "stride_wn", "stride_sn"}
     v = next(v for v in aot.plan(llama) if v.fn is gemm_fp8.fp8_gemm_kernel)
     sig = v.signature()
     meta = {"key": v.key, "signature": [[n, t] for n, t in sig.items()],

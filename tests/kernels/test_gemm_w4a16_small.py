@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from plugins import aot, gemm_w4a16, gemm_w4a16_small as small, splitk, tuning
+from plugins import aot, gemm_w4a16, gemm_w4a16_small as small, splitk, tuning, w4a16_codes
 from plugins.common import EngineShapes
 from plugins.gemm_w4a16 import w4a16_linear
 from plugins.gemm_w4a16_small import MAX_M, lock_count, w4a16_small_m
@@ -74,7 +74,7 @@ def test_cuda_core_path_scales_each_group_once(device, fresh_seed, fmt, k, group
     with tuning.override("w4a16_gemv", enabled=1):
         cfg = small.gemm_config(1)
         assert not cfg["use_dot"] and small.gemm_config(2)["use_dot"]
-        assert small.scale_mode(gemm_w4a16.FORMATS[fmt], group, cfg) == small.SCALE_GROUP
+        assert small.scale_mode(w4a16_codes.FORMATS[fmt], group, cfg) == small.SCALE_GROUP
         out = poison(torch.empty(1, 100, dtype=torch.float16, device=device))
         got = w4a16_small_m(x, fmt, w, ws, ws2, split_k=split_k, out=out)
     assert_close(got, _ref(fmt, x, w, ws, ws2), torch.float16, f"{fmt} gemv g={group}", fresh_seed)
@@ -82,9 +82,9 @@ def test_cuda_core_path_scales_each_group_once(device, fresh_seed, fmt, k, group
 
 def test_scale_modes():
     dot = small.gemm_config(4)
-    assert small.scale_mode(gemm_w4a16.FMT_INT4_AWQ, 128, dot) == small.SCALE_TILE
-    assert small.scale_mode(gemm_w4a16.FMT_INT4_AWQ, 32, dot) == small.SCALE_ELEMENT
-    assert small.scale_mode(gemm_w4a16.FMT_NVFP4, 16, dot) == small.SCALE_ELEMENT
+    assert small.scale_mode(w4a16_codes.FMT_INT4_AWQ, 128, dot) == small.SCALE_TILE
+    assert small.scale_mode(w4a16_codes.FMT_INT4_AWQ, 32, dot) == small.SCALE_ELEMENT
+    assert small.scale_mode(w4a16_codes.FMT_NVFP4, 16, dot) == small.SCALE_ELEMENT
 
 
 def test_w4a16_linear_picks_the_kernel_by_rows(device, fresh_seed, monkeypatch):
@@ -159,8 +159,8 @@ def test_aot_plan_covers_every_launched_variant(device, engine):
 def test_divisibility_follows_the_shapes():
     """Llama-3-8B's K (4096, 14336) are multiples of 16 in every stride; SmolLM2's K = 576 with groups of 64
     leaves a scale row of 9: stride_sn is not compiled as a multiple of 16 there."""
-    assert set(gemm_w4a16.divisible(LLAMA8B_NVFP4)) == {"K", "k_per_split", "stride_xm", "stride_wn", "stride_sn"}
-    assert set(gemm_w4a16.divisible(SMOL_INT4)) == {"K", "k_per_split", "stride_xm", "stride_wn"}
+    assert set(w4a16_codes.divisible(LLAMA8B_NVFP4)) == {"K", "k_per_split", "stride_xm", "stride_wn", "stride_sn"}
+    assert set(w4a16_codes.divisible(SMOL_INT4)) == {"K", "k_per_split", "stride_xm", "stride_wn"}
     for v in aot.plan(LLAMA8B_NVFP4):
         if v.fn in (small.w4a16_small_m_kernel, gemm_w4a16.w4a16_gemm_kernel):
             assert "stride_sn" in v.divisible, v.key

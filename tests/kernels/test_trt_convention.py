@@ -193,16 +193,16 @@ def test_w4a16_variant_is_chosen_from_the_node_attributes_and_launched_as_native
     launch for concrete shapes is the native host wrapper's (its launch intercepted, no kernel runs)."""
     import torch
 
-    from plugins import gemm_w4a16
+    from plugins import gemm_w4a16, w4a16_codes
     from plugins.tensorrt.variants import GraphConsts, VariantError, launch, load_metas, node_attrs, parse_key, select
     _, out = plugins
     g = GraphConsts(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, act="bf16", kv="fp8e4nv", tree=True,
                     w4a16="nvfp4")
     metas = load_metas(out / "nvfp4", 90)
     meta = select(metas, "kiln_w4a16_gemm", 90, g)
-    assert node_attrs("kiln_w4a16_gemm", g) == {"fmt": gemm_w4a16.FMT_NVFP4, "group_size": 16}
+    assert node_attrs("kiln_w4a16_gemm", g) == {"fmt": w4a16_codes.FMT_NVFP4, "group_size": 16}
     cx = parse_key(meta["key"])
-    assert (cx["FMT"], cx["GROUP"], cx["SPLIT"]) == (gemm_w4a16.FMT_NVFP4, 16, 0)
+    assert (cx["FMT"], cx["GROUP"], cx["SPLIT"]) == (w4a16_codes.FMT_NVFP4, 16, 0)
     assert meta["inputs"] == [["x_ptr", "*bf16"], ["w_ptr", "*u8"], ["ws_ptr", "*fp8e4nv"], ["ws2_ptr", "*fp32"]]
     int4 = GraphConsts(**{**g.__dict__, "w4a16": "int4_awq", "group_size": 64})
     with pytest.raises(VariantError, match=r"^kiln_w4a16_gemm for sm_90: no compiled variant with FMT=0, GROUP=64, "

@@ -120,7 +120,7 @@ def test_compile_stage_writes_the_plugin_and_registration_launches_it(w4_bundle,
 
     from backend import bundle as b
     from backend.runtime import trt_files
-    from plugins import gemm_w4a16
+    from plugins import gemm_w4a16, w4a16_codes
     from plugins.tensorrt import register as R
     from plugins.tensorrt.variants import W4A16, GraphConsts, VariantError, io_types, launch, parse_key, w4a16_of
     from tests.runtime import fake_tensorrt
@@ -133,7 +133,7 @@ def test_compile_stage_writes_the_plugin_and_registration_launches_it(w4_bundle,
         assert len(metas) == 1 and metas[0]["plugin"] == "kiln_w4a16_gemm"
         assert any(f.startswith(f"{m.tensorrt.dir}/plugins/sm{sm}/kiln_w4a16_gemm-") for f in m.files)   # hashed
         cx = parse_key(metas[0]["key"])
-        assert (cx["FMT"], cx["GROUP"], cx["SPLIT"]) == (gemm_w4a16.FORMATS[fmt], GROUP[fmt], 0)
+        assert (cx["FMT"], cx["GROUP"], cx["SPLIT"]) == (w4a16_codes.FORMATS[fmt], GROUP[fmt], 0)
     sm = m.tensorrt.sms[0]
     graph = trt_files.graph_consts(m, trt_files.load_profiles(path / m.tensorrt.dir / trt_files.PROFILES))
     assert graph.w4a16 == fmt and w4a16_of(graph) == (W4A16[fmt], GROUP[fmt])
@@ -163,7 +163,7 @@ def test_compile_stage_writes_the_plugin_and_registration_launches_it(w4_bundle,
               "weight_scale": (tuple(t["weight_scale"].shape), scale_type),
               "weight_scale_2": (((), "FLOAT") if fmt == "nvfp4" else (tuple(t["weight_scale"].shape), "BF16"))}
     (out,), combos, (entry, code, params, extra) = fake_tensorrt.build_time_calls(
-        fake, "kiln::kiln_w4a16_gemm", shapes, {"fmt": gemm_w4a16.FORMATS[fmt], "group_size": GROUP[fmt]})
+        fake, "kiln::kiln_w4a16_gemm", shapes, {"fmt": w4a16_codes.FORMATS[fmt], "group_size": GROUP[fmt]})
     value = lambda v: getattr(v, "value", v)     # noqa: E731
     assert [value(d) for d in out.shape_expr] == [m_rows, n] and out.dtype is fake.trt.DataType.BF16
     assert [c.io_types for c in combos] == [io_types("kiln_w4a16_gemm", graph)]
@@ -173,7 +173,7 @@ def test_compile_stage_writes_the_plugin_and_registration_launches_it(w4_bundle,
     assert tuple(value(s) for s in extra) == want.scalars
     with pytest.raises(VariantError, match=r"aot_impl got node attributes \{'fmt': \d, 'group_size': 32\}"):
         fake_tensorrt.build_time_calls(fake, "kiln::kiln_w4a16_gemm", shapes,
-                                       {"fmt": gemm_w4a16.FORMATS[fmt], "group_size": 32})
+                                       {"fmt": w4a16_codes.FORMATS[fmt], "group_size": 32})
 
 
 @pytest.mark.slow
