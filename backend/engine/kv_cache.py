@@ -30,22 +30,11 @@ Not thread-safe: the executor's loop thread (or its lock) owns the scheduler and
 """
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
-from hashlib import blake2b
 
+from backend.engine.kv_checks import check_invariants
+from backend.engine.kv_hashes import extend_hashes
 from backend.engine.request import Request
-
-_ROOT = b"kiln-kv-root"
-
-
-def hash_block(parent: bytes, tokens) -> bytes:
-    """Chained block hash. blake2b rather than Python's ``hash()``: tuple hashes of ints are
-    deterministic and easy to collide on purpose, and a collision would serve another user's KV."""
-    h = blake2b(parent, digest_size=16)
-    h.update(array("q", tokens))   # (the array's buffer as is: no bytes copies, no concatenation)
-    return h.digest()
-
 
 class BlockManager:
     """Fixed-size KV blocks shared by all requests.
@@ -124,14 +113,7 @@ class BlockManager:
 
     # -- prefix lookup ------------------------------------------------------------------------
     def _compute_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
-        hashes = request.block_hashes
-        bs = self.block_size
-        toks = request.all_token_ids
-        parent = hashes[-1] if hashes else _ROOT
-        for i in range(len(hashes), num_full_blocks):
-            parent = hash_block(parent, toks[i * bs:(i + 1) * bs])
-            hashes.append(parent)
-        return hashes
+        return extend_hashes(request.block_hashes, request.all_token_ids, num_full_blocks, self.block_size)
 
     def _behind_window(self, num_tokens: int) -> int:
         """Leading blocks no query after the first ``num_tokens`` tokens reads (0 without a window)."""
@@ -434,28 +416,11 @@ class BlockManager:
     # -- consistency (tests and debugging) ----------------------------------------------------
     def check_invariants(self) -> None:
         """Assert the pool is a consistent partition and refcounts match the block tables."""
-        counts = [0] * self.num_blocks
-        for req in self._holders.values():
-            for b in req.block_ids[req.num_released_blocks:]:
-                counts[b] += 1
-            assert len(req.block_ids) == -(-req.num_slots // self.block_size), req
-        assert counts == self.ref_counts, "refcounts do not match the block tables"
-        free, evictable = set(self._free), set(self._evictable)
-        assert len(free) == len(self._free) and not (free & evictable)
-        for b in range(self.num_blocks):
-            in_pool = b in free or b in evictable
-            assert in_pool == (self.ref_counts[b] == 0), f"block {b}: pool membership vs refcount"
-            if b in free:
-                assert self.block_hash[b] is None
-            if b in evictable:
-                assert self.block_hash[b] is not None
-        for h, b in self._cached.items():
-            assert self.block_hash[b] == h
-        assert sum(h is not None for h in self.block_hash) == len(self._cached)
+        check_invariants(self)
 
     @property
     def num_holders(self) -> int:
         return len(self._holders)
 
 
-__all__ = ["BlockManager", "hash_block"]
+__all__ = ["BlockManager"]

@@ -30,7 +30,8 @@ def snapshot(bm, *reqs):
 
 
 def test_pure_core_imports_no_torch():
-    code = ("import sys; import backend.engine.kv_cache, backend.runtime.kv_capacity, backend.engine.scheduler, "
+    code = ("import sys; import backend.engine.kv_cache, backend.engine.kv_hashes, backend.engine.kv_checks, "
+            "backend.runtime.kv_capacity, backend.engine.scheduler, "
             "backend.engine.scheduler_types, backend.engine.scheduler_policies, backend.engine.request, "
             "backend.engine.sampling_params; bad = [m for m in ('torch', 'numpy') if m in sys.modules]; "
             "assert not bad, bad")
@@ -109,8 +110,8 @@ def test_prefix_hit_across_requests_and_last_token_always_computed():
 
 
 def a_blocks_first_two(bm, prompt):
-    from backend.engine.kv_cache import _ROOT, hash_block
-    h0 = hash_block(_ROOT, prompt[:4])
+    from backend.engine.kv_hashes import ROOT, hash_block
+    h0 = hash_block(ROOT, prompt[:4])
     h1 = hash_block(h0, prompt[4:8])
     return [bm._cached[h0], bm._cached[h1]]
 
