@@ -110,7 +110,7 @@ def _result(reqs):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("blocks, caching", [(400, True), (400, False), (18, True), (17, False)])
 def test_late_tokens_give_the_synchronous_results(seed, blocks, caching, monkeypatch):
-    import backend.engine.kv_cache as kv
+    import backend.engine.kv_hashes as kv
 
     real_hash = kv.hash_block
 
