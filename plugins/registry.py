@@ -28,6 +28,10 @@ not apply (no compiler, another dtype or layout): the caller then runs its PyTor
   write_kv_fp8(k, v, k_cache, v_cache, slots, k_scale, v_scale) -> written
   paged_attention(q, k_cache, v_cache, block_tables, rows, tree, scale) -> out
   panel_pack(w) -> (panels, fmt);  panel_unpack(panels, fmt, n) -> w;  panel_gemm(x, panels, fmt, n, scale) -> y
+The CPU GEMMs PyTorch ships (plugins/cpu/vendor.py) are rows of the same kind: a CPU linear's storage
+and matmul (backend/ops/cpu_matmul.py) follow which of them this machine has (``available``).
+  onednn_linear(x, w_column_major, bias, "none", [], "") -> y
+  fp16_pack(w, None) -> packed;  fp16_gemm(x, packed) -> y;  fp16_unpack(packed) -> (w, bias)
 """
 from __future__ import annotations
 
@@ -46,14 +50,26 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class Impl:
     target: str                                  # "module:function"
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+    # "module:function" answering whether this machine runs it (a CPU without AVX-512, a PyTorch
+    # build without FBGEMM); None: wherever its kind runs
+    available: str | None = None
 
     def load(self) -> Callable:
-        module, _, name = self.target.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return _resolve(self.target)
+
+    def runs_here(self) -> bool:
+        return self.available is None or bool(_resolve(self.available)())
+
+
+def _resolve(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 _REF = "plugins.reference"
 _F32 = (torch.float32,)
+_AVX512 = "plugins.cpu.gemm:available"
+_VENDOR = "plugins.cpu.vendor"
 REGISTRY: dict[tuple[str, str, str | None], Impl] = {
     ("write_kv", "triton", None): Impl("plugins.kv_write:write_kv"),
     ("write_kv", "torch", None): Impl(f"{_REF}.kv_cache:write_kv_ref"),
@@ -92,9 +108,14 @@ REGISTRY: dict[tuple[str, str, str | None], Impl] = {
     ("mul_fake_quant_fp8", "cpu", None): Impl("plugins.cpu.ops:mul_fake_quant_fp8", _F32),
     ("write_kv_fp8", "cpu", None): Impl("plugins.cpu.ops:write_kv_fp8", _F32),
     ("paged_attention", "cpu", None): Impl("plugins.cpu.ops:paged_attention", _F32),
-    ("panel_pack", "cpu", None): Impl("plugins.cpu.gemm:pack", _F32),
-    ("panel_unpack", "cpu", None): Impl("plugins.cpu.gemm:unpack", _F32),
-    ("panel_gemm", "cpu", None): Impl("plugins.cpu.gemm:gemm", _F32),
+    ("panel_pack", "cpu", None): Impl("plugins.cpu.gemm:pack", _F32, _AVX512),
+    ("panel_unpack", "cpu", None): Impl("plugins.cpu.gemm:unpack", _F32, _AVX512),
+    ("panel_gemm", "cpu", None): Impl("plugins.cpu.gemm:gemm", _F32, _AVX512),
+    # PyTorch's own CPU GEMMs (plugins/cpu/vendor.py)
+    ("onednn_linear", "cpu", None): Impl(f"{_VENDOR}:onednn_linear", _F32, f"{_VENDOR}:onednn_available"),
+    ("fp16_pack", "cpu", None): Impl(f"{_VENDOR}:fp16_pack", _F32, f"{_VENDOR}:fbgemm_available"),
+    ("fp16_gemm", "cpu", None): Impl(f"{_VENDOR}:fp16_gemm", _F32, f"{_VENDOR}:fbgemm_available"),
+    ("fp16_unpack", "cpu", None): Impl(f"{_VENDOR}:fp16_unpack", _F32, f"{_VENDOR}:fbgemm_available"),
 }
 # The kinds whose kernels run a decoder layer fused (norm + quant, activation + quant, rope + KV
 # write): what the model's fused forward needs. The reference kind keeps the plain ops, whose
@@ -146,6 +167,17 @@ def load(op: str, kind: str, fmt: str | None = None) -> Callable:
         raise ValueError(f"plugins.registry: no {kind} implementation of {op!r} for format {fmt!r}; "
                          f"allowed: {', '.join(have) or 'none'}")
     return impl.load()
+
+
+def available(op: str, kind: str, fmt: str | None = None) -> bool:
+    """Whether this machine runs the table's ``op`` for ``kind`` (False for no such row)."""
+    impl = REGISTRY.get((op, kind, fmt))
+    return impl is not None and impl.runs_here()
+
+
+def load_if_available(op: str, kind: str, fmt: str | None = None) -> Callable | None:
+    """``load``, or None where this machine does not run it (``available``)."""
+    return load(op, kind, fmt) if available(op, kind, fmt) else None
 
 
 def fused_layer_kernels(kind: str, device: str | torch.device, dtype: torch.dtype) -> dict[str, Callable] | None:

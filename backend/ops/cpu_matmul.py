@@ -54,37 +54,21 @@ import torch
 import torch.nn.functional as F
 
 from plugins import registry
-from plugins.cpu import gemm as cpu_gemm   # available(): whether this machine built the panel GEMM
 
+# Which of the CPU GEMMs this machine has is the kernel table's answer (plugins/registry.py, kind
+# "cpu": Kiln's AVX-512 panel GEMM, oneDNN's linear, FBGEMM's fp16 GEMM); the storage a weight takes
+# follows from it (``prepare``). The panel GEMM is asked when a weight is stored, not at import: the
+# answer loads (and the first time compiles) the CPU kernel library.
 _panel_pack = registry.load("panel_pack", "cpu")
 _panel_unpack = registry.load("panel_unpack", "cpu")
 _panel_gemm = registry.load("panel_gemm", "cpu")
+_DNN = registry.load_if_available("onednn_linear", "cpu")
+_FP16 = (None if not registry.available("fp16_gemm", "cpu") else
+         tuple(registry.load(op, "cpu") for op in ("fp16_pack", "fp16_gemm", "fp16_unpack")))
 
 
-def _onednn_linear():
-    """PyTorch's oneDNN linear, or None in a build without it."""
-    if not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._linear_pointwise
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _fbgemm_fp16():
-    """FBGEMM's fp16-weight GEMM (prepack, apply), or None (a build without FBGEMM: non-x86)."""
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
-        return None
-    try:
-        # the overload itself, not its packet: the packet's Python dispatch checks every argument
-        # for fake script objects first (~10 us a call, 121 calls a SmolLM2 decode step)
-        return torch.ops.quantized.linear_prepack_fp16.default, torch.ops.quantized.linear_dynamic_fp16.default
-    except (AttributeError, RuntimeError):
-        return None
-
-
-_DNN = _onednn_linear()
-_FP16 = _fbgemm_fp16()
+def _panel() -> bool:
+    return registry.available("panel_gemm", "cpu")
 
 
 class HalfWeight:
@@ -100,7 +84,7 @@ class HalfWeight:
         self.shape, self.dtype, self.device = w.shape, w.dtype, w.device
 
     def unpack(self) -> torch.Tensor:
-        return torch.ops.quantized.linear_unpack_fp16(self.packed)[0].float()
+        return _FP16[2](self.packed)[0].float()
 
 
 class PanelWeight:
@@ -133,24 +117,24 @@ def is_packed(w) -> bool:
 
 def applies(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether weights on ``device`` in ``dtype`` are re-stored for the CPU kernels."""
-    return (_DNN is not None or _FP16 is not None or cpu_gemm.available()) and torch.device(device).type == "cpu" \
+    return (_DNN is not None or _FP16 is not None or _panel()) and torch.device(device).type == "cpu" \
         and dtype == torch.float32
 
 
 def packs_fp16(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether fp16-exact weights on ``device`` in ``dtype`` get a packed storage (``PanelWeight`` on
     AVX-512 CPUs, else ``HalfWeight``)."""
-    return (_FP16 is not None or cpu_gemm.available()) and applies(device, dtype)
+    return (_FP16 is not None or _panel()) and applies(device, dtype)
 
 
 def packed_type() -> type:
     """The class fp16-exact float32 weights take on this CPU (where ``packs_fp16``)."""
-    return PanelWeight if cpu_gemm.available() else HalfWeight
+    return PanelWeight if _panel() else HalfWeight
 
 
 def packs_e4m3(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether fp8 e4m3 codes can be stored as they are (``PanelWeight``: Kiln's AVX-512 GEMM)."""
-    return cpu_gemm.available() and applies(device, dtype)
+    return _panel() and applies(device, dtype)
 
 
 def is_column_major(w) -> bool:
@@ -207,7 +191,7 @@ def prepare_from(source: torch.Tensor, derived: str, make, exact_fp16: bool = Fa
     if _kept_as_is(w):
         out = w                          # (make() packed it itself: fp8 codes for the AVX-512 GEMM)
     elif packs_fp16(w.device, w.dtype) and (exact_fp16 or _exact_in_fp16(w)):
-        out = PanelWeight(w) if cpu_gemm.available() else HalfWeight(w)
+        out = PanelWeight(w) if _panel() else HalfWeight(w)
     else:
         out = w.t().contiguous().t() if _DNN is not None else w
     # (only the CPU's own storages: a GPU weight made from a host tensor is not kept alive by its source)

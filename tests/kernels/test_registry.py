@@ -9,7 +9,8 @@ from plugins.rmsnorm import rms_norm
 
 def test_every_registered_target_imports_and_both_kinds_exist():
     for (op, kind, fmt), impl in registry.REGISTRY.items():
-        assert callable(impl.load()), (op, kind, fmt)
+        # (a row this machine does not run may load as None: a PyTorch build without FBGEMM)
+        assert callable(impl.load()) or not impl.runs_here(), (op, kind, fmt)
         if kind != "cpu":   # the CPU C kernels' fallback is the caller's PyTorch ops, not a row
             assert (op, "torch" if kind == "triton" else "triton", fmt) in registry.REGISTRY
 
@@ -24,6 +25,22 @@ def test_the_cpu_kernels_are_rows_of_the_table():
         registry.get("add_rms_norm", "cpu", torch.float16, kind="cpu")
     with pytest.raises(ValueError, match="no torch implementation of 'add_rms_norm'"):
         registry.load("add_rms_norm", "torch")
+
+
+def test_the_table_says_which_cpu_gemms_this_machine_has(monkeypatch):
+    """The CPU linear's storage follows the table's answer: FBGEMM's fp16 GEMM where PyTorch has
+    FBGEMM, Kiln's panel GEMM where the CPU has AVX-512, oneDNN where PyTorch was built with it."""
+    from plugins.cpu import gemm
+    assert registry.available("fp16_gemm", "cpu") == ("fbgemm" in torch.backends.quantized.supported_engines)
+    assert registry.available("onednn_linear", "cpu") == torch.backends.mkldnn.is_available()
+    assert registry.available("panel_gemm", "cpu") == gemm.available()
+    assert registry.available("rms_norm", "torch")                   # a row with no condition
+    assert not registry.available("no_such_op", "cpu")
+    if registry.available("fp16_gemm", "cpu"):
+        assert registry.load("fp16_gemm", "cpu") is torch.ops.quantized.linear_dynamic_fp16.default
+        assert registry.load_if_available("fp16_pack", "cpu") is torch.ops.quantized.linear_prepack_fp16.default
+    monkeypatch.setattr("plugins.cpu.vendor.fp16_gemm", None)        # a build without FBGEMM's GEMM
+    assert not registry.available("fp16_gemm", "cpu") and registry.load_if_available("fp16_gemm", "cpu") is None
 
 
 def test_the_table_says_which_kinds_run_the_fused_layer(monkeypatch):
