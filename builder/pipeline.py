@@ -25,7 +25,7 @@ from backend.logs import get_logger
 from builder import estimates, memory
 from builder.config import BuildConfig
 from builder.stages import STAGES, StageSpec
-from builder.stages.base import StageContext, StageError, StageResult
+from builder.stages.base import StageContext, StageError, StageResult, build_time
 
 _LOG = get_logger("builder")
 STAGE_FILE = "stage.json"
@@ -192,7 +192,7 @@ def _build(spec: StageSpec, module, ctx: StageContext, dest: Path, key: str) -> 
         info = module.run(ctx) or {}
         seconds = time.perf_counter() - t0
         record = {"stage": spec.name, "key": key, "seconds": round(seconds, 3),
-                  "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "info": info}
+                  "finished": build_time().strftime("%Y-%m-%dT%H:%M:%SZ"), "info": info}
         (tmp / STAGE_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
         _publish(tmp, dest)
     except BaseException:

@@ -57,6 +57,8 @@ Stage-specific contracts:
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -67,6 +69,20 @@ from builder.config import BuildConfig
 
 class StageError(RuntimeError):
     """A build failure caused by the user's input (missing checkpoint, bad file...): one line."""
+
+
+def build_time() -> datetime.datetime:
+    """The time a build records (engine.json's ``created``, each stage's ``finished``): now, or
+    ``SOURCE_DATE_EPOCH`` (seconds since 1970, the reproducible-builds convention) when set, so two
+    builds of one config and checkpoint are the same bytes apart from the stages' measured durations."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    if not epoch:
+        return datetime.datetime.now(datetime.timezone.utc)
+    try:
+        return datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
+    except (ValueError, OverflowError, OSError):
+        raise StageError(f"SOURCE_DATE_EPOCH={epoch!r}: not a whole number of seconds since 1970-01-01 UTC; "
+                         f"unset it to record the build's own time") from None
 
 
 @dataclasses.dataclass

@@ -10,7 +10,6 @@ owner: typed manifest, format version, ``write``).
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import json
 import shutil
@@ -23,7 +22,7 @@ from backend import bundle
 from builder.sources import read_json_object
 from builder.st_writer import SafetensorsWriter
 from builder.memory import RUNTIME_BASE, MemoryEstimate, largest_tensor
-from builder.stages.base import StageContext, StageError
+from builder.stages.base import StageContext, StageError, build_time
 from builder.weights import Checkpoint, runtime_tensors
 
 STAGE_VERSION = 3   # 3: rank<i>.safetensors and per-rank kernel shapes under engine.tp_size
@@ -137,7 +136,7 @@ def _manifest(ctx: StageContext, model: dict, fmt: str, kv_algo, group_size, unq
     manifest = bundle.Manifest.from_dict({   # checked here, at the build, not first by the runtime
         "format": bundle.FORMAT,
         "format_version": bundle.version_for(bundle.rank_weights(tp)),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": build_time().isoformat(timespec="seconds"),
         "kiln_version": getattr(builder, "__version__", "0.1.0"),
         "config_file": _display_path(cfg.file),
         "model": model,
