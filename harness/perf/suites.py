@@ -66,7 +66,7 @@ SUITES: tuple[Suite, ...] = (
           "Nsight Compute on the FP8-KV decode launch (run under ncu by the GPU host)", out_flag=None),
     Suite("cpu-kernels", "kernels", "cpu", 900, ("-m", "harness.perf.kernels.cpu_kernels"),
           "the CPU C kernels on and off in one process, rounds alternating", output="cpu-kernels-ab.json"),
-    Suite("cpu-linear", "kernels", "cpu", 300, ("-m", "harness.perf.kernels.cpu_linear"),
+    Suite("cpu-linear", "kernels", "cpu", 300, ("-m", "harness.perf.kernels.cpu_kernels", "linear"),
           "CPU linear paths on SmolLM2 shapes", output="cpu_linear.json"),
     # step
     Suite("host-overhead", "step", "cpu", 600, ("-m", "harness.perf.step.host_overhead"),
