@@ -62,7 +62,7 @@ SUITES: tuple[Suite, ...] = (
           "FP8-KV decode, AOT without JIT", output="kernels.json", make="bench-kernels"),
     Suite("sweep", "kernels", "gpu", 150, ("-m", "harness.perf.kernels.gpu_kernels", "--sweep-only"),
           "every candidate launch configuration of the named plugins.tuning entries", output="sweep.json"),
-    Suite("ncu", "kernels", "gpu", 60, ("-m", "harness.perf.kernels.decode_ncu", "--case", "fp8-b512-ctx1536"),
+    Suite("ncu", "kernels", "gpu", 60, ("-m", "harness.perf.kernels.sweep", "ncu", "--case", "fp8-b512-ctx1536"),
           "Nsight Compute on the FP8-KV decode launch (run under ncu by the GPU host)", out_flag=None),
     Suite("cpu-kernels", "kernels", "cpu", 900, ("-m", "harness.perf.kernels.cpu_kernels"),
           "the CPU C kernels on and off in one process, rounds alternating", output="cpu-kernels-ab.json"),
