@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     d0 = res["decode"][0]
     res["goal_decode_70pct"] = d0["fraction_of_copy_bw"] >= 0.70
 
+    import triton
     print(f"\nkernels on {gpu} (torch {torch.__version__}, triton {triton.__version__})")
     print(f"  kernel tests on GPU        {res['tests']['summary']}")
     print(f"  d2d copy bandwidth         {res['copy_gbs']:.0f} GB/s")
