@@ -130,7 +130,7 @@ SUITES: tuple[Suite, ...] = (
           output="quant-gpu.json"),
     # grammar
     Suite("grammar-mask", "grammar", "cpu", 300,
-          ("-m", "harness.perf.grammar.mask", "--tokenizer", "build/smollm2-135m-fp8/engine/tokenizer/tokenizer.json"),
+          ("-m", "harness.perf.grammar", "--tokenizer", "build/smollm2-135m-fp8/engine/tokenizer/tokenizer.json"),
           "xgrammar vs llguidance: schema compile, next-token mask, mask apply", output="grammar-mask.json"),
     # reliability
     Suite("soak", "reliability", "cpu", 1800, ("-m", "harness.perf.reliability.soak"),
