@@ -133,7 +133,7 @@ SUITES: tuple[Suite, ...] = (
           ("-m", "harness.perf.grammar", "--tokenizer", "build/smollm2-135m-fp8/engine/tokenizer/tokenizer.json"),
           "xgrammar vs llguidance: schema compile, next-token mask, mask apply", output="grammar-mask.json"),
     # reliability
-    Suite("soak", "reliability", "cpu", 1800, ("-m", "harness.perf.reliability.soak"),
+    Suite("soak", "reliability", "cpu", 1800, ("-m", "harness.perf.soak"),
           "1,000 mixed requests at concurrency 64, 10% cancelled, 5% malformed, KV pool 1/8 of demand",
           output="soak.json", make="soak"),
     Suite("cancel-storm", "reliability", "cpu", 900,
