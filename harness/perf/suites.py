@@ -120,12 +120,12 @@ SUITES: tuple[Suite, ...] = (
           "NVIDIA AIPerf against the OpenAI front door (RESULT=F names the result file)", script=True,
           out_flag=None, make="bench-openai"),
     # build
-    Suite("build-time", "build", "cpu", 600, ("-m", "harness.perf.build_cost.build_time"),
+    Suite("build-time", "build", "cpu", 600, ("-m", "harness.perf.build_cost", "time"),
           "a full build, every stage rebuilt, per-stage seconds", output="build-time.json", out_flag="--json"),
-    Suite("build-memory", "build", "cpu", 1800, ("-m", "harness.perf.build_cost.build_memory"),
+    Suite("build-memory", "build", "cpu", 1800, ("-m", "harness.perf.build_cost", "memory"),
           "peak RSS per build stage on random-weight Llamas of two depths", output="build-memory.json",
           out_flag="--json"),
-    Suite("quant-gpu", "build", "gpu", 190, ("-m", "harness.perf.build_cost.quant_gpu"),
+    Suite("quant-gpu", "build", "gpu", 190, ("-m", "harness.perf.quant_gpu"),
           "streamed FP8 quantization of a random-weight Llama-3.1-8B-shaped checkpoint on the GPU",
           output="quant-gpu.json"),
     # grammar

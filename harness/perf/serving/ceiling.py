@@ -80,7 +80,7 @@ def build(workdir: Path, stream_interval: int, response_thread: bool = True, coa
     ``coalesce`` (only the package stage runs again once the engine exists); returns the build folder."""
     ckpt = workdir / "checkpoint"
     if not (ckpt / "config.json").is_file():
-        from harness.perf.build_cost.build_memory import _tokenizer_dir  # the builder's own SmolLM2 import
+        from harness.perf.build_cost import _tokenizer_dir  # the builder's own SmolLM2 import
         from harness.perf.lib.models import write_random_llama
         write_random_llama(ckpt, _tokenizer_dir(workdir), **SHAPE)
     out = workdir / "build"
