@@ -35,8 +35,7 @@ from typing import Any
 
 from harness.perf.lib.prompts import load_prompts
 from harness.perf.lib.results import header, write_result
-from harness.perf.serving.sweep import WARMUP_PROMPT, _run_level, level_prompts
-from harness.perf.serving.stats import summarize
+from harness.perf.serving.sweep import WARMUP_PROMPT, _run_level, level_prompts, summarize
 
 ROOT = Path(__file__).resolve().parents[3]
 SHAPE = {"hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "intermediate": 128, "tie": True}
