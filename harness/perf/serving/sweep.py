@@ -241,7 +241,7 @@ def level_prompts(base: list[str], start: int, n: int) -> tuple[list[str], int]:
 
 def run(a: argparse.Namespace, url: str, tokenizer, server_pid: int | None = None) -> dict[str, Any]:
     """Every level of every model; with ``server_pid`` (a server this run started) each row also gets
-    the CPU its processes and this client took during the level (``cpu_cores``: harness/perf/serving/stats.py)."""
+    the CPU its processes and this client took during the level (``cpu_cores``: ``snapshot`` and ``cores_used`` above)."""
     base = load_prompts(a.prompts)
     rows = []
     # one count across models too: ensemble and bls both drive the same engine model, whose prefix
