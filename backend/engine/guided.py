@@ -1,7 +1,7 @@
 """Structured output: token masks from a grammar (JSON schema, any JSON, regex, EBNF), per sequence.
 
 The grammar library is xgrammar, chosen by measurement against llguidance on this project's
-tokenizer (``docs/perf/grammar-mask.json``, ``harness/perf/grammar/mask.py``). It is imported lazily:
+tokenizer (``docs/perf/grammar-mask.json``, ``harness/perf/grammar.py``). It is imported lazily:
 an engine whose requests never ask for a guide never loads it.
 
 * ``GuideCompiler``: one per executor; builds the library's tokenizer info once from the bundle's

@@ -22,7 +22,7 @@ which alone cancels what speculation saves. Better paths, by what the weight hol
   matmul at every row count (faster than MKL at every count measured, and batch-invariant).
 
 Measured on SmolLM2-135M's 30 layers of linears (docs/perf/cpu_linear.json, ``python -m
-harness.perf.kernels.cpu_linear``, 2-core AMD EPYC VM, 2 threads, 2026-11-26), ms, MKL row-major /
+harness.perf.kernels.cpu_kernels linear``, 2-core AMD EPYC VM, 2 threads, 2026-11-26), ms, MKL row-major /
 oneDNN column-major / FBGEMM fp16: 1 row 48 / 43 / 12, 2 rows 80 / 36 / 12, 3 rows 108 / 39 / 12,
 5 rows 56 / 36 / 14, 32 rows 113 / 63 / 45, 512 rows 796 / 619 / 633. Results are ``F.linear``'s up
 to fp32 summation order (tests/runtime/test_model_hf_parity.py bounds the error against float64).

@@ -2,7 +2,7 @@
 # Streamed FP8 quantization of a random-weight Llama-3.1-8B-shaped checkpoint on an NVIDIA GPU host,
 # for a machine with no venv and no network: its python3 holds torch and transformers, not ModelOpt.
 #   CPU machine, once:   python3 -m pip download ... -d .whl nvidia-modelopt==0.47.0 (+ the wheels below)
-#                        .venv/bin/python -m harness.perf.build_cost.quant_gpu --save-tokenizer .whl/smollm2-tokenizer
+#                        .venv/bin/python -m harness.perf.quant_gpu --save-tokenizer .whl/smollm2-tokenizer
 #   GPU machine (carry .whl):  KILN_COMMIT=<sha> bash harness/gpucheck/quant_gpu.sh OUTDIR
 # Writes OUTDIR/quant-gpu.json (rewritten after each phase) and OUTDIR/quant-gpu.log.
 # T_QUANT (default 150) seconds: the benchmark starts no layer past it, counted from its own start

@@ -179,7 +179,7 @@ def test_guided_drafts_are_checked_against_the_grammar(eagle_bundle, weights, pr
 
     import jsonschema
     from tokenizers import Tokenizer
-    from harness.perf.grammar.schemas import PROMPTS, SCHEMAS
+    from harness.perf.grammar import PROMPTS, SCHEMAS
     tok = Tokenizer.from_file(str(eagle_bundle / "tokenizer" / "tokenizer.json"))
     names = list(SCHEMAS)
     guided = [tok.encode(PROMPTS[n]).ids for n in names]

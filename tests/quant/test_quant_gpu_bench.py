@@ -1,11 +1,11 @@
-"""harness.perf.build_cost.quant_gpu's dry run (the same code as on the GPU, on the CPU at hidden 256): the
+"""harness.perf.quant_gpu's dry run (the same code as on the GPU, on the CPU at hidden 256): the
 JSON carries the figures the committed GPU result needs, and a time limit stops it after a layer
 and says so."""
 from __future__ import annotations
 
 import json
 
-from harness.perf.build_cost import quant_gpu
+from harness.perf import quant_gpu
 
 
 def _run(tmp_path, smollm2_hf_dir, *extra) -> dict:

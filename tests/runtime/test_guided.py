@@ -11,7 +11,7 @@ import pytest
 
 from backend.engine.sampling_params import SamplingParams
 from backend.speculative.accept import speculation_allowed
-from harness.perf.grammar.schemas import PROMPTS, SCHEMAS
+from harness.perf.grammar import PROMPTS, SCHEMAS
 
 pytestmark = pytest.mark.slow
 

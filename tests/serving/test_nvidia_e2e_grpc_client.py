@@ -162,7 +162,7 @@ def test_end_to_end_grpc_client_guided_decoding(dec_server, refs, model, stream)
 
     import jsonschema
     import tritonclient.grpc as grpcclient
-    from harness.perf.grammar.schemas import SCHEMAS
+    from harness.perf.grammar import SCHEMAS
     schema = SCHEMAS["person"]
     arrays = {**e2e_client_arrays(E2E_PROMPT, 48, stream),
               "guided_decoding_guide_type": np.array([[b"json_schema"]], dtype=object),

@@ -1,4 +1,4 @@
-"""harness/perf/serving/stats.py: the serving benchmark's CPU split by process kind, read from /proc."""
+"""harness/perf/serving/sweep.py: the serving benchmark's CPU split by process kind, read from /proc."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from harness.perf.serving import stats as proc_cpu
+from harness.perf.serving import sweep as proc_cpu
 
 
 def test_cores_used_sums_a_kinds_instances_and_skips_processes_not_in_both_snapshots():

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from harness.perf.reliability import soak
+from harness.perf import soak
 from harness.model_names import DEFAULT as NAMES
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]

@@ -5,6 +5,16 @@ and report them all with the fastest; plugins/tuning.py is then edited by hand f
 change of tuning is a reviewed commit with its measurement. Candidates are compiled first in parallel
 worker processes (Triton's JIT compiles serially; a shared cache makes the timed runs cache hits).
 A candidate that fails (too much shared memory, a compile error) is recorded with its error.
+
+    python -m harness.perf.kernels.sweep RESULT KEY        # a sweep's winner as KILN_TUNING JSON
+    python -m harness.perf.kernels.sweep ncu [--case fp8-b512-ctx1536] [--cfg '{...}' ...]
+
+``ncu``: one FP8-KV paged-decode case for Nsight Compute (`ncu -k regex:paged_decode_kernel
+--launch-skip 3 --launch-count 1 --section ... python3 -m harness.perf.kernels.sweep ncu --cfg '{...}'`).
+The sweep says which launch configuration is fastest; this says why: achieved DRAM bandwidth,
+occupancy and what the warps wait on, for the configurations named. Each --cfg (a JSON object of
+plugins.tuning "paged_decode_fp8" values) runs the case 4 times, eagerly, so ncu can skip the warm-up
+launches and profile one.
 """
 from __future__ import annotations
 
@@ -56,11 +66,11 @@ EXTRA = {"paged_decode": _grid(programs_per_sm=[1, 4]),
 def _case(name: str, variant: str):
     """A zero-argument function running kernel `name` on its benchmark shape (variant picks the KV dtype
     or the 4-bit format)."""
-    from harness.perf.kernels import cases, graphed
+    from harness.perf.kernels import cases
     if name.startswith("paged_decode"):
         if "-b" in variant:   # "<kv>-b<batch>-ctx<ctx>": graphed over cache copies (the host out of the time)
             kv, b, c = variant.split("-")
-            return graphed.graphed(graphed.decode_calls(int(b[1:]), int(c[3:]), kv)[0])[0]
+            return cases.graphed(cases.decode_calls(int(b[1:]), int(c[3:]), kv)[0])[0]
         return cases.decode_case(kv=variant)
     if name == "paged_prefill":
         return cases.prefill_case()
@@ -69,11 +79,11 @@ def _case(name: str, variant: str):
         # a CUDA graph (eager, the host's launch cost would be what is timed)
         m, nk = variant[1:].split("-")
         n, k = map(int, nk.split("x"))
-        return graphed.graphed(graphed.fp8_small_m_case(int(m), n, k)[0])[0]
+        return cases.graphed(cases.fp8_small_m_case(int(m), n, k)[0])[0]
     if name in ("w4a16_small_m", "w4a16_gemv"):
         # variant "<fmt>-m<M>": the small-M W4A16 GEMM on 4096x4096 over weight copies, graphed
         fmt, m = variant.split("-")
-        return graphed.graphed(graphed.w4a16_small_m_calls(int(m[1:]), 4096, 4096, fmt)[0])[0]
+        return cases.graphed(cases.w4a16_small_m_calls(int(m[1:]), 4096, 4096, fmt)[0])[0]
     return cases.w4a16_case(256, 4096, 4096, variant)
 
 
@@ -149,10 +159,41 @@ def winner(result: dict, key: str) -> dict:
     return {name: {k: v for k, v in best.items() if k in tuning.get(name)}}
 
 
+def ncu(argv: list[str]) -> int:
+    """The ``ncu`` command: the named case under each --cfg, 4 eager launches each."""
+    import argparse
+    import json
+    import sys
+    ap = argparse.ArgumentParser(prog="python -m harness.perf.kernels.sweep ncu",
+                                 description="One FP8-KV paged-decode case for Nsight Compute.")
+    ap.add_argument("--case", default="fp8-b512-ctx1536", help="<kv>-b<batch>-ctx<context> (default %(default)s)")
+    ap.add_argument("--cfg", action="append", default=[], help="JSON tuning values; repeat for several")
+    a = ap.parse_args(argv)
+    import torch
+
+    from harness.perf.kernels.cases import decode_calls
+    if not torch.cuda.is_available():
+        print("decode_ncu: no NVIDIA GPU visible; run on the GPU machine under ncu", file=sys.stderr)
+        return 2
+    kv, b, c = a.case.split("-")
+    calls = decode_calls(int(b[1:]), int(c[3:]), kv, l2_bytes=1)[0]
+    for cfg in a.cfg or ["{}"]:
+        values = json.loads(cfg)
+        with tuning.override("paged_decode_fp8", **values):
+            for _ in range(4):
+                calls[0]()
+            torch.cuda.synchronize()
+        print(f"decode_ncu: {a.case} {values} done", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
     import sys
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["ncu"]:
+        return ncu(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m harness.perf.kernels.sweep",
                                  description="Print a sweep's winner as KILN_TUNING JSON.")
     ap.add_argument("result", help="a JSON written by `harness.perf.kernels.gpu_kernels --sweep-only` (its \"sweep\")")

@@ -117,7 +117,7 @@ def manifest_bundle(m: dict, engine: dict, root: Path) -> Path:
 
 
 # A model that costs nothing, for timing the host's share of an engine step (step/host_overhead.py,
-# step/executor_overhead.py): fixed logits over a vocabulary this small
+# its executor scenarios): fixed logits over a vocabulary this small
 STUB_VOCAB = 32    # tiny on purpose: the greedy pick must not stand in for a real sampler
 
 

@@ -35,8 +35,7 @@ from typing import Any
 
 from harness.perf.lib.prompts import load_prompts
 from harness.perf.lib.results import header, write_result
-from harness.perf.serving.sweep import WARMUP_PROMPT, _run_level, level_prompts
-from harness.perf.serving.stats import summarize
+from harness.perf.serving.sweep import WARMUP_PROMPT, _run_level, level_prompts, summarize
 
 ROOT = Path(__file__).resolve().parents[3]
 SHAPE = {"hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "intermediate": 128, "tie": True}
@@ -80,7 +79,7 @@ def build(workdir: Path, stream_interval: int, response_thread: bool = True, coa
     ``coalesce`` (only the package stage runs again once the engine exists); returns the build folder."""
     ckpt = workdir / "checkpoint"
     if not (ckpt / "config.json").is_file():
-        from harness.perf.build_cost.build_memory import _tokenizer_dir  # the builder's own SmolLM2 import
+        from harness.perf.build_cost import _tokenizer_dir  # the builder's own SmolLM2 import
         from harness.perf.lib.models import write_random_llama
         write_random_llama(ckpt, _tokenizer_dir(workdir), **SHAPE)
     out = workdir / "build"

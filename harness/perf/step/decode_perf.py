@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +25,6 @@ from pathlib import Path
 from harness.perf.lib import models
 from harness.perf.lib.timing import median_ms
 
-REPO = Path(__file__).resolve().parents[3]
 TINY = dict(models.TINY, max_position_embeddings=2048)   # the dry run's model: room for its context
 
 
@@ -100,16 +98,9 @@ def profile_step(runner, batch: int, context: int, top: int) -> list[dict]:
 
 
 def run_fused_tests() -> dict:
-    env = dict(os.environ, KILN_KERNEL_TESTS_ON_GPU="1", TRITON_INTERPRET="0")
-    cmd = [sys.executable, "-m", "pytest", "tests/kernels/test_fused_layer.py", "tests/kernels/test_paged_decode.py",
-           "-q", "-p", "no:cacheprovider", "-x"]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
-    lines = proc.stdout.strip().splitlines()
-    res = {"passed": proc.returncode == 0, "summary": lines[-1] if lines else proc.stderr[-500:],
-           "command": " ".join(cmd[1:])}
-    if proc.returncode:
-        res["output_tail"] = proc.stdout[-6000:]
-    return res
+    from harness.perf.kernels.gpu_kernels import gpu_tests
+    return gpu_tests(["tests/kernels/test_fused_layer.py", "tests/kernels/test_paged_decode.py", "-q", "-p",
+                      "no:cacheprovider", "-x"], 6000)
 
 
 def main(argv: list[str] | None = None) -> int:

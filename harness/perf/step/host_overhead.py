@@ -13,7 +13,14 @@ sampling bookkeeping (greedy pick on the stub's logits and the copy back to Pyth
   so steps mix chunked prefills, admissions, prefix-cache commits and frees;
 - ``executor`` and ``executor_overlap``: the whole ``Executor.step`` (the above plus the sampler's
   rows, the overlapped loop's late tokens and one event per request) with the synchronous and the
-  overlapped loop, ``num_seqs`` requests decoding (``harness/perf/step/executor_overhead.py``).
+  overlapped loop, ``num_seqs`` requests decoding (``executor_stepper`` below).
+
+The executor scenarios' executor is real (bundle, scheduler, preparer, sampler, events, both loops)
+and only the forward is replaced: ``runner.execute`` returns ``harness.perf.lib.models.StubModel``'s
+logits (vocabulary ``STUB_VOCAB``, so the greedy argmax stands in for a device op, not for a real
+vocabulary's sampling on the CPU). A served step does that work on the same thread once per running
+request; on a GPU it decides whether the host keeps up with the device at large batches: with overlap
+scheduling it must fit inside the device's step, without it (speculative decoding) it adds to it.
 
 Timings are wall clock on whatever machine runs it; on a shared development machine they are noisy
 (the JSON records the CPU and the load average).
@@ -21,13 +28,15 @@ Timings are wall clock on whatever machine runs it; on a shared development mach
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
-import os
 import pstats
 import random
 import sys
+import tempfile
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -39,7 +48,6 @@ from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
 from harness.perf.lib.models import STUB_VOCAB, StubModel
 from harness.perf.lib.results import header, write_result
-from harness.perf.step.executor_overhead import run_executor_scenario
 
 PARTS = ("schedule", "prepare_inputs", "model_stub", "sample", "update")
 # The code this benchmark measures: "-dirty" in the recorded commit means one of these differs.
@@ -50,8 +58,7 @@ _MEASURED_FILES = ("backend/engine/scheduler.py", "backend/engine/scheduler_type
                    "backend/ops/attention/metadata.py", "backend/engine/executor.py", "backend/engine/overlap.py",
                    "backend/engine/late_tokens.py", "backend/engine/sampler.py", "backend/engine/events.py",
                    "backend/engine/request_table.py", "backend/engine/sync_loop.py",
-                   "harness/perf/step/host_overhead.py", "harness/perf/step/executor_overhead.py",
-                   "harness/perf/lib/models.py")
+                   "harness/perf/step/host_overhead.py", "harness/perf/lib/models.py")
 SCENARIOS = ("decode", "churn", "executor", "executor_overlap")
 
 
@@ -116,12 +123,22 @@ def make_stepper(name: str, num_seqs: int, block_size: int, max_seq_len: int, ma
 
 def warm_up(one_step, sched) -> int:
     """Steps until every sequence is decoding (all prompts prefilled), then some more."""
+    return _until_decoding(lambda: one_step(None, None), sched)
+
+
+def _until_decoding(step, sched) -> int:
+    """``step()`` until no request waits or prefills, and at least 20 times: the steps taken."""
     warm = 0
     while sched.num_waiting or any(r.is_prefill for r in sched.running) or warm < 20:
-        one_step(None, None)
+        step()
         warm += 1
         assert warm < 10_000
     return warm
+
+
+def ms_stats(ms) -> dict:
+    """Mean, median and 99th percentile of per-step milliseconds."""
+    return {"mean": float(np.mean(ms)), "p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99))}
 
 
 def run_scenario(name: str, num_seqs: int, steps: int, block_size: int, max_seq_len: int,
@@ -150,14 +167,10 @@ def run_scenario(name: str, num_seqs: int, steps: int, block_size: int, max_seq_
         "mean_prefill_tokens_per_step": float(np.mean(prefill_tokens)),
         # Wall clock of the host parts (model stub excluded). On a loaded machine the mean and
         # p99 include time the OS gave to other processes.
-        "host_overhead_ms_per_step": {"mean": float(host.mean()) / 1000,
-                                      "p50": float(np.percentile(host, 50)) / 1000,
-                                      "p99": float(np.percentile(host, 99)) / 1000},
+        "host_overhead_ms_per_step": ms_stats(host / 1000),
         # CPU time of this thread per step (stub included, it is ~1% of it): what a step costs
         # when the process has a core to itself, insensitive to other processes' load.
-        "cpu_ms_per_step": {"mean": float(np.mean(cpu)) / 1e6,
-                            "p50": float(np.percentile(cpu, 50)) / 1e6,
-                            "p99": float(np.percentile(cpu, 99)) / 1e6},
+        "cpu_ms_per_step": ms_stats(np.array(cpu, dtype=np.float64) / 1e6),
         "breakdown_us_mean": {p: round(float(arr[i].mean()), 2) for i, p in enumerate(PARTS)},
         "breakdown_us_p50": {p: round(float(np.percentile(arr[i], 50)), 2)
                              for i, p in enumerate(PARTS)},
@@ -166,6 +179,69 @@ def run_scenario(name: str, num_seqs: int, steps: int, block_size: int, max_seq_
         "prefix_cache_hit_rate": round(bm.prefix_cache_hit_rate, 4),
     }
     return summary
+
+
+@contextlib.contextmanager
+def executor_stepper(overlap: bool, num_seqs: int, block_size: int, max_seq_len: int, max_num_tokens: int,
+                     seed: int, engine=None):
+    """An executor with ``num_seqs`` greedy requests of 32-512 prompt tokens, warmed up until every
+    one decodes. Yields (executor, warm-up steps); shuts it down on exit. ``engine``: a namespace
+    with ``Executor`` and ``SamplingParams`` (another revision's, ``harness/perf/step/overhead_ab.py``); None: this
+    tree's. The other arguments are ``run_scenario``'s."""
+    from harness.perf.lib.models import TINY, manifest_bundle, synthetic_fp8_weights
+    from harness.perf.throughput.gpu import drop_event
+    if engine is None:
+        from backend.engine.executor import Executor
+        engine = types.SimpleNamespace(Executor=Executor, SamplingParams=SamplingParams)
+
+    model = dict(TINY, vocab_size=STUB_VOCAB, max_position_embeddings=max_seq_len)
+    config = {"max_batch_size": num_seqs, "max_num_tokens": max_num_tokens, "max_seq_len": max_seq_len,
+              "max_input_len": 512, "kv_block_size": block_size, "kv_cache_dtype": "fp8_e4m3",
+              "enable_prefix_caching": True, "enable_chunked_prefill": True,
+              "scheduler_policy": "max_utilization", "overlap_scheduling": overlap,
+              "max_kv_tokens": num_seqs * max_seq_len + 64 * block_size}
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle = manifest_bundle(model, config, Path(tmp) / "engine")
+        ex = engine.Executor(bundle, weights=synthetic_fp8_weights(model, device="cpu"), start=False,
+                             verify_hashes=False, speculative=False)
+        try:
+            stub = StubModel(max_num_tokens, STUB_VOCAB)
+            ex.runner.execute = lambda ids, meta, rows, capture_hidden_layers=(): (stub(ids, meta, rows), {})
+            # nobody finishes inside the window (as in the decode scenario)
+            params = engine.SamplingParams(max_tokens=max_seq_len - 513, temperature=0.0, ignore_eos=True)
+            for _ in range(num_seqs):
+                # events go to a callback that drops them, as a server's consumer takes them: a handle
+                # keeping them would grow the heap Python's collector scans, step after step
+                ex.submit([rng.randrange(3, STUB_VOCAB) for _ in range(rng.randrange(32, 513))], params,
+                          on_event=drop_event)
+            yield ex, _until_decoding(ex.step, ex.scheduler)
+        finally:
+            ex.shutdown()
+
+
+def run_executor_scenario(overlap: bool, num_seqs: int, steps: int, block_size: int, max_seq_len: int,
+                          max_num_tokens: int, seed: int, profile=None) -> dict:
+    """``num_seqs`` greedy requests decoding; ``steps`` executor steps timed (wall and thread CPU)."""
+    with executor_stepper(overlap, num_seqs, block_size, max_seq_len, max_num_tokens, seed) as (ex, warm):
+        wall, cpu = [], []
+        if profile is not None:
+            profile.enable()
+        for _ in range(steps):
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+            n = ex.step()
+            wall.append(time.perf_counter_ns() - t0)
+            cpu.append(time.thread_time_ns() - c0)
+            assert n == num_seqs, f"{n} sequences in a step of the window; every one of {num_seqs} decodes"
+        if profile is not None:
+            profile.disable()
+    w = np.array(wall, dtype=np.float64) / 1e6
+    c = np.array(cpu, dtype=np.float64) / 1e6
+    overlap = ex.overlap is not None
+    return {"steps": steps, "warmup_steps": warm, "mean_batch_size": float(num_seqs),
+            "loop": "overlapped" if overlap else "synchronous",
+            "host_overhead_ms_per_step": ms_stats(w), "cpu_ms_per_step": ms_stats(c),
+            "us_per_sequence_p50": round(float(np.percentile(w, 50)) * 1e3 / num_seqs, 2)}
 
 
 def python_speed_ms(repeats: int = 5) -> float:
@@ -182,6 +258,16 @@ def python_speed_ms(repeats: int = 5) -> float:
     return best * 1000
 
 
+def check_sizes(ap: argparse.ArgumentParser, args, positive: tuple[str, ...]) -> None:
+    """The sizes every scenario needs (this benchmark's and the A/B's): ``positive`` at least 1,
+    room for every sequence in a step and for the 32-512 token prompts."""
+    for name in positive:
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_num_tokens < args.num_seqs:
+        ap.error("--max-num-tokens must be >= --num-seqs (every sequence decodes each step)")
+    if args.max_seq_len <= 600:
+        ap.error("--max-seq-len must exceed 600 (prompts are 32-512 tokens)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,15 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="results JSON (default build/perf/host-overhead.json; '-' to print only)")
     ap.add_argument("--profile", action="store_true", help="print the top cProfile entries")
     args = ap.parse_args(argv)
-    for name in ("num_seqs", "steps", "max_seq_len", "max_num_tokens", "runs"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_sizes(ap, args, ("num_seqs", "steps", "max_seq_len", "max_num_tokens", "runs"))
     if args.block_size < 1 or args.block_size & (args.block_size - 1):
         ap.error("--block-size must be a power of two")
-    if args.max_num_tokens < args.num_seqs:
-        ap.error("--max-num-tokens must be >= --num-seqs (every sequence decodes each step)")
-    if args.max_seq_len <= 600:
-        ap.error("--max-seq-len must exceed 600 (prompts are 32-512 tokens)")
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = sorted(set(scenarios) - set(SCENARIOS))
     if unknown:

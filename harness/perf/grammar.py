@@ -1,13 +1,18 @@
 """Which grammar library Kiln's structured output uses, by measurement: xgrammar vs llguidance on the
-bundle's tokenizer, for the five test schemas (harness/perf/grammar/schemas.py).
+bundle's tokenizer, for the five test schemas (``SCHEMAS`` below).
 
 For each library and schema: the time to compile the schema (first time, then a cache hit where the
 library caches), and the time to compute the next-token mask at each token of a valid document
 (what a decode step pays per guided sequence), mean and p99; then the time to apply one mask to a
 ``[1, vocab]`` fp32 logits row with torch. Writes ``build/perf/grammar-mask.json``.
 
-    python -m harness.perf.grammar.mask --tokenizer build/smollm2-135m-fp8/engine/tokenizer/tokenizer.json \
+    python -m harness.perf.grammar --tokenizer build/smollm2-135m-fp8/engine/tokenizer/tokenizer.json \
         --bundle build/smollm2-135m-fp8/engine
+
+``SCHEMAS``, ``PROMPTS`` and ``EXAMPLES``: five JSON schemas of different shapes (nested objects,
+arrays, enums, bounded numbers, required fields), each with a prompt that invites it and one valid
+document (one line, ", " and ": " between items, as the engine's grammar writes JSON), shared with the
+structured-output tests (tests/runtime/test_guided.py).
 """
 from __future__ import annotations
 
@@ -19,8 +24,69 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.perf.grammar.schemas import EXAMPLES, SCHEMAS
 from harness.perf.lib.results import header, write_result
+
+SCHEMAS: dict[str, dict] = {
+    "person": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "age"], "additionalProperties": False,
+    },
+    "order": {  # nested object and an array of objects
+        "type": "object",
+        "properties": {
+            "customer": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                                                          "vip": {"type": "boolean"}},
+                         "required": ["id", "vip"], "additionalProperties": False},
+            "items": {"type": "array", "minItems": 1, "maxItems": 3,
+                      "items": {"type": "object",
+                                "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
+                                               "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+                                "required": ["sku", "qty"], "additionalProperties": False}},
+        },
+        "required": ["customer", "items"], "additionalProperties": False,
+    },
+    "weather": {  # enum and a bounded number
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 24},
+                       "sky": {"type": "string", "enum": ["sunny", "cloudy", "rain", "snow"]},
+                       "celsius": {"type": "number", "minimum": -50, "maximum": 60}},
+        "required": ["city", "sky", "celsius"], "additionalProperties": False,
+    },
+    "tags": {  # array of enums, unique
+        "type": "object",
+        "properties": {"tags": {"type": "array", "minItems": 2, "maxItems": 4,
+                                "items": {"type": "string", "enum": ["red", "green", "blue", "black"]}},
+                       "count": {"type": "integer", "minimum": 2, "maximum": 4}},
+        "required": ["tags", "count"], "additionalProperties": False,
+    },
+    "point": {  # numbers only, all required, nested array of numbers
+        "type": "object",
+        "properties": {"x": {"type": "number", "minimum": -1, "maximum": 1},
+                       "y": {"type": "number", "minimum": -1, "maximum": 1},
+                       "history": {"type": "array", "maxItems": 3,
+                                   "items": {"type": "integer", "minimum": 0, "maximum": 99}}},
+        "required": ["x", "y", "history"], "additionalProperties": False,
+    },
+}
+
+PROMPTS: dict[str, str] = {
+    "person": "Describe a person as JSON with a name and an age:",
+    "order": "Write a shop order as JSON (customer id and vip flag, a list of items with sku and qty):",
+    "weather": "Give today's weather in a city as JSON (city, sky, celsius):",
+    "tags": "List a few colours as JSON tags with their count:",
+    "point": "A point in the unit square as JSON with a short history:",
+}
+
+EXAMPLES: dict[str, str] = {
+    "person": '{"name": "Ada", "age": 36}',
+    "order": '{"customer": {"id": 7, "vip": true}, "items": [{"sku": "ABC12", "qty": 2}]}',
+    "weather": '{"city": "Paris", "sky": "rain", "celsius": 12.5}',
+    "tags": '{"tags": ["red", "blue"], "count": 2}',
+    "point": '{"x": 0.25, "y": -0.5, "history": [3, 14]}',
+}
+
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -116,7 +182,6 @@ def bench_engine_step(bundle: str, tok_path: str, batch: int = 16, steps: int = 
     from tokenizers import Tokenizer
     from backend.engine.executor import Executor
     from backend.engine.sampling_params import SamplingParams
-    from harness.perf.grammar.schemas import PROMPTS
     tok = Tokenizer.from_file(tok_path)
     names = list(SCHEMAS)
     prompts = [tok.encode(PROMPTS[names[i % len(names)]]).ids for i in range(batch)]
@@ -145,7 +210,7 @@ def bench_engine_step(bundle: str, tok_path: str, batch: int = 16, steps: int = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.perf.grammar.mask", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m harness.perf.grammar", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", required=True, help="the bundle's tokenizer.json")
     p.add_argument("--bundle", default=None, help="an engine bundle: also time decode steps with and without masks")
@@ -156,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = Tokenizer.from_str(text)
     ids_of = {name: tok.encode(doc, add_special_tokens=False).ids for name, doc in EXAMPLES.items()}
     eos = [tok.token_to_id("<|endoftext|>")] if tok.token_to_id("<|endoftext|>") is not None else []
-    head = header("grammar-mask", "harness.perf.grammar.mask", argv)
+    head = header("grammar-mask", "harness.perf.grammar", argv)
     results = {"xgrammar": bench_xgrammar(json.loads(text), ids_of, eos), "llguidance": bench_llguidance(a.tokenizer, ids_of, eos)}
     results["apply"] = bench_apply(tok.get_vocab_size())
     if a.bundle:

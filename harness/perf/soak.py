@@ -1,6 +1,6 @@
 """Soak: mixed load with cancels and malformed requests against a real Triton server (``make soak``).
 
-    python -m harness.perf.reliability.soak [--config configs/smollm2-135m-fp8.yaml] [--requests 1000] [--concurrency 64]
+    python -m harness.perf.soak [--config configs/smollm2-135m-fp8.yaml] [--requests 1000] [--concurrency 64]
 
 Builds the config with a KV pool of ``--kv-fraction`` of what the concurrent requests need (1/8 by
 default, so the scheduler must preempt), serves it on 127.0.0.1 only, records each prompt's greedy
@@ -31,8 +31,8 @@ import numpy as np
 from harness.serving_client import grpc_stream
 from harness.serving_server import TritonServer, stub_processes
 from harness.model_names import DEFAULT as NAMES
+from harness.perf.lib.results import REPO
 
-REPO = Path(__file__).resolve().parents[3]
 PROMPT_BUDGET = 64   # tokens a soak prompt may take (checked): the KV demand is sized with it
 PROMPTS = [
     "def fibonacci(n):", "Once upon a time, in a small village,", "The capital of France is",
@@ -47,7 +47,7 @@ MALFORMED = [{"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 1.5}, {"top_k":
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m harness.perf.reliability.soak", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m harness.perf.soak", description=__doc__.split("\n\n")[0],
                                 epilog="Loopback only; bounded by --requests and --deadline.")
     p.add_argument("--config", default="configs/smollm2-135m-fp8.yaml", help="engine config to build and serve")
     p.add_argument("--output", default=None, help="build folder (default build/soak-<config stem>)")
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from backend.serving.conversion.tokenizer import load_tokenizer
     from harness.perf.lib.results import header, write_result
-    head = header("soak", "harness.perf.reliability.soak", argv)
+    head = header("soak", "harness.perf.soak", argv)
     root = build(args)
     tok = load_tokenizer(root / "engine")
     prompt_ids = {i: tok.encode(p, chat=False) for i, p in enumerate(PROMPTS)}
