@@ -304,9 +304,10 @@ def test_a_probe_is_found_by_member_or_by_holder(tmp_path):
 
 def test_the_protocols_defaults_are_read_from_the_classes():
     assert protocol_defaults(ROOT) == {
-        "StepRunner": {"health", "shutdown", "dtype_choice", "graphs", "kv_window"},
+        "StepRunner": {"health", "shutdown", "dtype_choice", "graphs", "kv_window", "window_kv"},
         "Speculator": {"stats", "last_logprobs", "request_stats"},
-        "AttentionBackend": {"aot", "load_aot", "holds_fp8_as_float", "fp8_as_float", "sliding_window"}}
+        "AttentionBackend": {"aot", "load_aot", "holds_fp8_as_float", "fp8_as_float", "sliding_window",
+                             "window_tables"}}
 
 
 def test_a_kernel_choice_outside_the_table_is_found(tmp_path):

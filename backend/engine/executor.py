@@ -28,6 +28,7 @@ import torch
 from backend.engine.events import GenerationResult, RequestHandle, TokenEvent
 from backend.engine.inputs import InputPreparer
 from backend.engine.kv_cache import BlockManager
+from backend.engine.kv_groups import GroupedBlockManager
 from backend.engine.loop_thread import start_built, stop_at_exit, stopped
 from backend.engine.overlap import OverlapLoop, wants_overlap
 from backend.engine.request import Request, RequestStatus
@@ -53,6 +54,17 @@ def _tp_driver(spec, device: str, dtype: torch.dtype | None, speculative: bool):
                           f"pass speculative=False or tp_size 1")
     from backend.runtime.tp_driver import TPDriver   # lazy: spawns processes, only when asked for
     return TPDriver(spec, tp, dtype=dtype, device=device)
+
+
+def kv_pools(runner, prefix_caching: bool, speculating: bool) -> BlockManager | GroupedBlockManager:
+    """The block manager of the runner's KV pool, or of its two (the sliding layers' own: kv_groups.py)."""
+    full = BlockManager(runner.num_blocks, runner.block_size, prefix_caching,
+                        # an EAGLE draft attends to the whole context: with one, the window frees nothing
+                        None if speculating else runner.kv_window)
+    if runner.window_kv is None:
+        return full
+    window, blocks = runner.window_kv   # (the draft reads the full layers' blocks, which stay)
+    return GroupedBlockManager(full, BlockManager(blocks, runner.block_size, prefix_caching, window))
 
 
 class Executor:
@@ -103,10 +115,7 @@ class Executor:
         self.max_seq_len = eng.max_seq_len
         self.max_input_len = eng.max_input_len
         self.vocab_size = cfg.vocab_size
-        # an EAGLE draft attends to the whole context: with one, the window frees nothing
-        window = None if speculating else self.runner.kv_window
-        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
-                                          eng.enable_prefix_caching, window)
+        self.block_manager = kv_pools(self.runner, eng.enable_prefix_caching, speculating)
         try:
             self.scheduler = Scheduler(self.block_manager, eng.max_batch_size, eng.max_num_tokens,
                                        eng.scheduler_policy, eng.enable_chunked_prefill,

@@ -18,6 +18,7 @@ known without reading a token or looking a request up.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from array import array
 from dataclasses import dataclass
@@ -52,6 +53,53 @@ class StepInputs:
         return int(self.input_ids.shape[0])
 
 
+class _Table:
+    """A persistent block table: one row per live request, ``src``/``lens`` saying what each row
+    holds. The full layers' one, and the sliding layers' when they have their own pool
+    (backend/engine/kv_groups.py), in the same rows."""
+
+    def __init__(self, rows: int, max_blocks: int) -> None:
+        self.max_blocks = max_blocks
+        self.bt = np.zeros((rows, max_blocks), dtype=np.int32)
+        self.src: list[list[int] | None] = [None] * rows
+        self.lens: list[int] = [0] * rows
+
+    def clear(self, row: int) -> None:
+        self.bt[row, :self.lens[row]] = 0
+        self.src[row], self.lens[row] = None, 0
+
+    def grow(self, rows: int) -> None:
+        old = self.bt.shape[0]
+        bt = np.zeros((rows, self.max_blocks), dtype=np.int32)
+        bt[:old] = self.bt
+        self.bt = bt
+        self.src.extend([None] * (rows - old))
+        self.lens.extend([0] * (rows - old))
+
+    def update(self, row: int, rid: str, blocks: list[int]) -> None:
+        """Bring ``row`` up to date with ``blocks``: the list object last copied is kept, since the
+        BlockManager changes its identity whenever it does more than append."""
+        n = len(blocks)
+        old = self.lens[row]
+        if self.src[row] is not blocks:
+            if n > self.max_blocks:
+                raise ValueError(f"request {rid!r} holds {n} KV blocks; the block table has room for "
+                                 f"{self.max_blocks} (max_seq_len / kv_block_size)")
+            r = self.bt[row]
+            r[:n] = blocks
+            if old > n:
+                r[n:old] = 0
+            self.src[row] = blocks
+            self.lens[row] = n
+        elif n != old:
+            # Same list object: the BlockManager only appended to it (shrinking makes a new list).
+            assert n > old, f"block table of {rid!r} shrank in place"
+            if n > self.max_blocks:
+                raise ValueError(f"request {rid!r} holds {n} KV blocks; the block table has room for {self.max_blocks}")
+            self.bt[row, old:n] = blocks[old:]
+            self.lens[row] = n
+
+
 class InputPreparer:
     """Builds one step's inputs. One instance per executor (it caches block-table rows)."""
 
@@ -67,16 +115,15 @@ class InputPreparer:
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = torch.device(device)
-        self._bt = np.zeros((initial_rows, max_blocks_per_seq), dtype=np.int32)
+        self._table = _Table(initial_rows, max_blocks_per_seq)
         self._row_of: dict[str, int] = {}
         self._free_rows: list[int] = list(range(initial_rows - 1, -1, -1))
-        # Per row: the block list object last copied (identity changes when the BlockManager frees
-        # the request) and how many of its entries are in the row.
-        self._row_src: list[list[int] | None] = [None] * initial_rows
-        self._row_len: list[int] = [0] * initial_rows
         # The last step's decode sequences and their rows (reused while the batch is unchanged).
         self._prev_decodes: list[ScheduledSeq] | None = None
         self._prev_rows: np.ndarray | None = None
+        # The sliding layers' own pool (backend/engine/kv_groups.py): a second table, same rows.
+        self.window_pool = block_manager.window_pool if block_manager is not None else None
+        self._window = _Table(initial_rows, max_blocks_per_seq) if self.window_pool is not None else None
         # Off-CPU devices: pack each dtype group into one staging buffer (pinned when CUDA is
         # there), two of each so a step's asynchronous copy can still be in flight while the next
         # step is prepared.
@@ -89,23 +136,24 @@ class InputPreparer:
     def num_rows_in_use(self) -> int:
         return len(self._row_of)
 
+    @property
+    def _bt(self) -> np.ndarray:
+        return self._table.bt
+
     def release(self, request_id: str) -> None:
         row = self._row_of.pop(request_id, None)
         if row is not None:
-            self._bt[row, :self._row_len[row]] = 0
-            self._row_src[row] = None
-            self._row_len[row] = 0
+            self._table.clear(row)
             self._free_rows.append(row)
+            if self._window is not None:
+                self._window.clear(row)
 
     def _grow(self) -> None:
-        old = self._bt.shape[0]
-        new = old * 2
-        bt = np.zeros((new, self.max_blocks_per_seq), dtype=np.int32)
-        bt[:old] = self._bt
-        self._bt = bt
-        self._row_src.extend([None] * (new - old))
-        self._row_len.extend([0] * (new - old))
-        self._free_rows.extend(range(new - 1, old - 1, -1))
+        old = self._table.bt.shape[0]
+        self._table.grow(2 * old)
+        if self._window is not None:
+            self._window.grow(2 * old)
+        self._free_rows.extend(range(2 * old - 1, old - 1, -1))
 
     def _row(self, rid: str, blocks: list[int]) -> int:
         """The request's row in the persistent block table, brought up to date."""
@@ -115,31 +163,12 @@ class InputPreparer:
                 self._grow()
             row = self._free_rows.pop()
             self._row_of[rid] = row
-        n = len(blocks)
-        old = self._row_len[row]
-        if self._row_src[row] is not blocks:
-            if n > self.max_blocks_per_seq:
-                raise ValueError(f"request {rid!r} holds {n} KV blocks; the block table has room for "
-                                 f"{self.max_blocks_per_seq} (max_seq_len / kv_block_size)")
-            bt = self._bt[row]
-            bt[:n] = blocks
-            if old > n:
-                bt[n:old] = 0
-            self._row_src[row] = blocks
-            self._row_len[row] = n
-        elif n != old:
-            # Same list object: the BlockManager only appended to it (shrinking makes a new list).
-            assert n > old, f"block table of {rid!r} shrank in place"
-            if n > self.max_blocks_per_seq:
-                raise ValueError(f"request {rid!r} holds {n} KV blocks; the block table has "
-                                 f"room for {self.max_blocks_per_seq}")
-            self._bt[row, old:n] = blocks[old:]
-            self._row_len[row] = n
+        self._table.update(row, rid, blocks)
         return row
 
     def _rows_checked(self, seqs: list[ScheduledSeq]) -> list[int]:
         """Each sequence's row, refreshed when its block list object or length changed."""
-        row_of, row_src, row_len = self._row_of, self._row_src, self._row_len
+        row_of, row_src, row_len = self._row_of, self._table.src, self._table.lens
         rows: list[int] = []
         rows_append = rows.append
         for s in seqs:
@@ -249,6 +278,7 @@ class InputPreparer:
         slots = bt[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         width = -(-max_seq_len // bs)
         block_tables = bt[rows_np, :width]
+        window = self._window_inputs(seqs, rows_np, token_rows, positions, width) if self._window is not None else None
 
         logits_counts = None
         if any_spec:
@@ -296,8 +326,25 @@ class InputPreparer:
             num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens,
             num_decode_tokens=num_tokens - num_prefill_tokens,
             max_query_len=1 if uniform else int(counts_np.max()), max_seq_len=max_seq_len)
+        if window is not None:
+            w_slots, w_tables = window
+            meta.window = dataclasses.replace(meta, slot_mapping=w_slots, block_tables=w_tables.view(nseq, width))
         self._flip ^= 1
         return StepInputs(t_ids, meta, t_logits, sample_seqs, logits_counts, late_dst, late_src, context)
+
+    def _window_inputs(self, seqs: list[ScheduledSeq], rows: np.ndarray, token_rows: np.ndarray,
+                       positions: np.ndarray, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sliding layers' slots and block tables (their own pool), in the same rows: each
+        sequence's row refreshed from its ``window_kv`` block list when that changed."""
+        table = self._window
+        for s, row in zip(seqs, rows.tolist()):
+            req = s.request
+            table.update(row, req.request_id, req.window_kv.block_ids)
+        bs = self.block_size
+        slots = table.bt[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        tables = table.bt[rows, :width].reshape(-1)
+        # (a plain copy off the CPU: the staging buffers hold the step's other arrays, maybe in flight)
+        return torch.from_numpy(slots).to(self.device), torch.from_numpy(tables).to(self.device)
 
     @staticmethod
     def _late_tokens(seqs: list[ScheduledSeq], ids: np.ndarray, qsl: np.ndarray, late: LateRows

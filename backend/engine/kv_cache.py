@@ -43,6 +43,8 @@ class BlockManager:
     hash; LRU order, reused on a prefix hit or evicted when free runs out), *used* (refcount > 0).
     """
 
+    window_pool = None   # one pool for every layer (backend/engine/kv_groups.py gives sliding layers theirs)
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  window: int | None = None) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
@@ -121,14 +123,17 @@ class BlockManager:
             return 0
         return max(num_tokens - self.window + 1, 0) // self.block_size
 
-    def _lookup_blocks(self, request: Request) -> tuple[int, list[int]]:
+    def _lookup_blocks(self, request: Request, cap: int | None = None) -> tuple[int, list[int]]:
         """The longest cached prefix: (skip, hits) where the prefix is ``skip + len(hits)`` blocks, the
         first ``skip`` behind the window (not needed, so not looked for: with a window only the last
-        window's blocks of a prefix must still be cached) and ``hits`` the cached blocks after them."""
+        window's blocks of a prefix must still be cached) and ``hits`` the cached blocks after them.
+        ``cap``: at most that many blocks (another layer group's prefix: backend/engine/kv_groups.py)."""
         if not self.enable_prefix_caching or request.params.return_context_logits:
             return 0, []         # context logits need every prompt position computed
         # Leave at least the last token to compute: its logits give the next token.
         max_blocks = (len(request.all_token_ids) - 1) // self.block_size
+        if cap is not None:
+            max_blocks = min(max_blocks, cap)
         hashes = self._compute_hashes(request, max_blocks)
         cached, bs = self._cached, self.block_size
         best, run_start = 0, 0          # best prefix (blocks); where the current run of cached blocks began
@@ -143,9 +148,9 @@ class BlockManager:
         skip = self._behind_window(best * bs)
         return skip, [cached[hashes[i]] for i in range(skip, best)]
 
-    def lookup(self, request: Request) -> int:
+    def lookup(self, request: Request, cap: int | None = None) -> int:
         """Tokens of ``request`` that the prefix cache would serve now (no side effects)."""
-        skip, hits = self._lookup_blocks(request)
+        skip, hits = self._lookup_blocks(request, cap)
         return (skip + len(hits)) * self.block_size
 
     def most_blocks(self, num_tokens: int, step_tokens: int) -> int:
@@ -156,11 +161,11 @@ class BlockManager:
             return whole
         return min(whole, -(-(step_tokens + self.window - 1) // self.block_size) + 1)
 
-    def num_blocks_needed(self, request: Request, num_tokens: int) -> int:
+    def num_blocks_needed(self, request: Request, num_tokens: int, cap: int | None = None) -> int:
         """Free blocks an admission of ``request`` holding ``num_tokens`` tokens would consume
         (cache hits on blocks already in use are free; hits on evictable blocks are not). With a window:
         as if none were released before ``num_tokens`` (``most_blocks`` bounds what a sequence holds)."""
-        skip, hits = self._lookup_blocks(request)
+        skip, hits = self._lookup_blocks(request, cap)
         total = -(-num_tokens // self.block_size) - skip
         ref = self.ref_counts
         return max(total - len(hits), 0) + sum(1 for b in hits if ref[b] == 0)
@@ -188,17 +193,18 @@ class BlockManager:
             ref[b] = 1
         return out
 
-    def allocate_for(self, request: Request, num_tokens: int) -> int | None:
+    def allocate_for(self, request: Request, num_tokens: int, cap: int | None = None) -> int | None:
         """Admit a request that holds no blocks: reuse its cached prefix, then reserve slots for up to
         ``num_tokens`` more tokens (capped at the request's length).
 
         Returns the number of tokens served from the prefix cache (``request.num_computed_tokens``
         is set to it; the step computes ``request.num_slots - request.num_computed_tokens`` tokens),
-        or ``None`` when there are not enough free blocks (nothing changes then).
+        or ``None`` when there are not enough free blocks (nothing changes then). ``cap``: a prefix of
+        at most that many blocks.
         """
         assert not request.block_ids and request.num_slots == 0, f"{request} already holds blocks"
         assert num_tokens >= 1
-        skip, hits = self._lookup_blocks(request)
+        skip, hits = self._lookup_blocks(request, cap)
         bs = self.block_size
         num_cached = (skip + len(hits)) * bs
         target = min(num_cached + num_tokens, len(request.all_token_ids))

@@ -60,7 +60,7 @@ class Request:
         "first_scheduled_time", "first_token_time", "last_token_time", "finished_time",
         "num_preemptions", "error", "stop_token", "token_limit", "sched_seq", "num_new_blocks",
         "num_reused_blocks", "context_logits", "num_context_logits", "sample_row", "slot_room",
-        "num_released_blocks",
+        "num_released_blocks", "window_kv",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -85,6 +85,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hash of each FULL block of all_token_ids
         self.num_committed_blocks = 0      # leading blocks whose hash is registered in the cache
         self.num_released_blocks = 0       # leading blocks given back: behind every layer's window
+        self.window_kv = None              # the sliding layers' blocks when they have a pool of their own
         self.num_slots = 0                 # KV slots reserved (computed + in flight + tentative)
         self.num_tentative_tokens = 0      # slots reserved for unverified speculative tokens
         self.slot_room = 0                 # tokens the scheduler may reserve without the manager

@@ -215,11 +215,13 @@ class LlamaModel:
             hidden = hidden * torch.tensor(plan.embedding_scale, dtype=hidden.dtype, device=hidden.device)
         for i, layer in enumerate(self.layers):
             cos, sin = tables[plan.rope_of[i]]
+            # a sliding layer with a KV pool of its own reads that pool's block tables
+            m = meta.window if meta.window is not None and self.windows[i] is not None else meta
             if plan.plain:
-                hidden = decoder_layer(c, layer, hidden, cos, sin, self.attention, kv_caches[i], meta, self.scale,
+                hidden = decoder_layer(c, layer, hidden, cos, sin, self.attention, kv_caches[i], m, self.scale,
                                        self.row_linear, self.windows[i])
             else:
-                hidden = spec_layer.spec_layer(c, plan, layer, hidden, cos, sin, self.attention, kv_caches[i], meta,
+                hidden = spec_layer.spec_layer(c, plan, layer, hidden, cos, sin, self.attention, kv_caches[i], m,
                                                self.windows[i], self.row_linear, _apply)
             if i in capture_hidden_layers:
                 captured[i] = hidden

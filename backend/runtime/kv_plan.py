@@ -71,3 +71,35 @@ def plan_kv_blocks(spec: EngineSpec, storage_dtype: torch.dtype, kv_heads: int, 
             max_useful_tokens=eng.max_batch_size * eng.max_seq_len, min_tokens=min(eng.max_seq_len, eng.kv_block_size))
     except ValueError as exc:
         raise EngineError(str(exc)) from exc
+
+
+def window_layers(windows) -> tuple[int, list[int]] | None:
+    """(the window, the sliding layers) of a model whose layers mix sliding-window and full attention,
+    or None: every layer full, or every layer sliding (then one pool's blocks are released behind the
+    window already, backend/engine/kv_cache.py). Layers with smaller windows than the largest read a
+    part of what it keeps."""
+    sliding = [i for i, w in enumerate(windows) if w is not None]
+    if not sliding or len(sliding) == len(windows):
+        return None
+    return max(windows[i] for i in sliding), sliding
+
+
+def window_pool_blocks(spec: EngineSpec, window: int) -> int:
+    """Blocks of the sliding layers' own pool (backend/engine/kv_groups.py): enough for every running
+    sequence's window and one step's tokens at once. A sequence that computes ``c`` tokens in a step
+    holds at most ceil((c + window - 1) / block) + 1 blocks of it, one more while the scheduler's
+    decode fast path has not asked for a release, and a step computes at most max_num_tokens."""
+    eng = spec.engine
+    bs, seqs = eng.kv_block_size, eng.max_batch_size
+    return -(-(eng.max_num_tokens + seqs * (window - 1)) // bs) + 3 * seqs
+
+
+def full_pool_blocks(one_pool_blocks: int, window_blocks: int, full_layers: int, sliding_layers: int,
+                     fixed_tokens: bool, max_useful_blocks: int) -> int:
+    """Blocks of the full layers' pool once the sliding layers have ``window_blocks`` of their own: the
+    memory one pool of ``one_pool_blocks`` would take, less the sliding pool's, for the full layers
+    (at most ``max_useful_blocks``); or, where ``engine.max_kv_tokens`` fixed the tokens, those."""
+    if fixed_tokens:
+        return one_pool_blocks
+    spare = one_pool_blocks * (full_layers + sliding_layers) - window_blocks * sliding_layers
+    return min(spare // full_layers, max_useful_blocks)

@@ -18,8 +18,8 @@ from backend.logs import get_logger
 from backend.model import spec_layer
 from backend.model.llama import LlamaModel
 from backend.runtime import cpu_dtype, layer_probe
-from backend.runtime.kv_plan import (FP8_KV_NEEDS_SCALES, KV_DTYPES, kv_cache_dtypes, kv_pool_bytes,
-                                     plan_kv_blocks, zeroed)
+from backend.runtime.kv_plan import (FP8_KV_NEEDS_SCALES, KV_DTYPES, full_pool_blocks, kv_cache_dtypes,
+                                     kv_pool_bytes, plan_kv_blocks, window_layers, window_pool_blocks, zeroed)
 from backend.runtime.spec import EngineError, EngineSpec
 from backend.runtime.runtimes import StepRunner, every_layer_window
 
@@ -89,10 +89,13 @@ class ModelRunner(StepRunner):
             raise EngineError(FP8_KV_NEEDS_SCALES)
         self.block_size = spec.engine.kv_block_size
         self.num_blocks = self._plan_kv_blocks()
-        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(zeroed(shape, self.kv_storage_dtype, self.device),
-                           zeroed(shape, self.kv_storage_dtype, self.device))
-                          for _ in range(cfg.num_layers)]
+        sliding = self._plan_window_pool()
+        self.kv_caches = []
+        for i in range(cfg.num_layers):
+            blocks = self.window_kv[1] if i in sliding else self.num_blocks
+            shape = (blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+            self.kv_caches.append((zeroed(shape, self.kv_storage_dtype, self.device),
+                                   zeroed(shape, self.kv_storage_dtype, self.device)))
         self.graphs = decode_graphs(spec, self.model, self.kv_caches, backend_name, self.device)
 
     def _choose_dtype(self, dtype: torch.dtype | None, weights: dict[str, torch.Tensor],
@@ -115,6 +118,27 @@ class ModelRunner(StepRunner):
     def _plan_kv_blocks(self) -> int:
         free_dev = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         return plan_kv_blocks(self.spec, self.kv_storage_dtype, self.spec.model.num_kv_heads, free_dev)
+
+    def _plan_window_pool(self) -> set[int]:
+        """Give the sliding layers a pool of their own where some layers slide and some do not (sets
+        ``window_kv`` and the full layers' ``num_blocks``); the layers that use it. Only where it is the
+        smaller pool, and with an attention backend that reads a block table per layer group."""
+        group = window_layers(self.model.windows)
+        if group is None or not self.attention.window_tables:
+            return set()
+        window, sliding = group
+        blocks = window_pool_blocks(self.spec, window)
+        if blocks >= self.num_blocks:
+            return set()
+        eng = self.spec.engine
+        full = self.spec.model.num_layers - len(sliding)
+        useful = -(-eng.max_batch_size * eng.max_seq_len // self.block_size) if self.device.type == "cpu" else 1 << 62
+        self.num_blocks = full_pool_blocks(self.num_blocks, blocks, full, len(sliding),
+                                           eng.max_kv_tokens is not None, max(useful, self.num_blocks))
+        self.window_kv = (window, blocks)
+        _LOG.info("KV: %d sliding layers (window %d) in a pool of %d blocks, %d full layers in %d blocks",
+                  len(sliding), window, blocks, full, self.num_blocks)
+        return set(sliding)
 
     @property
     def kv_cache_bytes(self) -> int:

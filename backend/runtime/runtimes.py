@@ -50,6 +50,10 @@ class StepRunner(Protocol):
     # None when some layer attends to the whole context. KV blocks wholly before that many tokens are
     # never read again, so the block manager frees them (kv_cache.py, "Sliding windows")
     kv_window: int | None = None
+    # (window, blocks) of the sliding layers' own KV pool when some layers slide and some do not
+    # (Gemma 3): those layers' cache tensors hold that many blocks, the others ``num_blocks``, and the
+    # executor gives each group its block manager (backend/engine/kv_groups.py); None: one pool
+    window_kv: tuple[int, int] | None = None
 
     @property
     def kv_cache_bytes(self) -> int: ...

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from backend.engine.sampling_params import SamplingParams
-from tests.runtime.hf_reference import hf_greedy
+from tests.runtime.hf_reference import assert_teacher_forced_greedy, hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -63,10 +63,7 @@ def _hf_greedy(model, prompt: list[int]) -> list[int]:
 
 
 def _is_transformers_greedy(model, prompt: list[int], ours: list[int]) -> None:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:-1]
-    best = logits.argmax(-1).tolist()
-    assert best == ours, f"transformers' argmax parts from Kiln at step {next(i for i, t in enumerate(ours) if best[i] != t)}"
+    assert_teacher_forced_greedy(model, prompt, ours)
 
 
 def _prompts(n: int) -> list[list[int]]:

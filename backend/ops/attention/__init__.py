@@ -40,6 +40,10 @@ class AttentionBackend(Protocol):
     holds_fp8_as_float: bool = False
     # whether forward honours ``window=`` (the runner refuses a window that binds on a backend without it)
     sliding_window: bool = False
+    # whether the sliding layers may read a block table of their own (``meta.window``: their KV pool,
+    # backend/engine/kv_groups.py), whose entries behind the window name blocks given back: the
+    # backend must never read keys outside the window through it
+    window_tables: bool = False
     fp8_as_float: bool = False
 
     def write_kv(self, k: "torch.Tensor", v: "torch.Tensor", k_cache: "torch.Tensor",

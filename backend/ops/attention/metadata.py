@@ -27,6 +27,9 @@ class AttentionMetadata:
     max_seq_len: int
     # [T, max_query_len] bool: which of the same step's tokens a query may see (EAGLE token trees).
     tree_mask: "torch.Tensor | None" = None
+    # The sliding layers' own metadata when they have a KV pool of their own (backend/engine/kv_groups.py):
+    # the same step with their block tables and slots; None: every layer reads this one.
+    window: "AttentionMetadata | None" = None
 
     @property
     def num_seqs(self) -> int:

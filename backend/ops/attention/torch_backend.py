@@ -104,13 +104,14 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     holds_fp8_as_float = True
     sliding_window = True
+    window_tables = True   # the tiles' masks drop every key outside the window before it weighs anything
     # Set by the runner for an fp8 KV cache on CPU: the cache tensors are float and hold what an fp8
     # cache would give back on reading, ``dequantize(quantize(x))``, rounded to the cache dtype once on
     # writing (the same fp32 product and rounding as dequantizing at read time, so the same numbers
     # reach attention), and reading needs no conversion.
     fp8_as_float = False
-    _plan = None   # (the step's metadata, {window: its tile groups}): see forward
-    _slots = None  # (the step's slot mapping, whether every slot is >= 0): see write_kv
+    _plan = None   # (the step's positions, {(window, id(metadata)): its tile groups}): see forward
+    _slots = ()    # ((a slot mapping of the step, whether every slot is >= 0), ...): see _all_slots_valid
     _rows = None   # (the step's metadata, (block tables, query rows) for the CPU kernel, or None)
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
@@ -121,11 +122,7 @@ class TorchAttentionBackend(AttentionBackend):
                                          v_cache.view(num_blocks * block_size, hkv, d), slot_mapping,
                                          k_scale, v_scale)):
             return   # the CPU kernel: the fake quantization and the scatter below in one call, same bits
-        if self._slots is None or self._slots[0] is not slot_mapping:
-            # every layer of a step writes at the same slots (the step's metadata): checked once a
-            # step, three ops a layer fewer; holding the tensor keeps its identity from being reused
-            self._slots = (slot_mapping, bool((slot_mapping >= 0).all()))
-        if not self._slots[1]:
+        if not self._all_slots_valid(slot_mapping):
             valid = slot_mapping >= 0
             slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
         k_flat = k_cache.view(num_blocks * block_size, hkv, d)
@@ -143,24 +140,38 @@ class TorchAttentionBackend(AttentionBackend):
         k_flat.index_copy_(0, slot_mapping, k_new)
         v_flat.index_copy_(0, slot_mapping, v_new)
 
+    def _all_slots_valid(self, slot_mapping) -> bool:
+        """Every layer of a step writes at the same slots (the step's metadata, or with a pool for the
+        sliding layers one of two): checked once a step, three ops a layer fewer. The two last mappings
+        are kept; holding the tensors keeps their identity from being reused."""
+        for seen, ok in self._slots:
+            if seen is slot_mapping:
+                return ok
+        ok = bool((slot_mapping >= 0).all())
+        self._slots = ((slot_mapping, ok),) + self._slots[:1]
+        return ok
+
     def forward(self, q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None, window=None) -> torch.Tensor:
         """Causal attention of ``q [T, Hq, D]`` over each sequence's cached keys, in query tiles
         (see the module docstring: what a row's numbers depend on, and why). ``window``: a sliding
         layer's, keys ``p - window < k <= p`` only; the tiles' masks take it (the CPU kernel has none)."""
-        if self._rows is None or self._rows[0] is not meta:
-            self._rows = (meta, self._kernel_rows(q, k_cache, meta))
-        if self._rows[1] is not None and window is None:
-            tables, rows = self._rows[1]
-            out = _cpu_paged_attention(q, k_cache, v_cache, tables, rows, meta.tree_mask, scale)
-            if out is not None:
-                return out
-        if self._plan is None or self._plan[0] is not meta:
+        if window is None:
+            if self._rows is None or self._rows[0] is not meta:
+                self._rows = (meta, self._kernel_rows(q, k_cache, meta))
+            if self._rows[1] is not None:
+                tables, rows = self._rows[1]
+                out = _cpu_paged_attention(q, k_cache, v_cache, tables, rows, meta.tree_mask, scale)
+                if out is not None:
+                    return out
+        if self._plan is None or self._plan[0] is not meta.positions:
             # Every layer of a step attends the same tiles: planned once per step (the metadata is a
-            # new object every step; holding it keeps its identity from being reused), once per window.
-            self._plan = (meta, {})
-        if window not in self._plan[1]:
-            self._plan[1][window] = self._make_plan(meta, k_cache.shape[1], k_cache.shape[0], q.device, window)
-        groups = self._plan[1][window]
+            # new object every step; holding it keeps its identity from being reused), once per window
+            # (sliding layers with a pool of their own read another metadata: the step's ``window``).
+            self._plan = (meta.positions, {})
+        key = (window, id(meta))   # (the metadata is held beside its plan: its id is not reused meanwhile)
+        if key not in self._plan[1]:
+            self._plan[1][key] = (meta, self._make_plan(meta, k_cache.shape[1], k_cache.shape[0], q.device, window))
+        groups = self._plan[1][key][1]
         if len(groups) == 1 and groups[0].folded and groups[0].all_rows:
             # a plain decode step: its one group is every row in order, the folded output is the output
             return self._forward_folded(q, k_cache, v_cache, groups[0], scale, k_scale, v_scale, None)
