@@ -7,7 +7,8 @@ vocabulary of SmolLM2's real tokenizer so the draft stage trains on the target's
 A draft trained 24 steps on a random target rarely guesses right, so speculation's accepting path is
 driven a second way too: an oracle drafter (the test double of tests/runtime/test_executor_speculation.py)
 that proposes transformers' own continuation with a wrong token planted every other step, through
-windows shorter than every sequence, so accepted drafts, rejections and KV rollback all cross them.
+windows shorter than every sequence, so accepted drafts, rejections and KV rollback all cross them
+(on Gemma 3 in the sliding layers' own KV pool, while the draft reads the full layers' blocks).
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ def family(request, tmp_path_factory, smollm2_hf_dir):
     cfg = BuildConfig.from_dict({}, f"{name}.yaml", [
         f"model.source={src}", "model.dtype=float32", "quantization.format=none", "quantization.kv_cache=none",
         "engine.max_seq_len=256", "engine.max_input_len=128", "engine.max_kv_tokens=2048",
+        # small steps: Gemma 3's sliding layers then get a KV pool of their own (backend/engine/kv_groups.py)
+        "engine.max_num_tokens=64",
         "speculative.method=eagle3", *eagle_overrides(verify=False)])
     result = run_pipeline(cfg, root / "out", until="compile", log=lambda m: None)
     assert result.results["draft"].status == "built"
@@ -72,6 +75,7 @@ def test_the_built_draft_speculates_and_the_tokens_are_transformers(family):
         ex.shutdown()
     assert got == ref
     assert stats["spec_verify_steps"] > 0 and stats["draft_tokens_proposed"] > 0
+    assert (ex.runner.window_kv is not None) == (name == "gemma3")
 
 
 def test_accepted_drafts_across_windows_keep_the_tokens(family):
