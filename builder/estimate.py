@@ -54,9 +54,20 @@ SHAPES.update({
     "qwen3-32b": dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
                       num_key_value_heads=8, max_window_layers=64),
 })
+# Gemma 3 27B's language model (published as Gemma3ForConditionalGeneration: its text_config, which the
+# import stage builds as Gemma3ForCausalLM, builder/text_part.py; the vision tower is left out)
+SHAPES["gemma3-27b"] = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 5376, "intermediate_size": 21504,
+    "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+    "query_pre_attn_scalar": 168, "sliding_window": 1024, "sliding_window_pattern": 6, "vocab_size": 262208,
+    "max_position_embeddings": 131072, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "final_logit_softcapping": None,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
+    "torch_dtype": "bfloat16"}
 # model.source folder name -> shape, for the configs that name these checkpoints
 SOURCE_SHAPES = {"Llama-2-70b-chat-hf": "llama-2-70b", "Llama-3.1-8B-Instruct": "llama-3.1-8b",
-                 "Qwen3-8B": "qwen3-8b", "Qwen3-32B": "qwen3-32b"}
+                 "Qwen3-8B": "qwen3-8b", "Qwen3-32B": "qwen3-32b", "gemma-3-27b-it": "gemma3-27b"}
 # peak RSS of an HF-folder import (files linked, sha256 streamed): 41 MiB measured at 1.5 and 2.6 GB
 # (docs/perf/build-memory.json); rounded up, it does not grow with the checkpoint
 IMPORT_HF_HOST_BYTES = 128 << 20

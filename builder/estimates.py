@@ -119,6 +119,9 @@ def _shape(hf_dir: Path) -> tuple[int, int, int]:
 def import_seconds(nbytes: int, kind: str) -> TimeEstimate:
     if kind == "gguf":
         return TimeEstimate(nbytes * IMPORT_GGUF_S_PER_BYTE, "cpu", f"dequantize {nbytes / 1e9:.2f} GB of GGUF")
+    if kind == "hf-text-part":   # read twice (hashed, then the language model rewritten); the write not timed
+        return TimeEstimate(2 * nbytes * IMPORT_HASH_S_PER_BYTE, "cpu",
+                            f"sha256 of {nbytes / 1e9:.1f} GB, the language model's tensors rewritten")
     return TimeEstimate(nbytes * IMPORT_HASH_S_PER_BYTE, "cpu", f"sha256 of {nbytes / 1e9:.1f} GB, files linked")
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from builder import families
 from builder.stages.base import StageError
+from builder.text_part import text_part_of
 
 # what the runtime runs today, from the families table (a known family it does not run is refused by name)
 SUPPORTED_HF_ARCHITECTURES = families.runtime_table(families.BY_ARCHITECTURE)
@@ -25,7 +26,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    kind: str               # gguf | hf | modelopt
+    kind: str               # gguf | hf | hf-text-part (a multimodal checkpoint's language model) | modelopt
     path: Path              # the .gguf file or the checkpoint folder
     architecture: str       # a family name (builder/families): llama | mistral | qwen2 | qwen3 | gemma3 | phi3
 
@@ -84,6 +85,9 @@ def resolve(source: str, config_file: str) -> Source:
     if not isinstance(archs, list):
         raise StageError(f"{config}: architectures: expected a list of class names, got {type(archs).__name__}; "
                          f"allowed: e.g. [\"LlamaForCausalLM\"]")
+    part = text_part_of(hf)
+    if part is not None:      # a multimodal checkpoint: its language model is what is built (text_part.py)
+        archs = [part.causal_class]
     arch = next((SUPPORTED_HF_ARCHITECTURES[a] for a in archs if a in SUPPORTED_HF_ARCHITECTURES), None)
     known = next((families.BY_ARCHITECTURE[a] for a in archs if a in families.BY_ARCHITECTURE), None)
     if arch is None and known is not None:
@@ -97,7 +101,7 @@ def resolve(source: str, config_file: str) -> Source:
                          f"allowed: a folder with model.safetensors or model-0000x-of-0000y.safetensors")
     for shard in shards:
         check_safetensors(shard)
-    kind = "modelopt" if (path / "hf_quant_config.json").is_file() else "hf"
+    kind = "modelopt" if (path / "hf_quant_config.json").is_file() else "hf-text-part" if part else "hf"
     return Source(kind, path.resolve(), arch)
 
 

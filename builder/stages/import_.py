@@ -20,6 +20,7 @@ from builder.config import ConfigError
 from builder.config_model import check_against_model
 from builder.model_spec import model_spec
 from builder.stages.base import StageContext, StageError
+from builder.text_part import text_part_of, write_text_part
 
 STAGE_VERSION = 1   # 1: the tokenizer's bos/eos/pad tokens by the GGUF's ids
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -43,8 +44,11 @@ def run(ctx: StageContext) -> dict:
     total = sum(f.stat().st_size for f in files)
     with ctx.progress(f"hashing {src.path.name}", total) as advance:
         digest = sources.sha256_files(files, None if src.kind == "gguf" else src.path, advance)
+    text_part = None
     if src.kind == "gguf":
         _import_gguf(ctx, src, ctx.out_dir, ctx.config.model.dtype)
+    elif src.kind == "hf-text-part":
+        text_part = _import_text_part(ctx, src, ctx.out_dir)
     else:
         _import_hf(src, ctx.out_dir)
     _ensure_tokenizer(ctx.out_dir, src)
@@ -61,6 +65,7 @@ def run(ctx: StageContext) -> dict:
         "architecture": src.architecture,
         "prequantized": quant,
         "chat_template": template,      # "checkpoint" | "family" (its own is missing) | None
+        "text_part": text_part,         # a multimodal checkpoint's language model: what was kept
         "model": model_spec(ctx.out_dir, ctx.config.model.dtype),
     }
 
@@ -85,15 +90,29 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def _import_hf(src: sources.Source, out: Path) -> None:
+def _import_hf(src: sources.Source, out: Path, weights: bool = True) -> None:
+    """Link the weights (``weights``) and copy config and tokenizer files; a text part writes its own
+    weights and config.json."""
     for f in src.path.iterdir():
         if not f.is_file():
             continue
         if f.suffix in (".safetensors",) or f.name.endswith(".safetensors.index.json"):
-            _link_or_copy(f, out / f.name)
-        elif f.name in TOKENIZER_FILES or f.name in ("config.json", "generation_config.json",
-                                                     "hf_quant_config.json"):
+            if weights:
+                _link_or_copy(f, out / f.name)
+        elif f.name in TOKENIZER_FILES or f.name in ("generation_config.json", "hf_quant_config.json") or (
+                f.name == "config.json" and weights):
             shutil.copy2(f, out / f.name)
+
+
+def _import_text_part(ctx: StageContext, src: sources.Source, out: Path) -> dict:
+    """A multimodal checkpoint's language model as a text-only folder (builder/text_part.py)."""
+    part = text_part_of(sources.read_json_object(src.path / "config.json"))
+    _import_hf(src, out, weights=False)
+    with ctx.progress(f"writing {src.path.name}'s language model as {part.causal_class}"):
+        info = write_text_part(src.path, out, part)
+    ctx.log(f"{src.path.name}: {info['text_part_of']}'s language model imported as {part.causal_class} "
+            f"({info['tensors_kept']} tensors; {info['tensors_left_out']} of the vision tower and projector left out)")
+    return info
 
 
 def _import_gguf(ctx: StageContext, src: sources.Source, out: Path, dtype_name: str) -> None:

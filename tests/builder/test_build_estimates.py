@@ -18,7 +18,8 @@ from builder.config import BuildConfig
 
 REPO = Path(__file__).resolve().parents[2]
 PERF = REPO / "docs" / "perf"
-SCALE_CONFIGS = ("llama70b-fp8", "llama3.1-8b-fp8", "llama3.1-8b-nvfp4", "qwen3-8b-fp8", "qwen3-32b-fp8")
+SCALE_CONFIGS = ("llama70b-fp8", "llama3.1-8b-fp8", "llama3.1-8b-nvfp4", "qwen3-8b-fp8", "qwen3-32b-fp8",
+                 "gemma3-27b-fp8")
 # the random Llamas of docs/perf/build-memory*.json (hidden 2048), as header-only checkpoints
 MEASURED_SHAPE = dict(estimate.SHAPES["llama-3.1-8b"], hidden_size=2048, intermediate_size=5632,
                       num_attention_heads=16, num_key_value_heads=4, vocab_size=49152)
@@ -111,9 +112,10 @@ def test_estimate_cli_refuses_an_unknown_shape(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name,billions", [("qwen3-8b", 8.19), ("qwen3-32b", 32.76), ("llama-3.1-8b", 8.03),
-                                           ("llama-2-70b", 68.98)])
+                                           ("llama-2-70b", 68.98), ("gemma3-27b", 27.01)])
 def test_header_checkpoints_hold_each_familys_tensors_and_the_published_size(tmp_path, name, billions):
-    # the parameter count of each shape's published checkpoint (model cards: 8.2B, 32.8B, 8.0B, 69B)
+    # the parameter count of each shape's published checkpoint (model cards: 8.2B, 32.8B, 8.0B, 69B; Gemma 3
+    # 27B's 27.4B less its SigLIP vision tower and projector, ~0.42B, which the import leaves out)
     from safetensors import safe_open
 
     hf = estimate.header_checkpoint(estimate.SHAPES[name], tmp_path)
@@ -123,6 +125,7 @@ def test_header_checkpoints_hold_each_familys_tensors_and_the_published_size(tmp
             shapes.update({k: s.get_slice(k).get_shape() for k in s.keys()})
     total = sum(math.prod(v) for v in shapes.values())
     assert abs(total / 1e9 - billions) < 0.01, total
-    assert ("model.layers.0.self_attn.q_norm.weight" in shapes) == name.startswith("qwen3")
-    if name.startswith("qwen3"):
+    assert ("model.layers.0.self_attn.q_norm.weight" in shapes) == name.startswith(("qwen3", "gemma3"))
+    assert ("model.layers.0.pre_feedforward_layernorm.weight" in shapes) == name.startswith("gemma3")
+    if name.startswith(("qwen3", "gemma3")):
         assert shapes["model.layers.0.self_attn.q_norm.weight"] == [128]

@@ -76,17 +76,18 @@ def _checkpoint(name: str, out: Path, tokenizer_src: Path, **extra) -> Path:
     return out
 
 
-def _build(src: Path, out: Path, quantized: bool = False, dtype: str = "float32") -> Path:
+def _build(src: Path, out: Path, quantized: bool = False, dtype: str = "float32", fmt: str = "fp8",
+           extra: tuple[str, ...] = ()) -> Path:
     from builder.config import BuildConfig
     from builder.pipeline import run_pipeline
 
-    # fp8 + fp8 KV with a light calibration, then the verify stage's gate at its fp8 defaults
-    quant = (["quantization.format=fp8", "quantization.kv_cache=fp8", "quantization.calibration.num_samples=4",
+    # ``fmt`` + fp8 KV with a light calibration, then the verify stage's gate at that format's defaults
+    quant = ([f"quantization.format={fmt}", "quantization.kv_cache=fp8", "quantization.calibration.num_samples=4",
               "quantization.calibration.max_seq_len=64"] if quantized else
              ["quantization.format=none", "quantization.kv_cache=none", "verify.enabled=false"])
     cfg = BuildConfig.from_dict({}, f"{src.name}.yaml", [
         f"model.source={src}", f"model.dtype={dtype}", *quant, "engine.max_seq_len=256", "engine.max_input_len=128",
-        "engine.max_kv_tokens=2048", "engine.cpu_dtype=float32"])
+        "engine.max_kv_tokens=2048", "engine.cpu_dtype=float32", *extra])
     return run_pipeline(cfg, out, until="verify" if quantized else "compile", log=lambda m: None).bundle
 
 
@@ -219,6 +220,24 @@ def test_fp8_with_fp8_kv_passes_the_accuracy_gate(name, tmp_path, smollm2_hf_dir
     assert "layers.1.attn.k_scale" in ours.keys()
     if engine["model"]["arch"]["qk_norm"]:   # the q/k norms stay unquantized: fp32 as the checkpoint has them
         assert ours.get_tensor("layers.1.q_norm.weight").dtype == torch.float32
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4_awq", "int8_sq", "w4a8_awq"])
+def test_qwen3_passes_the_accuracy_gate_in_every_format(fmt, tmp_path, smollm2_hf_dir):
+    """The 4-bit and int8 formats with an fp8 KV cache on Qwen3 (per-head q/k norms, which stay
+    unquantized), each held to its own gate (builder/stages/verify.py DEFAULT_THRESHOLDS)."""
+    from builder.stages.verify import DEFAULT_THRESHOLDS
+
+    vocab = json.loads((Path(smollm2_hf_dir) / "config.json").read_text())["vocab_size"]
+    src = _checkpoint("qwen3_tied", tmp_path / "qwen3", Path(smollm2_hf_dir), vocab_size=vocab, **GATED["qwen3_tied"])
+    # (the AWQ formats' groups of 32: 64 does not divide the tiny model's 96 intermediate features)
+    extra = ("quantization.group_size=32",) if fmt.endswith("awq") else ()
+    engine = json.loads((_build(src, tmp_path / "out", quantized=True, fmt=fmt, extra=extra) / "engine.json").read_text())
+    gate = engine["verify"]
+    assert (engine["quantization"]["format"], engine["engine"]["kv_cache_dtype"]) == (fmt, "fp8_e4m3")
+    assert (gate["min_top1_agreement"], gate["max_mean_kl"]) == DEFAULT_THRESHOLDS[fmt]
+    print(f"qwen3: {fmt} + fp8 KV top-1 {gate['top1_agreement']:.3f}, mean KL {gate['mean_kl']:.2g}")
+    assert gate["passed"] is True, gate
 
 
 def test_the_onnx_export_refuses_qk_norm_in_one_line(built):
