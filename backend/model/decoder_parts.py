@@ -22,7 +22,8 @@ QK_NORMS = ("q_norm", "k_norm")
 
 def check_spec(spec: ArchSpec | None, fused: bool) -> None:
     """Refuse, in one line naming the field, a spec the layer code would not compute as written.
-    ``fused``: the Triton path, whose rope + KV write kernel has no q/k norm yet."""
+    ``fused``: the Triton path, which runs the Llama layer with q/k norms (Qwen3's, in its rope + KV
+    write kernel) and windows; the other spec-layer fields are the torch path's only."""
     if spec is None:        # a bundle from before the spec: the Llama layer by construction
         return
     for name, value in LLAMA_LAYER.items():
@@ -32,9 +33,6 @@ def check_spec(spec: ArchSpec | None, fused: bool) -> None:
         where = "the fused (triton) attention path" if name in SPEC_LAYER else "this runtime"
         raise ValueError(f"engine.json: model.arch.{name}: {got!r} is not run by {where} yet; "
                          f"allowed: {value!r}" + (" (or engine.attention_backend=torch)" if name in SPEC_LAYER else ""))
-    if spec.qk_norm and fused:
-        raise ValueError("engine.json: model.arch.qk_norm: the fused (triton) attention path does not apply "
-                         "q/k norms yet; allowed: engine.attention_backend=torch")
 
 
 def rope_args(config, spec: ArchSpec | None) -> tuple[float, dict | None]:

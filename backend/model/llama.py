@@ -254,11 +254,16 @@ class LlamaModel:
                          else norm(delta, layer.input_norm, eps, hidden, _fp8_in(layer.qkv), aot=aot))
             qkv = _apply(layer.qkv, x)
             k_cache, v_cache = kv_caches[i]
-            q = k["rope_write_kv"](qkv, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping,
-                                   c.num_heads, c.num_kv_heads, layer.k_scale, layer.v_scale, aot=aot)
+            window = self.windows[i]
+            m = meta.window if meta.window is not None and window is not None else meta
+            # Qwen3's per-head q/k RMS norms in the same kernel, before the rotation (None: no norms)
+            q = k["rope_write_kv"](qkv, m.positions, self.cos_sin, k_cache, v_cache, m.slot_mapping,
+                                   c.num_heads, c.num_kv_heads, layer.k_scale, layer.v_scale, aot=aot,
+                                   q_norm=layer.q_norm, k_norm=layer.k_norm, eps=eps)
             # an FP8 O projection's input comes quantized out of the attention kernel
-            attn = self.attention.forward(q, k_cache, v_cache, meta, self.scale, layer.k_scale, layer.v_scale,
-                                          out_scale=_fp8_in(layer.o))
+            extra = {"window": window} if window is not None else {}
+            attn = self.attention.forward(q, k_cache, v_cache, m, self.scale, layer.k_scale, layer.v_scale,
+                                          out_scale=_fp8_in(layer.o), **extra)
             delta = self.row_linear(layer.o, attn.reshape(t, c.q_size))
             # MLP block.
             x, hidden = norm(delta, layer.post_attn_norm, eps, hidden, _fp8_in(layer.gate_up), aot=aot)

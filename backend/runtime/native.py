@@ -214,6 +214,11 @@ def prefill_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
         raise EngineError(f"prefill_logits: {t} tokens need {nblk} KV blocks; the pool has {runner.num_blocks}")
     dev = runner.device
     meta = prefill_meta(t, bs, dev)
+    if runner.window_kv is not None:   # the sliding layers' own pool: blocks 0.. of it too, same tables
+        if nblk > runner.window_kv[1]:
+            raise EngineError(f"prefill_logits: {t} tokens need {nblk} KV blocks; the sliding layers' pool has "
+                              f"{runner.window_kv[1]} (raise engine.max_num_tokens, which sizes it)")
+        meta.window = meta
     logits, _ = runner.execute(torch.tensor(ids, device=dev), meta, torch.arange(t, device=dev))
     return logits.float().cpu()
 

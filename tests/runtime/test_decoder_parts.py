@@ -19,11 +19,9 @@ def test_the_llama_layer_and_qwen3_on_the_torch_path_load():
     decoder_parts.check_spec(QWEN3, fused=False)
 
 
-def test_qk_norm_on_the_fused_path_is_refused_in_one_line():
-    with pytest.raises(ValueError) as exc:
-        decoder_parts.check_spec(QWEN3, fused=True)
-    assert str(exc.value) == ("engine.json: model.arch.qk_norm: the fused (triton) attention path does not apply "
-                              "q/k norms yet; allowed: engine.attention_backend=torch")
+def test_qk_norm_runs_on_the_fused_path():
+    # the rope + KV-write kernel applies Qwen3's q/k norms (tests/runtime/test_fused_families.py)
+    decoder_parts.check_spec(QWEN3, fused=True)
 
 
 SPEC_LAYER_FIELDS = [("norm", "rms_one_plus"), ("norm_placement", "pre_post"), ("activation", "gelu_tanh"),

@@ -57,7 +57,9 @@ def _windowed_spec(backend: str) -> EngineSpec:
                                                      engine=EngineSettings(max_seq_len=2048, attention_backend=backend)))
 
 
-def test_runner_refuses_a_binding_window_where_the_backend_has_none():
+def test_runner_refuses_a_binding_window_where_the_backend_has_none(monkeypatch):
+    from backend.ops.attention.triton_backend import TritonAttentionBackend
+    monkeypatch.setattr(TritonAttentionBackend, "sliding_window", False)   # a backend without window kernels
     with pytest.raises(EngineError) as exc:
         ModelRunner(_windowed_spec("triton"))
     assert str(exc.value) == ("engine.max_seq_len: 2048 exceeds the model's sliding_window (1024), which the triton "
@@ -65,7 +67,8 @@ def test_runner_refuses_a_binding_window_where_the_backend_has_none():
                               "engine.attention_backend=torch")
 
 
-def test_the_torch_backend_takes_a_max_seq_len_above_the_window():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_both_backends_take_a_max_seq_len_above_the_window(backend):
     # past the window check: the next thing the runner does is read the (absent) weights
     with pytest.raises(EngineError, match="weights.safetensors: not found"):
-        ModelRunner(_windowed_spec("torch"))
+        ModelRunner(_windowed_spec(backend))

@@ -39,6 +39,7 @@ class TritonAttentionBackend(AttentionBackend):
     """``aot``: the bundle's ahead-of-time kernels (plugins.launcher.KernelSet, see ``load_aot``);
     None = Triton JIT."""
     name = "triton"
+    sliding_window = True   # the paged kernels' window variants (plugins/paged_decode.py, paged_prefill.py)
 
     def __init__(self, aot=None) -> None:
         self.aot = aot
@@ -54,15 +55,18 @@ class TritonAttentionBackend(AttentionBackend):
         _check_device(k)
         _write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, aot=self.aot)
 
-    def forward(self, q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None, out_scale=None) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None, out_scale=None,
+                window=None) -> torch.Tensor:
         """``q [T, Hq, D]`` -> ``[T, Hq, D]``: causal attention over each sequence's cache. With
         ``out_scale`` (the O projection's static fp8 input scale) -> its float8_e4m3fn codes instead:
-        folded into the decode kernel for decode-only steps, a quantization kernel after the others."""
+        folded into the decode kernel for decode-only steps, a quantization kernel after the others.
+        ``window``: a sliding layer's, keys ``p - window < k <= p`` only (the kernels' window variants)."""
         _check_device(q)
         if out_scale is not None and not (meta.num_prefills == 0 and meta.tree_mask is None
                                           and meta.num_decode_tokens == meta.num_seqs):
-            out = self.forward(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+            out = self.forward(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window=window)
             return _quantize_fp8(out.reshape(out.shape[0], -1), out_scale, aot=self.aot).view(out.shape)
+        w = {"window": window} if window is not None else {}   # (a full layer launches the kernels as before)
         num_p, num_seqs = meta.num_prefills, int(meta.seq_lens.shape[0])
         p_tok = meta.num_prefill_tokens
         num_d = num_seqs - num_p
@@ -70,25 +74,26 @@ class TritonAttentionBackend(AttentionBackend):
         # token trees and long queries the prefill kernel, which handles any query length and mask
         plain_decode = meta.tree_mask is None and num_d > 0 and meta.num_decode_tokens == num_d
         if not plain_decode and not num_p and meta.tree_mask is None and meta.max_query_len <= CHAIN_ROWS_MAX:
-            return self._chain_rows(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+            return self._chain_rows(q, k_cache, v_cache, meta, scale, k_scale, v_scale, w)
         if not plain_decode:
             return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                  meta.context_lens, scale, k_scale, v_scale, tree_mask=meta.tree_mask,
-                                 max_query_len=meta.max_query_len, aot=self.aot)
+                                 max_query_len=meta.max_query_len, aot=self.aot, **w)
         if not num_p:   # decodes only: the kernel's output is the result (no copy into a second buffer)
             return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, k_scale, v_scale,
-                                max_seq_len=meta.max_seq_len, aot=self.aot, out_scale=out_scale)
+                                max_seq_len=meta.max_seq_len, aot=self.aot, out_scale=out_scale, **w)
         out = torch.empty_like(q)
         if num_p:
             out[:p_tok] = paged_prefill(q[:p_tok], k_cache, v_cache, meta.block_tables[:num_p],
                                         meta.query_start_loc[:num_p + 1], meta.context_lens[:num_p],
-                                        scale, k_scale, v_scale, max_query_len=meta.max_query_len, aot=self.aot)
+                                        scale, k_scale, v_scale, max_query_len=meta.max_query_len, aot=self.aot,
+                                        **w)
         out[p_tok:] = paged_decode(q[p_tok:], k_cache, v_cache, meta.block_tables[num_p:],
                                    meta.seq_lens[num_p:], scale, k_scale, v_scale,
-                                   max_seq_len=meta.max_seq_len, aot=self.aot)
+                                   max_seq_len=meta.max_seq_len, aot=self.aot, **w)
         return out
 
-    def _chain_rows(self, q, k_cache, v_cache, meta, scale, k_scale, v_scale) -> torch.Tensor:
+    def _chain_rows(self, q, k_cache, v_cache, meta, scale, k_scale, v_scale, w: dict) -> torch.Tensor:
         """A verify pass of chains: query row i of a sequence sees its context and new rows 0..i,
         which is a one-token decode with length ``context + i + 1``. So every row goes through the
         split-K decode kernel as a sequence of its own: the prefill kernel would run one program per
@@ -106,7 +111,7 @@ class TritonAttentionBackend(AttentionBackend):
             rows_meta = meta.__dict__["_chain_rows"] = (lens, meta.block_tables.index_select(0, seq))
         lens, tables = rows_meta
         return paged_decode(q, k_cache, v_cache, tables, lens, scale, k_scale, v_scale,
-                            max_seq_len=meta.max_seq_len, aot=self.aot)
+                            max_seq_len=meta.max_seq_len, aot=self.aot, **w)
 
 
 __all__ = ["TritonAttentionBackend"]
