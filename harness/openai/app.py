@@ -21,8 +21,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.engine.sampling_params import room_problem
+from harness.openai.auth import PROTECTED_PREFIX, KeyCheck
 from harness.openai.engine_client import EngineCall, Piece
 from harness.openai.errors import ApiError, bad_request, error_body
+from harness.openai.limits import Limits, read_json_body
 from harness.openai.params import Sampling, check_logit_bias, check_unsupported, parse_sampling, parse_stream
 from harness.openai.prompts import chat_prompt_ids, completion_prompt_ids
 from harness.openai.responses import Completion, chat_logprobs, completion_logprobs, usage
@@ -112,8 +114,10 @@ class _Answer:
         return {**self.lp_tokens, "top_logprobs": self.lp_tokens["top_logprobs"] if self.s.top_logprobs else None}
 
 
-def create_app(model: ServedModel, triton_url: str, metrics_url: str | None) -> FastAPI:
+def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api_keys: tuple[str, ...] = (),
+               limits: Limits = Limits()) -> FastAPI:
     state: dict[str, Any] = {}
+    keys = KeyCheck(api_keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -125,6 +129,16 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None) -> 
             await state["client"].close()
 
     app = FastAPI(title="Kiln OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.middleware("http")
+    async def _api_key(request: Request, call_next):
+        # before routing: an unknown /v1 path is a 401 too, so a caller without a key learns nothing
+        path = request.url.path
+        if keys.enabled and (path.startswith(PROTECTED_PREFIX) or path == PROTECTED_PREFIX.rstrip("/")):
+            refusal = keys.refusal(request.headers.get("authorization"))
+            if refusal is not None:
+                return JSONResponse(refusal, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
     @app.exception_handler(ApiError)
     async def _api_error(_req, e: ApiError):
@@ -154,10 +168,7 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None) -> 
                         "(GET /v1/models)", param="model", code="model_not_found", type="not_found_error")
 
     async def _body(request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        body = await read_json_body(request, limits.max_body_bytes)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
         if "model" not in body:
@@ -175,10 +186,14 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None) -> 
         ids = (chat_prompt_ids(model, body.get("messages")) if chat
                else completion_prompt_ids(model, body.get("prompt")))
         room = model.max_seq_len - len(ids)
-        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else room
+        cap = limits.max_tokens_cap
+        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else min(room, cap or room)
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        if cap is not None and max_tokens > cap:
+            raise bad_request(name, f"{max_tokens} is more than this server's cap of {cap} tokens per request "
+                              "(--max-tokens-cap)")
         problem = room_problem(max_tokens, room)
         if problem is not None:
-            name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
             raise bad_request(name, f"{max_tokens}: {problem}")
         call = EngineCall(state["client"], model, ids, max_tokens, sampling)
         pieces = call.pieces()
