@@ -21,6 +21,7 @@ from pathlib import Path
 
 from builder.schema import ConfigError
 from harness.openai.auth import ENV, load_keys
+from harness.openai.tool_parsers import FORMATS
 from harness.openai.limits import DEFAULT_MAX_BODY_BYTES, Limits
 from harness.serve_ports import DEFAULT as DEFAULT_PORTS, config_ports
 
@@ -57,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens-cap", type=int, default=None,
                    help="the most tokens one request may generate: larger max_tokens is a 400, none asked "
                         "means this many (default: all the room max_seq_len leaves)")
+    p.add_argument("--tool-parser", default="auto", choices=["auto", *FORMATS, "none"],
+                   help="how tool calls are written and parsed: auto (default) picks it from the bundle's chat "
+                        "template, Hermes' <tool_call> when the template has no tools; none refuses tools")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs one line per request)")
     a = p.parse_args(argv)
@@ -94,15 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     from harness.openai.served_model import load_served_model
 
     try:
-        model = load_served_model(a.model_repository, a.served_model_name)
+        model = load_served_model(a.model_repository, a.served_model_name, a.tool_parser)
     except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: backend.bundle.BundleError
         print(f"error: {e}", file=sys.stderr)
         return 2
     app = create_app(model, a.triton_url, a.metrics_url, a.api_keys, Limits(a.max_body_bytes, a.max_tokens_cap))
     # the number of keys, never a key
     auth = f"{len(a.api_keys)} API key(s) required on /v1" if a.api_keys else "no API key required"
+    tools = model.tool_format.name if model.tool_format else "none"
     print(f"OpenAI API for model '{model.name}' on http://{a.host}:{a.port}/v1 "
-          f"(Triton gRPC {a.triton_url}, engine model '{model.engine_model}'; {auth})", flush=True)
+          f"(Triton gRPC {a.triton_url}, engine model '{model.engine_model}'; tool calls: {tools}; {auth})", flush=True)
     # timeout_graceful_shutdown: on SIGTERM/Ctrl-C open streams are given a moment, then closed,
     # which cancels their engine requests (a stream can otherwise run for max_tokens)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=3)

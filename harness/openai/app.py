@@ -29,6 +29,8 @@ from harness.openai.params import Sampling, check_logit_bias, check_unsupported,
 from harness.openai.prompts import chat_prompt_ids, completion_prompt_ids
 from harness.openai.responses import Completion, chat_logprobs, completion_logprobs, usage
 from harness.openai.served_model import ServedModel
+from harness.openai.tool_answer import ToolAnswer, with_tool_guide
+from harness.openai.tools import parse_tools
 
 __all__ = ["create_app", "DISCONNECT_POLL_S"]
 
@@ -183,7 +185,13 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api
         stream, include_usage = parse_stream(body)
         sampling = parse_sampling(body, chat=chat)
         check_logit_bias(sampling, model.vocab_size)
-        ids = (chat_prompt_ids(model, body.get("messages")) if chat
+        tools = parse_tools(body) if chat else None
+        if not chat and body.get("tools"):
+            raise bad_request("tools", "tools are a chat feature: send them to /v1/chat/completions",
+                              code="unsupported_value")
+        if tools is not None:  # in a thread: the first one imports xgrammar (~2 s), none blocks the loop
+            sampling = await asyncio.to_thread(with_tool_guide, sampling, tools, model.tool_format)
+        ids = (chat_prompt_ids(model, body.get("messages"), tools) if chat
                else completion_prompt_ids(model, body.get("prompt")))
         room = model.max_seq_len - len(ids)
         cap = limits.max_tokens_cap
@@ -199,6 +207,7 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api
         pieces = call.pieces()
         answer = _Answer(model, sampling, chat)
         out = Completion(model.name, chat)
+        tool_answer = ToolAnswer(model.tool_format) if tools is not None else None
         if not stream:
             async def collect():
                 async for p in pieces:
@@ -207,8 +216,12 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api
                 await _unless_disconnected(request, collect())
             except ClientGone:
                 return Response(status_code=499)  # nobody reads it; the engine request is cancelled
-            return JSONResponse(out.response(answer.text, answer.finish, answer.logprobs(),
-                                             usage(len(ids), answer.n_tokens)))
+            use = usage(len(ids), answer.n_tokens)
+            if tool_answer is None:
+                return JSONResponse(out.response(answer.text, answer.finish, answer.logprobs(), use))
+            content, calls = tool_answer.message(answer.text)
+            return JSONResponse(out.response(content, tool_answer.finish_reason(answer.finish), answer.logprobs(),
+                                             use, calls))
         # The first piece before the headers: a request the engine refuses, or a Triton server that
         # is down, still gets its real status (400/503) rather than a 200 with an error event.
         try:
@@ -217,20 +230,25 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api
             first = None
         except ClientGone:
             return Response(status_code=499)
-        return SSEResponse(_events(first, pieces, answer, out, include_usage, len(ids)))
+        return SSEResponse(_events(first, pieces, answer, out, include_usage, len(ids), tool_answer))
 
     async def _events(first: Piece | None, pieces: AsyncIterator[Piece], answer: _Answer, out: Completion,
-                      include_usage: bool, n_prompt: int) -> AsyncIterator[str]:
+                      include_usage: bool, n_prompt: int, tools: ToolAnswer | None) -> AsyncIterator[str]:
         try:
             if out.chat:  # OpenAI's first chunk names the role
                 yield _event(out.chunk(role=True, text="", with_usage=include_usage))
             p = first
             while p is not None:
                 lp = answer.add(p)
-                if p.text or lp is not None:
+                if tools is not None:
+                    deltas = tools.feed(p.text) + (tools.end() if p.finish_reason is not None else [])
+                    for i, d in enumerate(deltas or ([{}] if lp is not None else [])):
+                        yield _event(out.chunk(delta=d, logprobs=lp if i == 0 else None, with_usage=include_usage))
+                elif p.text or lp is not None:
                     yield _event(out.chunk(text=p.text, logprobs=lp, with_usage=include_usage))
                 if p.finish_reason is not None:  # its own chunk, with an empty delta, as OpenAI sends it
-                    yield _event(out.chunk(finish_reason=p.finish_reason, with_usage=include_usage))
+                    finish = tools.finish_reason(p.finish_reason) if tools is not None else p.finish_reason
+                    yield _event(out.chunk(finish_reason=finish, with_usage=include_usage))
                 p = await anext(pieces, None)
             if include_usage:
                 yield _event(out.usage_chunk(usage(n_prompt, answer.n_tokens)))
