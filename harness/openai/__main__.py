@@ -21,8 +21,8 @@ from pathlib import Path
 
 from builder.schema import ConfigError
 from harness.openai.auth import ENV, load_keys
-from harness.openai.tool_parsers import FORMATS
 from harness.openai.limits import DEFAULT_MAX_BODY_BYTES, Limits
+from harness.openai.tool_parsers import FORMATS
 from harness.serve_ports import DEFAULT as DEFAULT_PORTS, config_ports
 
 __all__ = ["main", "parse_args"]

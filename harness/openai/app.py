@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.engine.sampling_params import room_problem
-from harness.openai.auth import PROTECTED_PREFIX, KeyCheck
+from harness.openai.auth import ApiKeyMiddleware, KeyCheck
 from harness.openai.engine_client import EngineCall, Piece
 from harness.openai.errors import ApiError, bad_request, error_body
 from harness.openai.limits import Limits, read_json_body
@@ -30,6 +30,7 @@ from harness.openai.prompts import chat_prompt_ids, completion_prompt_ids
 from harness.openai.responses import Completion, chat_logprobs, completion_logprobs, usage
 from harness.openai.served_model import ServedModel
 from harness.openai.tool_answer import ToolAnswer, with_tool_guide
+from harness.openai.tool_parsers import template_has_tools
 from harness.openai.tools import parse_tools
 
 __all__ = ["create_app", "DISCONNECT_POLL_S"]
@@ -131,16 +132,8 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api
             await state["client"].close()
 
     app = FastAPI(title="Kiln OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
-
-    @app.middleware("http")
-    async def _api_key(request: Request, call_next):
-        # before routing: an unknown /v1 path is a 401 too, so a caller without a key learns nothing
-        path = request.url.path
-        if keys.enabled and (path.startswith(PROTECTED_PREFIX) or path == PROTECTED_PREFIX.rstrip("/")):
-            refusal = keys.refusal(request.headers.get("authorization"))
-            if refusal is not None:
-                return JSONResponse(refusal, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+    if keys.enabled:
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
 
     @app.exception_handler(ApiError)
     async def _api_error(_req, e: ApiError):
@@ -151,9 +144,16 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api
         kind = "not_found" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(e.detail), kind, None, None), status_code=e.status_code)
 
+    fmt = model.tool_format
+    # Kiln's additions to the card: how tools are written and whether the bundle's template or the
+    # built-in tool prompt renders them (a client can tell what the model was shown)
+    tool_card = {"tool_parser": fmt.name if fmt else None,
+                 "tool_prompt": None if fmt is None else
+                 "chat_template" if template_has_tools(model.tokenizer.chat_template) else "builtin_hermes"}
+
     def model_card() -> dict[str, Any]:
         return {"id": model.name, "object": "model", "created": model.created, "owned_by": "kiln",
-                "max_model_len": model.max_seq_len}
+                "max_model_len": model.max_seq_len, **tool_card}
 
     @app.get("/v1/models")
     async def models():

@@ -16,13 +16,14 @@ its command line (which ``ps`` shows to every user of the machine).
 from __future__ import annotations
 
 import hmac
+import json
 import os
 from pathlib import Path
 from typing import Iterable
 
 from harness.openai.errors import error_body
 
-__all__ = ["ENV", "load_keys", "KeyCheck", "PROTECTED_PREFIX"]
+__all__ = ["ENV", "load_keys", "KeyCheck", "ApiKeyMiddleware", "PROTECTED_PREFIX"]
 
 ENV = "KILN_API_KEY"
 PROTECTED_PREFIX = "/v1/"
@@ -82,3 +83,28 @@ class KeyCheck:
         if ok:
             return None
         return error_body("Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key")
+
+
+class ApiKeyMiddleware:
+    """Plain ASGI, ahead of routing (an unknown ``/v1`` path is a 401 too: a caller without a key
+    learns nothing). Not Starlette's BaseHTTPMiddleware: that one wraps ``receive``, and a
+    non-streamed request then no longer sees its client disconnect, so it would not be cancelled."""
+
+    def __init__(self, app, keys: KeyCheck):
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith(PROTECTED_PREFIX) or path == PROTECTED_PREFIX.rstrip("/")):
+            headers = dict(scope.get("headers") or [])
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            refusal = self.keys.refusal(auth)
+            if refusal is not None:
+                body = json.dumps(refusal).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode()),
+                                        (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)

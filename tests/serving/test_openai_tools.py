@@ -59,6 +59,8 @@ def test_100_sampled_required_and_named_calls_all_parse_and_validate(stack):
 
 def test_each_tool_choice_mode(stack):
     client = stack.client()
+    card = client.models.retrieve(MODEL)  # SmolLM2's template has no tools: the built-in prompt
+    assert (card.tool_parser, card.tool_prompt) == ("hermes", "builtin_hermes"), card
     kw = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=48)
     r = client.chat.completions.create(tool_choice="none", **kw).choices[0]
     assert not r.message.tool_calls and r.message.content and r.finish_reason in ("stop", "length"), r
