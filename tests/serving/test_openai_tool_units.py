@@ -139,3 +139,50 @@ def test_the_grammar_accepts_valid_calls_and_nothing_else():
                            '{"name": "now", "parameters": {}}')
     # every grammar parses back: the engine compiles the text, not the object
     json.dumps(required)
+
+
+QWEN_LIKE = ("{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n"
+             "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+             "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+             "{% if m.role == 'tool' %}[{{ m.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CONVERSATION = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                      "arguments": '{"city": "Nice", "days": 2}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+
+
+def _model(text_tokenizer, template: str | None):
+    """The real SmolLM2 tokenizer, with ``template`` as its chat template."""
+    from backend.serving.conversion.tokenizer import TextTokenizer
+    from harness.openai.served_model import ServedModel
+    tok = TextTokenizer(text_tokenizer.tokenizer, template, text_tokenizer.special)
+    return ServedModel("m", "tensorrt_llm", None, tok, 4096, 8192, tok.vocab_size, 0, choose_format("auto", template))
+
+
+def _rendered(model, messages, body) -> str:
+    from harness.openai.prompts import chat_prompt_ids
+    return model.tokenizer.tokenizer.decode(chat_prompt_ids(model, messages, parse_tools(body)), skip_special_tokens=False)
+
+
+def test_a_template_with_tools_renders_them_itself(text_tokenizer):
+    """transformers' convention: tools as OpenAI objects, past arguments as an object, tool turns with their id."""
+    text = _rendered(_model(text_tokenizer, QWEN_LIKE), CONVERSATION, {"tools": TOOLS})
+    assert '"name": "get_weather"' in text.split("</tools>")[0]
+    assert '<tool_call>{"arguments": {"city": "Nice", "days": 2}, "name": "get_weather"}</tool_call>' in text, text
+    assert "<|im_start|>tool\nsunny[call_1]" in text and "# Tools" not in text
+
+
+def test_a_template_without_tools_gets_the_builtin_prompt(text_tokenizer):
+    model = _model(text_tokenizer, text_tokenizer.chat_template)   # SmolLM2's: no tools
+    assert not template_has_tools(text_tokenizer.chat_template)
+    text = _rendered(model, CONVERSATION, {"tools": TOOLS, "tool_choice": "required"})
+    assert text.startswith("<|im_start|>system\n# Tools") and "You must call at least one" in text
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather", "parameters": ' in text
+    # the past call in the parser's own syntax, the result as a user turn
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Nice", "days": 2}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>" in text
+    # tool_choice none: no tools offered, the past turns still rendered
+    text = _rendered(model, CONVERSATION, {"tools": TOOLS, "tool_choice": "none"})
+    assert "# Tools" not in text and "<tool_response>" in text

@@ -57,6 +57,41 @@ def test_100_sampled_required_and_named_calls_all_parse_and_validate(stack):
     assert len(names) > 10, names   # sampled, not one answer a hundred times
 
 
+def test_without_the_grammar_the_same_prompt_rarely_gives_a_valid_call(stack, serving_build):
+    """The control for the test above: the same rendered prompt, sampled the same way through
+    /v1/completions (no grammar), is answered with prose, so the grammar is what makes calls valid."""
+    import requests
+
+    from harness.openai.prompts import chat_prompt_ids
+    from harness.openai.served_model import load_served_model
+    from harness.openai.tool_answer import ToolAnswer
+    from harness.openai.tools import parse_tools
+    model = load_served_model(serving_build / "model_repository")
+    ids = chat_prompt_ids(model, ASK, parse_tools({"tools": TOOLS, "tool_choice": "required",
+                                                   "parallel_tool_calls": False}))
+
+    def valid(i: int) -> bool:
+        r = requests.post(f"{stack.base}/completions", timeout=300, json={
+            "model": MODEL, "prompt": ids, "max_tokens": 48, "temperature": 1.0, "seed": 1000 + i}).json()
+        _, calls = ToolAnswer(model.tool_format).message(r["choices"][0]["text"])
+        try:
+            return bool(calls) and all(jsonschema_ok(c) for c in calls)
+        except ValueError:
+            return False
+    with ThreadPoolExecutor(8) as pool:
+        n_valid = sum(pool.map(valid, range(8)))
+    assert n_valid <= 4, n_valid
+
+
+def jsonschema_ok(call: dict) -> bool:
+    import jsonschema
+    try:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    except (jsonschema.ValidationError, KeyError):
+        return False
+    return True
+
+
 def test_each_tool_choice_mode(stack):
     client = stack.client()
     card = client.models.retrieve(MODEL)  # SmolLM2's template has no tools: the built-in prompt
