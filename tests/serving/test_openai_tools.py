@@ -152,9 +152,14 @@ def test_streamed_calls_assemble_to_the_non_streamed_answer(stack):
     client = stack.client()
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
         kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=64,
-                  parallel_tool_calls=False)   # greedy SmolLM2 would repeat its call until max_tokens
-        whole = client.chat.completions.create(**kw).choices[0]
+                  parallel_tool_calls=False, logprobs=True)   # greedy SmolLM2 would repeat its call until max_tokens
+        r = client.chat.completions.create(**kw)
+        whole = r.choices[0]
         chunks = list(client.chat.completions.create(stream=True, **kw))
+        # every generated token's log-probability, streamed too (a call's text is held back, its logprobs are not)
+        assert len(whole.logprobs.content) == r.usage.completion_tokens
+        assert sum(len(ch.choices[0].logprobs.content) for ch in chunks
+                   if ch.choices and ch.choices[0].logprobs) == r.usage.completion_tokens
         arg_pieces = sum(1 for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []
                          if tc.function.arguments)
         content, calls, finish = _assemble(chunks)
