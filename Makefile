@@ -65,8 +65,8 @@ validate: $(STAMP) ## Validate every config in configs/
 test: $(STAMP) ## Run the test suite (real SmolLM2, ModelOpt and Triton server; no GPU needed)
 	$(PY) -m pytest $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
-serve: $(STAMP) ## Serve OUT's model_repository with Triton on 127.0.0.1 at CONFIG's serving.http_port/grpc_port/metrics_port (8000/8001/8002; OVERRIDES="serving.http_port=...") and the OpenAI API on OPENAI_PORT (9000; 0 = off)
-	$(PY) -m harness.serve --config $(CONFIG) $(addprefix --override ,$(OVERRIDES)) --model-repository $(OUT)/model_repository --openai-port $(if $(OPENAI_PORT),$(OPENAI_PORT),0)
+serve: $(STAMP) ## Serve OUT's model_repository with Triton on 127.0.0.1 at CONFIG's serving.http_port/grpc_port/metrics_port (8000/8001/8002; OVERRIDES="serving.http_port=...") and the OpenAI API on OPENAI_PORT (9000; 0 = off; API_KEY=... requires that key on /v1, and the command is then not echoed)
+	$(if $(API_KEY),@KILN_API_KEY='$(API_KEY)' )$(PY) -m harness.serve --config $(CONFIG) $(addprefix --override ,$(OVERRIDES)) --model-repository $(OUT)/model_repository --openai-port $(if $(OPENAI_PORT),$(OPENAI_PORT),0)
 
 bench: $(STAMP) ## Serving benchmark (concurrency sweep, Poisson mode); BENCH_ARGS="--start --baseline hf" runs it self-contained
 	$(PY) -m harness.perf run serving -- --model-repository $(OUT)/model_repository $(BENCH_ARGS)

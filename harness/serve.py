@@ -29,6 +29,7 @@ from harness.serve_ports import config_ports
 from harness.serving_server import ServerError, TritonServer
 from harness.model_names import repository_names
 from harness.serve_gpus import PlacementError, check_repository_gpus
+from harness.openai.auth import load_keys
 from harness.openai.process import OpenAIServer
 
 EXIT_MODEL_FAILED = 3  # the server or one of its model stubs died while serving
@@ -54,6 +55,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--openai-port", type=int, default=0,
                    help="also serve the OpenAI API (harness.openai) on this port; 0 = off (default; "
                         "make serve passes 9000)")
+    p.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
+                   help="the OpenAI API's keys, one per line (also KILN_API_KEY, comma-separated; make serve "
+                        "API_KEY=...): /v1/* then needs 'Authorization: Bearer KEY'")
+    p.add_argument("--openai-max-body-bytes", type=int, default=None,
+                   help="the OpenAI API's body size limit (python -m harness.openai --max-body-bytes)")
+    p.add_argument("--openai-max-tokens-cap", type=int, default=None,
+                   help="the OpenAI API's per-request max_tokens cap (python -m harness.openai --max-tokens-cap)")
+    p.add_argument("--openai-tool-parser", default=None,
+                   help="the OpenAI API's tool-call syntax (python -m harness.openai --tool-parser; default auto)")
     p.add_argument("--log-file", default=None, help="server log (default build/logs/tritonserver-*.log)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--verbose", type=int, default=0, help="tritonserver --log-verbose level")
@@ -79,6 +89,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--openai-port: {a.openai_port}; allowed: 0 (off) or 1..65535")
     if a.openai_port in (a.http_port, a.grpc_port, a.metrics_port):
         p.error(f"--openai-port {a.openai_port} is one of Triton's ports")
+    try:
+        a.api_keys = load_keys(files=a.api_key_file)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    a.openai_args = tuple(arg for flag, v in (("--max-body-bytes", a.openai_max_body_bytes),
+                                              ("--max-tokens-cap", a.openai_max_tokens_cap),
+                                              ("--tool-parser", a.openai_tool_parser))
+                          if v is not None for arg in (flag, str(v)))
     repo = Path(a.model_repository)
     if not repo.is_dir():
         p.error(f"--model-repository: {repo} not found; build it first: make build")
@@ -88,9 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def openai_examples(oai: OpenAIServer | None, model: str) -> str:
     if oai is None:
         return ""
+    key = " -H \"Authorization: Bearer $KILN_API_KEY\"" if oai.api_keys else ""  # the variable, never a key
     return f"""
 OpenAI API  {oai.base_url}   model "{model}"   (python -m harness.openai --help)
-  curl -s {oai.base_url}/chat/completions -H 'Content-Type: application/json' \\
+  curl -s {oai.base_url}/chat/completions -H 'Content-Type: application/json'{key} \\
        -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Tell me about Paris"}}], "max_tokens": 64}}'
 """
 
@@ -149,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             from harness.openai.served_model import load_served_model
             model = load_served_model(srv.repo).name
             oai = OpenAIServer(srv.repo, srv.grpc_url, srv.metrics_url, host=a.host, port=a.openai_port,
-                               log_file=srv.log_file.with_name(srv.log_file.stem + "-openai.log"))
+                               log_file=srv.log_file.with_name(srv.log_file.stem + "-openai.log"),
+                               api_keys=a.api_keys, extra_args=a.openai_args)
             try:
                 oai.start()
             except RuntimeError as e:

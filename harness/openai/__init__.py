@@ -10,7 +10,9 @@ limits before anything is sent. One module per job:
 
 * ``served_model``   what is served: names, tokenizer, limits, read from the built repository
 * ``errors``         OpenAI's error body and the status each kind of failure gets
+* ``auth``, ``limits``  API keys on /v1; body size, JSON depth and max_tokens limits
 * ``params``         request body -> checked sampling parameters (a mistake names its field)
+* ``tools``, ``tool_*``  tool calling: request checks, syntax table and parsers, prompt, grammar, answer
 * ``prompts``        chat messages / completion prompts -> token ids
 * ``engine_client``  the gRPC stream to the engine model, cancelled when the caller goes away
 * ``responses``      OpenAI's response and stream-chunk objects

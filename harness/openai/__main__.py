@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 
 from builder.schema import ConfigError
+from harness.openai.auth import ENV, load_keys
+from harness.openai.limits import DEFAULT_MAX_BODY_BYTES, Limits
+from harness.openai.tool_parsers import FORMATS
 from harness.serve_ports import DEFAULT as DEFAULT_PORTS, config_ports
 
 __all__ = ["main", "parse_args"]
@@ -44,6 +47,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default http://<triton host>:<serving.metrics_port>/metrics)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the bundle's config stem, e.g. smollm2-135m-fp8)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (repeatable; also {ENV}, comma-separated, "
+                        "and --api-key-file). A key on the command line is visible to other users in ps: "
+                        "prefer the file or the environment")
+    p.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
+                   help="a file of API keys, one per line (# comments); repeatable")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"refuse bodies larger than this with 413 before reading them (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--max-tokens-cap", type=int, default=None,
+                   help="the most tokens one request may generate: larger max_tokens is a 400, none asked "
+                        "means this many (default: all the room max_seq_len leaves)")
+    p.add_argument("--tool-parser", default="auto", choices=["auto", *FORMATS, "none"],
+                   help="how tool calls are written and parsed: auto (default) picks it from the bundle's chat "
+                        "template, Hermes' <tool_call> when the template has no tools; none refuses tools")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs one line per request)")
     a = p.parse_args(argv)
@@ -59,6 +76,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--triton-url: {a.triton_url!r}; expected host:port (Triton's gRPC port, e.g. 127.0.0.1:8001)")
     if not Path(a.model_repository).is_dir():
         p.error(f"--model-repository: {a.model_repository} not found; build it first: make build")
+    if a.max_body_bytes < 1024:
+        p.error(f"--max-body-bytes: {a.max_body_bytes}; allowed: >= 1024")
+    if a.max_tokens_cap is not None and a.max_tokens_cap < 1:
+        p.error(f"--max-tokens-cap: {a.max_tokens_cap}; allowed: >= 1")
+    try:
+        a.api_keys = load_keys(a.api_key, a.api_key_file)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    del a.api_key  # only the resolved keys travel on
     if a.metrics_url is None:
         a.metrics_url = f"http://{a.triton_url.rsplit(':', 1)[0]}:{ports.metrics}/metrics"
     return a
@@ -72,13 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     from harness.openai.served_model import load_served_model
 
     try:
-        model = load_served_model(a.model_repository, a.served_model_name)
+        model = load_served_model(a.model_repository, a.served_model_name, a.tool_parser)
     except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: backend.bundle.BundleError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = create_app(model, a.triton_url, a.metrics_url)
+    app = create_app(model, a.triton_url, a.metrics_url, a.api_keys, Limits(a.max_body_bytes, a.max_tokens_cap))
+    # the number of keys, never a key
+    auth = f"{len(a.api_keys)} API key(s) required on /v1" if a.api_keys else "no API key required"
+    tools = model.tool_format.name if model.tool_format else "none"
     print(f"OpenAI API for model '{model.name}' on http://{a.host}:{a.port}/v1 "
-          f"(Triton gRPC {a.triton_url}, engine model '{model.engine_model}')", flush=True)
+          f"(Triton gRPC {a.triton_url}, engine model '{model.engine_model}'; tool calls: {tools}; {auth})", flush=True)
     # timeout_graceful_shutdown: on SIGTERM/Ctrl-C open streams are given a moment, then closed,
     # which cancels their engine requests (a stream can otherwise run for max_tokens)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=3)

@@ -21,12 +21,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.engine.sampling_params import room_problem
+from harness.openai.auth import ApiKeyMiddleware, KeyCheck
 from harness.openai.engine_client import EngineCall, Piece
 from harness.openai.errors import ApiError, bad_request, error_body
+from harness.openai.limits import Limits, read_json_body
 from harness.openai.params import Sampling, check_logit_bias, check_unsupported, parse_sampling, parse_stream
 from harness.openai.prompts import chat_prompt_ids, completion_prompt_ids
 from harness.openai.responses import Completion, chat_logprobs, completion_logprobs, usage
 from harness.openai.served_model import ServedModel
+from harness.openai.tool_answer import ToolAnswer, with_tool_guide
+from harness.openai.tool_parsers import template_has_tools
+from harness.openai.tools import parse_tools
 
 __all__ = ["create_app", "DISCONNECT_POLL_S"]
 
@@ -112,8 +117,10 @@ class _Answer:
         return {**self.lp_tokens, "top_logprobs": self.lp_tokens["top_logprobs"] if self.s.top_logprobs else None}
 
 
-def create_app(model: ServedModel, triton_url: str, metrics_url: str | None) -> FastAPI:
+def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api_keys: tuple[str, ...] = (),
+               limits: Limits = Limits()) -> FastAPI:
     state: dict[str, Any] = {}
+    keys = KeyCheck(api_keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -125,6 +132,8 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None) -> 
             await state["client"].close()
 
     app = FastAPI(title="Kiln OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    if keys.enabled:
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
 
     @app.exception_handler(ApiError)
     async def _api_error(_req, e: ApiError):
@@ -135,9 +144,16 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None) -> 
         kind = "not_found" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(e.detail), kind, None, None), status_code=e.status_code)
 
+    fmt = model.tool_format
+    # Kiln's additions to the card: how tools are written and whether the bundle's template or the
+    # built-in tool prompt renders them (a client can tell what the model was shown)
+    tool_card = {"tool_parser": fmt.name if fmt else None,
+                 "tool_prompt": None if fmt is None else
+                 "chat_template" if template_has_tools(model.tokenizer.chat_template) else "builtin_hermes"}
+
     def model_card() -> dict[str, Any]:
         return {"id": model.name, "object": "model", "created": model.created, "owned_by": "kiln",
-                "max_model_len": model.max_seq_len}
+                "max_model_len": model.max_seq_len, **tool_card}
 
     @app.get("/v1/models")
     async def models():
@@ -154,10 +170,7 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None) -> 
                         "(GET /v1/models)", param="model", code="model_not_found", type="not_found_error")
 
     async def _body(request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        body = await read_json_body(request, limits.max_body_bytes)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
         if "model" not in body:
@@ -172,18 +185,29 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None) -> 
         stream, include_usage = parse_stream(body)
         sampling = parse_sampling(body, chat=chat)
         check_logit_bias(sampling, model.vocab_size)
-        ids = (chat_prompt_ids(model, body.get("messages")) if chat
+        tools = parse_tools(body) if chat else None
+        if not chat and body.get("tools"):
+            raise bad_request("tools", "tools are a chat feature: send them to /v1/chat/completions",
+                              code="unsupported_value")
+        if tools is not None:  # in a thread: the first one imports xgrammar (~2 s), none blocks the loop
+            sampling = await asyncio.to_thread(with_tool_guide, sampling, tools, model.tool_format)
+        ids = (chat_prompt_ids(model, body.get("messages"), tools) if chat
                else completion_prompt_ids(model, body.get("prompt")))
         room = model.max_seq_len - len(ids)
-        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else room
+        cap = limits.max_tokens_cap
+        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else min(room, cap or room)
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        if cap is not None and max_tokens > cap:
+            raise bad_request(name, f"{max_tokens} is more than this server's cap of {cap} tokens per request "
+                              "(--max-tokens-cap)")
         problem = room_problem(max_tokens, room)
         if problem is not None:
-            name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
             raise bad_request(name, f"{max_tokens}: {problem}")
         call = EngineCall(state["client"], model, ids, max_tokens, sampling)
         pieces = call.pieces()
         answer = _Answer(model, sampling, chat)
         out = Completion(model.name, chat)
+        tool_answer = ToolAnswer(model.tool_format) if tools is not None else None
         if not stream:
             async def collect():
                 async for p in pieces:
@@ -192,8 +216,12 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None) -> 
                 await _unless_disconnected(request, collect())
             except ClientGone:
                 return Response(status_code=499)  # nobody reads it; the engine request is cancelled
-            return JSONResponse(out.response(answer.text, answer.finish, answer.logprobs(),
-                                             usage(len(ids), answer.n_tokens)))
+            use = usage(len(ids), answer.n_tokens)
+            if tool_answer is None:
+                return JSONResponse(out.response(answer.text, answer.finish, answer.logprobs(), use))
+            content, calls = tool_answer.message(answer.text)
+            return JSONResponse(out.response(content, tool_answer.finish_reason(answer.finish), answer.logprobs(),
+                                             use, calls))
         # The first piece before the headers: a request the engine refuses, or a Triton server that
         # is down, still gets its real status (400/503) rather than a 200 with an error event.
         try:
@@ -202,20 +230,25 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None) -> 
             first = None
         except ClientGone:
             return Response(status_code=499)
-        return SSEResponse(_events(first, pieces, answer, out, include_usage, len(ids)))
+        return SSEResponse(_events(first, pieces, answer, out, include_usage, len(ids), tool_answer))
 
     async def _events(first: Piece | None, pieces: AsyncIterator[Piece], answer: _Answer, out: Completion,
-                      include_usage: bool, n_prompt: int) -> AsyncIterator[str]:
+                      include_usage: bool, n_prompt: int, tools: ToolAnswer | None) -> AsyncIterator[str]:
         try:
             if out.chat:  # OpenAI's first chunk names the role
                 yield _event(out.chunk(role=True, text="", with_usage=include_usage))
             p = first
             while p is not None:
                 lp = answer.add(p)
-                if p.text or lp is not None:
+                if tools is not None:
+                    deltas = tools.feed(p.text) + (tools.end() if p.finish_reason is not None else [])
+                    for i, d in enumerate(deltas or ([{}] if lp is not None else [])):
+                        yield _event(out.chunk(delta=d, logprobs=lp if i == 0 else None, with_usage=include_usage))
+                elif p.text or lp is not None:
                     yield _event(out.chunk(text=p.text, logprobs=lp, with_usage=include_usage))
                 if p.finish_reason is not None:  # its own chunk, with an empty delta, as OpenAI sends it
-                    yield _event(out.chunk(finish_reason=p.finish_reason, with_usage=include_usage))
+                    finish = tools.finish_reason(p.finish_reason) if tools is not None else p.finish_reason
+                    yield _event(out.chunk(finish_reason=finish, with_usage=include_usage))
                 p = await anext(pieces, None)
             if include_usage:
                 yield _event(out.usage_chunk(usage(n_prompt, answer.n_tokens)))

@@ -11,7 +11,7 @@ vLLM's ``guided_json`` / ``guided_regex`` / ``guided_grammar`` become the engine
 ``guided_decoding_guide_type`` + ``guided_decoding_guide``; the engine masks every token with it.
 
 Fields OpenAI defines that Kiln cannot honour are refused unless they hold their neutral value (one
-sequence per request, no tools, no logit bias): a client must never get something other than what it
+sequence per request, no legacy functions): a client must never get something other than what it
 asked for without knowing. Fields that do not change the output
 (``user``, ``metadata``, ``store``, ...) and unknown fields are ignored, as OpenAI-compatible servers
 usually do, so that clients adding new optional fields keep working.
@@ -282,10 +282,9 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported (one sequence per request)"),
     "echo": (lambda v: v in (None, False), "echo is not supported"),
     "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported"),
-    "tools": (lambda v: v in (None, []), "tools are not supported"),
-    "functions": (lambda v: v in (None, []), "functions are not supported"),
-    "tool_choice": (lambda v: v in (None, "none"), "tools are not supported"),
-    "function_call": (lambda v: v in (None, "none"), "functions are not supported"),
+    "functions": (lambda v: v in (None, []), "the deprecated functions field is not supported; send tools"),
+    "function_call": (lambda v: v in (None, "none"), "the deprecated function_call field is not supported; "
+                      "send tool_choice"),
     # vLLM's other structured-output fields: a constraint must never be dropped silently
     "guided_choice": (lambda v: v is None, "guided_choice is not supported; use guided_regex "
                       "(the choices joined with |) or guided_grammar"),

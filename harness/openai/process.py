@@ -17,17 +17,21 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from harness.openai import auth
+
 __all__ = ["OpenAIServer"]
 
 
 class OpenAIServer:
     def __init__(self, model_repository: str | Path, triton_grpc_url: str, metrics_url: str | None,
                  host: str = "127.0.0.1", port: int = 9000, log_file: str | Path | None = None,
-                 served_model_name: str | None = None):
+                 served_model_name: str | None = None, api_keys: tuple[str, ...] = (),
+                 extra_args: tuple[str, ...] = ()):
         self.repo, self.grpc_url, self.metrics_url = Path(model_repository), triton_grpc_url, metrics_url
         self.host, self.port = host, port
         self.log_file = Path(log_file) if log_file else None
         self.served_model_name = served_model_name
+        self.api_keys, self.extra_args = tuple(api_keys), tuple(extra_args)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -41,7 +45,7 @@ class OpenAIServer:
             cmd += ["--metrics-url", self.metrics_url]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
-        return cmd
+        return cmd + list(self.extra_args)
 
     def start(self, timeout: float = 60.0) -> "OpenAIServer":
         out = subprocess.DEVNULL
@@ -50,11 +54,16 @@ class OpenAIServer:
             out = open(self.log_file, "ab")
         root = Path(__file__).resolve().parents[2]  # so "-m harness.openai" resolves from anywhere
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+        # keys through the environment, never the command line (ps shows it to every user)
+        env.pop(auth.ENV, None)
+        if self.api_keys:
+            env[auth.ENV] = ",".join(self.api_keys)
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         if out is not subprocess.DEVNULL:
             out.close()  # the child holds its own copy
         deadline = time.monotonic() + timeout
+        headers = {"Authorization": f"Bearer {self.api_keys[0]}"} if self.api_keys else {}
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
@@ -62,7 +71,8 @@ class OpenAIServer:
                 raise RuntimeError(f"the OpenAI server exited with code {code} while starting "
                                    f"(port {self.port} in use?); log: {self.log_file}")
             try:
-                with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as r:
+                req = urllib.request.Request(f"{self.base_url}/models", headers=headers)
+                with urllib.request.urlopen(req, timeout=2) as r:
                     if r.status == 200:
                         return self
             except (urllib.error.URLError, ConnectionError, OSError):

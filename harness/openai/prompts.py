@@ -5,31 +5,36 @@ usage counts are then the engine's exact token counts, and a prompt over the eng
 ``max_input_len`` is refused before anything is sent, with OpenAI's ``context_length_exceeded``.
 A chat is rendered through the bundle's chat template (``TextTokenizer.render_messages``), which
 spells out the special tokens itself, so none are added when it is encoded (as the ensemble does
-for ``apply_chat_template``).
+for ``apply_chat_template``). Tools, past calls and tool results are rendered by the template
+itself when it knows them, else by the built-in tool prompt (``tool_prompt``).
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from harness.openai.errors import ApiError, bad_request
 from harness.openai.params import json_type
 from harness.openai.served_model import ServedModel
+from harness.openai.tool_parsers import template_has_tools
+from harness.openai.tool_prompt import builtin_messages, native_messages
+from harness.openai.tools import NAME, ToolRequest
 
 __all__ = ["chat_prompt_ids", "completion_prompt_ids", "check_length", "ROLES"]
 
-# OpenAI's roles a plain chat template can show; "developer" is OpenAI's newer name for "system"
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# OpenAI's roles a chat template can show; "developer" is OpenAI's newer name for "system"
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def _content(i: int, msg: dict) -> str:
+def _content(i: int, msg: dict) -> str | None:
     """A message's text: a string, or OpenAI's array of content parts, of which only text parts exist
-    for a text model (an image part is refused, not dropped)."""
+    for a text model (an image part is refused, not dropped). None: an assistant turn of calls only."""
     c = msg.get("content")
     where = f"messages[{i}].content"
     if isinstance(c, str):
         return c
-    if c is None and msg.get("role") == "assistant":
-        raise bad_request(where, "an assistant message without content (tool calls) is not supported")
+    if c is None and msg.get("role") == "assistant" and msg.get("tool_calls"):
+        return None
     if not isinstance(c, list):
         raise bad_request(where, f"expected a string or an array of content parts, got {json_type(c)}")
     texts = []
@@ -41,23 +46,74 @@ def _content(i: int, msg: dict) -> str:
     return "".join(texts)
 
 
-def chat_prompt_ids(model: ServedModel, messages: Any) -> list[int]:
+def _tool_calls(i: int, calls: Any) -> list[dict]:
+    """An assistant turn's past ``tool_calls`` -> [{"id", "name", "arguments"}] (arguments as JSON text)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list) or not calls:
+        raise bad_request(where, f"expected a non-empty array of tool calls, got {json_type(calls)}")
+    out = []
+    for j, c in enumerate(calls):
+        w = f"{where}[{j}]"
+        if not isinstance(c, dict) or c.get("type", "function") != "function" or not isinstance(c.get("function"), dict):
+            raise bad_request(w, "expected {\"id\": ..., \"type\": \"function\", \"function\": {\"name\": ..., "
+                              "\"arguments\": ...}}")
+        if not isinstance(c.get("id"), str) or not c["id"]:
+            raise bad_request(f"{w}.id", f"expected a non-empty string, got {json_type(c.get('id'))}")
+        fn = c["function"]
+        if not isinstance(fn.get("name"), str) or not NAME.match(fn["name"]):
+            raise bad_request(f"{w}.function.name", f"expected a function name, got {json_type(fn.get('name'))}")
+        args = fn.get("arguments")
+        if not isinstance(args, str):
+            raise bad_request(f"{w}.function.arguments", f"expected the arguments as JSON text, got {json_type(args)}")
+        try:
+            json.loads(args)
+        except ValueError as e:
+            raise bad_request(f"{w}.function.arguments", f"not valid JSON: {e}") from None
+        out.append({"id": c["id"], "name": fn["name"], "arguments": args})
+    return out
+
+
+def _message(i: int, msg: Any) -> dict:
+    if not isinstance(msg, dict):
+        raise bad_request(f"messages[{i}]", f"expected an object, got {json_type(msg)}")
+    role = msg.get("role")
+    if role not in ROLES:
+        raise bad_request(f"messages[{i}].role", f"{role!r} is not supported; allowed: {', '.join(sorted(ROLES))}")
+    out: dict = {"role": ROLES[role], "content": _content(i, msg)}
+    if role == "assistant" and msg.get("tool_calls"):
+        out["tool_calls"] = _tool_calls(i, msg["tool_calls"])
+    if role == "tool":
+        tid = msg.get("tool_call_id")
+        if not isinstance(tid, str) or not tid:
+            raise bad_request(f"messages[{i}].tool_call_id", "a tool message needs the id of the call it answers, "
+                              f"got {json_type(tid)}", code="missing_required_parameter" if tid is None else "invalid_value")
+        out["tool_call_id"] = tid
+    return out
+
+
+def chat_prompt_ids(model: ServedModel, messages: Any, tools: ToolRequest | None = None) -> list[int]:
+    """``tools``: the request's checked tools (None: no tool handling, the conversation may still
+    hold past calls and results)."""
     if messages is None:
         raise bad_request("messages", "required", code="missing_required_parameter")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", f"expected a non-empty array of messages, got {json_type(messages)}"
                           + (" (empty)" if messages == [] else ""))
-    rendered = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise bad_request(f"messages[{i}]", f"expected an object, got {json_type(msg)}")
-        role = msg.get("role")
-        if role not in ROLES:
-            raise bad_request(f"messages[{i}].role", f"{role!r} is not supported; allowed: "
-                              f"{', '.join(sorted(ROLES))} (tool messages need tools, which are not supported)")
-        rendered.append({"role": ROLES[role], "content": _content(i, msg)})
+    checked = [_message(i, m) for i, m in enumerate(messages)]
+    uses_tools = tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in checked)
+    fmt = model.tool_format
+    if uses_tools and fmt is None:
+        raise bad_request("tools" if tools is not None else "messages", "this server does not handle tools "
+                          "(--tool-parser none)", code="unsupported_value")
+    tool_objs = [t.openai() for t in tools.tools] if tools is not None else None
+    if not uses_tools:
+        rendered = checked
+    elif template_has_tools(model.tokenizer.chat_template):
+        rendered = native_messages(checked)
+    else:
+        rendered, tool_objs = builtin_messages(checked, tools, fmt), None
     try:
-        text = model.tokenizer.render_messages(rendered)
+        text = model.tokenizer.render_messages(rendered, tools=tool_objs)
     except ValueError as e:  # the bundle has no chat template
         raise bad_request("messages", f"{e}; use /v1/completions", code="unsupported_value") from None
     except Exception as e:  # noqa: BLE001 - the template itself refused (e.g. raise_exception on role order)

@@ -75,21 +75,25 @@ class Completion:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(self, text: str, finish_reason: str | None, logprobs: Any,
-                 use: dict[str, int]) -> dict[str, Any]:
+    def response(self, text: str | None, finish_reason: str | None, logprobs: Any,
+                 use: dict[str, int], tool_calls: list | None = None) -> dict[str, Any]:
+        """``tool_calls``: the answer's calls (chat with tools); its content is then null unless
+        the model also wrote text."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head(self.object), "choices": [choice], "usage": use}
 
     def chunk(self, *, text: str | None = None, role: bool = False, finish_reason: str | None = None,
-              logprobs: Any = None, with_usage: bool = False) -> dict[str, Any]:
+              logprobs: Any = None, with_usage: bool = False, delta: dict | None = None) -> dict[str, Any]:
         """A stream chunk of one choice. With ``stream_options.include_usage`` every chunk carries
         ``usage: null`` and a last one (``usage_chunk``) the totals, as OpenAI streams them."""
         if self.chat:
-            delta: dict[str, Any] = {}
+            delta = dict(delta or {})   # a tool answer's delta (content or tool_calls), made by the caller
             if role:
                 delta["role"] = "assistant"
             if text is not None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from backend import bundle
 from backend.serving.conversion.tokenizer import TextTokenizer, load_tokenizer
 from harness.model_names import repository_names
+from harness.openai.tool_parsers import ToolFormat, choose_format
 
 __all__ = ["ServedModel", "load_served_model", "engine_dir_of"]
 
@@ -30,6 +31,8 @@ class ServedModel:
     max_seq_len: int        # prompt + generated tokens
     vocab_size: int
     created: int            # engine.json's modification time: a stable "created" for /v1/models
+    # how tool calls are written and parsed (--tool-parser; auto: from the chat template); None: no tools
+    tool_format: ToolFormat | None = None
 
 
 def engine_dir_of(repo: Path, engine_model: str) -> Path:
@@ -45,7 +48,7 @@ def engine_dir_of(repo: Path, engine_model: str) -> Path:
     return path if path.is_absolute() else (repo / path).resolve()
 
 
-def load_served_model(repo: str | Path, name: str | None = None) -> ServedModel:
+def load_served_model(repo: str | Path, name: str | None = None, tool_parser: str = "auto") -> ServedModel:
     """``name`` overrides the model id; by default it is the config's stem (``smollm2-135m-fp8``),
     which names the bundle wherever its build folder was moved."""
     repo = Path(repo).resolve()
@@ -59,4 +62,5 @@ def load_served_model(repo: str | Path, name: str | None = None) -> ServedModel:
     tok = load_tokenizer(edir)
     return ServedModel(name=name, engine_model=engine_model, engine_dir=edir, tokenizer=tok,
                        max_input_len=manifest.engine.max_input_len, max_seq_len=manifest.engine.max_seq_len,
-                       vocab_size=tok.vocab_size, created=int((edir / bundle.MANIFEST).stat().st_mtime))
+                       vocab_size=tok.vocab_size, created=int((edir / bundle.MANIFEST).stat().st_mtime),
+                       tool_format=choose_format(tool_parser, tok.chat_template))

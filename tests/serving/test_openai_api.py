@@ -218,6 +218,12 @@ def test_readme_openai_curl_examples_work_as_printed(stack):
         assert "error" not in body, body
         if cmd.rstrip().endswith("/v1/models"):
             assert body["data"][0]["id"] == MODEL
+        elif '"tools"' in cmd:  # the tool-calling example: one call, its arguments valid
+            import jsonschema
+            tool = json.loads(cmd.split("-d '", 1)[1].rsplit("'", 1)[0])["tools"][0]["function"]
+            (call,) = body["choices"][0]["message"]["tool_calls"]
+            assert call["function"]["name"] == tool["name"] and body["choices"][0]["finish_reason"] == "tool_calls"
+            jsonschema.validate(json.loads(call["function"]["arguments"]), tool["parameters"])
         else:
             assert body["choices"][0]["message"]["content"].strip() and body["usage"]["completion_tokens"] > 0
         if "response_format" in cmd:  # the structured-output example: its schema holds
@@ -226,6 +232,7 @@ def test_readme_openai_curl_examples_work_as_printed(stack):
             jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
             assert body["choices"][0]["finish_reason"] == "stop"
     assert any("response_format" in c for c in cmds), "README 'OpenAI API' lost its structured-output example"
+    assert any('"tools"' in c for c in cmds), "docs/openai.md lost its tool-calling example"
 
 
 # ---- structured output (response_format, vLLM's guided_*) -----------------------------------------

@@ -51,16 +51,17 @@ class TextTokenizer:
     def render_chat(self, user_text: str) -> str:
         return self.render_messages([{"role": "user", "content": user_text}])
 
-    def render_messages(self, messages: list[dict[str, str]]) -> str:
+    def render_messages(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """A whole conversation (``{"role", "content"}`` dicts, content as text) through the chat
-        template, ending with the assistant's turn (the OpenAI front door's chat requests)."""
+        template, ending with the assistant's turn (the OpenAI front door's chat requests).
+        ``tools``: OpenAI's tool objects, for a template that renders them (transformers' convention)."""
         if not self.chat_template:
             raise ValueError("apply_chat_template: this engine's tokenizer has no chat_template")
         if self._template is None:
             import jinja2.sandbox  # only chat requests pay for it
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=True, **self.special)
+        return self._template.render(messages=messages, tools=tools, add_generation_prompt=True, **self.special)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
