@@ -133,7 +133,8 @@ def test_int4_round_trip_and_modelopt_layout(rng):
     assert q["weight"].shape == (32, 64) and q["weight_scale"].shape == (32, 4)
     back = F.dequantize_int4(q["weight"], q["weight_scale"])
     half_step = q["weight_scale"].repeat_interleave(32, dim=1) / 2
-    assert ((back - w).abs() <= half_step * (1 + EPS) + 1e-30).all()
+    # (as for int8 below: a tie is half a step off, and q * scale rounds in float32)
+    assert ((back - w).abs() <= half_step * (1 + EPS) + back.abs() * 2**-23 + 1e-30).all()
     # ModelOpt packs along the output dimension; converting both ways is lossless and matches it
     theirs = pack_int4_in_uint8(w, q["weight_scale"], 32)
     assert theirs.shape == (16, 128)
@@ -149,7 +150,10 @@ def test_int8_round_trip(rng):
     w = odd_matrix(rng)
     q = F.quantize_int8_per_row(w)
     back = F.dequantize_int8(q["weight"], q["weight_scale"])
-    assert ((back - w).abs() <= q["weight_scale"][:, None] / 2 * (1 + EPS) + 1e-30).all()
+    # A tie (w / scale = k + 0.5) is exactly half a step off, and the dequantized q * scale rounds in
+    # float32, by up to |back| * 2^-24 (and the difference once more): at codes near 127 that is ~8e-6
+    # of a step, above EPS's share (seen: KILN_TEST_SEED=1646567459, w / scale = -100.5 in row 15).
+    assert ((back - w).abs() <= q["weight_scale"][:, None] / 2 * (1 + EPS) + back.abs() * 2**-23 + 1e-30).all()
     assert q["weight"].abs().max() == 127
 
 
