@@ -60,7 +60,7 @@ LONGEST_FIRST = tuple(f"tests/{f}" for f in (
     "serving/test_non_decoupled.py", "eagle/test_bench_modes.py",
     # added since (single runs, 2-core AMD EPYC, 2026-12-02: 15-27 s each)
     "runtime/test_window_pool.py", "eagle/test_family_eagle.py", "builder/test_reproducible_build.py",
-    "runtime/test_fused_families.py", "builder/test_text_part.py"))
+    "runtime/test_fused_families.py", "builder/test_text_part.py", "kernels/test_gpucheck_families.py"))
 
 
 def _rank(item) -> int:

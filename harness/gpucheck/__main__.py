@@ -1,8 +1,8 @@
-"""python -m harness.gpucheck prepare | run [--out F] [--only NAME ...]"""
+"""python -m harness.gpucheck prepare | run [--out F] [--group formats|families|all] [--only NAME ...]"""
 import sys
 
-USAGE = ("usage: python -m harness.gpucheck prepare | run [--out F] [--only NAME ...]\n"
-         "  prepare  (CPU machine) build tiny random-weight bundles of every GPU format into build/gpu-check/\n"
+USAGE = ("usage: python -m harness.gpucheck prepare | run [--out F] [--group formats|families|all] [--only NAME ...]\n"
+         "  prepare  (CPU machine) build tiny random-weight bundles of every GPU format and family into build/gpu-check/\n"
          "  run      (GPU machine) AOT cubins without JIT, triton vs torch backends, GPU vs CPU, vs HF")
 
 

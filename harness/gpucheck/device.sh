@@ -7,9 +7,10 @@
 # The parts, their order, their steps and time budgets are data: GPU_HOST in harness/perf/suites.py
 # (`python -m harness.perf gpu-host OUT --dry-run` prints the plan). This script records the host's
 # stack in OUT/env.txt and runs that plan. The knobs are environment variables (harness/perf/runner.py):
-#   PARTS       which parts run (default "check kernels bench spec perf"; dtests, sweep, ncu, tp when named)
+#   PARTS       which parts run (default "check kernels bench spec perf"; dtests, sweep, ncu, tp, families
+#               when named: families checks the Qwen3, Mistral and Gemma 3 bundles)
 #   T_TOTAL     seconds the whole call may take (default 530); T_<STEP> one step's limit (T_CHECK, T_KERNELS,
-#               T_DTESTS, T_SWEEP, T_NCU, T_HOST, T_BENCH, T_SPEC, T_PERF, T_LAUNCHES, T_TP)
+#               T_DTESTS, T_SWEEP, T_NCU, T_HOST, T_BENCH, T_SPEC, T_PERF, T_LAUNCHES, T_TP, T_FAMILIES)
 #   KERNEL_ARGS, BENCH_ARGS, SPEC_ARGS, PERF_ARGS, TP_ARGS, SWEEP_KERNELS   arguments of those steps
 #   TIME_LIMIT  the throughput run's own limit; SWEEP_APPLY=<kernel>/<variant>: later steps run its winner
 #   NCU_CASE, NCU_CFGS ';'-separated JSON tuning values for Nsight Compute

@@ -6,7 +6,9 @@ small BPE tokenizer trained on quant/data, and runs the REAL builder on it (impo
 quantize -> compile with AOT cubins for sm_90 -> package) for every format the GPU path treats
 differently: bf16, FP8 + FP8 KV (torch._scaled_mm, fp8 KV kernels), NVFP4 and INT4-AWQ (W4A16 GEMM
 kernels). It then records this CPU's own greedy outputs (fp32) for the same prompts, so the GPU run
-can compare against them. Everything lands in build/gpu-check/: carry hf/, */engine/ and ref/ (~35 MB).
+can compare against them. The newer families (Qwen3, Mistral with a window, Gemma 3) get one bf16 bundle
+each, with transformers' logits computed here (harness/gpucheck/families.py). Everything lands in
+build/gpu-check/: carry hf/, */engine/ and ref/ (the hf-<family>/ folders stay here).
 Random weights make accuracy meaningless, so the build's verify stage is off for these bundles.
 """
 from __future__ import annotations
@@ -96,7 +98,7 @@ def cpu_reference(bundle: Path, ids: list[list[int]]) -> list[list[int]]:
     from backend.engine.executor import Executor
     from backend.runtime.native import prefill_logits
     from backend.engine.sampling_params import SamplingParams
-    ex = Executor(bundle, device="cpu", dtype=torch.float32, start=False)
+    ex = Executor(bundle, device="cpu", dtype=torch.float32, start=False, attention_backend="torch")
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outs = [r.token_ids for r in ex.generate(ids, params)]
     # every request has finished: the pool's blocks are free for prefill_logits to write into
@@ -127,6 +129,8 @@ def main() -> int:
         bundle = OUT / name / "engine" if (OUT / name / "engine" / "engine.json").is_file() else bundle
         ref["bundles"][name] = {"path": str(bundle.relative_to(REPO)), "cpu_fp32_greedy": cpu_reference(bundle, ids)}
         print(f"[{name}] bundle {bundle} ({time.time() - t0:.0f} s)")
+    from harness.gpucheck import families
+    ref["bundles"].update(families.prepare(OUT, hf, TINY, build_config("bf16", hf), ids, cpu_reference, REPO))
     (OUT / "ref").mkdir(exist_ok=True)
     (OUT / "ref" / "reference.json").write_text(json.dumps(ref) + "\n")
     size = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())

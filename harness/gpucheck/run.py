@@ -9,6 +9,8 @@ for each bundle:
   3. CPU parity: fp32 greedy outputs on the GPU vs the CPU machine's (fraction identical, first
      divergence); FP8 must have taken the torch._scaled_mm path;
   4. the bf16 bundle vs Hugging Face transformers `generate` of the source checkpoint on the GPU (fp32);
+     a family bundle (``--group families``: Qwen3, Mistral, Gemma 3) vs transformers' teacher-forced
+     logits, on each attention backend it runs on;
   5. the build's streamed accuracy check (verify.device: cuda) on the FP8 bundle: the same top-1
      agreement and KL against the source checkpoint on the GPU as on this machine's CPU.
 Writes one JSON (default build/perf/gpu-check-<gpu>.json) and prints a table. Exit 1 when a check fails.
@@ -137,31 +139,44 @@ def check_bundle(name: str, entry: dict, ref: dict) -> dict:
     import torch
     bundle = REPO / entry["path"]
     prompts, n = ref["prompts"], ref["max_tokens"]
-    res: dict = {"bundle": entry["path"]}
-    before = jit_cubins()
-    _, aot = _greedy(bundle, prompts, n, torch.bfloat16, "triton")
-    res["aot_bf16"] = {**aot, "jit_cubins_compiled": jit_cubins() - before}
-    tri, info_t = _greedy(bundle, prompts, n, torch.float32, "triton")
-    ref_t, info_r = _greedy(bundle, prompts, n, torch.float32, "torch")
-    res["fp32_triton_vs_torch"] = _compare(tri, ref_t)
-    res["fp32_triton_cuda_graphs"] = {k: info_t[k] for k in ("cuda_graphs", "decode_graph_steps")}
-    res["fp32_gpu_vs_cpu"] = _compare(ref_t, entry["cpu_fp32_greedy"])
+    backends = entry.get("backends", ["triton", "torch"])   # a family bundle names the ones it runs on
+    res: dict = {"bundle": entry["path"], "backends": backends}
+    if "triton" in backends:
+        before = jit_cubins()
+        _, aot = _greedy(bundle, prompts, n, torch.bfloat16, "triton")
+        res["aot_bf16"] = {**aot, "jit_cubins_compiled": jit_cubins() - before}
+    outs, infos = {}, {}
+    for b in backends:
+        outs[b], infos[b] = _greedy(bundle, prompts, n, torch.float32, b)
+    info_r, info_t = infos[backends[-1]], infos[backends[0]]
+    if "triton" in backends:
+        res["fp32_triton_vs_torch"] = _compare(outs["triton"], outs["torch"])
+        res["fp32_triton_cuda_graphs"] = {k: infos["triton"][k] for k in ("cuda_graphs", "decode_graph_steps")}
+    res["fp32_gpu_vs_cpu"] = _compare(outs[backends[-1]], entry["cpu_fp32_greedy"])
     from safetensors.torch import load_file
     cpu = load_file(str(DIR / "ref" / f"{name}-cpu-logits.safetensors"))["logits"].float()
     cpu_tokens = torch.tensor([t for o in entry["cpu_fp32_greedy"] for t in o])
-    tf = {b: teacher_forced(bundle, prompts, entry["cpu_fp32_greedy"], torch.float32, b) for b in ("torch", "triton")}
-    for b in ("torch", "triton"):
+    tf = {b: teacher_forced(bundle, prompts, entry["cpu_fp32_greedy"], torch.float32, b) for b in backends}
+    for b in backends:
         res[f"fp32_teacher_forced_vs_cpu_{b}"] = distribution_gap(cpu, tf[b], cpu_tokens)
-    res["fp32_teacher_forced_triton_vs_torch"] = distribution_gap(tf["torch"], tf["triton"])
+    gaps = []
+    if "triton" in backends:
+        res["fp32_teacher_forced_triton_vs_torch"] = distribution_gap(tf["torch"], tf["triton"])
+        gaps.append(res["fp32_teacher_forced_triton_vs_torch"])
     res["linear_path"] = info_r["linear"]
     res["peak_gpu_mib_fp32"] = info_t["peak_gpu_mib"]
     # A wrong scale, layout or mask moves whole distributions (KL of order 1); rounding differences
     # (fp8 MMA accumulation, tf32 dots, fp8 KV codes flipping) stay orders of magnitude below.
     # nvfp4 runs W4A16 on Hopper but W4A4 (fake-quantized activations) on CPU: compared GPU to GPU only.
-    gaps = [res["fp32_teacher_forced_triton_vs_torch"]]
     if name != "nvfp4":
-        gaps += [res[f"fp32_teacher_forced_vs_cpu_{b}"] for b in ("torch", "triton")]
-    ok = (res["aot_bf16"]["launched_aot"] > 0 or DEVICE == "cpu") and all(g["mean_kl"] < MAX_KL for g in gaps)
+        gaps += [res[f"fp32_teacher_forced_vs_cpu_{b}"] for b in backends]
+    if entry.get("group") == "families":   # and against transformers' own logits (computed on the CPU machine)
+        hf = load_file(str(DIR / "ref" / f"{name}-hf-logits.safetensors"))["logits"].float()
+        for b in backends:
+            res[f"fp32_teacher_forced_vs_hf_{b}"] = distribution_gap(hf, tf[b], cpu_tokens)
+            gaps.append(res[f"fp32_teacher_forced_vs_hf_{b}"])
+    aot_ok = "triton" not in backends or res["aot_bf16"]["launched_aot"] > 0 or DEVICE == "cpu"
+    ok = aot_ok and all(g["mean_kl"] < MAX_KL for g in gaps)
     if name == "fp8":
         ok = ok and "scaled_mm" in res["linear_path"]
         res["verify_streamed_device_vs_cpu"] = streamed_verify(bundle, prompts)
@@ -169,7 +184,7 @@ def check_bundle(name: str, entry: dict, ref: dict) -> dict:
     if name in ("nvfp4", "int4_awq"):
         ok = ok and "packed-kernel" in res["linear_path"]
     if name == "bf16":
-        res["fp32_vs_hf_generate"] = _compare(ref_t, hf_greedy(DIR / "hf", prompts, n))
+        res["fp32_vs_hf_generate"] = _compare(outs["torch"], hf_greedy(DIR / "hf", prompts, n))
         ok = ok and res["fp32_vs_hf_generate"]["all_equal"]
     res["ok"] = bool(ok)
     return res
@@ -178,7 +193,10 @@ def check_bundle(name: str, entry: dict, ref: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.gpucheck run", description=__doc__.splitlines()[0])
     ap.add_argument("--out", "--output", dest="out", help="result JSON (default build/perf/gpu-check-<gpu>.json)")
-    ap.add_argument("--only", nargs="*", help="bundle names to check (default: all prepared)")
+    ap.add_argument("--only", nargs="*", help="bundle names to check (default: every bundle of --group)")
+    ap.add_argument("--group", default="formats", choices=("formats", "families", "all"),
+                    help="formats: the Llama bundles of every linear format (default); families: Qwen3, "
+                         "Mistral, Gemma 3 (bf16); all: both")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: smoke-test this script here (needs TRITON_INTERPRET=1; no AOT, no speed)")
     a = ap.parse_args(argv)
@@ -218,6 +236,8 @@ def _check_all(ref: dict, a, res: dict, write_report) -> int:
     res["bundles"] = {}
     for name, entry in ref["bundles"].items():
         if a.only and name not in a.only:
+            continue
+        if not a.only and a.group != "all" and entry.get("group", "formats") != a.group:
             continue
         try:
             res["bundles"][name] = check_bundle(name, entry, ref)

@@ -52,6 +52,9 @@ SUITES: tuple[Suite, ...] = (
     Suite("gpu-check", "check", "gpu", 100, ("-m", "harness.gpucheck", "run"),
           "every prepared format on the GPU: AOT cubins without JIT, triton vs torch, GPU vs CPU vs HF, "
           "the streamed verify on the GPU", output="gpu-check.json", make="gpu-check"),
+    Suite("gpu-check-families", "check", "gpu", 90, ("-m", "harness.gpucheck", "run", "--group", "families"),
+          "Qwen3, Mistral (window) and Gemma 3 (sliding layers' own KV pool) bundles on the GPU: each attention "
+          "backend they run on vs the CPU and transformers' logits", output="gpu-check-families.json"),
     Suite("dtests", "check", "gpu", 60,
           ("-m", "pytest", "tests/kernels/test_paged_decode.py", "-q", "-p", "no:cacheprovider", "-n", "8"),
           "the decode attention's tests on the GPU (every tuning knob against the reference)",
@@ -183,6 +186,7 @@ GPU_HOST: tuple[tuple[str, tuple[Step, ...]], ...] = (
                    after_part=("kernels", ("--skip-tests",))),
               Step("launches-gpu", 30, "T_LAUNCHES", log="launches-gpu.log"))),
     ("tp", (Step("tp-overhead", 90, "T_TP", "TP_ARGS", log="tp.log", show_last_line=True),)),
+    ("families", (Step("gpu-check-families", 90, "T_FAMILIES", log="gpu-check-families.log"),)),
 )
 DEFAULT_PARTS = ("check", "kernels", "bench", "spec", "perf")
 TOTAL_S = 530          # one 600-second call of a GPU host, less start-up and transfers

@@ -18,7 +18,7 @@ MAKE_TARGETS = {"bench": "serving", "bench-openai": "openai-aiperf", "bench-engi
                 "bench-eagle-cost": "eagle-cost", "soak": "soak", "gpu-check-prepare": "gpu-check-prepare",
                 "gpu-check": "gpu-check", "bench-gpu": "bench-gpu"}
 # the GPU host script's parts before they became data
-GPU_HOST_PARTS = ("check", "kernels", "dtests", "sweep", "ncu", "bench", "spec", "perf", "tp")
+GPU_HOST_PARTS = ("check", "kernels", "dtests", "sweep", "ncu", "bench", "spec", "perf", "tp", "families")
 
 
 def _recipe(target: str) -> str:
