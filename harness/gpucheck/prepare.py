@@ -8,7 +8,7 @@ differently: bf16, FP8 + FP8 KV (torch._scaled_mm, fp8 KV kernels), NVFP4 and IN
 kernels). It then records this CPU's own greedy outputs (fp32) for the same prompts, so the GPU run
 can compare against them. The newer families (Qwen3, Mistral with a window, Gemma 3) get one bf16 bundle
 each, with transformers' logits computed here (harness/gpucheck/families.py). Everything lands in
-build/gpu-check/: carry hf/, */engine/ and ref/ (the hf-<family>/ folders stay here).
+build/gpu-check/: carry hf/, */engine/ and ref/ (60 MiB; the hf-<family>/ folders stay here).
 Random weights make accuracy meaningless, so the build's verify stage is off for these bundles.
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def prompts(tokenizer_dir: Path) -> list[list[int]]:
     return [tok.encode(t).ids[:n] for t, n in zip(texts, lens)]
 
 
-def cpu_reference(bundle: Path, ids: list[list[int]]) -> list[list[int]]:
+def cpu_reference(bundle: Path, ids: list[list[int]], save_logits: bool = True) -> list[list[int]]:
     """This CPU's fp32 greedy outputs, and (in cpu_logits.safetensors beside the bundle) its
     teacher-forced next-token logits at every generated position, for the GPU's KL comparison
     (build/gpu-check/ref/<name>-cpu-logits.safetensors)."""
@@ -101,9 +101,11 @@ def cpu_reference(bundle: Path, ids: list[list[int]]) -> list[list[int]]:
     ex = Executor(bundle, device="cpu", dtype=torch.float32, start=False, attention_backend="torch")
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outs = [r.token_ids for r in ex.generate(ids, params)]
+    (OUT / "ref").mkdir(exist_ok=True)
+    if not save_logits:
+        return outs
     # every request has finished: the pool's blocks are free for prefill_logits to write into
     logits = [prefill_logits(ex.runner, p + o[:-1])[len(p) - 1:] for p, o in zip(ids, outs)]
-    (OUT / "ref").mkdir(exist_ok=True)
     save_file({"logits": torch.cat(logits).half()}, str(OUT / "ref" / f"{bundle.parent.name}-cpu-logits.safetensors"))
     return outs
 

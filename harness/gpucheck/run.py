@@ -138,8 +138,11 @@ def streamed_verify(bundle: Path, prompts) -> dict:
 def check_bundle(name: str, entry: dict, ref: dict) -> dict:
     import torch
     bundle = REPO / entry["path"]
-    prompts, n = ref["prompts"], ref["max_tokens"]
-    backends = entry.get("backends", ["triton", "torch"])   # a family bundle names the ones it runs on
+    # a family bundle names its prompts, the attention backends it runs on, and transformers' logits as
+    # its teacher-forced reference (harness/gpucheck/families.py); a format bundle this CPU's Kiln logits
+    prompts, n = entry.get("prompts", ref["prompts"]), ref["max_tokens"]
+    backends = entry.get("backends", ["triton", "torch"])
+    family = entry.get("group") == "families"
     res: dict = {"bundle": entry["path"], "backends": backends}
     if "triton" in backends:
         before = jit_cubins()
@@ -154,11 +157,12 @@ def check_bundle(name: str, entry: dict, ref: dict) -> dict:
         res["fp32_triton_cuda_graphs"] = {k: infos["triton"][k] for k in ("cuda_graphs", "decode_graph_steps")}
     res["fp32_gpu_vs_cpu"] = _compare(outs[backends[-1]], entry["cpu_fp32_greedy"])
     from safetensors.torch import load_file
-    cpu = load_file(str(DIR / "ref" / f"{name}-cpu-logits.safetensors"))["logits"].float()
+    kind = "hf" if family else "cpu"
+    teacher = load_file(str(DIR / "ref" / f"{name}-{kind}-logits.safetensors"))["logits"].float()
     cpu_tokens = torch.tensor([t for o in entry["cpu_fp32_greedy"] for t in o])
     tf = {b: teacher_forced(bundle, prompts, entry["cpu_fp32_greedy"], torch.float32, b) for b in backends}
     for b in backends:
-        res[f"fp32_teacher_forced_vs_cpu_{b}"] = distribution_gap(cpu, tf[b], cpu_tokens)
+        res[f"fp32_teacher_forced_vs_{kind}_{b}"] = distribution_gap(teacher, tf[b], cpu_tokens)
     gaps = []
     if "triton" in backends:
         res["fp32_teacher_forced_triton_vs_torch"] = distribution_gap(tf["torch"], tf["triton"])
@@ -169,12 +173,7 @@ def check_bundle(name: str, entry: dict, ref: dict) -> dict:
     # (fp8 MMA accumulation, tf32 dots, fp8 KV codes flipping) stay orders of magnitude below.
     # nvfp4 runs W4A16 on Hopper but W4A4 (fake-quantized activations) on CPU: compared GPU to GPU only.
     if name != "nvfp4":
-        gaps += [res[f"fp32_teacher_forced_vs_cpu_{b}"] for b in backends]
-    if entry.get("group") == "families":   # and against transformers' own logits (computed on the CPU machine)
-        hf = load_file(str(DIR / "ref" / f"{name}-hf-logits.safetensors"))["logits"].float()
-        for b in backends:
-            res[f"fp32_teacher_forced_vs_hf_{b}"] = distribution_gap(hf, tf[b], cpu_tokens)
-            gaps.append(res[f"fp32_teacher_forced_vs_hf_{b}"])
+        gaps += [res[f"fp32_teacher_forced_vs_{kind}_{b}"] for b in backends]
     aot_ok = "triton" not in backends or res["aot_bf16"]["launched_aot"] > 0 or DEVICE == "cpu"
     ok = aot_ok and all(g["mean_kl"] < MAX_KL for g in gaps)
     if name == "fp8":
