@@ -120,7 +120,9 @@ REGISTRY: dict[tuple[str, str, str | None], Impl] = {
 # The kinds whose kernels run a decoder layer fused (norm + quant, activation + quant, rope + KV
 # write): what the model's fused forward needs. The reference kind keeps the plain ops, whose
 # numbers the CPU path is tested against bit for bit.
-FUSED_LAYER_OPS = ("add_rms_norm_quant", "silu_mul_quant", "rope_write_kv")
+FUSED_LAYER_OPS = ("add_rms_norm_quant", "silu_mul_quant", "rope_write_kv",
+                   # Gemma 3's layer: its post norms (no residual) and the GELU output's fp8 codes
+                   "rms_norm", "quantize_fp8")
 FUSED_LAYER_KINDS = ("triton",)
 
 

@@ -21,18 +21,17 @@ QK_NORMS = ("q_norm", "k_norm")
 
 
 def check_spec(spec: ArchSpec | None, fused: bool) -> None:
-    """Refuse, in one line naming the field, a spec the layer code would not compute as written.
-    ``fused``: the Triton path, which runs the Llama layer with q/k norms (Qwen3's, in its rope + KV
-    write kernel) and windows; the other spec-layer fields are the torch path's only."""
+    """Refuse, in one line naming the field, a spec the layer code would not compute as written. Both
+    layer paths compute the spec-layer fields (the torch path in backend/model/spec_layer.py, the fused
+    Triton one in llama.py's ``_forward_fused``), q/k norms and windows; ``fused`` is kept for the
+    fields one path may take before the other."""
     if spec is None:        # a bundle from before the spec: the Llama layer by construction
         return
     for name, value in LLAMA_LAYER.items():
         got = getattr(spec, name)
-        if got == value or (not fused and name in SPEC_LAYER):   # backend/model/spec_layer.py computes these
+        if got == value or name in SPEC_LAYER:
             continue
-        where = "the fused (triton) attention path" if name in SPEC_LAYER else "this runtime"
-        raise ValueError(f"engine.json: model.arch.{name}: {got!r} is not run by {where} yet; "
-                         f"allowed: {value!r}" + (" (or engine.attention_backend=torch)" if name in SPEC_LAYER else ""))
+        raise ValueError(f"engine.json: model.arch.{name}: {got!r} is not run by this runtime yet; allowed: {value!r}")
 
 
 def rope_args(config, spec: ArchSpec | None) -> tuple[float, dict | None]:

@@ -166,13 +166,12 @@ class LlamaModel:
                                         for layer in self.layers):
             raise KeyError("weights.safetensors: a layer lacks pre_ff_norm/post_ff_norm weights, which "
                            "model.arch.norm_placement pre_post needs; rebuild the bundle")
-        if self.fused and len(self.ropes) > 1:
-            raise ValueError("engine.json: model.arch.attention: per-kind rope tables are not run by the fused "
-                             "(triton) attention path yet; allowed: engine.attention_backend=torch")
         if self.fused:
             half = config.head_dim // 2
-            # [max_pos, 2, D/2] fp32: the same angles as the torch path's tables (before their dtype cast)
-            self.cos_sin = torch.stack([self.rope.cos[:, :half], self.rope.sin[:, :half]], dim=1).contiguous()
+            # per attention kind, [max_pos, 2, D/2] fp32: the same angles as the torch path's tables
+            # (before their dtype cast)
+            self.cos_sins = {kind: torch.stack([r.cos[:, :half], r.sin[:, :half]], dim=1).contiguous()
+                             for kind, r in self.ropes.items()}
 
     def _check_shapes(self) -> None:
         c = self.config
@@ -242,11 +241,13 @@ class LlamaModel:
         (all-reduced, biased) sum before any kernel adds it to the residual; the kernels that quantize
         the O and down inputs (attention's ``out_scale``, ``silu_mul_quant``) work on this rank's
         heads/columns alone, with the replicated per-tensor input scales."""
-        c, k, aot = self.config, self._kernels, self.attention.aot
+        c, k, aot, plan = self.config, self._kernels, self.attention.aot, self.plan
         t, eps = input_ids.shape[0], c.rms_norm_eps
         norm, act = k["add_rms_norm_quant"], k["silu_mul_quant"]
         captured: dict[int, torch.Tensor] = {}
         hidden = self.embed(input_ids)
+        if plan.embedding_scale is not None:   # Gemma: sqrt(hidden), rounded to the model's dtype first
+            hidden = hidden * torch.tensor(plan.embedding_scale, dtype=hidden.dtype, device=hidden.device)
         delta = None
         for i, layer in enumerate(self.layers):
             # Attention block.
@@ -257,7 +258,7 @@ class LlamaModel:
             window = self.windows[i]
             m = meta.window if meta.window is not None and window is not None else meta
             # Qwen3's per-head q/k RMS norms in the same kernel, before the rotation (None: no norms)
-            q = k["rope_write_kv"](qkv, m.positions, self.cos_sin, k_cache, v_cache, m.slot_mapping,
+            q = k["rope_write_kv"](qkv, m.positions, self.cos_sins[plan.rope_of[i]], k_cache, v_cache, m.slot_mapping,
                                    c.num_heads, c.num_kv_heads, layer.k_scale, layer.v_scale, aot=aot,
                                    q_norm=layer.q_norm, k_norm=layer.k_norm, eps=eps)
             # an FP8 O projection's input comes quantized out of the attention kernel
@@ -265,9 +266,24 @@ class LlamaModel:
             attn = self.attention.forward(q, k_cache, v_cache, m, self.scale, layer.k_scale, layer.v_scale,
                                           out_scale=_fp8_in(layer.o), **extra)
             delta = self.row_linear(layer.o, attn.reshape(t, c.q_size))
-            # MLP block.
-            x, hidden = norm(delta, layer.post_attn_norm, eps, hidden, _fp8_in(layer.gate_up), aot=aot)
-            delta = self.row_linear(layer.down, act(_apply(layer.gate_up, x), _fp8_in(layer.down), aot=aot))
+            # MLP block. Gemma's pre_post placement normalizes each block's output before the residual
+            # takes it, and feeds the MLP its own pre norm (the weights are already 1 + w: __init__).
+            if plan.post_norms:
+                delta = k["rms_norm"](delta, layer.post_attn_norm, eps, aot=aot)
+                x, hidden = norm(delta, layer.pre_ff_norm, eps, hidden, _fp8_in(layer.gate_up), aot=aot)
+            else:
+                x, hidden = norm(delta, layer.post_attn_norm, eps, hidden, _fp8_in(layer.gate_up), aot=aot)
+            gate_up = _apply(layer.gate_up, x)
+            if plan.activation == "silu":
+                y = act(gate_up, _fp8_in(layer.down), aot=aot)
+            else:   # GELU-tanh (Gemma): PyTorch's op, then the down GEMM's fp8 codes when it takes them
+                gate, up = gate_up.chunk(2, dim=-1)
+                y = spec_layer.ACTIVATIONS[plan.activation](gate) * up
+                if _fp8_in(layer.down) is not None:
+                    y = k["quantize_fp8"](y.contiguous(), _fp8_in(layer.down), aot=aot)
+            delta = self.row_linear(layer.down, y)
+            if plan.post_norms:
+                delta = k["rms_norm"](delta, layer.post_ff_norm, eps, aot=aot)
             if i in capture_hidden_layers:
                 captured[i] = hidden + delta
         if delta is None:

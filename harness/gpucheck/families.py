@@ -26,7 +26,7 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                {"sliding_window": WINDOW, "query_pre_attn_scalar": 48, "num_hidden_layers": 2,
                 "layer_types": ["sliding_attention", "full_attention"], "hidden_activation": "gelu_pytorch_tanh"},
-               ("torch",)),   # the fused (triton) layer does not run Gemma 3's yet
+               ("triton", "torch")),
 }
 
 

@@ -1,5 +1,7 @@
 """The fused (Triton) decoder layer on the newer families: Qwen3's per-head q/k RMS norms inside the rope +
-KV-write kernel, and Mistral's sliding window in the paged decode and prefill kernels, run by the engine
+KV-write kernel, Mistral's sliding window in the paged decode and prefill kernels, and Gemma 3's layer
+(four (1 + w) norms, two of them on the blocks' outputs, GELU-tanh, a scaled embedding, a query scalar,
+sliding and full layers with their own ropes), run by the engine
 (kernels in Triton's interpreter on this CPU; the same launches a GPU compiles). Tiny random checkpoints
 of transformers' own classes (tests/runtime/test_family_parity.py): greedy tokens are transformers'
 (its full forward's argmax at every step) and every generated token's logits are within 1e-4 of it.
@@ -28,7 +30,7 @@ ENGINE = dict(attention_backend="triton", cuda_graphs=False, max_kv_tokens=1024,
               max_num_tokens=64)   # 64: the 41-token prompt and its neighbours prefill in more than one step
 
 
-@pytest.fixture(scope="module", params=["qwen3", "mistral_window"])
+@pytest.fixture(scope="module", params=["qwen3", "mistral_window", "gemma3"])
 def family(request, tmp_path_factory, smollm2_hf_dir):
     root = tmp_path_factory.mktemp(f"fused-{request.param}")
     src = _checkpoint(request.param, root / "src", Path(smollm2_hf_dir))
