@@ -32,6 +32,8 @@ That is how the CPU tests check the padding and buffer logic, which is where thi
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from backend.logs import get_logger
@@ -84,6 +86,10 @@ class _Buffers:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device) * (1 if q == 1 else 0)
         self.tree_mask = torch.ones(rows, q, dtype=torch.bool, device=device) if q > 1 else None
         self.has_tree = False
+        # the sliding layers' slots and block tables when they have a KV pool of their own
+        # (backend/engine/kv_groups.py): made at the first such step, before any graph reads them
+        self.window_slots: torch.Tensor | None = None
+        self.window_tables: torch.Tensor | None = None
 
     def load(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
         """Copy one step in; pad every row and sequence past it up to the largest bucket (a graph
@@ -96,6 +102,13 @@ class _Buffers:
         self.slot_mapping[rows:].fill_(-1)
         self.positions[rows:].zero_()
         self.block_tables[:t, :w].copy_(meta.block_tables)
+        if meta.window is not None:
+            if self.window_slots is None:
+                self.window_slots = torch.full_like(self.slot_mapping, -1)
+                self.window_tables = torch.zeros_like(self.block_tables)
+            self.window_slots[:rows].copy_(meta.window.slot_mapping)
+            self.window_slots[rows:].fill_(-1)
+            self.window_tables[:t, :w].copy_(meta.window.block_tables)
         self.seq_lens[:t].copy_(meta.seq_lens)
         self.seq_lens[t:].zero_()
         self.context_lens[:t].copy_(meta.context_lens)
@@ -111,12 +124,16 @@ class _Buffers:
 
     def meta(self, b: int, max_seq_len: int, tree: bool) -> AttentionMetadata:
         r = b * self.q
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             positions=self.positions[:r], slot_mapping=self.slot_mapping[:r], block_tables=self.block_tables[:b],
             seq_lens=self.seq_lens[:b], query_start_loc=self.query_start_loc[:b + 1],
             context_lens=self.context_lens[:b], num_prefills=0, num_prefill_tokens=0, num_decode_tokens=r,
             max_query_len=self.q, max_seq_len=max_seq_len,
             tree_mask=self.tree_mask[:r] if tree else None)
+        if self.window_slots is not None:
+            meta.window = dataclasses.replace(meta, slot_mapping=self.window_slots[:r],
+                                              block_tables=self.window_tables[:b])
+        return meta
 
 
 class DecodeGraphs:

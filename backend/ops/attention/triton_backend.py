@@ -40,6 +40,7 @@ class TritonAttentionBackend(AttentionBackend):
     None = Triton JIT."""
     name = "triton"
     sliding_window = True   # the paged kernels' window variants (plugins/paged_decode.py, paged_prefill.py)
+    window_tables = True    # their masks drop every key outside the window (a stale table entry is never weighed)
 
     def __init__(self, aot=None) -> None:
         self.aot = aot
