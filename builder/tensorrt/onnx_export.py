@@ -2,7 +2,9 @@
 
 The graph computes what the native runner's unfused layer computes (backend/model/llama.py
 ``decoder_layer``), op for op: RMSNorm in fp32 cast back before the weight multiply, the QKV / O /
-gate-up / down linears, SiLU x up, residual adds, the final norm, the logits rows, the lm_head. Three
+gate-up / down linears, SiLU x up, residual adds, the final norm, the logits rows, the lm_head, and
+Qwen3's per-head q/k RMS norms as standard nodes where the bundle has them (``_check_spec`` refuses what
+the graph does not compute: windows that bind, Gemma 3's layer, a rope per attention kind). Three
 steps have no ONNX or TensorRT layer and are Kiln plugins (custom nodes, see onnx_graph.py):
 ``kiln_rope_kv_write`` (rotary embedding of q and k, k and v written into the paged pool at the
 step's slots, fp8 with the layer's scales) and ``kiln_paged_prefill`` (varlen paged attention over
@@ -32,7 +34,7 @@ from onnx import TensorProto, helper
 
 from backend import bundle
 from backend.runtime import graph_io
-from backend.model.decoder_parts import rope_args
+from backend.model.decoder_parts import LLAMA_LAYER, rope_args
 from backend.model.layers import RotaryEmbedding
 from plugins.tensorrt.variants import W4A16
 
@@ -172,10 +174,36 @@ def layer_constants(g: Graph, c, max_positions: int) -> None:
     g.const("cos_sin", np.stack([rope.cos[:, :half].numpy(), rope.sin[:, :half].numpy()], axis=1))
 
 
+def qk_norm(g: Graph, c, qkv: str, p: str, cd: int) -> str:
+    """Qwen3's per-head RMSNorm of q and k, before the rope plugin rotates them: each head of
+    ``qkv [T, (Hq + 2 Hkv) D]``'s q and k parts normalized over D in fp32, cast back, then times the
+    layer's q_norm weight (query heads) or k_norm weight (key heads); v passes as it is."""
+    hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+    qk, v = g.node("Split", [qkv, g.const(f"qk_v_split", np.array([(hq + hkv) * d, hkv * d], np.int64))],
+                   f"{p}.qk_norm.split", 2, axis=-1)
+    heads = g.op("Reshape", [qk, g.const("qk_heads_shape", np.array([0, hq + hkv, d], np.int64))], f"{p}.qk_norm.heads")
+    xf = g.cast(heads, TensorProto.FLOAT, f"{p}.qk_norm.f32")
+    ms = g.op("ReduceMean", [g.op("Mul", [xf, xf], f"{p}.qk_norm.sq"), g.const("axis_last", np.array([-1], np.int64))],
+              f"{p}.qk_norm.mean", keepdims=1)
+    inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ms, "rms_eps"], f"{p}.qk_norm.eps")], f"{p}.qk_norm.sqrt")],
+               f"{p}.qk_norm.rsqrt")
+    y = g.cast(g.op("Mul", [xf, inv], f"{p}.qk_norm.scale"), cd, f"{p}.qk_norm.cast")
+    # the weight of each head: q_norm's on the Hq query heads, k_norm's on the Hkv key heads -> [Hq + Hkv, D]
+    per_head = [g.op("Expand", [g.cast(g.weight(f"{p}.{w}.weight"), cd, f"{p}.{w}.cast"),
+                                g.const(f"{w}_heads", np.array([n, d], np.int64))], f"{p}.{w}.heads")
+                for w, n in (("q_norm", hq), ("k_norm", hkv))]
+    weight = g.op("Concat", per_head, f"{p}.qk_norm.weight", axis=0)
+    normed = g.op("Reshape", [g.op("Mul", [weight, y], f"{p}.qk_norm.weight.mul"),
+                              g.const("qk_flat_shape", np.array([0, (hq + hkv) * d], np.int64))], f"{p}.qk_norm.flat")
+    return g.op("Concat", [normed, v], f"{p}.qk_norm.qkv", axis=-1)
+
+
 def decoder_layer(g: Graph, c, i: int, h: str, cd: int, kv_fp8: bool, fmt: str) -> str:
     p = f"layers.{i}"
     x = rms_norm(g, h, f"{p}.input_norm.weight", f"{p}.input_norm", cd)
     qkv = linear(g, x, f"{p}.qkv", cd, fmt)
+    if g.has(f"{p}.q_norm.weight"):
+        qkv = qk_norm(g, c, qkv, p, cd)
     scales = _kv_scale(g, i, "k", kv_fp8), _kv_scale(g, i, "v", kv_fp8)
     attn = paged_attention(g, c, qkv, (graph_io.k_cache(i), graph_io.v_cache(i)),
                            (graph_io.k_cache_out(i), graph_io.v_cache_out(i)), scales, p)
@@ -186,16 +214,34 @@ def decoder_layer(g: Graph, c, i: int, h: str, cd: int, kv_fp8: bool, fmt: str) 
     return g.op("Add", [h, linear(g, silu_mul(g, gate, up, p), f"{p}.down", cd, fmt)], f"{p}.mlp.residual")
 
 
+def _check_spec(bundle_dir: Path, manifest: bundle.Manifest) -> None:
+    """Refuse, in one line naming the field, a model the graph would not compute as written: it is the
+    Llama layer with Qwen3's per-head q/k norms, one rope and full attention (windows that bind need the
+    attention plugin's window variant, Gemma 3's layer its norms and activation: not exported yet)."""
+    where = f"{bundle_dir / bundle.MANIFEST}: model"
+    spec = manifest.model.arch_spec
+    for name, value in (LLAMA_LAYER.items() if spec is not None else ()):
+        if getattr(spec, name) != value:
+            raise ExportError(f"{where}.arch.{name}: {getattr(spec, name)!r} has no ONNX export yet; allowed: "
+                              f"{value!r}, or tensorrt.enabled=false")
+    windows = [a.window for a in spec.attention if a.window is not None] if spec is not None else []
+    windows += [manifest.model.sliding_window] if manifest.model.sliding_window else []
+    if windows and min(windows) < manifest.engine.max_seq_len:
+        raise ExportError(f"{where}: a sliding window of {min(windows)} below engine.max_seq_len "
+                          f"{manifest.engine.max_seq_len} has no ONNX export yet (the attention plugin is full "
+                          f"attention); allowed: engine.max_seq_len <= {min(windows)}, or tensorrt.enabled=false")
+    if spec is not None and len({a.rope for a in spec.attention}) > 1:
+        raise ExportError(f"{where}.arch.attention: a rope per attention kind has no ONNX export yet; allowed: "
+                          f"one rope, or tensorrt.enabled=false")
+
+
 def decoder_model(bundle_dir: Path, manifest: bundle.Manifest, capture_layers: tuple[int, ...] = ()) -> onnx.ModelProto:
     """The graph of ``bundle_dir``'s decoder (external data relative to ``bundle_dir``)."""
     c, q, e = manifest.model, manifest.quantization, manifest.engine
     if q.format not in FORMATS:
         raise ExportError(f"{bundle_dir / bundle.MANIFEST}: quantization.format {q.format} has no ONNX export "
                           f"yet (its int8/W4A8 GEMM plugin is not in the graph); allowed: {', '.join(FORMATS)}")
-    spec = manifest.model.arch_spec
-    if spec is not None and spec.qk_norm:
-        raise ExportError(f"{bundle_dir / bundle.MANIFEST}: model.arch.qk_norm: the ONNX export has no per-head q/k "
-                          f"norm yet; allowed: tensorrt.enabled=false for this model")
+    _check_spec(bundle_dir, manifest)
     if manifest.weights != (bundle.WEIGHTS,):
         raise ExportError(f"{bundle_dir}: engine.tp_size {e.tp_size}: the ONNX export is one graph for one device; "
                           f"allowed: engine.tp_size=1 with tensorrt.enabled")

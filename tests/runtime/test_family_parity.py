@@ -240,15 +240,37 @@ def test_qwen3_passes_the_accuracy_gate_in_every_format(fmt, tmp_path, smollm2_h
     assert gate["passed"] is True, gate
 
 
-def test_the_onnx_export_refuses_qk_norm_in_one_line(built):
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_bias"])
+def test_the_onnx_graph_computes_qwen3s_qk_norms(built, name, tmp_path):
+    """The TensorRT target's decoder graph (onnx's ReferenceEvaluator, the Kiln nodes by the kernels'
+    references) applies the per-head q/k norms as standard nodes before the rope plugin: the native
+    runner's logits over a 40-token prefill, and its KV pool."""
+    import onnx
+
+    from backend import bundle
+    from builder.tensorrt.onnx_export import decoder_model
+    from tests.runtime.graph_helpers import prefill_parity, runners
+
+    _, _, bundle_dir = built(name)
+    graph = tmp_path / "decoder.onnx"
+    model = decoder_model(bundle_dir, bundle.read(bundle_dir))
+    assert sum(n.name.endswith("qk_norm.rsqrt") for n in model.graph.node) == 2   # one per layer
+    onnx.save_model(model, graph)
+    native, onnx_runner = runners(bundle_dir, graph=graph)
+    prefill_parity(native, onnx_runner, list(range(3, 43)))
+
+
+@pytest.mark.parametrize("name, field", [("gemma3", "model.arch.norm: 'rms_one_plus'"),
+                                         ("mistral_window", "model: a sliding window of 16 below engine.max_seq_len 256")])
+def test_the_onnx_export_refuses_what_its_graph_does_not_compute(built, name, field):
     from backend import bundle
     from builder.tensorrt.onnx_export import ExportError, decoder_model
 
-    _, _, bundle_dir = built("qwen3")
+    _, _, bundle_dir = built(name)
     with pytest.raises(ExportError) as exc:
         decoder_model(bundle_dir, bundle.read(bundle_dir))
-    assert str(exc.value) == (f"{bundle_dir / 'engine.json'}: model.arch.qk_norm: the ONNX export has no per-head "
-                              f"q/k norm yet; allowed: tensorrt.enabled=false for this model")
+    assert str(exc.value).startswith(f"{bundle_dir / 'engine.json'}: {field}")
+    assert str(exc.value).endswith("tensorrt.enabled=false")
     llama_dir = built("llama")[2]
     assert decoder_model(llama_dir, bundle.read(llama_dir)).graph.node   # the llama layer still exports
 
