@@ -52,10 +52,12 @@ BACKENDS = {"torch": {}, "triton": {"attention_backend": "triton", "cuda_graphs"
 NEW_TOKENS = {"torch": NEW, "triton": 30}
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+NO_TRITON = os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    NO_TRITON, reason="the Triton kernels need the interpreter (TRITON_INTERPRET=1) or a GPU"))])
 def test_the_sliding_layers_pool_is_small_and_the_tokens_are_transformers(gemma, backend):
-    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-        pytest.skip("the Triton kernels need the interpreter (TRITON_INTERPRET=1) or a GPU")
     src, bundle, model = gemma
     ex = _executor(bundle, max_kv_tokens=2048, max_batch_size=4, max_num_tokens=32, **BACKENDS[backend])
     one_pool = _executor(bundle, max_kv_tokens=2048, max_batch_size=4, max_num_tokens=32 * 64)
