@@ -95,11 +95,12 @@ def window_pool_blocks(spec: EngineSpec, window: int) -> int:
 
 
 def full_pool_blocks(one_pool_blocks: int, window_blocks: int, full_layers: int, sliding_layers: int,
-                     fixed_tokens: bool, max_useful_blocks: int) -> int:
+                     fixed_tokens: bool, max_useful_blocks: int | None) -> int:
     """Blocks of the full layers' pool once the sliding layers have ``window_blocks`` of their own: the
     memory one pool of ``one_pool_blocks`` would take, less the sliding pool's, for the full layers
-    (at most ``max_useful_blocks``); or, where ``engine.max_kv_tokens`` fixed the tokens, those."""
+    (at most ``max_useful_blocks``, never fewer than one pool had); or, where ``engine.max_kv_tokens``
+    fixed the tokens, those."""
     if fixed_tokens:
         return one_pool_blocks
-    spare = one_pool_blocks * (full_layers + sliding_layers) - window_blocks * sliding_layers
-    return min(spare // full_layers, max_useful_blocks)
+    spare = (one_pool_blocks * (full_layers + sliding_layers) - window_blocks * sliding_layers) // full_layers
+    return spare if max_useful_blocks is None else max(min(spare, max_useful_blocks), one_pool_blocks)

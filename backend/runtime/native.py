@@ -54,7 +54,10 @@ class ModelRunner(StepRunner):
     """Owns the model, the KV cache tensors and ``execute`` for one step."""
 
     def __init__(self, spec: EngineSpec, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = None, weights: dict[str, torch.Tensor] | None = None) -> None:
+                 dtype: torch.dtype | None = None, weights: dict[str, torch.Tensor] | None = None,
+                 window_pool: bool = True) -> None:
+        """``window_pool=False``: one KV pool for every layer even where the sliding layers could have
+        their own (a one-shot teacher-forced pass, as the verify stage's, prefills whole prompts)."""
         self.spec = spec
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -89,7 +92,7 @@ class ModelRunner(StepRunner):
             raise EngineError(FP8_KV_NEEDS_SCALES)
         self.block_size = spec.engine.kv_block_size
         self.num_blocks = self._plan_kv_blocks()
-        sliding = self._plan_window_pool()
+        sliding = self._plan_window_pool() if window_pool else set()
         self.kv_caches = []
         for i in range(cfg.num_layers):
             blocks = self.window_kv[1] if i in sliding else self.num_blocks
@@ -132,9 +135,11 @@ class ModelRunner(StepRunner):
             return set()
         eng = self.spec.engine
         full = self.spec.model.num_layers - len(sliding)
-        useful = -(-eng.max_batch_size * eng.max_seq_len // self.block_size) if self.device.type == "cpu" else 1 << 62
+        # a CPU's pool stops at what the running batch can fill (kv_plan.plan_kv_blocks); a GPU's keeps
+        # every block it can hold for the prefix cache
+        useful = -(-eng.max_batch_size * eng.max_seq_len // self.block_size) if self.device.type == "cpu" else None
         self.num_blocks = full_pool_blocks(self.num_blocks, blocks, full, len(sliding),
-                                           eng.max_kv_tokens is not None, max(useful, self.num_blocks))
+                                           eng.max_kv_tokens is not None, useful)
         self.window_kv = (window, blocks)
         _LOG.info("KV: %d sliding layers (window %d) in a pool of %d blocks, %d full layers in %d blocks",
                   len(sliding), window, blocks, full, self.num_blocks)

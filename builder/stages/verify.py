@@ -172,7 +172,7 @@ def whole_compare(ref_dir: Path, spec, prompts: list[list[int]], progress) -> tu
 
     # fp32 like the reference: this measures what quantization costs, and the thresholds were set on
     # fp32 compute; engine.cpu_dtype auto could pick bf16 on another CPU and add its rounding
-    runner = ModelRunner(spec, device="cpu", dtype=torch.float32)
+    runner = ModelRunner(spec, device="cpu", dtype=torch.float32, window_pool=False)   # whole prompts at once
     ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     agree = positions = 0
     kl_sum = 0.0
