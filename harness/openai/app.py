@@ -24,6 +24,7 @@ from harness.openai.errors import ApiError, bad_request, error_body
 from harness.openai.limits import Limits, read_json_body
 from harness.openai.request_plan import plan_request
 from harness.openai.responses import Collected, Completion, usage
+from harness.openai.responses_api import ResponsesRoute
 from harness.openai.served_model import ServedModel
 from harness.openai.streaming import ClientGone, SSEResponse, sse, unless_disconnected
 from harness.openai.tool_parsers import template_has_tools
@@ -158,6 +159,12 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await generate(request, chat=False)
+
+    responses = ResponsesRoute(model, limits, lambda: state["client"])
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        return await responses.create(request, await _body(request))
 
     @app.get("/health")
     async def health():

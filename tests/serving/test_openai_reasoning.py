@@ -103,3 +103,11 @@ def test_template_kwargs_reach_the_template(thinker):
         _chat(thinker, chat_template_kwargs={"messages": []})
     assert e.value.body["param"] == "chat_template_kwargs"
 
+
+def test_the_responses_api_gives_reasoning_its_own_item(thinker):
+    msg = _chat(thinker).choices[0].message
+    r = _client(thinker).responses.create(model=MODEL, input=ASK[0]["content"], temperature=0, max_output_tokens=80,
+                                          extra_body={"guided_grammar": GRAMMAR})
+    assert r.status == "completed" and [it.type for it in r.output] == ["reasoning", "message"], r
+    assert r.output[0].content[0].text == msg.reasoning_content and r.output_text == msg.content
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
