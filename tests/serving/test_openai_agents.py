@@ -38,8 +38,10 @@ def _agent(model, calls: list) -> Agent:
                  tools=[get_weather, add], model=model, model_settings=settings)
 
 
-@pytest.mark.parametrize("api", ["responses", "chat_completions"])
-def test_an_agent_calls_a_tool_with_valid_arguments_and_answers(stack, api):
+@pytest.mark.parametrize("api,streamed", [("responses", False), ("responses", True), ("chat_completions", False),
+                                          ("chat_completions", True)])
+def test_an_agent_calls_a_tool_with_valid_arguments_and_answers(stack, api, streamed):
+    """``streamed``: ``Runner.run_streamed``, which reads the server's events (Responses) or chunks."""
     import jsonschema
     from agents import (OpenAIChatCompletionsModel, OpenAIResponsesModel, RunConfig, Runner,
                         ToolCallItem, ToolCallOutputItem, set_tracing_disabled)
@@ -52,9 +54,14 @@ def test_an_agent_calls_a_tool_with_valid_arguments_and_answers(stack, api):
                  else OpenAIChatCompletionsModel(model=MODEL, openai_client=client))
         calls: list = []
         agent = _agent(model, calls)
+        ask, config = "What is the weather in Paris?", RunConfig(tracing_disabled=True)
         try:
-            result = await Runner.run(agent, "What is the weather in Paris?", max_turns=6,
-                                      run_config=RunConfig(tracing_disabled=True))
+            if streamed:
+                result = Runner.run_streamed(agent, ask, max_turns=6, run_config=config)
+                events = [ev async for ev in result.stream_events()]
+                assert any(ev.type == "raw_response_event" for ev in events)
+            else:
+                result = await Runner.run(agent, ask, max_turns=6, run_config=config)
         finally:
             await client.close()
         return agent, calls, result
