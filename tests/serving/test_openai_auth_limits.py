@@ -159,10 +159,11 @@ def test_make_serve_hands_keys_and_limits_to_the_front_door_but_not_on_its_comma
     (tmp_path / "keys").write_text(f"{FILE_KEY}\n")
     monkeypatch.setenv("KILN_API_KEY", ENV_KEYS[0])   # what make serve API_KEY=... sets
     a = parse_args(["--model-repository", str(serving_build / "model_repository"), "--api-key-file",
-                    str(tmp_path / "keys"), "--openai-max-tokens-cap", "8", "--openai-tool-parser", "hermes"])
+                    str(tmp_path / "keys"), "--openai-max-tokens-cap", "8", "--openai-tool-parser", "hermes",
+                    "--openai-reasoning-parser", "think"])
     assert a.api_keys == (FILE_KEY, ENV_KEYS[0])
     srv = OpenAIServer(serving_build / "model_repository", "127.0.0.1:1", None, api_keys=a.api_keys,
                        extra_args=a.openai_args)
     cmd = " ".join(srv.command())
-    assert "--max-tokens-cap 8" in cmd and "--tool-parser hermes" in cmd
+    assert "--max-tokens-cap 8" in cmd and "--tool-parser hermes" in cmd and "--reasoning-parser think" in cmd
     assert FILE_KEY not in cmd and ENV_KEYS[0] not in cmd

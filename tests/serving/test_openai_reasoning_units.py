@@ -140,3 +140,18 @@ def test_the_template_sees_the_kwargs(text_tokenizer):
     assert on.endswith("<|im_start|>assistant\n<think>\n") and THINK.opened_in(on)
     assert off.endswith("<think>\n\n</think>\n\n") and not THINK.opened_in(off)
     assert effort.startswith("<|im_start|>system\nReasoning effort: high<|im_end|>")
+
+
+def test_the_command_line_reads_the_template_and_the_parser(tmp_path, capsys):
+    from harness.openai.__main__ import parse_args
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "t.jinja").write_text(THINK_TEMPLATE)
+    a = parse_args(["--model-repository", str(tmp_path / "repo"), "--chat-template", str(tmp_path / "t.jinja"),
+                    "--reasoning-parser", "none"])
+    assert a.chat_template == THINK_TEMPLATE and a.reasoning_parser == "none"
+    assert parse_args(["--model-repository", str(tmp_path / "repo")]).reasoning_parser == "auto"
+    for bad in (["--chat-template", str(tmp_path / "missing.jinja")], ["--reasoning-parser", "harmony"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--model-repository", str(tmp_path / "repo"), *bad])
+    err = capsys.readouterr().err
+    assert "--chat-template" in err and "--reasoning-parser" in err
