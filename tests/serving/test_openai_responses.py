@@ -99,3 +99,15 @@ def test_mistakes_are_400s_naming_the_field_and_the_server_goes_on(stack):
         c.responses.create(model=MODEL, input="x", previous_response_id=r.id)
     assert r.id in e.value.body["message"]
     assert c.responses.create(model=MODEL, input=SHORT, temperature=0, max_output_tokens=4).usage.output_tokens == 4
+
+
+def test_text_format_json_schema_is_chats_structured_output(stack):
+    import jsonschema
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "population"],
+              "properties": {"name": {"type": "string", "maxLength": 20},
+                             "population": {"type": "integer", "minimum": 0, "maximum": 99999999}}}
+    r = stack.client().responses.create(model=MODEL, input="Invent a city, as JSON", temperature=1.0, extra_body={"seed": 7},
+                                        max_output_tokens=64, text={"format": {"type": "json_schema", "name": "city",
+                                                                               "schema": schema, "strict": True}})
+    assert r.status == "completed", r
+    jsonschema.validate(json.loads(r.output_text), schema)
