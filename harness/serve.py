@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the OpenAI API's per-request max_tokens cap (python -m harness.openai --max-tokens-cap)")
     p.add_argument("--openai-tool-parser", default=None,
                    help="the OpenAI API's tool-call syntax (python -m harness.openai --tool-parser; default auto)")
+    p.add_argument("--openai-reasoning-parser", default=None,
+                   help="the OpenAI API's reasoning split (python -m harness.openai --reasoning-parser; default auto)")
     p.add_argument("--log-file", default=None, help="server log (default build/logs/tritonserver-*.log)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--verbose", type=int, default=0, help="tritonserver --log-verbose level")
@@ -95,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(e))
     a.openai_args = tuple(arg for flag, v in (("--max-body-bytes", a.openai_max_body_bytes),
                                               ("--max-tokens-cap", a.openai_max_tokens_cap),
-                                              ("--tool-parser", a.openai_tool_parser))
+                                              ("--tool-parser", a.openai_tool_parser),
+                                              ("--reasoning-parser", a.openai_reasoning_parser))
                           if v is not None for arg in (flag, str(v)))
     repo = Path(a.model_repository)
     if not repo.is_dir():

@@ -13,10 +13,14 @@ limits before anything is sent. One module per job:
 * ``auth``, ``limits``  API keys on /v1; body size, JSON depth and max_tokens limits
 * ``params``         request body -> checked sampling parameters (a mistake names its field)
 * ``tools``, ``tool_*``  tool calling: request checks, syntax table and parsers, prompt, grammar, answer
+* ``reasoning``, ``chat_answer``  the ``<think>`` split and one chat answer's reasoning, content, calls
 * ``prompts``        chat messages / completion prompts -> token ids
+* ``request_plan``   a body -> the checked engine call (shared by every generating route)
 * ``engine_client``  the gRPC stream to the engine model, cancelled when the caller goes away
 * ``responses``      OpenAI's response and stream-chunk objects
-* ``app``            the FastAPI routes, server-sent events, health and metrics
+* ``streaming``      server-sent events and the disconnect watch
+* ``responses_*``    the Responses API: input translation and store, output objects and events, route
+* ``app``            the FastAPI routes, health and metrics
 * ``__main__``       the command line
 * ``process``        runs it as a child process beside Triton (``make serve``, tests, benchmarks)
 """

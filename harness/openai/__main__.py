@@ -3,8 +3,8 @@
     python -m harness.openai --triton-url 127.0.0.1:8001 \\
         --model-repository build/smollm2-135m-fp8/model_repository [--host 127.0.0.1 --port 9000]
 
-Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (streamed as server-sent
-events with "stream": true), GET /health (200 once Triton's engine model is ready, else 503),
+Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
+(streamed as server-sent events with "stream": true), GET /health (200 once Triton's engine model is ready, else 503),
 GET /metrics (Triton's metrics text). Each request is one gRPC stream to the repository's engine
 model (tensorrt_llm); the prompt is tokenized here with the bundle's tokenizer. `make serve` starts
 this beside Triton on 127.0.0.1:9000.
@@ -22,6 +22,7 @@ from pathlib import Path
 from builder.schema import ConfigError
 from harness.openai.auth import ENV, load_keys
 from harness.openai.limits import DEFAULT_MAX_BODY_BYTES, Limits
+from harness.openai.reasoning import REASONING_PARSERS
 from harness.openai.tool_parsers import FORMATS
 from harness.serve_ports import DEFAULT as DEFAULT_PORTS, config_ports
 
@@ -61,6 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tool-parser", default="auto", choices=["auto", *FORMATS, "none"],
                    help="how tool calls are written and parsed: auto (default) picks it from the bundle's chat "
                         "template, Hermes' <tool_call> when the template has no tools; none refuses tools")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", *REASONING_PARSERS, "none"],
+                   help="how the model's thinking is split into reasoning_content: auto (default) is think when "
+                        "the chat template writes <think> (DeepSeek-R1, Qwen3), else none")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template that replaces the bundle's (the parsers' auto then reads it)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs one line per request)")
     a = p.parse_args(argv)
@@ -76,6 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--triton-url: {a.triton_url!r}; expected host:port (Triton's gRPC port, e.g. 127.0.0.1:8001)")
     if not Path(a.model_repository).is_dir():
         p.error(f"--model-repository: {a.model_repository} not found; build it first: make build")
+    if a.chat_template is not None:
+        try:
+            a.chat_template = Path(a.chat_template).read_text(encoding="utf-8")
+        except OSError as e:
+            p.error(f"--chat-template: {e}")
     if a.max_body_bytes < 1024:
         p.error(f"--max-body-bytes: {a.max_body_bytes}; allowed: >= 1024")
     if a.max_tokens_cap is not None and a.max_tokens_cap < 1:
@@ -98,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     from harness.openai.served_model import load_served_model
 
     try:
-        model = load_served_model(a.model_repository, a.served_model_name, a.tool_parser)
+        model = load_served_model(a.model_repository, a.served_model_name, a.tool_parser, a.reasoning_parser,
+                                  a.chat_template)
     except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: backend.bundle.BundleError
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -106,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     # the number of keys, never a key
     auth = f"{len(a.api_keys)} API key(s) required on /v1" if a.api_keys else "no API key required"
     tools = model.tool_format.name if model.tool_format else "none"
+    thinks = model.reasoning.name if model.reasoning else "none"
     print(f"OpenAI API for model '{model.name}' on http://{a.host}:{a.port}/v1 "
-          f"(Triton gRPC {a.triton_url}, engine model '{model.engine_model}'; tool calls: {tools}; {auth})", flush=True)
+          f"(Triton gRPC {a.triton_url}, engine model '{model.engine_model}'; tool calls: {tools}; "
+          f"reasoning: {thinks}; {auth})", flush=True)
     # timeout_graceful_shutdown: on SIGTERM/Ctrl-C open streams are given a moment, then closed,
     # which cancels their engine requests (a stream can otherwise run for max_tokens)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=3)

@@ -1,120 +1,35 @@
 """The FastAPI application: OpenAI's routes over the engine model, health and metrics.
 
-Every generation request is checked whole before anything reaches the engine (params, prompts), so
-a bad request costs no engine time and gets a 400 naming its field; the server keeps serving
-everyone else. A client that goes away cancels its engine request: a streamed answer's generator
-is closed (``SSEResponse``), a non-streamed one is watched (``_unless_disconnected``); either way the
-engine call's ``finally`` cancels the gRPC stream and the engine frees the request's KV blocks.
+Every generation request is checked whole before anything reaches the engine (``request_plan``),
+so a bad request costs no engine time and gets a 400 naming its field; the server keeps serving
+everyone else. A client that goes away cancels its engine request (``streaming``). The Responses
+API (``/v1/responses``) is its own module over the same plan, parsers and engine call.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import urllib.error
 import urllib.request
 from typing import Any, AsyncIterator
 
-import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backend.engine.sampling_params import room_problem
 from harness.openai.auth import ApiKeyMiddleware, KeyCheck
+from harness.openai.chat_answer import ChatAnswer
 from harness.openai.engine_client import EngineCall, Piece
 from harness.openai.errors import ApiError, bad_request, error_body
 from harness.openai.limits import Limits, read_json_body
-from harness.openai.params import Sampling, check_logit_bias, check_unsupported, parse_sampling, parse_stream
-from harness.openai.prompts import chat_prompt_ids, completion_prompt_ids
-from harness.openai.responses import Completion, chat_logprobs, completion_logprobs, usage
+from harness.openai.request_plan import plan_request
+from harness.openai.responses import Collected, Completion, usage
+from harness.openai.responses_api import ResponsesRoute
 from harness.openai.served_model import ServedModel
-from harness.openai.tool_answer import ToolAnswer, with_tool_guide
+from harness.openai.streaming import ClientGone, SSEResponse, sse, unless_disconnected
 from harness.openai.tool_parsers import template_has_tools
-from harness.openai.tools import parse_tools
 
-__all__ = ["create_app", "DISCONNECT_POLL_S"]
-
-DISCONNECT_POLL_S = 0.25   # how often a waiting request checks that its client is still there
-
-
-class ClientGone(Exception):
-    pass
-
-
-class SSEResponse(StreamingResponse):
-    """Server-sent events whose generator is always closed when the response ends, also when the
-    client went away between two events: its ``finally`` then cancels the engine request at once
-    instead of whenever the garbage collector finalizes it."""
-
-    def __init__(self, content: AsyncIterator[str]):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
-
-
-def _event(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def _unless_disconnected(request: Request, aw) -> Any:
-    """Await ``aw``; if the client disconnects first, cancel it and raise ClientGone."""
-    task = asyncio.ensure_future(aw)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientGone()
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-
-
-class _Answer:
-    """Accumulates one answer's pieces: text, ids, log-probabilities, finish reason."""
-
-    def __init__(self, model: ServedModel, sampling: Sampling, chat: bool):
-        self.model, self.s, self.chat = model, sampling, chat
-        self.text, self.n_tokens, self.finish = "", 0, None
-        self.lp_entries: list = []
-        self.lp_tokens: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-
-    def logprobs_of(self, p: Piece) -> Any:
-        if not self.s.logprobs:
-            return None
-        tok = self.model.tokenizer
-        if self.chat:
-            return {"content": chat_logprobs(tok, p.ids, p.logprobs, self.s.top_logprobs, p.tops)}
-        return completion_logprobs(tok, p.ids, p.logprobs, self.s.top_logprobs, len(self.text), p.tops)
-
-    def add(self, p: Piece) -> Any:
-        lp = self.logprobs_of(p)
-        if lp is not None and self.chat:
-            self.lp_entries.extend(lp["content"])
-        elif lp is not None:
-            for k in self.lp_tokens:
-                self.lp_tokens[k].extend(lp[k] or [])
-        self.text += p.text
-        self.n_tokens += len(p.ids)
-        self.finish = p.finish_reason or self.finish
-        return lp
-
-    def logprobs(self) -> Any:
-        if not self.s.logprobs:
-            return None
-        if self.chat:
-            return {"content": self.lp_entries}
-        return {**self.lp_tokens, "top_logprobs": self.lp_tokens["top_logprobs"] if self.s.top_logprobs else None}
+__all__ = ["create_app"]
 
 
 def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api_keys: tuple[str, ...] = (),
@@ -148,6 +63,7 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api
     # Kiln's additions to the card: how tools are written and whether the bundle's template or the
     # built-in tool prompt renders them (a client can tell what the model was shown)
     tool_card = {"tool_parser": fmt.name if fmt else None,
+                 "reasoning_parser": model.reasoning.name if model.reasoning else None,
                  "tool_prompt": None if fmt is None else
                  "chat_template" if template_has_tools(model.tokenizer.chat_template) else "builtin_hermes"}
 
@@ -181,79 +97,57 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api
 
     async def generate(request: Request, chat: bool) -> Response:
         body = await _body(request)
-        check_unsupported(body)
-        stream, include_usage = parse_stream(body)
-        sampling = parse_sampling(body, chat=chat)
-        check_logit_bias(sampling, model.vocab_size)
-        tools = parse_tools(body) if chat else None
-        if not chat and body.get("tools"):
-            raise bad_request("tools", "tools are a chat feature: send them to /v1/chat/completions",
-                              code="unsupported_value")
-        if tools is not None:  # in a thread: the first one imports xgrammar (~2 s), none blocks the loop
-            sampling = await asyncio.to_thread(with_tool_guide, sampling, tools, model.tool_format)
-        ids = (chat_prompt_ids(model, body.get("messages"), tools) if chat
-               else completion_prompt_ids(model, body.get("prompt")))
-        room = model.max_seq_len - len(ids)
-        cap = limits.max_tokens_cap
-        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else min(room, cap or room)
-        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        if cap is not None and max_tokens > cap:
-            raise bad_request(name, f"{max_tokens} is more than this server's cap of {cap} tokens per request "
-                              "(--max-tokens-cap)")
-        problem = room_problem(max_tokens, room)
-        if problem is not None:
-            raise bad_request(name, f"{max_tokens}: {problem}")
-        call = EngineCall(state["client"], model, ids, max_tokens, sampling)
+        plan = await plan_request(model, limits, body, chat)
+        call = EngineCall(state["client"], model, plan.ids, plan.max_tokens, plan.sampling)
         pieces = call.pieces()
-        answer = _Answer(model, sampling, chat)
+        got = Collected(model.tokenizer, plan.sampling, chat)
         out = Completion(model.name, chat)
-        tool_answer = ToolAnswer(model.tool_format) if tools is not None else None
-        if not stream:
+        answer = plan.answer(model) if chat else None
+        if not plan.stream:
             async def collect():
                 async for p in pieces:
-                    answer.add(p)
+                    got.add(p)
             try:
-                await _unless_disconnected(request, collect())
+                await unless_disconnected(request, collect())
             except ClientGone:
                 return Response(status_code=499)  # nobody reads it; the engine request is cancelled
-            use = usage(len(ids), answer.n_tokens)
-            if tool_answer is None:
-                return JSONResponse(out.response(answer.text, answer.finish, answer.logprobs(), use))
-            content, calls = tool_answer.message(answer.text)
-            return JSONResponse(out.response(content, tool_answer.finish_reason(answer.finish), answer.logprobs(),
-                                             use, calls))
+            use = usage(len(plan.ids), got.n_tokens)
+            if answer is None:
+                return JSONResponse(out.response(got.text, got.finish, got.logprobs(), use))
+            return JSONResponse(out.response(answer.message(got.text), answer.finish_reason(got.finish),
+                                             got.logprobs(), use))
         # The first piece before the headers: a request the engine refuses, or a Triton server that
         # is down, still gets its real status (400/503) rather than a 200 with an error event.
         try:
-            first = await _unless_disconnected(request, pieces.__anext__())
+            first = await unless_disconnected(request, pieces.__anext__())
         except StopAsyncIteration:
             first = None
         except ClientGone:
             return Response(status_code=499)
-        return SSEResponse(_events(first, pieces, answer, out, include_usage, len(ids), tool_answer))
+        return SSEResponse(_events(first, pieces, got, out, plan.include_usage, len(plan.ids), answer))
 
-    async def _events(first: Piece | None, pieces: AsyncIterator[Piece], answer: _Answer, out: Completion,
-                      include_usage: bool, n_prompt: int, tools: ToolAnswer | None) -> AsyncIterator[str]:
+    async def _events(first: Piece | None, pieces: AsyncIterator[Piece], got: Collected, out: Completion,
+                      include_usage: bool, n_prompt: int, answer: ChatAnswer | None) -> AsyncIterator[str]:
         try:
             if out.chat:  # OpenAI's first chunk names the role
-                yield _event(out.chunk(role=True, text="", with_usage=include_usage))
+                yield sse(out.chunk(role=True, text="", with_usage=include_usage))
             p = first
             while p is not None:
-                lp = answer.add(p)
-                if tools is not None:
-                    deltas = tools.feed(p.text) + (tools.end() if p.finish_reason is not None else [])
+                lp = got.add(p)
+                if answer is not None:
+                    deltas = answer.feed(p.text) + (answer.end() if p.finish_reason is not None else [])
                     for i, d in enumerate(deltas or ([{}] if lp is not None else [])):
-                        yield _event(out.chunk(delta=d, logprobs=lp if i == 0 else None, with_usage=include_usage))
+                        yield sse(out.chunk(delta=d, logprobs=lp if i == 0 else None, with_usage=include_usage))
                 elif p.text or lp is not None:
-                    yield _event(out.chunk(text=p.text, logprobs=lp, with_usage=include_usage))
+                    yield sse(out.chunk(text=p.text, logprobs=lp, with_usage=include_usage))
                 if p.finish_reason is not None:  # its own chunk, with an empty delta, as OpenAI sends it
-                    finish = tools.finish_reason(p.finish_reason) if tools is not None else p.finish_reason
-                    yield _event(out.chunk(finish_reason=finish, with_usage=include_usage))
+                    finish = answer.finish_reason(p.finish_reason) if answer is not None else p.finish_reason
+                    yield sse(out.chunk(finish_reason=finish, with_usage=include_usage))
                 p = await anext(pieces, None)
             if include_usage:
-                yield _event(out.usage_chunk(usage(n_prompt, answer.n_tokens)))
+                yield sse(out.usage_chunk(usage(n_prompt, got.n_tokens)))
         except ApiError as e:  # after the headers: the error travels as an event
-            yield _event(e.body())
+            yield sse(e.body())
         finally:
             await pieces.aclose()  # a no-op when read to the end; else cancels the engine request
         yield "data: [DONE]\n\n"
@@ -265,6 +159,12 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await generate(request, chat=False)
+
+    responses = ResponsesRoute(model, limits, lambda: state["client"])
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        return await responses.create(request, await _body(request))
 
     @app.get("/health")
     async def health():

@@ -6,7 +6,10 @@ usage counts are then the engine's exact token counts, and a prompt over the eng
 A chat is rendered through the bundle's chat template (``TextTokenizer.render_messages``), which
 spells out the special tokens itself, so none are added when it is encoded (as the ensemble does
 for ``apply_chat_template``). Tools, past calls and tool results are rendered by the template
-itself when it knows them, else by the built-in tool prompt (``tool_prompt``).
+itself when it knows them, else by the built-in tool prompt (``tool_prompt``). A request's
+``chat_template_kwargs`` (``{"enable_thinking": false}``) and ``reasoning_effort`` become more
+variables of the template (``template_kwargs``), as vLLM and SGLang pass them; a template that does
+not read one ignores it.
 """
 from __future__ import annotations
 
@@ -14,13 +17,14 @@ import json
 from typing import Any
 
 from harness.openai.errors import ApiError, bad_request
-from harness.openai.params import json_type
+from harness.openai.params import json_dumps_short, json_type
 from harness.openai.served_model import ServedModel
 from harness.openai.tool_parsers import template_has_tools
 from harness.openai.tool_prompt import builtin_messages, native_messages
 from harness.openai.tools import NAME, ToolRequest
 
-__all__ = ["chat_prompt_ids", "completion_prompt_ids", "check_length", "ROLES"]
+__all__ = ["chat_prompt", "chat_prompt_ids", "completion_prompt_ids", "check_length", "template_kwargs", "ROLES",
+           "EFFORTS"]
 
 # OpenAI's roles a chat template can show; "developer" is OpenAI's newer name for "system"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -91,9 +95,42 @@ def _message(i: int, msg: Any) -> dict:
     return out
 
 
+# what the renderer itself sets (tokenizer.render_messages): a kwarg may not replace the conversation
+_RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+EFFORTS = ("none", "minimal", "low", "medium", "high")   # OpenAI's reasoning_effort values
+
+
+def template_kwargs(kw: Any, effort: Any = None, effort_param: str = "reasoning_effort") -> dict:
+    """``chat_template_kwargs`` (an object of template variables) plus the reasoning effort, which
+    templates that know it read as ``reasoning_effort`` (gpt-oss's); one given in both must agree.
+    ``effort_param``: where the effort came from (chat's ``reasoning_effort``, the Responses API's
+    ``reasoning.effort``), what a 400 names."""
+    if kw is None:
+        kw = {}
+    if not isinstance(kw, dict):
+        raise bad_request("chat_template_kwargs", f"expected an object of template variables, got {json_type(kw)}")
+    bad = [k for k in kw if k in _RESERVED or not k.isidentifier()]
+    if bad:
+        raise bad_request("chat_template_kwargs", f"{bad[0]!r} cannot be set: the names {', '.join(_RESERVED)} "
+                          "are the conversation's own, and a name must be an identifier")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise bad_request(effort_param, f"{json_dumps_short(effort)}; allowed: {', '.join(EFFORTS)}")
+        if kw.get("reasoning_effort", effort) != effort:
+            raise bad_request(effort_param, f"{effort!r} differs from chat_template_kwargs.reasoning_effort")
+        kw = {**kw, "reasoning_effort": effort}
+    return kw
+
+
 def chat_prompt_ids(model: ServedModel, messages: Any, tools: ToolRequest | None = None) -> list[int]:
-    """``tools``: the request's checked tools (None: no tool handling, the conversation may still
-    hold past calls and results)."""
+    return chat_prompt(model, messages, tools)[0]
+
+
+def chat_prompt(model: ServedModel, messages: Any, tools: ToolRequest | None = None,
+                kwargs: dict | None = None) -> tuple[list[int], str]:
+    """(ids, the rendered text). ``tools``: the request's checked tools (None: no tool handling, the
+    conversation may still hold past calls and results). The text tells a reasoning parser whether
+    the template opened the model's thinking (``reasoning``)."""
     if messages is None:
         raise bad_request("messages", "required", code="missing_required_parameter")
     if not isinstance(messages, list) or not messages:
@@ -113,13 +150,13 @@ def chat_prompt_ids(model: ServedModel, messages: Any, tools: ToolRequest | None
     else:
         rendered, tool_objs = builtin_messages(checked, tools, fmt), None
     try:
-        text = model.tokenizer.render_messages(rendered, tools=tool_objs)
+        text = model.tokenizer.render_messages(rendered, tools=tool_objs, extra=kwargs)
     except ValueError as e:  # the bundle has no chat template
         raise bad_request("messages", f"{e}; use /v1/completions", code="unsupported_value") from None
     except Exception as e:  # noqa: BLE001 - the template itself refused (e.g. raise_exception on role order)
         raise bad_request("messages", f"the model's chat template refused the conversation: {e}") from None
     ids = model.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
-    return check_length(model, ids, "messages")
+    return check_length(model, ids, "messages"), text
 
 
 def completion_prompt_ids(model: ServedModel, prompt: Any) -> list[int]:

@@ -11,8 +11,10 @@ import uuid
 from typing import Any
 
 from backend.serving.conversion.tokenizer import TextTokenizer
+from harness.openai.engine_client import Piece
+from harness.openai.params import Sampling
 
-__all__ = ["Completion", "usage", "chat_logprobs", "completion_logprobs", "new_id"]
+__all__ = ["Completion", "Collected", "usage", "chat_logprobs", "completion_logprobs", "new_id"]
 
 
 def new_id(prefix: str) -> str:
@@ -62,6 +64,43 @@ def completion_logprobs(tok: TextTokenizer, ids: list[int], lps: list[float], to
             "text_offset": offsets}
 
 
+class Collected:
+    """One answer's pieces as they come: text, generated ids, log-probabilities, finish reason."""
+
+    def __init__(self, tok: TextTokenizer, sampling: Sampling, chat: bool):
+        self.tok, self.s, self.chat = tok, sampling, chat
+        self.text, self.n_tokens, self.finish = "", 0, None
+        self.lp_entries: list = []
+        self.lp_tokens: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def logprobs_of(self, p: Piece) -> Any:
+        if not self.s.logprobs:
+            return None
+        if self.chat:
+            return {"content": chat_logprobs(self.tok, p.ids, p.logprobs, self.s.top_logprobs, p.tops)}
+        return completion_logprobs(self.tok, p.ids, p.logprobs, self.s.top_logprobs, len(self.text), p.tops)
+
+    def add(self, p: Piece) -> Any:
+        """-> the piece's own log-probabilities (None unless asked for)."""
+        lp = self.logprobs_of(p)
+        if lp is not None and self.chat:
+            self.lp_entries.extend(lp["content"])
+        elif lp is not None:
+            for k in self.lp_tokens:
+                self.lp_tokens[k].extend(lp[k] or [])
+        self.text += p.text
+        self.n_tokens += len(p.ids)
+        self.finish = p.finish_reason or self.finish
+        return lp
+
+    def logprobs(self) -> Any:
+        if not self.s.logprobs:
+            return None
+        if self.chat:
+            return {"content": self.lp_entries}
+        return {**self.lp_tokens, "top_logprobs": self.lp_tokens["top_logprobs"] if self.s.top_logprobs else None}
+
+
 class Completion:
     """One answer's objects, chat or not: the full response, or its stream chunks."""
 
@@ -75,17 +114,14 @@ class Completion:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(self, text: str | None, finish_reason: str | None, logprobs: Any,
-                 use: dict[str, int], tool_calls: list | None = None) -> dict[str, Any]:
-        """``tool_calls``: the answer's calls (chat with tools); its content is then null unless
-        the model also wrote text."""
+    def response(self, answer: str | dict[str, Any], finish_reason: str | None, logprobs: Any,
+                 use: dict[str, int]) -> dict[str, Any]:
+        """``answer``: chat's message (``ChatAnswer.message``: content, reasoning, tool calls), or
+        a completion's text."""
         if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if tool_calls:
-                message["tool_calls"] = tool_calls
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": 0, "message": answer, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": answer, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head(self.object), "choices": [choice], "usage": use}
 
     def chunk(self, *, text: str | None = None, role: bool = False, finish_reason: str | None = None,

@@ -14,6 +14,7 @@ from pathlib import Path
 from backend import bundle
 from backend.serving.conversion.tokenizer import TextTokenizer, load_tokenizer
 from harness.model_names import repository_names
+from harness.openai.reasoning import ReasoningFormat, choose_reasoning
 from harness.openai.tool_parsers import ToolFormat, choose_format
 
 __all__ = ["ServedModel", "load_served_model", "engine_dir_of"]
@@ -33,6 +34,9 @@ class ServedModel:
     created: int            # engine.json's modification time: a stable "created" for /v1/models
     # how tool calls are written and parsed (--tool-parser; auto: from the chat template); None: no tools
     tool_format: ToolFormat | None = None
+    # how the model's thinking is split from its answer (--reasoning-parser; auto: from the chat
+    # template); None: it does not think, no reasoning_content
+    reasoning: ReasoningFormat | None = None
 
 
 def engine_dir_of(repo: Path, engine_model: str) -> Path:
@@ -48,9 +52,12 @@ def engine_dir_of(repo: Path, engine_model: str) -> Path:
     return path if path.is_absolute() else (repo / path).resolve()
 
 
-def load_served_model(repo: str | Path, name: str | None = None, tool_parser: str = "auto") -> ServedModel:
+def load_served_model(repo: str | Path, name: str | None = None, tool_parser: str = "auto",
+                      reasoning_parser: str = "auto", chat_template: str | None = None) -> ServedModel:
     """``name`` overrides the model id; by default it is the config's stem (``smollm2-135m-fp8``),
-    which names the bundle wherever its build folder was moved."""
+    which names the bundle wherever its build folder was moved. ``chat_template``: a Jinja template
+    that replaces the bundle's (``--chat-template``, as vLLM's: a checkpoint whose template lacks
+    tools or thinking, or a fixed one), the parsers then chosen from it."""
     repo = Path(repo).resolve()
     if not repo.is_dir():
         raise FileNotFoundError(f"{repo}: model repository not found; build it with: make build")
@@ -60,7 +67,10 @@ def load_served_model(repo: str | Path, name: str | None = None, tool_parser: st
     if not name:
         name = Path(manifest.config_file).stem if manifest.config_file else repo.parent.name
     tok = load_tokenizer(edir)
+    if chat_template is not None:
+        tok = TextTokenizer(tok.tokenizer, chat_template, tok.special)
     return ServedModel(name=name, engine_model=engine_model, engine_dir=edir, tokenizer=tok,
                        max_input_len=manifest.engine.max_input_len, max_seq_len=manifest.engine.max_seq_len,
                        vocab_size=tok.vocab_size, created=int((edir / bundle.MANIFEST).stat().st_mtime),
-                       tool_format=choose_format(tool_parser, tok.chat_template))
+                       tool_format=choose_format(tool_parser, tok.chat_template),
+                       reasoning=choose_reasoning(reasoning_parser, tok.chat_template))

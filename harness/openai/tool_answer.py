@@ -24,8 +24,9 @@ from harness.openai.tools import ToolRequest
 __all__ = ["ToolAnswer", "with_tool_guide"]
 
 
-def with_tool_guide(s: Sampling, tr: ToolRequest, fmt: ToolFormat | None) -> Sampling:
-    """The request's sampling with the grammar that keeps its calls valid (``tool_guide``)."""
+def with_tool_guide(s: Sampling, tr: ToolRequest, fmt: ToolFormat | None, prefix: dict | None = None) -> Sampling:
+    """The request's sampling with the grammar that keeps its calls valid (``tool_guide``); ``prefix``:
+    what the answer may start with before its calls (a reasoning block)."""
     if fmt is None:
         raise bad_request("tools", "this server does not handle tools (--tool-parser none)", code="unsupported_value")
     if s.guide is not None:
@@ -35,7 +36,7 @@ def with_tool_guide(s: Sampling, tr: ToolRequest, fmt: ToolFormat | None) -> Sam
         if on:
             raise bad_request(name, "cannot be combined with tools: a complete call ends with the end token",
                               code="unsupported_value")
-    return dataclasses.replace(s, guide=Guide("ebnf_grammar", tool_grammar(tr, fmt), "tools"))
+    return dataclasses.replace(s, guide=Guide("ebnf_grammar", tool_grammar(tr, fmt, prefix), "tools"))
 
 
 class ToolAnswer:

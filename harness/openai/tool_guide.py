@@ -14,6 +14,10 @@ format's ``tail``:
 * ``auto``: free text until the model writes the format's trigger (``<tool_call>``), then the call
   is forced to be valid (``triggered_tags``), then free text again.
 
+For a model that thinks first (``reasoning``), the calls come after its reasoning block, which the
+grammar then allows (required when the prompt opened it): forcing a call at once would put it
+inside the reasoning, where the reasoning parser keeps it from the tool parser.
+
 What this cannot promise: a call cut off by ``max_tokens`` is incomplete (finish_reason "length").
 """
 from __future__ import annotations
@@ -42,7 +46,7 @@ def _params_grammar(xgr, tr: ToolRequest, i: int) -> str:
                           f"the schema cannot be turned into a grammar: {str(e).splitlines()[0][:300]}") from None
 
 
-def _structural_tag(xgr, tr: ToolRequest, fmt: ToolFormat) -> dict:
+def _structural_tag(xgr, tr: ToolRequest, fmt: ToolFormat, prefix: dict | None) -> dict:
     chosen = [i for i, t in enumerate(tr.tools) if tr.choice in ("auto", "required") or t.name == tr.choice]
     tags = [{"type": "tag", "begin": fmt.head.replace("{name}", tr.tools[i].name),
              "content": {"type": "grammar", "grammar": _params_grammar(xgr, tr, i)}, "end": fmt.tail}
@@ -56,18 +60,22 @@ def _structural_tag(xgr, tr: ToolRequest, fmt: ToolFormat) -> dict:
     else:
         body = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator, "at_least_one": True,
                 "stop_after_first": one}
+    if prefix is not None:
+        body = {"type": "sequence", "elements": [prefix, body]}
     return {"type": "structural_tag", "format": body}
 
 
-def tool_grammar(tr: ToolRequest, fmt: ToolFormat) -> str:
-    """EBNF text (xgrammar's dialect, what the engine's ``ebnf_grammar`` guide compiles)."""
-    key = (fmt.name, tr.choice, tr.parallel, tuple((t.name, json.dumps(t.parameters, sort_keys=True)) for t in tr.tools))
+def tool_grammar(tr: ToolRequest, fmt: ToolFormat, prefix: dict | None = None) -> str:
+    """EBNF text (xgrammar's dialect, what the engine's ``ebnf_grammar`` guide compiles). ``prefix``:
+    a structural-tag element the answer starts with (a reasoning block, ``ReasoningFormat.grammar_prefix``)."""
+    key = (fmt.name, tr.choice, tr.parallel, tuple((t.name, json.dumps(t.parameters, sort_keys=True)) for t in tr.tools),
+           json.dumps(prefix, sort_keys=True))
     with _LOCK:
         if key in _CACHE:
             _CACHE.move_to_end(key)
             return _CACHE[key]
     import xgrammar as xgr
-    tag = _structural_tag(xgr, tr, fmt)
+    tag = _structural_tag(xgr, tr, fmt, prefix)
     try:
         text = str(xgr.Grammar.from_structural_tag(json.dumps(tag)))
     except Exception as e:  # noqa: BLE001

@@ -45,7 +45,8 @@ def _client(srv: OpenAIServer, key: str):
 
 ROUTES = [("GET", "models", None), ("GET", f"models/{MODEL}", None), ("GET", "no-such-route", None),
           ("POST", "chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": SHORT}], "max_tokens": 2}),
-          ("POST", "completions", {"model": MODEL, "prompt": SHORT, "max_tokens": 2})]
+          ("POST", "completions", {"model": MODEL, "prompt": SHORT, "max_tokens": 2}),
+          ("POST", "responses", {"model": MODEL, "input": SHORT, "max_output_tokens": 2})]
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": f"Bearer {WRONG}"}, {"Authorization": ENV_KEYS[0]},
@@ -69,6 +70,10 @@ def test_each_key_is_served_the_wrong_one_is_an_authentication_error_and_probes_
                                                        max_tokens=2, temperature=0)
         assert r.usage.completion_tokens == 2
     assert [m.id for m in _client(keyed, FILE_KEY).models.list()] == [MODEL]
+    r = _client(keyed, ENV_KEYS[0]).responses.create(model=MODEL, input=SHORT, max_output_tokens=2, temperature=0)
+    assert r.usage.output_tokens == 2
+    with pytest.raises(openai.AuthenticationError):
+        _client(keyed, WRONG).responses.create(model=MODEL, input=SHORT, max_output_tokens=2)
     root = keyed.base_url.removesuffix("/v1")
     assert requests.get(f"{root}/health", timeout=10).status_code == 200
     assert requests.get(f"{root}/metrics", timeout=10).status_code == 200
@@ -154,10 +159,11 @@ def test_make_serve_hands_keys_and_limits_to_the_front_door_but_not_on_its_comma
     (tmp_path / "keys").write_text(f"{FILE_KEY}\n")
     monkeypatch.setenv("KILN_API_KEY", ENV_KEYS[0])   # what make serve API_KEY=... sets
     a = parse_args(["--model-repository", str(serving_build / "model_repository"), "--api-key-file",
-                    str(tmp_path / "keys"), "--openai-max-tokens-cap", "8", "--openai-tool-parser", "hermes"])
+                    str(tmp_path / "keys"), "--openai-max-tokens-cap", "8", "--openai-tool-parser", "hermes",
+                    "--openai-reasoning-parser", "think"])
     assert a.api_keys == (FILE_KEY, ENV_KEYS[0])
     srv = OpenAIServer(serving_build / "model_repository", "127.0.0.1:1", None, api_keys=a.api_keys,
                        extra_args=a.openai_args)
     cmd = " ".join(srv.command())
-    assert "--max-tokens-cap 8" in cmd and "--tool-parser hermes" in cmd
+    assert "--max-tokens-cap 8" in cmd and "--tool-parser hermes" in cmd and "--reasoning-parser think" in cmd
     assert FILE_KEY not in cmd and ENV_KEYS[0] not in cmd

@@ -51,17 +51,21 @@ class TextTokenizer:
     def render_chat(self, user_text: str) -> str:
         return self.render_messages([{"role": "user", "content": user_text}])
 
-    def render_messages(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render_messages(self, messages: list[dict], tools: list[dict] | None = None,
+                        extra: dict | None = None) -> str:
         """A whole conversation (``{"role", "content"}`` dicts, content as text) through the chat
         template, ending with the assistant's turn (the OpenAI front door's chat requests).
-        ``tools``: OpenAI's tool objects, for a template that renders them (transformers' convention)."""
+        ``tools``: OpenAI's tool objects, for a template that renders them (transformers' convention).
+        ``extra``: more template variables (``chat_template_kwargs`` such as ``enable_thinking``); the
+        caller keeps them off the names set here."""
         if not self.chat_template:
             raise ValueError("apply_chat_template: this engine's tokenizer has no chat_template")
         if self._template is None:
             import jinja2.sandbox  # only chat requests pay for it
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, tools=tools, add_generation_prompt=True, **self.special)
+        return self._template.render(**(extra or {}), messages=messages, tools=tools, add_generation_prompt=True,
+                                     **self.special)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
