@@ -136,9 +136,6 @@ class GroupedBlockManager:
     def num_blocks_needed(self, request: Request, num_tokens: int) -> int:
         return self.full_pool.num_blocks_needed(request, num_tokens, cap=self._common_prefix(request))
 
-    def can_allocate(self, request: Request, num_tokens: int, reserved_blocks: int = 0) -> bool:
-        return self.num_blocks_needed(request, num_tokens) <= self.num_free_blocks - reserved_blocks
-
     # -- allocation: both pools or neither ----------------------------------------------------------
     def allocate_for(self, request: Request, num_tokens: int) -> int | None:
         cap = self._common_prefix(request)

@@ -20,11 +20,10 @@ SPEC_LAYER = ("norm", "norm_placement", "activation", "embedding_scale", "query_
 QK_NORMS = ("q_norm", "k_norm")
 
 
-def check_spec(spec: ArchSpec | None, fused: bool) -> None:
+def check_spec(spec: ArchSpec | None) -> None:
     """Refuse, in one line naming the field, a spec the layer code would not compute as written. Both
     layer paths compute the spec-layer fields (the torch path in backend/model/spec_layer.py, the fused
-    Triton one in llama.py's ``_forward_fused``), q/k norms and windows; ``fused`` is kept for the
-    fields one path may take before the other."""
+    Triton one in llama.py's ``_forward_fused``), q/k norms and windows."""
     if spec is None:        # a bundle from before the spec: the Llama layer by construction
         return
     for name, value in LLAMA_LAYER.items():

@@ -154,7 +154,7 @@ class LlamaModel:
         # The kernel table says whether the backend's kind has them (None: the plain layer).
         self._kernels = registry.fused_layer_kernels(attention.name, dev, dt)
         self.fused = self._kernels is not None
-        decoder_parts.check_spec(spec, self.fused)
+        decoder_parts.check_spec(spec)
         decoder_parts.check_qk_norms(spec, self.layers)
         if self.plan.one_plus:   # (1 + w) norms: the multiplier once, in fp32 as transformers computes it
             self.norm = spec_layer.one_plus_weight(self.norm)

@@ -66,7 +66,7 @@ class LayerwiseRunner:
         # LlamaModel's tables, all positions: a shorter table could round its last rows otherwise
         # (a vectorized cos over the body of a tensor, a scalar one over its tail)
         arch = c.arch_spec
-        decoder_parts.check_spec(arch, fused=False)
+        decoder_parts.check_spec(arch)
         self._rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, *decoder_parts.rope_args(c, arch),
                                      self.device)
 

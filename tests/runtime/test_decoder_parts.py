@@ -14,14 +14,14 @@ QWEN3 = ArchSpec(("full", "full"), qk_norm=True)
 
 
 def test_the_llama_layer_and_qwen3_on_the_torch_path_load():
-    decoder_parts.check_spec(None, fused=True)
-    decoder_parts.check_spec(ArchSpec(("full",)), fused=True)
-    decoder_parts.check_spec(QWEN3, fused=False)
+    decoder_parts.check_spec(None)
+    decoder_parts.check_spec(ArchSpec(("full",)))
+    decoder_parts.check_spec(QWEN3)
 
 
 def test_qk_norm_runs_on_the_fused_path():
     # the rope + KV-write kernel applies Qwen3's q/k norms (tests/runtime/test_fused_families.py)
-    decoder_parts.check_spec(QWEN3, fused=True)
+    decoder_parts.check_spec(QWEN3)
 
 
 SPEC_LAYER_FIELDS = [("norm", "rms_one_plus"), ("norm_placement", "pre_post"), ("activation", "gelu_tanh"),
@@ -32,16 +32,14 @@ SPEC_LAYER_FIELDS = [("norm", "rms_one_plus"), ("norm_placement", "pre_post"), (
 def test_fused_checkpoint_layouts_run_on_both_paths(field):
     """``qkv`` / ``gate_up`` say how the checkpoint stores them; the bundle always holds them fused."""
     spec = dataclasses.replace(ArchSpec(("full",)), **{field: "fused"})
-    for fused in (False, True):
-        decoder_parts.check_spec(spec, fused=fused)
+    decoder_parts.check_spec(spec)
 
 
 @pytest.mark.parametrize("field, value", SPEC_LAYER_FIELDS)
 def test_the_spec_layer_fields_run_on_both_paths(field, value):
     # the fused layer computes Gemma 3's (tests/runtime/test_fused_families.py)
     spec = dataclasses.replace(ArchSpec(("full",)), **{field: value})
-    for fused in (False, True):
-        decoder_parts.check_spec(spec, fused=fused)
+    decoder_parts.check_spec(spec)
 
 
 def test_a_field_no_path_computes_is_refused_in_one_line():
@@ -50,7 +48,7 @@ def test_a_field_no_path_computes_is_refused_in_one_line():
     spec = ArchSpec(("full",))
     object.__setattr__(spec, "mlp", "dense")
     with pytest.raises(ValueError) as exc:
-        decoder_parts.check_spec(spec, fused=True)
+        decoder_parts.check_spec(spec)
     assert str(exc.value) == "engine.json: model.arch.mlp: 'dense' is not run by this runtime yet; allowed: 'gated'"
 
 
