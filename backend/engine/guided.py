@@ -25,46 +25,11 @@ from typing import Sequence
 import torch
 
 from backend.engine.sampling_params import GUIDE_KINDS
+from backend.engine.vocab import BYTE_LEVEL, BYTE_FALLBACK, adds_prefix_space, vocab_kind, vocab_strings
 
-__all__ = ["GUIDE_KINDS", "Guide", "GuideCompiler", "apply_bitmask", "byte_level_vocab", "token_bytes"]
+__all__ = ["GUIDE_KINDS", "Guide", "GuideCompiler", "apply_bitmask", "tokenizer_info"]
 
 _CACHE = 64   # compiled grammars kept per executor
-
-
-def byte_level_vocab(tok_json: dict) -> list[str]:
-    """Token strings by id (byte-level BPE spelling, as tokenizer.json stores them), added tokens
-    included; ids with no token get an empty string (never allowed)."""
-    vocab = dict(tok_json["model"]["vocab"])
-    for t in tok_json.get("added_tokens", []):
-        vocab[t["content"]] = t["id"]
-    out = [""] * (max(vocab.values()) + 1)
-    for s, i in vocab.items():
-        out[i] = s
-    return out
-
-
-def _byte_level_decoder() -> dict[str, int]:
-    """Byte-level BPE spells every byte as one printable character: bytes that are printable
-    (``!``..``~``, ``¡``..``¬``, ``®``..``ÿ``) as themselves, the others as U+0100 onwards in order.
-    Returns character -> byte."""
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    chars = {b: chr(b) for b in keep}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return {c: b for b, c in chars.items()}
-
-
-def token_bytes(tok_json: dict) -> list[bytes]:
-    """Each token's bytes (byte-level BPE), added tokens as their UTF-8 text."""
-    dec = _byte_level_decoder()
-    added = {t["id"] for t in tok_json.get("added_tokens", [])}
-    out = []
-    for i, s in enumerate(byte_level_vocab(tok_json)):
-        out.append(s.encode() if i in added or any(c not in dec for c in s) else bytes(dec[c] for c in s))
-    return out
 
 
 def apply_bitmask(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
@@ -122,6 +87,18 @@ class Guide:
                 raise RuntimeError(f"guided decoding: token {t} does not follow the grammar")
 
 
+def tokenizer_info(tok_json: dict, vocab_size: int, eos_token_ids: Sequence[int]):
+    """xgrammar's view of the vocabulary, in the tokenizer's own spelling (``backend.engine.vocab``):
+    byte-level BPE, SentencePiece with byte fallback, or raw strings."""
+    import xgrammar as xgr
+    vocab = vocab_strings(tok_json)
+    vocab += [""] * max(0, vocab_size - len(vocab))   # the model's padded vocabulary
+    kind = vocab_kind(tok_json)
+    vtype = {BYTE_LEVEL: xgr.VocabType.BYTE_LEVEL, BYTE_FALLBACK: xgr.VocabType.BYTE_FALLBACK}.get(kind, xgr.VocabType.RAW)
+    return xgr.TokenizerInfo(vocab, vtype, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids),
+                             add_prefix_space=adds_prefix_space(tok_json))
+
+
 class GuideCompiler:
     def __init__(self, tokenizer_json: str | Path, eos_token_ids: Sequence[int], vocab_size: int) -> None:
         self._path = Path(tokenizer_json)
@@ -134,10 +111,7 @@ class GuideCompiler:
     def _get_compiler(self):
         if self._compiler is None:
             import xgrammar as xgr
-            vocab = byte_level_vocab(json.loads(self._path.read_text(encoding="utf-8")))
-            vocab += [""] * max(0, self.vocab_size - len(vocab))   # the model's padded vocabulary
-            info = xgr.TokenizerInfo(vocab, xgr.VocabType.BYTE_LEVEL, vocab_size=self.vocab_size,
-                                     stop_token_ids=self._eos)
+            info = tokenizer_info(json.loads(self._path.read_text(encoding="utf-8")), self.vocab_size, self._eos)
             self._compiler = xgr.GrammarCompiler(info, max_threads=2)
         return self._compiler
 

@@ -103,9 +103,10 @@ def _summary(compile_s: list[float], recompile_s: list[float], mask_s: list[floa
 
 def bench_xgrammar(tok_json: dict, ids_of: dict[str, list[int]], eos: list[int]) -> dict:
     import xgrammar as xgr
-    from backend.engine.guided import byte_level_vocab
-    vocab = byte_level_vocab(tok_json)
-    info = xgr.TokenizerInfo(vocab, xgr.VocabType.BYTE_LEVEL, vocab_size=len(vocab), stop_token_ids=eos)
+    from backend.engine.guided import tokenizer_info
+    from backend.engine.vocab import vocab_strings
+    vocab = vocab_strings(tok_json)
+    info = tokenizer_info(tok_json, len(vocab), eos)
     compiler = xgr.GrammarCompiler(info, max_threads=2)
     compile_s, recompile_s, mask_s = [], [], []
     bitmask = xgr.allocate_token_bitmask(1, len(vocab))
@@ -131,7 +132,7 @@ class _Tokens:
 
     def __init__(self, tok_path: str, eos: list[int]) -> None:
         from tokenizers import Tokenizer
-        from backend.engine.guided import token_bytes
+        from backend.engine.vocab import token_bytes
         self._tok = Tokenizer.from_file(tok_path)
         self.tokens = token_bytes(json.loads(Path(tok_path).read_text(encoding="utf-8")))
         self.eos_token_id = eos[0]
