@@ -61,7 +61,7 @@ def builtin_messages(messages: list[dict], tr: ToolRequest | None, fmt: ToolForm
         if m["role"] == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
         elif m.get("tool_calls"):
-            calls = "\n".join(fmt.call_text(c["name"], c["arguments"]) for c in m["tool_calls"])
+            calls = fmt.calls_text([(c["name"], c["arguments"]) for c in m["tool_calls"]])
             text = m.get("content") or ""
             out.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls})
         else:
