@@ -208,3 +208,10 @@ def test_the_command_line_offers_every_row_and_refuses_others(tmp_path, capsys):
         parse_args([*base, "--tool-parser", "qwen"])
     err = capsys.readouterr().err
     assert "--tool-parser" in err and "mistral" in err and "deepseek" in err and "harmony" in err
+    # harness.serve checks the names it hands to the front door before it starts Triton
+    from harness.serve import parse_args as serve_args
+    a = serve_args([*base, "--openai-tool-parser", "deepseek", "--openai-reasoning-parser", "harmony"])
+    assert a.openai_args == ("--tool-parser", "deepseek", "--reasoning-parser", "harmony")
+    with pytest.raises(SystemExit):
+        serve_args([*base, "--openai-tool-parser", "qwen"])
+    assert "harmony" in capsys.readouterr().err
