@@ -181,8 +181,8 @@ def _harmony_kind(h: hm.Header) -> str:
 REASONING_PARSERS: dict[str, ReasoningFormat] = {f.name: f for f in (
     ReasoningFormat("think", "<think>", "</think>", ("<think>",)),
     # gpt-oss: a forced call may follow one analysis message, then the call's own <|start|>assistant
-    ReasoningFormat("harmony", hm.CHANNEL + "analysis" + hm.MESSAGE, hm.END, (hm.CHANNEL,), after=hm.START + "assistant",
-                    make_splitter=HarmonySplitter),
+    ReasoningFormat("harmony", hm.CHANNEL + "analysis" + hm.MESSAGE, hm.END, (hm.CHANNEL,),
+                    after=hm.START + "assistant", make_splitter=HarmonySplitter),
 )}
 
 

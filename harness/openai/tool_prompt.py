@@ -7,9 +7,9 @@ Two ways, chosen by the bundle's template:
   an assistant turn's ``tool_calls`` with their ``arguments`` as an object (templates write them
   with ``tojson``; a string would be quoted twice), ``tool`` turns with ``tool_call_id``.
 * It does not (SmolLM2's; DeepSeek-V3's, which writes past calls but not the tool list): the
-  built-in tool prompt. The tools and how to call them go into the
-  system message (appended to the conversation's own, or as the first message), past calls are
-  written into the assistant's text in the format's own syntax (``ToolFormat.calls_text``), and a tool's result becomes a user
+  built-in tool prompt. The tools and how to call them go into the system message (appended to
+  the conversation's own, or as the first message), past calls are written into the assistant's
+  text in the format's own syntax (``ToolFormat.calls_text``), and a tool's result becomes a user
   turn ``<tool_response>...</tool_response>``; the template then sees only roles and text, which it
   knows how to render.
 """

@@ -25,7 +25,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 NICE = '{"city": "Nice", "days": 3}'
 TRICKY = '{"city": "P}a\\"ris {", "days": 3}'     # braces and an escaped quote inside a string
 TWO = [("get_weather", TRICKY), ("now", "{}")]
-B, E, CB, CE, SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"          # DeepSeek's group of calls
+CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"   # and each call
 HARMONY_CALL = "<|channel|>commentary to=functions.{} <|constrain|>json<|message|>{}<|call|>"
 
 
