@@ -31,6 +31,8 @@ from harness.model_names import repository_names
 from harness.serve_gpus import PlacementError, check_repository_gpus
 from harness.openai.auth import load_keys
 from harness.openai.process import OpenAIServer
+from harness.openai.reasoning import REASONING_PARSERS
+from harness.openai.tool_parsers import FORMATS
 
 EXIT_MODEL_FAILED = 3  # the server or one of its model stubs died while serving
 # After a failure, how long Triton gets to exit on SIGTERM before it is killed: the dead stub's
@@ -62,9 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the OpenAI API's body size limit (python -m harness.openai --max-body-bytes)")
     p.add_argument("--openai-max-tokens-cap", type=int, default=None,
                    help="the OpenAI API's per-request max_tokens cap (python -m harness.openai --max-tokens-cap)")
-    p.add_argument("--openai-tool-parser", default=None,
+    # the choices are checked here too, so a misspelt name stops before Triton is started
+    p.add_argument("--openai-tool-parser", default=None, choices=["auto", *FORMATS, "none"],
                    help="the OpenAI API's tool-call syntax (python -m harness.openai --tool-parser; default auto)")
-    p.add_argument("--openai-reasoning-parser", default=None,
+    p.add_argument("--openai-reasoning-parser", default=None, choices=["auto", *REASONING_PARSERS, "none"],
                    help="the OpenAI API's reasoning split (python -m harness.openai --reasoning-parser; default auto)")
     p.add_argument("--log-file", default=None, help="server log (default build/logs/tritonserver-*.log)")
     p.add_argument("--startup-timeout", type=float, default=600.0)

@@ -61,11 +61,11 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api
 
     fmt = model.tool_format
     # Kiln's additions to the card: how tools are written and whether the bundle's template or the
-    # built-in tool prompt renders them (a client can tell what the model was shown)
+    # built-in tool prompt renders them, in which row's syntax (a client can tell what the model was shown)
     tool_card = {"tool_parser": fmt.name if fmt else None,
                  "reasoning_parser": model.reasoning.name if model.reasoning else None,
                  "tool_prompt": None if fmt is None else
-                 "chat_template" if template_has_tools(model.tokenizer.chat_template) else "builtin_hermes"}
+                 "chat_template" if template_has_tools(model.tokenizer.chat_template) else f"builtin_{fmt.name}"}
 
     def model_card() -> dict[str, Any]:
         return {"id": model.name, "object": "model", "created": model.created, "owned_by": "kiln",

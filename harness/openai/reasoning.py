@@ -14,6 +14,11 @@ answer is reasoning only if it opens with ``<think>``. The content after ``</thi
 first non-blank character (the models put a blank line there). Like the tool parsers, feeding the
 whole text at once gives the same parts joined as feeding it piece by piece.
 
+gpt-oss thinks in harmony messages instead (``harmony``): its ``analysis`` channel is the reasoning,
+the ``final`` channel (and a ``commentary`` preamble) the content, without their markers; a message
+to a function is left to the tool parser as written (``harmony_messages`` reads them); a message to
+one of gpt-oss's built-in tools (``browser``, ``python``), which a request cannot offer, is reasoning.
+
 The tool grammar (``tool_guide``) needs to know this too: an answer that must be a call, from a
 model that thinks first, is allowed its reasoning before the call (``grammar_prefix``), else the
 grammar would force a call inside the reasoning and the parser would find none.
@@ -21,6 +26,9 @@ grammar would force a call inside the reasoning and the parser would find none.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
+
+from harness.openai import harmony_messages as hm
 
 __all__ = ["ReasoningFormat", "ReasoningSplitter", "REASONING_PARSERS", "choose_reasoning"]
 
@@ -31,13 +39,20 @@ class ReasoningFormat:
     open: str
     close: str
     template_markers: tuple[str, ...]   # a chat template that spells one of these makes its model think
+    after: str = "\n\n"     # what the models write after the block, before the answer (or a call)
+    # the answer's splitter, given the row and the rendered prompt (default: the open/close one)
+    make_splitter: Callable[["ReasoningFormat", str], object] | None = None
 
     def opened_in(self, prompt_text: str) -> bool:
         """The prompt leaves a reasoning block open: the answer starts inside it."""
         i = prompt_text.rfind(self.open)
         return i >= 0 and prompt_text.find(self.close, i) < 0
 
-    def splitter(self, prompt_text: str) -> "ReasoningSplitter":
+    def splitter(self, prompt_text: str):
+        """A splitter for one answer: ``feed(text) -> [(kind, text)]``, ``end()``, and ``state``
+        ("reasoning" while the model is thinking)."""
+        if self.make_splitter is not None:
+            return self.make_splitter(self, prompt_text)
         return ReasoningSplitter(self, self.opened_in(prompt_text))
 
     def grammar_prefix(self, opened: bool) -> dict:
@@ -45,8 +60,9 @@ class ReasoningFormat:
         when the prompt opened the block (the model is in it), else allowed."""
         block = {"type": "tag", "begin": "" if opened else self.open, "content": {"type": "any_text"},
                  "end": self.close}
-        # the blank line the models write after the block; without it they are forced off their habit
-        after = {"type": "const_string", "value": "\n\n"}
+        # what the models write after the block (a blank line; harmony: the next message's start);
+        # without it they are forced off their habit
+        after = {"type": "const_string", "value": self.after}
         element = {"type": "sequence", "elements": [block, after]}
         return element if opened else {"type": "optional", "content": element}
 
@@ -119,8 +135,54 @@ def _merged(parts: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return out
 
 
+class HarmonySplitter:
+    """One harmony answer -> ``[(kind, text)]``: analysis bodies are reasoning, other bodies content
+    (markers dropped), a message to a function content as written, for the tool parser."""
+
+    def __init__(self, fmt: ReasoningFormat, prompt_text: str):
+        inside = hm.open_body(prompt_text)
+        self.scanner = hm.MessageScanner(inside)
+        self.kind = _harmony_kind(inside) if inside is not None else None
+        self.state = "reasoning" if self.kind == "reasoning" else "start"
+
+    def _parts(self, events) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        for event, v in events:
+            if event == "text":
+                out.append(("content", v))
+            elif event == "header":
+                self.kind = _harmony_kind(v)
+                self.state = "reasoning" if self.kind == "reasoning" else "content"
+                if self.kind == "call":
+                    out.append(("content", v.raw + hm.MESSAGE))
+            elif event == "body":
+                out.append(("reasoning" if self.kind == "reasoning" else "content", v))
+            elif event == "stop":
+                if self.kind == "call" and v:
+                    out.append(("content", v))
+                self.kind = None
+            elif event == "cut" and v.function is not None:   # a call's header, cut: the tool parser says so
+                out.append(("content", v.raw))
+        return _merged(out)
+
+    def feed(self, s: str) -> list[tuple[str, str]]:
+        return self._parts(self.scanner.feed(s))
+
+    def end(self) -> list[tuple[str, str]]:
+        return self._parts(self.scanner.end())
+
+
+def _harmony_kind(h: hm.Header) -> str:
+    if h.function is not None:
+        return "call"
+    return "reasoning" if h.channel == "analysis" or h.recipient else "content"
+
+
 REASONING_PARSERS: dict[str, ReasoningFormat] = {f.name: f for f in (
     ReasoningFormat("think", "<think>", "</think>", ("<think>",)),
+    # gpt-oss: a forced call may follow one analysis message, then the call's own <|start|>assistant
+    ReasoningFormat("harmony", hm.CHANNEL + "analysis" + hm.MESSAGE, hm.END, (hm.CHANNEL,),
+                    after=hm.START + "assistant", make_splitter=HarmonySplitter),
 )}
 
 

@@ -12,7 +12,10 @@ format's ``tail``:
   for a named function or with ``parallel_tool_calls`` false), so the answer is nothing but calls
   whose arguments validate against their schemas, and it ends with the end token after the last;
 * ``auto``: free text until the model writes the format's trigger (``<tool_call>``), then the call
-  is forced to be valid (``triggered_tags``), then free text again.
+  is forced to be valid (``triggered_tags``), then free text again;
+* a family that writes a group of calls between two markers (DeepSeek's ``<｜tool▁calls▁begin｜>``
+  ... ``<｜tool▁calls▁end｜>``): the group is one tag whose content is the calls, triggered in free
+  text by its opening marker, and the answer ends after it.
 
 For a model that thinks first (``reasoning``), the calls come after its reasoning block, which the
 grammar then allows (required when the prompt opened it): forcing a call at once would put it
@@ -52,14 +55,22 @@ def _structural_tag(xgr, tr: ToolRequest, fmt: ToolFormat, prefix: dict | None) 
              "content": {"type": "grammar", "grammar": _params_grammar(xgr, tr, i)}, "end": fmt.tail}
             for i in chosen]
     one = tr.choice not in ("auto", "required") or not tr.parallel
-    if tr.choice == "auto":
+    calls = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator, "at_least_one": True,
+             "stop_after_first": one}
+    if fmt.calls_open:
+        # a family that writes its calls as one group (DeepSeek): the group is one tag around them,
+        # and in free text it is the group's opening marker that triggers it; after it the answer ends
+        group = {"type": "tag", "begin": fmt.calls_open, "content": calls, "end": fmt.calls_close}
+        body = group if tr.choice != "auto" else {
+            "type": "triggered_tags", "triggers": [fmt.trigger], "tags": [group], "at_least_one": False,
+            "stop_after_first": True}
+    elif tr.choice == "auto":
         # free text until the trigger; every tag's begin starts with it, as triggered_tags requires
         assert all(t["begin"].startswith(fmt.trigger) for t in tags), fmt
         body = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": tags, "at_least_one": False,
                 "stop_after_first": one}
     else:
-        body = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator, "at_least_one": True,
-                "stop_after_first": one}
+        body = calls
     if prefix is not None:
         body = {"type": "sequence", "elements": [prefix, body]}
     return {"type": "structural_tag", "format": body}

@@ -6,9 +6,10 @@ Two ways, chosen by the bundle's template:
   transformers' ``apply_chat_template(tools=...)`` convention: ``tools`` as OpenAI's tool objects,
   an assistant turn's ``tool_calls`` with their ``arguments`` as an object (templates write them
   with ``tojson``; a string would be quoted twice), ``tool`` turns with ``tool_call_id``.
-* It does not (SmolLM2's): the built-in tool prompt. The tools and how to call them go into the
-  system message (appended to the conversation's own, or as the first message), past calls are
-  written into the assistant's text in the format's own syntax, and a tool's result becomes a user
+* It does not (SmolLM2's; DeepSeek-V3's, which writes past calls but not the tool list): the
+  built-in tool prompt. The tools and how to call them go into the system message (appended to
+  the conversation's own, or as the first message), past calls are written into the assistant's
+  text in the format's own syntax (``ToolFormat.calls_text``), and a tool's result becomes a user
   turn ``<tool_response>...</tool_response>``; the template then sees only roles and text, which it
   knows how to render.
 """
@@ -61,7 +62,7 @@ def builtin_messages(messages: list[dict], tr: ToolRequest | None, fmt: ToolForm
         if m["role"] == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
         elif m.get("tool_calls"):
-            calls = "\n".join(fmt.call_text(c["name"], c["arguments"]) for c in m["tool_calls"])
+            calls = fmt.calls_text([(c["name"], c["arguments"]) for c in m["tool_calls"]])
             text = m.get("content") or ""
             out.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls})
         else:

@@ -150,7 +150,7 @@ def test_the_command_line_reads_the_template_and_the_parser(tmp_path, capsys):
                     "--reasoning-parser", "none"])
     assert a.chat_template == THINK_TEMPLATE and a.reasoning_parser == "none"
     assert parse_args(["--model-repository", str(tmp_path / "repo")]).reasoning_parser == "auto"
-    for bad in (["--chat-template", str(tmp_path / "missing.jinja")], ["--reasoning-parser", "harmony"]):
+    for bad in (["--chat-template", str(tmp_path / "missing.jinja")], ["--reasoning-parser", "qwen3"]):
         with pytest.raises(SystemExit):
             parse_args(["--model-repository", str(tmp_path / "repo"), *bad])
     err = capsys.readouterr().err
