@@ -87,6 +87,8 @@ def engine_inputs(prompt_ids: list[int], max_tokens: int, s: Sampling, vocab_siz
         for tok, value in s.logit_bias:
             bias[tok] += value
         add("embedding_bias", bias.tolist(), "FP32", np.float32)
+    if s.skip_special_tokens is False:  # Kiln's engine extension: special tokens kept in output_text
+        add("skip_special_tokens", False, "BOOL", bool)
     if s.guide is not None:  # structured output: NVIDIA's two inputs, [1, 1] strings
         add("guided_decoding_guide_type", s.guide.kind.encode("utf-8"), "BYTES", object)
         add("guided_decoding_guide", s.guide.text.encode("utf-8"), "BYTES", object)

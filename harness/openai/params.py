@@ -58,6 +58,9 @@ class Sampling:
     top_logprobs: int = 0         # alternatives per token (the engine's top_logprobs extension)
     guide: Guide | None = None    # structured output (parse_guide)
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) added to the logits
+    # vLLM's extension: false keeps special tokens in the text; None: the route's default (true,
+    # except chat on a model whose tool or reasoning markers are special tokens)
+    skip_special_tokens: bool | None = None
 
     @property
     def greedy(self) -> bool:
@@ -163,7 +166,8 @@ def parse_sampling(body: Mapping[str, Any], *, chat: bool) -> Sampling:
         frequency_penalty=_num(body, "frequency_penalty", -2.0, 2.0, 0.0),
         repetition_penalty=_num(body, "repetition_penalty", 1e-6, None, 1.0),
         min_tokens=min_tokens, ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top, guide=guide,
-        logit_bias=_logit_bias(body))
+        logit_bias=_logit_bias(body),
+        skip_special_tokens=None if body.get("skip_special_tokens") is None else _bool(body, "skip_special_tokens"))
     return s
 
 

@@ -43,6 +43,10 @@ class ReasoningFormat:
     # the answer's splitter, given the row and the rendered prompt (default: the open/close one)
     make_splitter: Callable[["ReasoningFormat", str], object] | None = None
 
+    def markers(self) -> tuple[str, ...]:
+        """Every fixed text of the syntax (where the vocabulary's special tokens may hide)."""
+        return (self.open, self.close, *self.template_markers)
+
     def opened_in(self, prompt_text: str) -> bool:
         """The prompt leaves a reasoning block open: the answer starts inside it."""
         i = prompt_text.rfind(self.open)

@@ -46,6 +46,8 @@ async def plan_request(model: ServedModel, limits: Limits, body: dict[str, Any],
     check_unsupported(body)
     stream, include_usage = parse_stream(body)
     sampling = parse_sampling(body, chat=chat)
+    if chat and sampling.skip_special_tokens is None and model.markers_are_special:
+        sampling = dataclasses.replace(sampling, skip_special_tokens=False)   # the parsers read the markers
     check_logit_bias(sampling, model.vocab_size)
     tools = parse_tools(body) if chat else None
     if not chat and body.get("tools"):

@@ -17,7 +17,7 @@ from harness.model_names import repository_names
 from harness.openai.reasoning import ReasoningFormat, choose_reasoning
 from harness.openai.tool_parsers import ToolFormat, choose_format
 
-__all__ = ["ServedModel", "load_served_model", "engine_dir_of"]
+__all__ = ["ServedModel", "load_served_model", "engine_dir_of", "markers_are_special"]
 
 _ENGINE_DIR = re.compile(r'key:\s*"engine_dir"\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
 
@@ -37,6 +37,17 @@ class ServedModel:
     # how the model's thinking is split from its answer (--reasoning-parser; auto: from the chat
     # template); None: it does not think, no reasoning_content
     reasoning: ReasoningFormat | None = None
+    # the rows' markers include special tokens of this vocabulary ([TOOL_CALLS] in Mistral's,
+    # <|channel|> in gpt-oss's): chat answers are then decoded with special tokens kept, or the
+    # parsers would never see them
+    markers_are_special: bool = False
+
+
+def markers_are_special(tok: TextTokenizer, rows: list) -> bool:
+    """Whether a special token of ``tok`` is spelled in one of the rows' markers."""
+    texts = [s for row in rows if row is not None for s in row.markers() if s]
+    special = {t.content for t in tok.tokenizer.get_added_tokens_decoder().values() if t.special and t.content}
+    return any(m in s for s in texts for m in special)
 
 
 def engine_dir_of(repo: Path, engine_model: str) -> Path:
@@ -69,8 +80,10 @@ def load_served_model(repo: str | Path, name: str | None = None, tool_parser: st
     tok = load_tokenizer(edir)
     if chat_template is not None:
         tok = TextTokenizer(tok.tokenizer, chat_template, tok.special)
+    tool_format = choose_format(tool_parser, tok.chat_template)
+    reasoning = choose_reasoning(reasoning_parser, tok.chat_template)
     return ServedModel(name=name, engine_model=engine_model, engine_dir=edir, tokenizer=tok,
                        max_input_len=manifest.engine.max_input_len, max_seq_len=manifest.engine.max_seq_len,
                        vocab_size=tok.vocab_size, created=int((edir / bundle.MANIFEST).stat().st_mtime),
-                       tool_format=choose_format(tool_parser, tok.chat_template),
-                       reasoning=choose_reasoning(reasoning_parser, tok.chat_template))
+                       tool_format=tool_format, reasoning=reasoning,
+                       markers_are_special=markers_are_special(tok, [tool_format, reasoning]))

@@ -189,6 +189,25 @@ def test_logit_bias_reaches_the_engine(stack, text_tokenizer):
     assert pushed.choices[0].message.content.lstrip().startswith("banana"), pushed
 
 
+def test_skip_special_tokens_false_keeps_special_tokens_but_never_the_end_token(stack):
+    """vLLM's ``skip_special_tokens``: false reaches the engine, whose text then spells a special
+    token the model wrote (<|im_start|>, forced by logit_bias); the end token that stops an answer
+    is never text, kept or not."""
+    client = stack.client()
+
+    def text(bias: dict, **extra) -> tuple[str, str, int]:
+        c = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=2, temperature=0,
+                                      logit_bias=bias, extra_body=extra)
+        return c.choices[0].text, c.choices[0].finish_reason, c.usage.completion_tokens
+    im_start, im_end = "1", "2"   # SmolLM2's special tokens; <|im_end|> (2) is its end token
+    assert text({im_start: 100}) == ("", "length", 2)   # skipped by default, still generated
+    assert text({im_start: 100}, skip_special_tokens=False) == ("<|im_start|><|im_start|>", "length", 2)
+    assert text({im_end: 100}, skip_special_tokens=False)[:2] == ("", "stop")
+    r = requests.post(f"{stack.base}/completions", timeout=60, json={
+        "model": MODEL, "prompt": "1,", "max_tokens": 2, "skip_special_tokens": "no"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "skip_special_tokens", r.text
+
+
 def test_raw_stream_ends_with_done_and_usage(stack):
     body = {"model": MODEL, "messages": [{"role": "user", "content": SHORT}], "max_tokens": 4,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}

@@ -88,6 +88,9 @@ INPUTS: dict[str, InputSpec] = {
     # tensorrtllm_backend's switch for per-request figures (here: the speculative-decoding ones)
     "return_perf_metrics": InputSpec("bool", False),
     "exclude_input_in_output": InputSpec("bool", False),
+    # Kiln extension (engine; vLLM's name): false keeps special tokens in output_text, the markers of
+    # tool calls and reasoning channels that are special tokens in some families (Mistral, gpt-oss)
+    "skip_special_tokens": InputSpec("bool", True),
     "apply_chat_template": InputSpec("bool", False),
     "beam_width": InputSpec("int", 1, check=_only(1, "Kiln decodes one beam"), allowed="1"),
     "num_return_sequences": InputSpec("int", 1, check=_only(1, "Kiln returns one sequence per request"),

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 from tokenizers import Tokenizer
 
-__all__ = ["TextTokenizer", "load_tokenizer", "tokenizer_dir_of"]
+__all__ = ["KeepSpecial", "TextTokenizer", "load_tokenizer", "tokenizer_dir_of"]
 
 
 def tokenizer_dir_of(engine_dir: str | Path) -> Path:
@@ -70,9 +71,24 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def keeping_special(self, end_ids: Sequence[int]) -> "KeepSpecial":
+        """A decoder for one request that asked for special tokens in its text."""
+        return KeepSpecial(self.tokenizer, frozenset(end_ids))
+
     def words(self, words: tuple[str, ...] | list[str]) -> list[list[int]]:
         """Stop/bad words -> token sequences, tokenized as continuations (no special tokens)."""
         return [self.tokenizer.encode(w, add_special_tokens=False).ids for w in words if w]
+
+
+class KeepSpecial:
+    """Decodes with special tokens kept as their text (``[TOOL_CALLS]``, ``<|channel|>``), except the
+    end tokens that stopped the request: they end an answer and are never part of its text."""
+
+    def __init__(self, tokenizer: Tokenizer, end_ids: frozenset[int]):
+        self.tokenizer, self.end_ids = tokenizer, end_ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([i for i in ids if i not in self.end_ids], skip_special_tokens=False)
 
 
 def load_tokenizer(engine_or_tokenizer_dir: str | Path) -> TextTokenizer:

@@ -96,6 +96,7 @@ class EngineHost:
         bundle = load_bundle(engine_dir)  # engine.json read once: format, fields, files and their sha256
         self.limits = EngineLimits.from_engine(bundle.engine)
         self.vocab_size = bundle.model.vocab_size
+        self.end_ids = tuple(bundle.model.eos_token_ids)   # never in a text, special tokens kept or not
         self.tok = load_tokenizer(engine_dir)
         self.interval = settings.stream_interval
         if device == "auto":  # the rendered default: the GPU when there is one
@@ -163,8 +164,10 @@ class EngineHost:
 
     def _start(self, request, sender, req, params, inband: bool, group: RowGroup | None, row: int) -> None:
         rid = self._prefix + str(next(self._ids))
+        decoder = (self.tok if req.skip_special_tokens else
+                   self.tok.keeping_special(self.end_ids + tuple(params.stop_token_ids)))
         st = Stream(rid, request.request_id(), request, sender, req,
-                    StreamDetokenizer(self.tok, req.prompt_ids, req.stop_strings, self.interval, req.stop_ids),
+                    StreamDetokenizer(decoder, req.prompt_ids, req.stop_strings, self.interval, req.stop_ids),
                     time.monotonic(), inband=inband, group=group, row=row, wanted=requested_outputs(request))
         with self._lock:
             self._active[rid] = st

@@ -28,7 +28,7 @@ ENGINE_INPUT_NAMES = (
     "beam_width", "num_return_sequences", "exclude_input_in_output", "return_context_logits",
     "return_generation_logits", "decoder_input_ids", "decoder_input_lengths", "embedding_bias",
     "return_num_input_tokens", "return_num_output_tokens", "min_length",
-    "guided_decoding_guide_type", "guided_decoding_guide", "top_logprobs",
+    "guided_decoding_guide_type", "guided_decoding_guide", "top_logprobs", "skip_special_tokens",
 )
 
 # what the engine model reads: the above and NVIDIA's inputs Kiln cannot honour (neutral_inputs.py)
@@ -54,6 +54,7 @@ class EngineRequest:
     return_num_input_tokens: bool = False   # num_input_tokens [1, 1]: the prompt's tokens
     return_num_output_tokens: bool = False  # num_output_tokens [1, 1]: generated, in this response
     top_logprobs: int = 0  # output_top_ids / output_top_logprobs [1, 1, n, top_logprobs] per response
+    skip_special_tokens: bool = True  # false: output_text keeps special tokens (not the end tokens)
 
 
 def _optional_id(v: int | None) -> int | None:
@@ -121,7 +122,7 @@ def parse_engine_request(tensors: Mapping[str, np.ndarray], limits: EngineLimits
                          bool(v["return_log_probs"]), bool(v["return_perf_metrics"]),
                          tuple(dict.fromkeys(tuple(w) for w in stop_ids)), bool(v["exclude_input_in_output"]),
                          ctx, gen, bool(v["return_num_input_tokens"]), bool(v["return_num_output_tokens"]),
-                         v["top_logprobs"])
+                         v["top_logprobs"], bool(v["skip_special_tokens"]))
 
 
 def request_rows(pb: Any, request: Any, model_name: str, decoupled: bool) -> list[dict[str, np.ndarray]]:

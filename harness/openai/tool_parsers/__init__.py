@@ -52,6 +52,11 @@ class ToolFormat:
     calls_open: str = ""    # written once before a group of calls (the trigger then)
     calls_close: str = ""   # and once after it
 
+    def markers(self) -> tuple[str, ...]:
+        """Every fixed text of the syntax (where the vocabulary's special tokens may hide)."""
+        return (self.head.replace("{name}", ""), self.tail, self.separator, self.trigger, self.calls_open,
+                self.calls_close, *self.template_markers)
+
     def call_text(self, name: str, arguments: str) -> str:
         """One call, as the model writes it (a group of one where the family groups calls)."""
         return self.calls_text([(name, arguments)])
