@@ -183,8 +183,8 @@ def serving_note(cfg, hf_dir: Path, device: Device) -> str:
     shards = Shards(hf_dir)
     layers = shards.numel(LAYER_PREFIX)
     tp = cfg.engine.tp_size
-    # per GPU: every sharded tensor (all but the norms and replicated KV heads, a rounding error) and
-    # the KV heads split tp ways, or one per GPU where there are fewer
+    # per GPU: every sharded tensor (all but the norms, a rounding error; k/v rows replicated over more
+    # GPUs than KV heads add a few percent) and the KV heads split tp ways, or one per GPU where fewer
     weights = (layers * per + (shards.numel() - layers) * 2) / tp
     left = device.gpu_bytes - weights
     head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]

@@ -100,3 +100,15 @@ def test_kv_heads_that_neither_split_nor_replicate_are_refused_in_one_line():
         check_tp(_tiny(heads=4, kv=1, vocab=16), "none", 8)      # query heads still split evenly
     check_tp(_tiny(heads=4, kv=1), "nvfp4", 2)
     check_tp(_tiny(heads=8, kv=2), "int4_awq", 4, group_size=8)
+
+
+def test_engine_json_records_replication_only_where_it_happens():
+    """engine.kv_heads_per_rank is written by the build where the ranks outnumber the KV heads, and left out
+    otherwise, so the bundles that need no replication read as before in every runtime."""
+    from backend.bundle_schema import EngineSettings, as_dict
+    from builder.stages.compile import _kv_replication
+    assert _kv_replication({"num_kv_heads": 1}, 2) == {"kv_heads_per_rank": 1}
+    assert _kv_replication({"num_kv_heads": 2}, 8) == {"kv_heads_per_rank": 1}
+    assert _kv_replication({"num_kv_heads": 4}, 2) == {} and _kv_replication({"num_kv_heads": 1}, 1) == {}
+    assert "kv_heads_per_rank" not in as_dict(EngineSettings())
+    assert as_dict(EngineSettings(tp_size=2, kv_heads_per_rank=1))["kv_heads_per_rank"] == 1
