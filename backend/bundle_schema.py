@@ -177,6 +177,10 @@ class EngineSettings:
     enable_chunked_prefill: bool = True
     scheduler_policy: str = "max_utilization"
     tp_size: int = 1
+    # KV heads each rank holds, written only where tp_size exceeds model.num_kv_heads (each rank then
+    # holds the one its query heads read, replicated: backend/runtime/tp_rules.py), so a runtime that
+    # cannot replicate KV heads refuses the bundle by this field's name rather than mis-splitting it
+    kv_heads_per_rank: int | None = field(default=None, metadata=OMIT)
     attention_backend: str = "auto"
     # engine.cuda_graphs of the config; not written while "auto", so older bundles read the same
     cuda_graphs: str | bool = field(default="auto", metadata=OMIT)

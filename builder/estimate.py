@@ -173,7 +173,7 @@ def serving_note(cfg, hf_dir: Path, device: Device) -> str:
     """The bundle's weights on the device's one GPU and the KV-cache room they leave (before
     activations and the CUDA context, a few GB). Under a quarter of the GPU left is called too
     little: that is the design's line for the 70B on an H100 (configs/llama70b-fp8.yaml)."""
-    from backend.runtime.tp_rules import allowed_tp_sizes  # noqa: PLC0415
+    from backend.runtime.tp_rules import allowed_tp_sizes, kv_heads_per_rank  # noqa: PLC0415
     from quant.stream import LAYER_PREFIX, Shards  # noqa: PLC0415
 
     per = WEIGHT_BYTES.get(cfg.quantization.format)
@@ -183,11 +183,12 @@ def serving_note(cfg, hf_dir: Path, device: Device) -> str:
     shards = Shards(hf_dir)
     layers = shards.numel(LAYER_PREFIX)
     tp = cfg.engine.tp_size
-    # per GPU: every sharded tensor (all but the norms, a rounding error) and the KV heads split tp ways
+    # per GPU: every sharded tensor (all but the norms, a rounding error; k/v rows replicated over more
+    # GPUs than KV heads add a few percent) and the KV heads split tp ways, or one per GPU where fewer
     weights = (layers * per + (shards.numel() - layers) * 2) / tp
     left = device.gpu_bytes - weights
     head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
-    kv_token = (shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] // tp * head_dim
+    kv_token = (shape["num_hidden_layers"] * 2 * kv_heads_per_rank(shape["num_key_value_heads"], tp) * head_dim
                 * (1 if cfg.quantization.kv_cache == "fp8" else 2))
     tokens = max(0, left) / kv_token
 

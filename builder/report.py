@@ -60,16 +60,20 @@ _KV_BYTES = {"fp8_e4m3": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def rank_memory_line(engine, root: Path) -> str:
-    """What each rank holds: its weights file and its KV cache per token (KV heads / tp_size). The KV
-    pool's size is decided at load from the device's free memory, so per token is what the build knows."""
+    """What each rank holds: its weights file and its KV cache per token (KV heads / tp_size, or one
+    replicated when there are fewer). The KV pool's size is decided at load from the device's free
+    memory, so per token is what the build knows."""
+    from backend.runtime.tp_rules import kv_heads_per_rank  # noqa: PLC0415
     m, tp = engine.model, engine.engine.tp_size
     sizes = [(root / w).stat().st_size for w in engine.weights]
-    kv = m.num_layers * 2 * (m.num_kv_heads // tp) * m.head_dim * _KV_BYTES.get(engine.engine.kv_cache_dtype, 2)
+    heads = kv_heads_per_rank(m.num_kv_heads, tp)
+    kv = m.num_layers * 2 * heads * m.head_dim * _KV_BYTES.get(engine.engine.kv_cache_dtype, 2)
     if len(sizes) == 1:
         return f"memory: weights {human_bytes(sizes[0])}, KV cache {human_bytes(kv)} per token"
     return (f"memory per rank (tp_size {tp}): weights {human_bytes(max(sizes))} "
             f"({', '.join(human_bytes(n) for n in sizes)}; {human_bytes(sum(sizes))} in all), "
-            f"KV cache {human_bytes(kv)} per token ({m.num_kv_heads // tp} of {m.num_kv_heads} KV heads)")
+            f"KV cache {human_bytes(kv)} per token ({heads} of {m.num_kv_heads} KV heads"
+            f"{f', each on {tp // m.num_kv_heads} ranks' if tp > m.num_kv_heads else ''})")
 
 
 def verify_line(v: dict) -> str:

@@ -11,8 +11,9 @@ only the seams where partial results meet differ, Megatron-LM style:
 - logits: each rank computes its vocab slice for the rows asked; rank 0 gathers them (the sampler
   lives there), the other ranks get None.
 
-Ranks hold their own KV cache (``[blocks, block_size, kv_heads/tp, head_dim]``) with the same block
-ids, so rank 0's scheduler decides for all. The attention backend is chosen as for one device
+Ranks hold their own KV cache (``[blocks, block_size, kv_heads/tp, head_dim]``, or one KV head where
+there are fewer than ranks: the one the rank's query heads read, replicated) with the same block ids,
+so rank 0's scheduler decides for all. The attention backend is chosen as for one device
 (``runner.attention_backend``: the fused Triton layer on GPUs), and decode steps go through CUDA
 graphs there (``runner.decode_graphs``) with the all-reduces captured inside: every rank captures and
 replays the same graphs in the same order, since each gets the same step inputs (see ``DecodeGraphs``).
@@ -109,6 +110,10 @@ class TPRunner(StepRunner):
         self.model = TPLlamaModel(spec.model, shard, spec.quant_format, self.attention, self.device, dtype,
                                   tp_size=tp_size, rank=rank, group=group)
         del shard   # the model holds its own (device, dtype) copies
+        recorded, held = spec.engine.kv_heads_per_rank, self.model.config.num_kv_heads
+        if recorded is not None and recorded != held:
+            raise EngineError(f"engine.kv_heads_per_rank: {recorded} in engine.json, but tp_size={tp_size} gives each "
+                              f"rank {held} of the model's {spec.model.num_kv_heads} KV heads; rebuild the bundle")
         if self.model.bound_windows(spec.engine.max_seq_len) and not self.attention.sliding_window:
             raise EngineError(f"engine.max_seq_len: {spec.engine.max_seq_len} exceeds the model's sliding window, "
                               f"which the {backend_name} attention backend does not implement yet; allowed: "

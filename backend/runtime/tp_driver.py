@@ -31,7 +31,7 @@ from backend.runtime.spec import EngineError, EngineSpec
 from backend.runtime.runtimes import StepRunner
 from backend.runtime.kv_plan import plan_kv_blocks as runner_plan
 from backend.runtime.tp import TPRunner
-from backend.runtime.tp_shard import ShardError, check_tp
+from backend.runtime.tp_shard import ShardError, check_tp, kv_heads_per_rank
 from backend.ops.attention import get_backend
 
 # Workers wait in a broadcast between steps for as long as the engine is idle: the group's timeout
@@ -137,11 +137,12 @@ def _worker(rank: int, tp_size: int, store: str, spec: EngineSpec, num_blocks: i
 
 
 def plan_kv_blocks(spec: EngineSpec, tp_size: int, dtype: torch.dtype) -> int:
-    """``ModelRunner``'s KV plan for one rank's share (KV heads / tp), on CPU RAM: every rank holds the
-    same number of blocks, so that rank 0's block ids are valid everywhere. (On GPUs each rank plans
+    """``ModelRunner``'s KV plan for one rank's share (KV heads / tp, or the one replicated), on CPU RAM:
+    every rank holds the same number of blocks, so that rank 0's block ids are valid everywhere. (On GPUs each rank plans
     from its own free memory once its weights are in, and the ranks take the smallest: ``TPRunner``.)"""
     _, storage = kv_cache_dtypes(spec, dtype, torch.device("cpu"), get_backend("torch", "cpu"))
-    return runner_plan(spec, storage, spec.model.num_kv_heads // tp_size, None, CPU_RAM_FRACTION / tp_size)
+    heads = kv_heads_per_rank(spec.model.num_kv_heads, tp_size)
+    return runner_plan(spec, storage, heads, None, CPU_RAM_FRACTION / tp_size)
 
 
 class TPDriver(StepRunner):

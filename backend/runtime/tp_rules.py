@@ -3,7 +3,9 @@
 One place for them so that the builder's config check (``builder/config.py``, which imports no
 torch) refuses exactly what ``tp_shard`` cannot split and the runtime's ``check_tp`` refuses.
 ``model`` is anything with the split dimensions: a ``ModelConfig`` or engine.json's ``model``
-section as a dict.
+section as a dict. Query heads, MLP columns and vocab rows split evenly; KV heads split evenly too, or,
+when there are fewer of them than ranks (GQA down to one KV head), each rank holds the one its query
+heads read (``kv_heads_of_rank``), replicated over tp / num_kv_heads ranks.
 """
 from __future__ import annotations
 
@@ -29,9 +31,33 @@ def _get(model: Any, key: str) -> int:
 
 
 def _dims(model: Any) -> tuple[tuple[str, int], ...]:
-    # Uneven vocab slices would need padded gathers; uneven heads cannot be split at all.
-    return (("attention heads", _get(model, "num_heads")), ("KV heads", _get(model, "num_kv_heads")),
+    # Uneven vocab slices would need padded gathers; uneven heads cannot be split at all. KV heads are
+    # not here: fewer of them than ranks are replicated instead (kv_problem).
+    return (("attention heads", _get(model, "num_heads")),
             ("intermediate_size", _get(model, "intermediate_size")), ("vocab_size", _get(model, "vocab_size")))
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """The KV heads one rank holds: its share, or (fewer KV heads than ranks) the one its query heads
+    read, replicated on tp_size / num_kv_heads ranks as vLLM and TensorRT-LLM do."""
+    return max(1, num_kv_heads // tp_size)
+
+
+def kv_heads_of_rank(num_heads: int, num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
+    """(first KV head, how many) rank ``rank`` holds: the ones its query heads
+    ``[rank*Hq/tp, (rank+1)*Hq/tp)`` attend with (query head h reads KV head h // (Hq/Hkv)). Under
+    replication a rank's query heads all fall in one KV head's group (tp is a multiple of Hkv, so the
+    group Hq/Hkv is a multiple of a rank's Hq/tp)."""
+    return (rank * (num_heads // tp_size)) // (num_heads // num_kv_heads), kv_heads_per_rank(num_kv_heads, tp_size)
+
+
+def kv_problem(model: Any, tp_size: int) -> str | None:
+    """Why ``tp_size`` ranks cannot each hold whole KV heads (split evenly, or one replicated), or None."""
+    n = _get(model, "num_kv_heads")
+    if n % tp_size and tp_size % n:
+        return (f"{tp_size} neither divides the model's {n} KV heads nor is a multiple of them "
+                f"(num_key_value_heads={n}, tp_size={tp_size}): each rank holds its share of them, or one replicated")
+    return None
 
 
 def row_parallel_inputs(model: Any) -> tuple[tuple[str, int], ...]:
@@ -67,7 +93,7 @@ def group_problem(model: Any, tp_size: int, quant_format: str, group_size: int |
 def allowed_tp_sizes(model: Any, limit: int = MAX_TP_SIZE, quant_format: str = "none",
                      group_size: int | None = None) -> list[int]:
     """Every tp_size up to ``limit`` that gives each rank whole heads, equal slices and whole scale groups."""
-    return [t for t in range(1, limit + 1) if all(n % t == 0 for _, n in _dims(model))
+    return [t for t in range(1, limit + 1) if tp_problem(model, t) is None
             and group_problem(model, t, quant_format, group_size) is None]
 
 
@@ -76,7 +102,7 @@ def tp_problem(model: Any, tp_size: int) -> str | None:
     for what, n in _dims(model):
         if n % tp_size:
             return f"{tp_size} does not divide the model's {n} {what}"
-    return None
+    return kv_problem(model, tp_size)
 
 
 def check_tp(model: Any, quant_format: str, tp_size: int, group_size: int | None = None) -> None:

@@ -5,7 +5,9 @@ time as TensorRT-LLM's per-rank engines do, and a test can check shapes without 
 The split follows Megatron-LM for Llama (names: docs/contracts.md section 3):
 
 - ``qkv`` column-parallel by heads: rank r keeps its q heads' rows, then its kv heads' k rows, then
-  their v rows, so the rank's fused projection is again ``q | k | v`` of a model with heads/tp.
+  their v rows, so the rank's fused projection is again ``q | k | v`` of a model with heads/tp. With
+  fewer KV heads than ranks, a rank's kv heads are the one its q heads read (``tp_rules.kv_heads_of_rank``),
+  so those k/v rows (with their per-row or per-group scales and biases) are on tp/kv_heads ranks.
 - ``gate_up`` column-parallel: rank r keeps its slice of gate AND of up (``silu(gate) * up`` pairs
   them row for row, so both halves must come from the same intermediate columns).
 - ``o`` and ``down`` row-parallel: their input columns split, outputs are partial sums all-reduced.
@@ -38,6 +40,7 @@ import torch
 from backend.bundle_schema import ModelConfig
 # re-exported: callers find the rules beside the splitting they guard
 from backend.runtime.tp_rules import SHARDABLE_FORMATS, ShardError, check_tp  # noqa: F401
+from backend.runtime.tp_rules import kv_heads_of_rank, kv_heads_per_rank
 from quant.formats import get_format
 
 # The tensors a linear may carry in any format (anything else is refused, never replicated blindly);
@@ -47,20 +50,22 @@ _PER_TENSOR = ("input_scale", "weight_scale_2")
 _COLUMN = ("qkv", "gate_up")      # output rows split
 _ROW = ("o", "down")              # input columns split, outputs all-reduced
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")
-# Copied whole to every rank: the norms of the hidden state, the KV scales, and the per-head q/k norms
-# (Qwen3, Gemma 3): one [head_dim] weight applied to every head, so whichever heads a rank holds
-_LAYER_COPIED = ("input_norm.weight", "post_attn_norm.weight", "attn.k_scale", "attn.v_scale",
-                 "q_norm.weight", "k_norm.weight")
+# Copied whole to every rank: the norms of the hidden state (Gemma 3's four a layer among them), the KV
+# scales, and the per-head q/k norms (Qwen3, Gemma 3): one [head_dim] weight applied to every head, so
+# whichever heads a rank holds
+_LAYER_COPIED = ("input_norm.weight", "post_attn_norm.weight", "pre_ff_norm.weight", "post_ff_norm.weight",
+                 "attn.k_scale", "attn.v_scale", "q_norm.weight", "k_norm.weight")
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 Spans = list[tuple[int, int]]     # (start, count) runs of rows, in the order one rank keeps them
 
 
 def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
-    """The model one rank computes: heads, KV heads, intermediate size and vocab divided by ``tp_size``
-    (hidden size and head_dim unchanged), so ``backend.model.llama``'s layer code runs as it is."""
+    """The model one rank computes: heads, intermediate size and vocab divided by ``tp_size``, KV heads
+    too or one where there are fewer (``kv_heads_per_rank``); hidden size and head_dim unchanged, so
+    ``backend.model.llama``'s layer code runs as it is (its GQA group is the rank's heads / KV heads)."""
     return dataclasses.replace(config, num_heads=config.num_heads // tp_size,
-                               num_kv_heads=config.num_kv_heads // tp_size,
+                               num_kv_heads=kv_heads_per_rank(config.num_kv_heads, tp_size),
                                intermediate_size=config.intermediate_size // tp_size,
                                vocab_size=config.vocab_size // tp_size)
 
@@ -103,9 +108,10 @@ def _plan(name: str, shape: tuple[int, ...], c: ModelConfig, tp: int, whole: boo
             raise ShardError(f"{where}.{part}: shape {shape}; expected ({c.hidden_size},)")
         return "copy", []
     if lin == "qkv":
-        qh, kvh, rows = c.num_heads // tp * d, c.num_kv_heads // tp * d, c.q_size + 2 * c.kv_size
-        spans = [[(r * qh, qh), (c.q_size + r * kvh, kvh), (c.q_size + c.kv_size + r * kvh, kvh)]
-                 for r in range(tp)]
+        qh, rows = c.num_heads // tp * d, c.q_size + 2 * c.kv_size
+        kv = [kv_heads_of_rank(c.num_heads, c.num_kv_heads, tp, r) for r in range(tp)]
+        spans = [[(r * qh, qh), (c.q_size + k * d, n * d), (c.q_size + c.kv_size + k * d, n * d)]
+                 for r, (k, n) in enumerate(kv)]
     else:
         inter, rows = c.intermediate_size // tp, 2 * c.intermediate_size
         spans = [[(r * inter, inter), (c.intermediate_size + r * inter, inter)] for r in range(tp)]
@@ -160,13 +166,14 @@ def unshard_tensor(name: str, parts: list[torch.Tensor], config: ModelConfig) ->
         return parts[0]
     if kind == "cols":
         return torch.cat(parts, dim=1)
-    pieces = []
+    pieces = {}
     for part, mine in zip(parts, spans):
         off = 0
         for start, n in mine:
-            pieces.append((start, part.narrow(0, off, n)))
+            # replicated KV heads' rows are on several ranks: the first rank's copy stands for them
+            pieces.setdefault(start, part.narrow(0, off, n))
             off += n
-    return torch.cat([p for _, p in sorted(pieces, key=lambda x: x[0])])
+    return torch.cat([pieces[s] for s in sorted(pieces)])
 
 
 def shard_weights(weights: dict[str, torch.Tensor], config: ModelConfig, quant_format: str,

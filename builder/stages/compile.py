@@ -148,7 +148,7 @@ def _manifest(ctx: StageContext, model: dict, fmt: str, kv_algo, group_size, unq
             "unquantized_modules": sorted(set(_family(n) for n in unquantized)) if fmt != "none" else [],
             "source": _modelopt_version() if fmt != "none" or kv_algo else None,
         },
-        "engine": _engine_section(cfg),
+        "engine": {**_engine_section(cfg), **_kv_replication(model, tp)},
         "targets": {"sms": list(cfg.engine.target_sms)},
         "kernels": [],
         "speculative": speculative,
@@ -210,6 +210,13 @@ def _engine_section(cfg) -> dict:
     }
 
 
+def _kv_replication(model: dict, tp: int) -> dict:
+    """engine.kv_heads_per_rank where the ranks outnumber the KV heads (each holds one, replicated);
+    nothing otherwise, so those bundles read as before in every runtime."""
+    from backend.runtime.tp_rules import kv_heads_per_rank
+    return {"kv_heads_per_rank": kv_heads_per_rank(model["num_kv_heads"], tp)} if tp > model["num_kv_heads"] else {}
+
+
 def _copy_tokenizer(src: Path, dst: Path) -> None:
     dst.mkdir()
     for name in TOKENIZER_FILES:
@@ -265,15 +272,17 @@ def _build_cpu_kernels(ctx: StageContext) -> None:
 
 def kernel_shapes(manifest: bundle.Manifest):
     """The shapes that decide which kernel variants the engine launches (plugins.common.EngineShapes):
-    one rank's under engine.tp_size (its heads, KV heads and MLP slice; every rank has the same), so a
-    tensor-parallel engine finds its cubins too instead of compiling them at start."""
+    one rank's under engine.tp_size (its heads, KV heads and MLP slice; every rank has the same: one KV
+    head where there are fewer than ranks, so the kernels' GQA group is the rank's heads / its KV heads),
+    so a tensor-parallel engine finds its cubins too instead of compiling them at start."""
+    from backend.runtime.tp_rules import kv_heads_per_rank
     from plugins.common import ACT_TYPES, EngineShapes
     m, q, e = manifest.model, manifest.quantization, manifest.engine
     act = ACT_TYPES[m.dtype]   # ModelConfig has checked the dtype
     tp = e.tp_size             # divides these (builder/config.py checks it with tp_rules)
     return EngineShapes(
         act=act, kv="fp8e4nv" if e.kv_cache_dtype.startswith("fp8") else act,
-        num_heads=m.num_heads // tp, num_kv_heads=m.num_kv_heads // tp, head_dim=m.head_dim,
+        num_heads=m.num_heads // tp, num_kv_heads=kv_heads_per_rank(m.num_kv_heads, tp), head_dim=m.head_dim,
         hidden_size=m.hidden_size, intermediate_size=m.intermediate_size // tp, block_size=e.kv_block_size,
         quant_format=q.format,
         group_size=q.group_size, speculative=manifest.speculative is not None)

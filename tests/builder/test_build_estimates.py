@@ -129,3 +129,12 @@ def test_header_checkpoints_hold_each_familys_tensors_and_the_published_size(tmp
     assert ("model.layers.0.pre_feedforward_layernorm.weight" in shapes) == name.startswith("gemma3")
     if name.startswith(("qwen3", "gemma3")):
         assert shapes["model.layers.0.self_attn.q_norm.weight"] == [128]
+
+
+def test_kv_room_counts_one_replicated_kv_head_per_gpu():
+    """Llama-3.1-8B's 8 KV heads over 16 GPUs: each holds one (replicated on two), as at 8 GPUs, so the
+    KV room per GPU is about tp_size 8's (a little more: half the weights), not a division by 8 // 16 = 0."""
+    cfg = str(REPO / "configs/llama3.1-8b-fp8.yaml")
+    room = [int(re.search(r"KV room ~(\d+)k tokens", estimate.estimate(cfg, ["8xh100"], overrides=[
+        f"engine.tp_size={tp}"])[-1])[1]) for tp in (8, 16)]
+    assert room[0] <= room[1] < 1.02 * room[0]

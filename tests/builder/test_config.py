@@ -170,8 +170,10 @@ def test_config_is_frozen():
 @pytest.mark.parametrize("overrides, model, key, fragment", [
     # the runtime's own rules (backend/runtime/tp_rules.py): every split dimension must divide
     (["engine.tp_size=2"], {}, "engine.tp_size", "2 does not divide the model's 9 attention heads"),
-    (["engine.tp_size=3"], {"num_kv_heads": 1}, "engine.tp_size",
-     "3 does not divide the model's 1 KV heads"),
+    # fewer KV heads than ranks are replicated, but only when the ranks are a multiple of them
+    (["engine.tp_size=3"], {"num_heads": 6, "num_kv_heads": 2}, "engine.tp_size",
+     "3 neither divides the model's 2 KV heads nor is a multiple of them (num_key_value_heads=2, tp_size=3): "
+     "each rank holds its share of them, or one replicated; allowed: 1 | 2 | 6"),
     (["engine.tp_size=3"], {"intermediate_size": 1544}, "engine.tp_size",
      "3 does not divide the model's 1544 intermediate_size"),
     (["engine.tp_size=3"], {"vocab_size": 49153}, "engine.tp_size", "3 does not divide the model's 49153 vocab_size"),
@@ -199,10 +201,12 @@ def test_model_shape_checks(overrides, model, key, fragment):
 
 def test_tp_size_is_built_when_the_model_splits():
     """SmolLM2 (9 heads, 3 KV heads, intermediate 1536, vocab 49152) splits 3 ways in every format: o's
-    576 and down's 1536 input features give each rank 192 and 512, whole groups of 64 and blocks of 16."""
+    576 and down's 1536 input features give each rank 192 and 512, whole groups of 64 and blocks of 16.
+    With one KV head (multi-query attention) it splits 3 ways too: each rank holds that head."""
     for fmt in QUANT_FORMATS:
-        check_against_model(BuildConfig.from_dict({}, "x.yaml", ["engine.tp_size=3", f"quantization.format={fmt}"]),
-                            SMOLLM2_SHAPE)
+        for kv in (3, 1):
+            check_against_model(BuildConfig.from_dict({}, "x.yaml", ["engine.tp_size=3", f"quantization.format={fmt}"]),
+                                {**SMOLLM2_SHAPE, "num_kv_heads": kv})
     assert BuildConfig.from_dict({}, "x.yaml", ["engine.tp_size=64"]).engine.tp_size == 64
 
 

@@ -200,8 +200,8 @@ def test_sharding_refuses_what_it_cannot_split():
     c = _tiny(heads=9, kv=3, vocab=12)
     with pytest.raises(ShardError, match=r"tp_size=2 does not divide the model's 9 attention heads"):
         check_tp(c, "none", 2)
-    with pytest.raises(ShardError, match=r"tp_size=9 does not divide the model's 3 KV heads"):
-        check_tp(c, "none", 9)
+    with pytest.raises(ShardError, match=r"tp_size=3 neither divides the model's 2 KV heads nor is a multiple"):
+        check_tp(_tiny(heads=6, kv=2, inter=12), "none", 3)
     with pytest.raises(ShardError, match=r"tp_size=3 does not divide the model's 8 intermediate_size"):
         check_tp(dataclasses.replace(c, intermediate_size=8), "none", 3)
     with pytest.raises(ShardError, match=r"tp_size=3 does not divide the model's 10 vocab_size"):
