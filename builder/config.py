@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from backend.runtime.tp_rules import MAX_TP_SIZE, SHARDABLE_FORMATS
-from backend.serving.engine_model.settings import DEFAULTS as SERVING_DEFAULTS
+from backend.serving.engine_model.settings import DEFAULTS as SERVING_DEFAULTS, REASONING_PARSERS, TOOL_PARSERS
 from builder.config_overrides import apply_overrides
 from builder.config_tensorrt import RUNTIMES, TensorRTConfig, check_tensorrt
 from builder.schema import ConfigError, build, opt
@@ -213,6 +213,10 @@ class ServingConfig:
     # fewer, larger responses instead of falling further behind; false: one response per
     # stream_interval tokens, however far behind
     coalesce_responses: bool = opt(SERVING_DEFAULTS.coalesce_responses)
+    # the OpenAI front door's tool-call syntax and reasoning split for this model (docs/openai.md):
+    # auto = by the markers the bundle's chat template spells; `harness.openai --tool-parser` beats it
+    tool_parser: str = opt(SERVING_DEFAULTS.tool_parser, choices=TOOL_PARSERS)
+    reasoning_parser: str = opt(SERVING_DEFAULTS.reasoning_parser, choices=REASONING_PARSERS)
     http_port: int = opt(8000, min=1, max=65535)
     grpc_port: int = opt(8001, min=1, max=65535)
     metrics_port: int = opt(8002, min=1, max=65535)
@@ -233,6 +237,7 @@ _HASH_NEUTRAL_SECTIONS = {"tensorrt": ("enabled", False)}
 _HASH_NEUTRAL_DEFAULTS = {("engine", "overlap_scheduling"): "auto", ("engine", "cpu_dtype"): "auto",
                           ("verify", "path"): "auto", ("verify", "device"): "auto", ("serving", "device"): "auto",
                           ("serving", "coalesce_responses"): True,
+                          ("serving", "tool_parser"): "auto", ("serving", "reasoning_parser"): "auto",
                           ("engine", "runtime"): "native"}
 
 

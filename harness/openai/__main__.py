@@ -59,15 +59,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens-cap", type=int, default=None,
                    help="the most tokens one request may generate: larger max_tokens is a 400, none asked "
                         "means this many (default: all the room max_seq_len leaves)")
-    p.add_argument("--tool-parser", default="auto", choices=["auto", *FORMATS, "none"],
+    p.add_argument("--tool-parser", default=None, choices=["auto", *FORMATS, "none"],
                    help="how tool calls are written and parsed: hermes (<tool_call>, Hermes and Qwen), llama3_json "
                         "(Llama 3.1-3.3), mistral ([TOOL_CALLS]), deepseek (DeepSeek V3/R1/V3.1), harmony "
-                        "(gpt-oss); auto (default) picks the one whose markers the bundle's chat template spells, "
-                        "hermes when it spells none; none refuses tools")
-    p.add_argument("--reasoning-parser", default="auto", choices=["auto", *REASONING_PARSERS, "none"],
+                        "(gpt-oss); auto picks the one whose markers the bundle's chat template spells, hermes when it "
+                        "spells none; none refuses tools (default: the build config's serving.tool_parser, auto)")
+    p.add_argument("--reasoning-parser", default=None, choices=["auto", *REASONING_PARSERS, "none"],
                    help="how the model's thinking is split into reasoning_content: think (<think>...</think>, "
-                        "DeepSeek-R1, Qwen3) or harmony (gpt-oss's analysis channel); auto (default) picks the one "
-                        "whose markers the chat template spells, else none")
+                        "DeepSeek-R1, Qwen3) or harmony (gpt-oss's analysis channel); auto picks the one whose markers "
+                        "the chat template spells, else none (default: the build config's serving.reasoning_parser, "
+                        "auto)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template that replaces the bundle's (the parsers' auto then reads it)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

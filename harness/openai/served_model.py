@@ -63,10 +63,22 @@ def engine_dir_of(repo: Path, engine_model: str) -> Path:
     return path if path.is_absolute() else (repo / path).resolve()
 
 
-def load_served_model(repo: str | Path, name: str | None = None, tool_parser: str = "auto",
-                      reasoning_parser: str = "auto", chat_template: str | None = None) -> ServedModel:
+def bundle_parsers(repo: Path, engine_model: str) -> tuple[str, str]:
+    """The build config's ``serving.tool_parser`` / ``reasoning_parser``, as the package stage wrote
+    them into the engine model's config.pbtxt ("auto" for a repository built before they existed)."""
+    text = (repo / engine_model / "config.pbtxt").read_text(encoding="utf-8")
+
+    def param(key: str) -> str:
+        m = re.search(r'key:\s*"' + key + r'"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
+        return m.group(1) if m and m.group(1) else "auto"
+    return param("tool_parser"), param("reasoning_parser")
+
+
+def load_served_model(repo: str | Path, name: str | None = None, tool_parser: str | None = None,
+                      reasoning_parser: str | None = None, chat_template: str | None = None) -> ServedModel:
     """``name`` overrides the model id; by default it is the config's stem (``smollm2-135m-fp8``),
-    which names the bundle wherever its build folder was moved. ``chat_template``: a Jinja template
+    which names the bundle wherever its build folder was moved. ``tool_parser`` / ``reasoning_parser``:
+    None takes the bundle's (its build config's ``serving.*_parser``). ``chat_template``: a Jinja template
     that replaces the bundle's (``--chat-template``, as vLLM's: a checkpoint whose template lacks
     tools or thinking, or a fixed one), the parsers then chosen from it."""
     repo = Path(repo).resolve()
@@ -80,8 +92,9 @@ def load_served_model(repo: str | Path, name: str | None = None, tool_parser: st
     tok = load_tokenizer(edir)
     if chat_template is not None:
         tok = TextTokenizer(tok.tokenizer, chat_template, tok.special)
-    tool_format = choose_format(tool_parser, tok.chat_template)
-    reasoning = choose_reasoning(reasoning_parser, tok.chat_template)
+    built_tools, built_reasoning = bundle_parsers(repo, engine_model)
+    tool_format = choose_format(tool_parser or built_tools, tok.chat_template)
+    reasoning = choose_reasoning(reasoning_parser or built_reasoning, tok.chat_template)
     return ServedModel(name=name, engine_model=engine_model, engine_dir=edir, tokenizer=tok,
                        max_input_len=manifest.engine.max_input_len, max_seq_len=manifest.engine.max_seq_len,
                        vocab_size=tok.vocab_size, created=int((edir / bundle.MANIFEST).stat().st_mtime),

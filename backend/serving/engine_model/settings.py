@@ -10,7 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-__all__ = ["ServingSettings", "DEFAULTS"]
+__all__ = ["ServingSettings", "DEFAULTS", "TOOL_PARSERS", "REASONING_PARSERS"]
+
+# The OpenAI front door's parser tables' names (harness/openai/tool_parsers, reasoning.py; a test
+# holds these to them): auto picks by the chat template's markers, none turns the feature off
+TOOL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "deepseek", "harmony", "none")
+REASONING_PARSERS = ("auto", "think", "harmony", "none")
 
 _BOOL_TEXT = {"true": True, "false": False}
 
@@ -28,6 +33,10 @@ class ServingSettings:
     response_thread: bool = True
     # tokens that come while a stream's previous response still waits join that response
     coalesce_responses: bool = True
+    # how the OpenAI front door writes and parses tool calls, and splits reasoning from the answer
+    # (its --tool-parser / --reasoning-parser beat them); read from this model's config.pbtxt
+    tool_parser: str = "auto"
+    reasoning_parser: str = "auto"
 
     def parameters(self) -> dict[str, str]:
         """Each key as its config.pbtxt ``string_value``."""
