@@ -21,6 +21,11 @@ TEST_JOBS  ?= 2
 # The OpenAI front door's port (make serve; 0 = off). Triton's own ports are the config's
 # serving.http_port / grpc_port / metrics_port, changed with OVERRIDES like any other key.
 OPENAI_PORT ?= 9000
+# Addresses (make serve): HOST the OpenAI front door's, TRITON_HOST Triton's HTTP, gRPC and metrics
+# endpoints'. 127.0.0.1 = this machine only; with API_KEY, a TRITON_HOST beyond loopback (0.0.0.0)
+# makes Triton require the key on every protocol but health (docs/serving.md, "Addresses and API keys").
+HOST        ?= 127.0.0.1
+TRITON_HOST ?= 127.0.0.1
 
 # Everything Kiln runs goes through the venv; its bin/ comes first on PATH so the Triton
 # Python backend stub (which runs the first python3 on PATH) sees the same packages.
@@ -65,8 +70,8 @@ validate: $(STAMP) ## Validate every config in configs/
 test: $(STAMP) ## Run the test suite (real SmolLM2, ModelOpt and Triton server; no GPU needed)
 	$(PY) -m pytest $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
-serve: $(STAMP) ## Serve OUT's model_repository with Triton on 127.0.0.1 at CONFIG's serving.http_port/grpc_port/metrics_port (8000/8001/8002; OVERRIDES="serving.http_port=...") and the OpenAI API on OPENAI_PORT (9000; 0 = off; API_KEY=... requires that key on /v1, and the command is then not echoed)
-	$(if $(API_KEY),@KILN_API_KEY='$(API_KEY)' )$(PY) -m harness.serve --config $(CONFIG) $(addprefix --override ,$(OVERRIDES)) --model-repository $(OUT)/model_repository --openai-port $(if $(OPENAI_PORT),$(OPENAI_PORT),0)
+serve: $(STAMP) ## Serve OUT's model_repository with Triton on TRITON_HOST (127.0.0.1) at CONFIG's serving.http_port/grpc_port/metrics_port (8000/8001/8002; OVERRIDES="serving.http_port=...") and the OpenAI API on HOST:OPENAI_PORT (127.0.0.1:9000; 0 = off; API_KEY=... requires that key on /v1, and on Triton when TRITON_HOST is not loopback; the command is then not echoed)
+	$(if $(API_KEY),@KILN_API_KEY='$(API_KEY)' )$(PY) -m harness.serve --config $(CONFIG) $(addprefix --override ,$(OVERRIDES)) --model-repository $(OUT)/model_repository --openai-port $(if $(OPENAI_PORT),$(OPENAI_PORT),0) --host $(or $(HOST),127.0.0.1) --triton-host $(or $(TRITON_HOST),127.0.0.1)
 
 bench: $(STAMP) ## Serving benchmark (concurrency sweep, Poisson mode); BENCH_ARGS="--start --baseline hf" runs it self-contained
 	$(PY) -m harness.perf run serving -- --model-repository $(OUT)/model_repository $(BENCH_ARGS)

@@ -7,6 +7,10 @@
                                                                          # speculative-decoding figures
     python -m harness.client --config configs/smollm2-135m-fp8.yaml "Hi"  # that config's serving ports
 
+A Triton that requires an API key (``harness.serve --triton-host`` beyond loopback, with keys) is sent
+the first of ``--api-key``, ``--api-key-file`` and ``KILN_API_KEY``: ``Authorization: Bearer KEY`` over
+HTTP, ``triton-grpc-protocol-authorization: Bearer KEY`` over gRPC (harness/triton_auth.py).
+
 Any Triton gRPC/HTTP client works the same way: the inputs are tensorrtllm_backend's names. The
 client asks for the acceptance figures (``return_perf_metrics``); when the engine speculated
 (an EAGLE-3 draft in the bundle) a summary line goes to stderr, and ``--json`` includes them.
@@ -26,6 +30,7 @@ from builder.schema import ConfigError
 from harness.serving_client import GenerateError, grpc_inputs, http_generate, http_stream
 from harness.model_names import DEFAULT
 from harness.serve_ports import DEFAULT as DEFAULT_PORTS, Ports, config_ports
+from harness.triton_auth import client_key, grpc_headers, http_headers
 
 
 def default_url(protocol: str, ports: Ports = DEFAULT_PORTS) -> str:
@@ -55,6 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="apply the model's chat template to the prompt (default; --no-chat sends it raw)")
     p.add_argument("--echo", action="store_true", help="include the prompt in a non-streamed answer")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="the API key of a Triton that requires one (default: the first of --api-key-file, else "
+                        "of KILN_API_KEY); visible to other users in ps: prefer the file or the environment")
+    p.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
+                   help="a file of API keys, one per line (# comments): its first is sent")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: text plus acceptance_rate, total_accepted_draft_tokens, "
                         "total_draft_tokens (instead of the plain text)")
@@ -66,6 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             a.url = default_url(a.protocol, config_ports(a.config))
         except (ConfigError, ValueError) as e:
             p.error(str(e))
+    try:
+        a.key = client_key(a.api_key, a.api_key_file)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    del a.api_key  # only the resolved key travels on
     return a
 
 
@@ -73,28 +88,28 @@ def _tensors(result: Any, names: tuple[str, ...]) -> dict[str, np.ndarray]:
     return {n: v for n in names if (v := result.as_numpy(n)) is not None}
 
 
-def declares_perf_metrics(url: str, model: str, protocol: str) -> bool:
+def declares_perf_metrics(url: str, model: str, protocol: str, key: str | None = None) -> bool:
     """Whether the model takes ``return_perf_metrics`` (a repository rendered before it existed
     does not, and Triton refuses an input a model does not declare)."""
     if protocol == "http":
         import tritonclient.http as th
         client = th.InferenceServerClient(url)
         try:
-            names = [i["name"] for i in client.get_model_metadata(model)["inputs"]]
+            names = [i["name"] for i in client.get_model_metadata(model, headers=http_headers(key))["inputs"]]
         finally:
             client.close()
     else:
         import tritonclient.grpc as tg
         client = tg.InferenceServerClient(url)
         try:
-            names = [i.name for i in client.get_model_metadata(model).inputs]
+            names = [i.name for i in client.get_model_metadata(model, headers=grpc_headers(key)).inputs]
         finally:
             client.close()
     return "return_perf_metrics" in names
 
 
 def grpc_run(url: str, model: str, text: str, on_piece: Callable[[str], None] | None,
-             **params: Any) -> tuple[str, dict | None]:
+             key: str | None = None, **params: Any) -> tuple[str, dict | None]:
     """One request over a gRPC stream: (the whole text, the last acceptance figures or None)."""
     import tritonclient.grpc.aio as aio
     from backend.serving.metrics.acceptance import ACCEPTANCE_OUTPUTS
@@ -111,7 +126,7 @@ def grpc_run(url: str, model: str, text: str, on_piece: Callable[[str], None] | 
         async def requests():
             yield {"model_name": model, "inputs": inputs}
         try:
-            async for result, error in client.stream_infer(requests()):
+            async for result, error in client.stream_infer(requests(), headers=grpc_headers(key) or None):
                 if error is not None:
                     raise GenerateError(str(error))
                 piece = result.as_numpy("text_output")
@@ -132,13 +147,13 @@ def grpc_run(url: str, model: str, text: str, on_piece: Callable[[str], None] | 
 
 
 def http_run(url: str, model: str, text: str, on_piece: Callable[[str], None] | None,
-             **params: Any) -> tuple[str, dict | None]:
+             key: str | None = None, **params: Any) -> tuple[str, dict | None]:
     """One request over HTTP generate or generate_stream (``stream``): (text, figures or None)."""
     if not params.get("stream"):
-        body = http_generate(url, model, text, **params)
+        body = http_generate(url, model, text, headers=http_headers(key), **params)
         return body["text_output"], read_acceptance(body)
     pieces, figures = [], None
-    for event in http_stream(url, model, text, **params):
+    for event in http_stream(url, model, text, headers=http_headers(key), **params):
         s = event.get("text_output", "")
         pieces.append(s)
         if on_piece is not None and s:
@@ -156,6 +171,14 @@ def summary(figures: dict | None) -> str | None:
             f"(acceptance rate {figures['acceptance_rate']:.2f})]")
 
 
+def _key_hint(message: str, key: str | None) -> str:
+    """What to do about Triton's refusal of a call without (or with the wrong) key."""
+    if "restricted" not in message:
+        return ""
+    return (" (not the key the server requires: Triton takes the first of the keys it was given)" if key else
+            " (the server requires an API key: --api-key-file FILE or KILN_API_KEY)")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     url = a.url
@@ -170,14 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         out.flush()
     on_piece = None if a.json else show
     try:
-        if declares_perf_metrics(url, a.model, a.protocol):
+        if declares_perf_metrics(url, a.model, a.protocol, a.key):
             params["return_perf_metrics"] = True
         if a.protocol == "http":
-            text, figures = http_run(url, a.model, a.prompt, on_piece, **params)
+            text, figures = http_run(url, a.model, a.prompt, on_piece, a.key, **params)
             if on_piece is not None and not a.stream:
                 show(text)
         else:
-            text, figures = grpc_run(url, a.model, a.prompt, on_piece, **params)
+            text, figures = grpc_run(url, a.model, a.prompt, on_piece, a.key, **params)
         if a.json:
             doc = {"model": a.model, "text": text, **(figures or {})}
             out.write(json.dumps(doc, ensure_ascii=False))
@@ -186,14 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         if line and not a.json:
             print(line, file=sys.stderr)
     except GenerateError as e:
-        print(f"error from {url} ({a.model}): {e}", file=sys.stderr)
+        print(f"error from {url} ({a.model}): {e}{_key_hint(str(e), a.key)}", file=sys.stderr)
         return 1
     except (ConnectionError, OSError) as e:
         print(f"cannot reach {url}: {e} (is the server running? make serve)", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - tritonclient's connection errors have no common base
-        print(f"error talking to {url}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-              file=sys.stderr)
+        print(f"error talking to {url}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+              f"{_key_hint(str(e), a.key)}", file=sys.stderr)
         return 2
     return 0
 

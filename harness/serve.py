@@ -4,8 +4,9 @@
     python -m harness.serve --model-repository build/smollm2-135m-fp8/model_repository
 
 Uses ``tritonserver`` from PATH (NVIDIA's container) or else the one in the nvidia-pytriton wheel,
-binds 127.0.0.1 on the config's ``serving.http_port`` / ``grpc_port`` / ``metrics_port`` (8000, 8001,
-8002 without ``--config``; ``--http-port`` and the like beat both), waits until every model is
+binds ``--triton-host`` (127.0.0.1) on the config's ``serving.http_port`` / ``grpc_port`` /
+``metrics_port`` (8000, 8001, 8002 without ``--config``; ``--http-port`` and the like beat both),
+waits until every model is
 ready, prints client examples, and on Ctrl-C / SIGTERM first has the engine end every in-flight
 request (each client gets a final response or an error; ``TritonServer.drain`` says why this must
 come before the server's own SIGTERM), then stops the server and its Python backend stubs and
@@ -14,6 +15,14 @@ removes their shared-memory files.
 With ``--openai-port`` (``make serve`` passes 9000; 0 = off) it also starts the OpenAI-compatible
 front door (``harness.openai``) on that port once Triton is ready, stops it first on the way out
 (its open streams close, cancelling their engine requests), and stops everything when it dies.
+
+Addresses: ``--host`` is the OpenAI front door's, ``--triton-host`` Triton's HTTP, gRPC and metrics
+endpoints' (both 127.0.0.1: this machine only). Triton bound to another address with an API key
+requires the FIRST key on every protocol but health (HTTP ``Authorization: Bearer KEY``, gRPC
+metadata ``triton-grpc-protocol-authorization: Bearer KEY``; metrics stay open: Triton cannot
+restrict them); without a key a warning says its endpoints are open to anyone who reaches them.
+The key is then on tritonserver's command line, readable by local users in /proc while it runs;
+nothing Kiln prints or logs shows it.
 """
 from __future__ import annotations
 
@@ -33,6 +42,7 @@ from harness.openai.auth import load_keys
 from harness.openai.process import OpenAIServer
 from harness.openai.reasoning import REASONING_PARSERS
 from harness.openai.tool_parsers import FORMATS
+from harness.triton_auth import GRPC_HEADER, is_loopback, open_warning
 
 EXIT_MODEL_FAILED = 3  # the server or one of its model stubs died while serving
 # After a failure, how long Triton gets to exit on SIGTERM before it is killed: the dead stub's
@@ -50,7 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="config override, as given to make build (OVERRIDES); repeatable; needs --config")
     p.add_argument("--model-repository", default=None,
                    help="the rendered repository (default with --config: build/<config stem>/model_repository)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the OpenAI front door's address (default 127.0.0.1; 0.0.0.0 = every interface); "
+                        "Triton's is --triton-host")
+    p.add_argument("--triton-host", default="127.0.0.1",
+                   help="the address of Triton's HTTP, gRPC and metrics endpoints (default 127.0.0.1: this "
+                        "machine only). Another address with an API key makes every Triton protocol but "
+                        "health require the first key; without a key Triton is open (a warning says so)")
     p.add_argument("--http-port", type=int, default=None, help="beats the config's serving.http_port")
     p.add_argument("--grpc-port", type=int, default=None, help="beats the config's serving.grpc_port")
     p.add_argument("--metrics-port", type=int, default=None, help="beats the config's serving.metrics_port")
@@ -58,8 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also serve the OpenAI API (harness.openai) on this port; 0 = off (default; "
                         "make serve passes 9000)")
     p.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
-                   help="the OpenAI API's keys, one per line (also KILN_API_KEY, comma-separated; make serve "
-                        "API_KEY=...): /v1/* then needs 'Authorization: Bearer KEY'")
+                   help="API keys, one per line (also KILN_API_KEY, comma-separated; make serve API_KEY=...): "
+                        "/v1/* then needs 'Authorization: Bearer KEY' (any key), and so does Triton when "
+                        "--triton-host is not loopback (the first key: this file's first line, else "
+                        "KILN_API_KEY's first)")
     p.add_argument("--openai-max-body-bytes", type=int, default=None,
                    help="the OpenAI API's body size limit (python -m harness.openai --max-body-bytes)")
     p.add_argument("--openai-max-tokens-cap", type=int, default=None,
@@ -120,22 +138,35 @@ OpenAI API  {oai.base_url}   model "{model}"   (python -m harness.openai --help)
 """
 
 
+def triton_access(srv: TritonServer) -> str:
+    """Who may call Triton, in one line (never the key)."""
+    if srv.restricted:
+        return (f"bound to {srv.host}: every protocol but health needs the first API key (HTTP 'Authorization: "
+                f"Bearer KEY', gRPC '{GRPC_HEADER}: Bearer KEY'; the clients below read it from "
+                f"KILN_API_KEY); metrics are open")
+    if not is_loopback(srv.host):
+        return f"bound to {srv.host} with no API key: open to anyone who reaches it"
+    return f"bound to {srv.host}: this machine only"
+
+
 def examples(srv: TritonServer, oai: OpenAIServer | None = None, model: str = "") -> str:
     h, g = srv.http_url, srv.grpc_url
     names = repository_names(srv.repo)
     ens, bls = names.ensemble, names.bls
+    key = " -H \"Authorization: Bearer $KILN_API_KEY\"" if srv.restricted else ""  # the variable, never a key
     return f"""
 Kiln is serving {srv.repo}
   HTTP    http://{h}      gRPC {g}      metrics {srv.metrics_url}
+  access  {triton_access(srv)}
   log     {srv.log_file}
   pid     {srv.proc.pid} (process group of the server and its Python backend stubs)
 
 Try:
   python -m harness.client --url {g} --model {ens} --stream "Tell me about Paris"
   python -m harness.client --url {h} --protocol http --model {bls} "Tell me about Paris"
-  curl -s -X POST http://{h}/v2/models/{ens}/generate \\
+  curl -s -X POST http://{h}/v2/models/{ens}/generate{key} \\
        -d '{{"text_input": "Tell me about Paris", "max_tokens": 64, "temperature": 0}}'
-  curl -s -N -X POST http://{h}/v2/models/{ens}/generate_stream \\
+  curl -s -N -X POST http://{h}/v2/models/{ens}/generate_stream{key} \\
        -d '{{"text_input": "Tell me about Paris", "max_tokens": 64, "stream": true}}'
   curl -s {srv.metrics_url} | grep kiln_
 {openai_examples(oai, model)}
@@ -151,9 +182,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {a.model_repository}: {e}", file=sys.stderr)
         return 1
     stop = threading.Event()
+    # Triton holds one key per protocol group: the first (every key opens the OpenAI API)
     srv = TritonServer(a.model_repository, http_port=a.http_port, grpc_port=a.grpc_port,
-                       metrics_port=a.metrics_port, host=a.host, log_file=a.log_file,
-                       startup_timeout=a.startup_timeout, verbose=a.verbose)
+                       metrics_port=a.metrics_port, host=a.triton_host, log_file=a.log_file,
+                       startup_timeout=a.startup_timeout, verbose=a.verbose,
+                       api_key=a.api_keys[0] if a.api_keys else None)
+    if not is_loopback(a.triton_host) and not a.api_keys:
+        print(open_warning(a.triton_host), file=sys.stderr, flush=True)
+    if not is_loopback(a.host) and not a.openai_port:
+        print(f"warning: --host {a.host} is the OpenAI API's address and the OpenAI API is off (--openai-port 0): "
+              f"Triton listens on --triton-host ({a.triton_host})", file=sys.stderr, flush=True)
 
     def on_signal(signum, _frame):
         stop.set()
@@ -175,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             model = load_served_model(srv.repo).name
             oai = OpenAIServer(srv.repo, srv.grpc_url, srv.metrics_url, host=a.host, port=a.openai_port,
                                log_file=srv.log_file.with_name(srv.log_file.stem + "-openai.log"),
-                               api_keys=a.api_keys, extra_args=a.openai_args)
+                               api_keys=a.api_keys, extra_args=a.openai_args,
+                               triton_api_key=srv.api_key if srv.restricted else None)
             try:
                 oai.start()
             except RuntimeError as e:

@@ -2,6 +2,8 @@
 
 Used by ``harness/client.py``, ``harness/perf/serving/sweep.py`` and the serving tests. Inputs are the
 tensorrtllm_backend-compatible names (``text_input``, ``max_tokens``, ``temperature``, ...).
+``headers``: what a Triton that requires an API key wants (``harness.triton_auth.http_headers`` for
+the HTTP helpers, ``grpc_headers`` for the gRPC ones).
 """
 from __future__ import annotations
 
@@ -65,22 +67,25 @@ def _http_body(text: str, params: dict[str, Any]) -> dict[str, Any]:
     return {"text_input": text, **{k: v for k, v in params.items() if v is not None}}
 
 
-def http_generate(url: str, model: str, text: str, timeout: float = 300, **params: Any) -> dict[str, Any]:
+def http_generate(url: str, model: str, text: str, timeout: float = 300, headers: dict[str, str] | None = None,
+                  **params: Any) -> dict[str, Any]:
     """POST /generate; returns the JSON body. Triton answers 200 with an error body for some failures."""
     import requests
-    r = requests.post(f"http://{url}/v2/models/{model}/generate", json=_http_body(text, params), timeout=timeout)
+    r = requests.post(f"http://{url}/v2/models/{model}/generate", json=_http_body(text, params), timeout=timeout,
+                      headers=headers)
     body = r.json() if r.content else {}
     if r.status_code != 200 or "error" in body:
         raise GenerateError(body.get("error") or f"HTTP {r.status_code}: {r.text[:200]}")
     return body
 
 
-def http_stream(url: str, model: str, text: str, timeout: float = 300, **params: Any) -> Iterator[dict[str, Any]]:
+def http_stream(url: str, model: str, text: str, timeout: float = 300, headers: dict[str, str] | None = None,
+                **params: Any) -> Iterator[dict[str, Any]]:
     """POST /generate_stream (server-sent events); yields each event's JSON."""
     import requests
     params.setdefault("stream", True)
     with requests.post(f"http://{url}/v2/models/{model}/generate_stream", json=_http_body(text, params),
-                       stream=True, timeout=timeout) as r:
+                       stream=True, timeout=timeout, headers=headers) as r:
         if r.status_code != 200:
             raise GenerateError(f"HTTP {r.status_code}: {r.text[:200]}")
         for line in r.iter_lines(decode_unicode=False):
@@ -127,7 +132,7 @@ class StreamResult:
 
 async def grpc_stream(client: Any, model: str, text: str, *, on_piece: Callable[[str], None] | None = None,
                       cancel_after: int | None = None, request_id: str = "", outputs: list[str] | None = None,
-                      **params: Any) -> StreamResult:
+                      headers: dict[str, str] | None = None, **params: Any) -> StreamResult:
     """One streaming request over its own gRPC bidi stream (``tritonclient.grpc.aio`` client).
 
     ``cancel_after=n`` cancels the call after n pieces (the server sees the request cancelled).
@@ -145,7 +150,7 @@ async def grpc_stream(client: Any, model: str, text: str, *, on_piece: Callable[
         yield request
 
     res = StreamResult(start=time.perf_counter())
-    it = client.stream_infer(requests())
+    it = client.stream_infer(requests(), headers=headers)
     try:
         async for result, error in it:
             if error is not None:
@@ -194,7 +199,8 @@ def grpc_generate(url: str, model: str, text: str, **params: Any) -> StreamResul
 # README "Cancellation"). Closing the stream alone is enough for the engine and bls models.
 
 
-async def stop_request(client: Any, engine_model: str, request_id: str) -> str | None:
+async def stop_request(client: Any, engine_model: str, request_id: str,
+                       headers: dict[str, str] | None = None) -> str | None:
     """Stop the engine request started with ``request_id`` (tensorrtllm_backend's ``stop_request``
     control request, sent to the engine model ``engine_model``). Returns the server's error, or None.
     The answer is one final response with no outputs."""
@@ -206,7 +212,7 @@ async def stop_request(client: Any, engine_model: str, request_id: str) -> str |
         yield {"model_name": engine_model, "inputs": [stop], "request_id": request_id}
 
     error = None
-    async for _result, err in client.stream_infer(requests()):  # read to the end (READ_TO_THE_END)
+    async for _result, err in client.stream_infer(requests(), headers=headers):  # read to the end (READ_TO_THE_END)
         if err is not None:
             error = error or str(err)
     return error

@@ -6,7 +6,8 @@ assembles the Python backend folder as symlinks (copies break the stub's relativ
 the server then hangs at load), puts this interpreter's ``bin/`` first on PATH (the stub runs the
 first ``python3`` it finds, so it must see Kiln and numpy<2), binds 127.0.0.1 on free ports, waits
 until ready, and on exit drains the engine (``stop``), stops the whole process group and removes
-its shared-memory files.
+its shared-memory files. Bound to another ``host`` with an ``api_key``, every protocol but health
+needs that key (``harness/triton_auth.py``).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from harness.ports import free_port
+from harness.triton_auth import connect_host, grpc_headers, http_headers, is_loopback, mask, restricted_args
 from backend.serving.engine_model.serving_state import DRAIN_DIR_ENV, DRAIN_REQUEST, engine_marker, idle_marker
 
 __all__ = ["TritonServer", "TritonBinary", "find_tritonserver", "free_port", "ServerError", "proc_stat", "stub_processes"]
@@ -139,17 +141,23 @@ class TritonServer:
     """``with TritonServer(repo) as srv: srv.http_url, srv.grpc_url, srv.metrics_url``.
 
     Ports default to free ones. ``model_control="explicit"`` starts with ``load_models`` only.
+    ``host`` is the address of all three endpoints; the URLs name 127.0.0.1 for 0.0.0.0. ``api_key``
+    restricts every protocol but health to callers sending it (``http_headers``, ``grpc_headers``)
+    when ``host`` is not loopback, and does nothing on loopback.
     """
 
     def __init__(self, model_repository: str | Path, *, http_port: int | None = None,
                  grpc_port: int | None = None, metrics_port: int | None = None, host: str = "127.0.0.1",
                  log_file: str | Path | None = None, model_control: str = "none",
                  load_models: tuple[str, ...] = (), startup_timeout: float = 300.0,
-                 exit_timeout: int = 10, verbose: int = 0, extra_args: tuple[str, ...] = ()):
+                 exit_timeout: int = 10, verbose: int = 0, extra_args: tuple[str, ...] = (),
+                 api_key: str | None = None):
         self.repo = Path(model_repository).resolve()
         if not self.repo.is_dir():
             raise ServerError(f"{self.repo}: model repository not found; build it with: make build")
         self.host = host
+        self.api_key = api_key
+        self.restricted = bool(api_key) and not is_loopback(host)
         self.ports = {"http": http_port or free_port(), "grpc": grpc_port or free_port(),
                       "metrics": metrics_port or free_port()}
         if len(set(self.ports.values())) != 3:
@@ -171,15 +179,25 @@ class TritonServer:
 
     @property
     def http_url(self) -> str:
-        return f"{self.host}:{self.ports['http']}"
+        return f"{connect_host(self.host)}:{self.ports['http']}"
 
     @property
     def grpc_url(self) -> str:
-        return f"{self.host}:{self.ports['grpc']}"
+        return f"{connect_host(self.host)}:{self.ports['grpc']}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.ports['metrics']}/metrics"
+        return f"http://{connect_host(self.host)}:{self.ports['metrics']}/metrics"
+
+    @property
+    def http_headers(self) -> dict[str, str]:
+        """What an HTTP request must carry ({} when nothing is restricted)."""
+        return http_headers(self.api_key) if self.restricted else {}
+
+    @property
+    def grpc_headers(self) -> dict[str, str]:
+        """What a gRPC call must carry ({} when nothing is restricted)."""
+        return grpc_headers(self.api_key) if self.restricted else {}
 
     def command(self) -> list[str]:
         b = self.binary
@@ -193,7 +211,13 @@ class TritonServer:
         if b.backend_dir is not None:
             cmd.append(f"--backend-directory={b.backend_dir}")
         cmd += [f"--load-model={m}" for m in self.load_models]
+        if self.restricted:
+            cmd += restricted_args(self.api_key)
         return cmd + list(self.extra_args)
+
+    def shown_command(self) -> list[str]:
+        """``command()`` with the key masked: the one to print or log."""
+        return mask(self.command(), [self.api_key])
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -236,8 +260,8 @@ class TritonServer:
             if self.abort.is_set():
                 raise ServerError("interrupted while waiting for the server to become ready")
             if self.proc.poll() is not None:
-                raise ServerError(f"tritonserver exited with code {self.proc.returncode} during start-up; "
-                                  f"log {self.log_file}:\n{self.log_tail()}")
+                raise ServerError(f"tritonserver exited with code {self.proc.returncode} during start-up "
+                                  f"({' '.join(self.shown_command())}); log {self.log_file}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:

@@ -9,6 +9,9 @@ GET /metrics (Triton's metrics text). Each request is one gRPC stream to the rep
 model (tensorrt_llm); the prompt is tokenized here with the bundle's tokenizer. `make serve` starts
 this beside Triton on 127.0.0.1:9000.
 
+A Triton that requires an API key (bound beyond loopback with keys: harness.serve --triton-host) is
+sent the one in the environment variable KILN_TRITON_API_KEY on every engine call.
+
 Try:
   curl -s localhost:9000/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"model": "<id from /v1/models>", "messages": [{"role": "user", "content": "Hi!"}]}'
@@ -16,6 +19,7 @@ Try:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +29,7 @@ from harness.openai.limits import DEFAULT_MAX_BODY_BYTES, Limits
 from harness.openai.reasoning import REASONING_PARSERS
 from harness.openai.tool_parsers import FORMATS
 from harness.serve_ports import DEFAULT as DEFAULT_PORTS, config_ports
+from harness.triton_auth import TRITON_KEY_ENV, grpc_headers
 
 __all__ = ["main", "parse_args"]
 
@@ -41,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-repository", required=True,
                    help="the repository Triton serves (build/<stem>/model_repository): names the engine "
                         "model and its bundle (tokenizer, limits)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 = every interface)")
     p.add_argument("--port", type=int, default=9000, help="port to bind (default 9000)")
     p.add_argument("--metrics-url", default=None,
                    help="Triton's metrics URL that GET /metrics passes on "
@@ -118,13 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: backend.bundle.BundleError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = create_app(model, a.triton_url, a.metrics_url, a.api_keys, Limits(a.max_body_bytes, a.max_tokens_cap))
+    triton_key = os.environ.get(TRITON_KEY_ENV) or None   # from the environment only: ps shows argv
+    app = create_app(model, a.triton_url, a.metrics_url, a.api_keys, Limits(a.max_body_bytes, a.max_tokens_cap),
+                     grpc_headers(triton_key))
     # the number of keys, never a key
     auth = f"{len(a.api_keys)} API key(s) required on /v1" if a.api_keys else "no API key required"
     tools = model.tool_format.name if model.tool_format else "none"
     thinks = model.reasoning.name if model.reasoning else "none"
+    with_key = " with its API key" if triton_key else ""   # that there is one, never the key
     print(f"OpenAI API for model '{model.name}' on http://{a.host}:{a.port}/v1 "
-          f"(Triton gRPC {a.triton_url}, engine model '{model.engine_model}'; tool calls: {tools}; "
+          f"(Triton gRPC {a.triton_url}{with_key}, engine model '{model.engine_model}'; tool calls: {tools}; "
           f"reasoning: {thinks}; {auth})", flush=True)
     # timeout_graceful_shutdown: on SIGTERM/Ctrl-C open streams are given a moment, then closed,
     # which cancels their engine requests (a stream can otherwise run for max_tokens)

@@ -33,7 +33,8 @@ __all__ = ["create_app"]
 
 
 def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api_keys: tuple[str, ...] = (),
-               limits: Limits = Limits()) -> FastAPI:
+               limits: Limits = Limits(), triton_headers: dict[str, str] | None = None) -> FastAPI:
+    """``triton_headers``: sent on every engine call, for a Triton that restricts inference to a key."""
     state: dict[str, Any] = {}
     keys = KeyCheck(api_keys)
 
@@ -98,7 +99,7 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api
     async def generate(request: Request, chat: bool) -> Response:
         body = await _body(request)
         plan = await plan_request(model, limits, body, chat)
-        call = EngineCall(state["client"], model, plan.ids, plan.max_tokens, plan.sampling)
+        call = EngineCall(state["client"], model, plan.ids, plan.max_tokens, plan.sampling, headers=triton_headers)
         pieces = call.pieces()
         got = Collected(model.tokenizer, plan.sampling, chat)
         out = Completion(model.name, chat)
@@ -160,7 +161,7 @@ def create_app(model: ServedModel, triton_url: str, metrics_url: str | None, api
     async def completions(request: Request):
         return await generate(request, chat=False)
 
-    responses = ResponsesRoute(model, limits, lambda: state["client"])
+    responses = ResponsesRoute(model, limits, lambda: state["client"], triton_headers=triton_headers)
 
     @app.post("/v1/responses")
     async def create_response(request: Request):

@@ -116,8 +116,9 @@ class EngineCall:
     call in its ``finally``: Triton marks the request cancelled and the engine frees its KV blocks."""
 
     def __init__(self, client: Any, model: ServedModel, prompt_ids: list[int], max_tokens: int,
-                 sampling: Sampling, request_id: str | None = None):
+                 sampling: Sampling, request_id: str | None = None, headers: dict[str, str] | None = None):
         self.client, self.model = client, model
+        self.headers = headers or None  # what a restricted Triton wants (harness/triton_auth.py)
         self.inputs = engine_inputs(prompt_ids, max_tokens, sampling, model.vocab_size)
         # a guide the engine cannot compile is the client's: a 400 naming the field it came from
         self.guide_param = sampling.guide.param if sampling.guide is not None else None
@@ -134,7 +135,7 @@ class EngineCall:
         async def requests():
             yield {"model_name": self.model.engine_model, "inputs": self.inputs, "request_id": self.request_id}
 
-        self._it = self.client.stream_infer(requests())
+        self._it = self.client.stream_infer(requests(), headers=self.headers)
         sent, error = False, None
         try:
             while True:

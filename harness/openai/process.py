@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from harness.openai import auth
+from harness.triton_auth import TRITON_KEY_ENV, connect_host
 
 __all__ = ["OpenAIServer"]
 
@@ -26,17 +27,18 @@ class OpenAIServer:
     def __init__(self, model_repository: str | Path, triton_grpc_url: str, metrics_url: str | None,
                  host: str = "127.0.0.1", port: int = 9000, log_file: str | Path | None = None,
                  served_model_name: str | None = None, api_keys: tuple[str, ...] = (),
-                 extra_args: tuple[str, ...] = ()):
+                 extra_args: tuple[str, ...] = (), triton_api_key: str | None = None):
         self.repo, self.grpc_url, self.metrics_url = Path(model_repository), triton_grpc_url, metrics_url
         self.host, self.port = host, port
         self.log_file = Path(log_file) if log_file else None
         self.served_model_name = served_model_name
         self.api_keys, self.extra_args = tuple(api_keys), tuple(extra_args)
+        self.triton_api_key = triton_api_key  # what a restricted Triton wants (harness/triton_auth.py)
         self.proc: subprocess.Popen | None = None
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+        return f"http://{connect_host(self.host)}:{self.port}/v1"
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "harness.openai", "--triton-url", self.grpc_url,
@@ -47,18 +49,24 @@ class OpenAIServer:
             cmd += ["--served-model-name", self.served_model_name]
         return cmd + list(self.extra_args)
 
+    def env(self) -> dict[str, str]:
+        root = Path(__file__).resolve().parents[2]  # so "-m harness.openai" resolves from anywhere
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+        # keys through the environment, never the command line (ps shows it to every user)
+        env.pop(auth.ENV, None)
+        env.pop(TRITON_KEY_ENV, None)
+        if self.api_keys:
+            env[auth.ENV] = ",".join(self.api_keys)
+        if self.triton_api_key:
+            env[TRITON_KEY_ENV] = self.triton_api_key
+        return env
+
     def start(self, timeout: float = 60.0) -> "OpenAIServer":
         out = subprocess.DEVNULL
         if self.log_file is not None:
             self.log_file.parent.mkdir(parents=True, exist_ok=True)
             out = open(self.log_file, "ab")
-        root = Path(__file__).resolve().parents[2]  # so "-m harness.openai" resolves from anywhere
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-        # keys through the environment, never the command line (ps shows it to every user)
-        env.pop(auth.ENV, None)
-        if self.api_keys:
-            env[auth.ENV] = ",".join(self.api_keys)
-        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
+        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=self.env(),
                                      start_new_session=True)
         if out is not subprocess.DEVNULL:
             out.close()  # the child holds its own copy

@@ -57,8 +57,9 @@ class _Run:
 
 
 class ResponsesRoute:
-    def __init__(self, model: ServedModel, limits: Limits, client: Callable[[], Any], store: ResponseStore | None = None):
-        self.model, self.limits, self.client = model, limits, client
+    def __init__(self, model: ServedModel, limits: Limits, client: Callable[[], Any], store: ResponseStore | None = None,
+                 triton_headers: dict[str, str] | None = None):
+        self.model, self.limits, self.client, self.triton_headers = model, limits, client, triton_headers
         self.store = store or ResponseStore()
 
     async def create(self, request: Request, body: dict[str, Any]) -> Response:
@@ -69,7 +70,8 @@ class ResponsesRoute:
             raise rename(e, chat.origin) from None
         run = _Run(plan, plan.answer(self.model), EventStream(ResponseObject(self.model.name, body,
                                                                              body.get("tools") or [])))
-        pieces = EngineCall(self.client(), self.model, plan.ids, plan.max_tokens, plan.sampling).pieces()
+        pieces = EngineCall(self.client(), self.model, plan.ids, plan.max_tokens, plan.sampling,
+                            headers=self.triton_headers).pieces()
         keep = body.get("store") is not False
         if not plan.stream:
             finish: list[str | None] = [None]

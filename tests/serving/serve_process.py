@@ -12,13 +12,15 @@ from pathlib import Path
 READY = "Ctrl-C stops the server"   # harness.serve prints it once the server answers
 
 
-def start_serve(repo: Path, ports: list[int], timeout: float = 300.0) -> tuple[subprocess.Popen, list[str]]:
-    """Start it on ``ports`` (http, grpc, metrics[, openai]) -> (process, lines printed up to READY or
-    its exit). The caller checks the lines and stops the process; a failure while reading kills it."""
+def start_serve(repo: Path, ports: list[int], timeout: float = 300.0, extra: tuple[str, ...] = (),
+                env: dict[str, str] | None = None) -> tuple[subprocess.Popen, list[str]]:
+    """Start it on ``ports`` (http, grpc, metrics[, openai]), with ``extra`` arguments and ``env`` (default:
+    this process's) -> (process, lines printed up to READY or its exit). The caller checks the lines
+    and stops the process; a failure while reading kills it."""
     names = ("--http-port", "--grpc-port", "--metrics-port", "--openai-port")
     args = [a for name, port in zip(names, ports) for a in (name, str(port))]
-    proc = subprocess.Popen([sys.executable, "-m", "harness.serve", "--model-repository", str(repo), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "harness.serve", "--model-repository", str(repo), *args, *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     try:
         deadline = time.monotonic() + timeout

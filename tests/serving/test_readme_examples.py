@@ -47,7 +47,9 @@ def test_the_readme_has_the_examples_this_test_runs():
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed on this machine")
-@pytest.mark.parametrize("cmd", [c for c in readme_curl_commands() if "localhost:9000" not in c])  # OpenAI's: test_openai_api.py
+# OpenAI's (localhost:9000) are run by test_openai_api.py; those to a remote Triton with its API key
+# (SERVER:8000, docs/serving.md "Addresses and API keys") by test_triton_keys.py, with its headers
+@pytest.mark.parametrize("cmd", [c for c in readme_curl_commands() if "localhost:9000" not in c and "SERVER:" not in c])
 def test_readme_curl_example_works_as_printed(triton_server, cmd):
     http_port, metrics_port = triton_server.http_url.rsplit(":", 1)[1], triton_server.metrics_url.split(":")[2].split("/")[0]
     local = cmd.replace("localhost:8000", f"127.0.0.1:{http_port}").replace("localhost:8002", f"127.0.0.1:{metrics_port}")
