@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from harness.openai.state_pump import StatePump
+
 __all__ = ["START", "END", "MESSAGE", "CHANNEL", "CONSTRAIN", "CALL", "RETURN", "FUNCTIONS",
            "Header", "parse_header", "open_body", "MessageScanner"]
 
@@ -69,19 +71,10 @@ def _held(buf: str, markers: tuple[str, ...]) -> int:
     return next((k for k in range(longest, 0, -1) if any(m.startswith(buf[-k:]) for m in markers)), 0)
 
 
-class MessageScanner:
+class MessageScanner(StatePump):
     def __init__(self, inside: Header | None = None):
         self.buf = ""
         self.state = "body" if inside is not None else "start"
-
-    def feed(self, s: str) -> list[tuple[str, object]]:
-        self.buf += s
-        out: list[tuple[str, object]] = []
-        while True:
-            step = getattr(self, f"_{self.state}")()
-            if step is None:
-                return out
-            out += step
 
     def _start(self) -> list | None:
         s = self.buf.lstrip()   # the blank between two messages belongs to neither

@@ -104,31 +104,11 @@ def test_100_sampled_tool_calls_on_gemma_all_parse_and_validate(gemma_served):
     built-in Hermes prompt and parser serve them (the model card says so), and every sampled
     ``required`` or named call is valid by construction through Gemma's 262k-piece vocabulary."""
     import openai
-    from concurrent.futures import ThreadPoolExecutor
 
-    from tests.serving.test_openai_tools import ASK, TOOLS, _valid
+    from tests.serving.test_openai_tools import assert_100_sampled_calls_validate
 
     _, ports = gemma_served
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports[3]}/v1", api_key="unused", max_retries=0, timeout=300)
     card = client.models.retrieve(MODEL).model_dump()
     assert (card.get("tool_parser"), card.get("tool_prompt")) == ("hermes", "builtin_hermes"), card
-    named = {"type": "function", "function": {"name": "get_time"}}
-
-    def one(i: int):
-        choice = named if i % 5 == 4 else "required"   # 80 required, 20 named
-        return choice, client.chat.completions.create(
-            model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
-            temperature=1.0, seed=2000 + i, max_tokens=48)
-    with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(one, range(100)))
-    calls = set()
-    for choice, r in results:
-        c = r.choices[0]
-        assert c.finish_reason == "tool_calls" and c.message.content is None, c
-        assert len(c.message.tool_calls) == 1, c
-        call = c.message.tool_calls[0]
-        if choice != "required":
-            assert call.function.name == "get_time"
-        _valid(call)
-        calls.add((call.function.name, call.function.arguments))
-    assert len(calls) > 10, calls   # sampled, not one answer a hundred times
+    assert_100_sampled_calls_validate(client, MODEL, 2000)

@@ -149,7 +149,8 @@ def test_the_command_line_reads_the_template_and_the_parser(tmp_path, capsys):
     a = parse_args(["--model-repository", str(tmp_path / "repo"), "--chat-template", str(tmp_path / "t.jinja"),
                     "--reasoning-parser", "none"])
     assert a.chat_template == THINK_TEMPLATE and a.reasoning_parser == "none"
-    assert parse_args(["--model-repository", str(tmp_path / "repo")]).reasoning_parser == "auto"
+    # no flag: the bundle's serving.reasoning_parser decides (load_served_model reads it)
+    assert parse_args(["--model-repository", str(tmp_path / "repo")]).reasoning_parser is None
     for bad in (["--chat-template", str(tmp_path / "missing.jinja")], ["--reasoning-parser", "qwen3"]):
         with pytest.raises(SystemExit):
             parse_args(["--model-repository", str(tmp_path / "repo"), *bad])

@@ -33,15 +33,16 @@ def _valid(call) -> dict:
     return args
 
 
-def test_100_sampled_required_and_named_calls_all_parse_and_validate(stack):
-    client = stack.client()
+def assert_100_sampled_calls_validate(client, model: str, seed: int) -> None:
+    """80 ``required`` and 20 named calls at temperature 1: each parses and validates against its
+    schema, and they are not one answer a hundred times. Shared with the second family's test."""
     named = {"type": "function", "function": {"name": "get_time"}}
 
     def one(i: int):
         choice = named if i % 5 == 4 else "required"   # 80 required, 20 named
         return choice, client.chat.completions.create(
-            model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
-            temperature=1.0, seed=1000 + i, max_tokens=48)
+            model=model, messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+            temperature=1.0, seed=seed + i, max_tokens=48)
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(one, range(100)))
     names = set()
@@ -55,6 +56,10 @@ def test_100_sampled_required_and_named_calls_all_parse_and_validate(stack):
         _valid(call)
         names.add((call.function.name, call.function.arguments))
     assert len(names) > 10, names   # sampled, not one answer a hundred times
+
+
+def test_100_sampled_required_and_named_calls_all_parse_and_validate(stack):
+    assert_100_sampled_calls_validate(stack.client(), MODEL, 1000)
 
 
 def test_without_the_grammar_the_same_prompt_rarely_gives_a_valid_call(stack, serving_build):

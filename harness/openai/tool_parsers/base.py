@@ -7,6 +7,8 @@ import dataclasses
 import json
 import re
 
+from harness.openai.state_pump import StatePump
+
 __all__ = ["Delta", "WhitespaceHold", "JsonEnd", "marker_tail", "first_marker", "BlockParser", "NAME"]
 
 NAME = r"[A-Za-z0-9_.\-]{1,64}"     # a function name as tools.py accepts it
@@ -97,7 +99,7 @@ def arguments_object(value) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-class BlockParser:
+class BlockParser(StatePump):
     """Calls written as blocks, ``OPEN`` ... ``CLOSE``, among free text. A block that starts as
     ``HEAD`` says (the function's name, then its arguments, the way the grammar writes it) streams
     its arguments as they come; any other block is checked whole at ``CLOSE`` (``whole``) and sent
@@ -119,15 +121,6 @@ class BlockParser:
     def whole(self, block: str) -> tuple[str, dict] | None:
         """A block that did not stream: (name, arguments) if it is a call."""
         raise NotImplementedError
-
-    def feed(self, s: str) -> list[Delta]:
-        self.buf += s
-        out: list[Delta] = []
-        while True:
-            step = getattr(self, f"_{self.state}")()
-            if step is None:
-                return out
-            out += step
 
     def _text(self) -> list[Delta] | None:
         i, marker = first_marker(self.buf, self.markers)

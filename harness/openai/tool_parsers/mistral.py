@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 
+from harness.openai.state_pump import StatePump
 from harness.openai.tool_parsers.base import NAME, Delta, JsonEnd, WhitespaceHold, arguments_object, marker_tail
 
 __all__ = ["MistralParser", "TOOL_CALLS", "ARGS"]
@@ -18,7 +19,7 @@ __all__ = ["MistralParser", "TOOL_CALLS", "ARGS"]
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
-class MistralParser:
+class MistralParser(StatePump):
     """Text until ``[TOOL_CALLS]``; then a call's name and ``[ARGS]``, whose arguments stream as
     they come, or the older JSON list, sent once it is closed and checked. What follows a marker
     and can become neither (``[TOOL_CALLS]`` in prose) is text, as written."""
@@ -34,15 +35,6 @@ class MistralParser:
         self.scanner: JsonEnd | None = None
         self.open_call: int | None = None
         self.raw = ""   # the older list as written, in case it is not calls
-
-    def feed(self, s: str) -> list[Delta]:
-        self.buf += s
-        out: list[Delta] = []
-        while True:
-            step = getattr(self, f"_{self.state}")()
-            if step is None:
-                return out
-            out += step
 
     def _text(self) -> list[Delta] | None:
         i = self.buf.find(TOOL_CALLS)
