@@ -168,6 +168,51 @@ class Attention:
         return {**({"window": self.window} if self.window is not None else {}), "rope": self.rope.to_dict()}
 
 
+# the router of an expert layer: softmax over every expert's logit, then the top-k probabilities
+# (Mixtral, Qwen3-MoE; ``renormalize``: divided by their sum). Sigmoid scoring with groups (DeepSeek) is not here
+ROUTERS = ("softmax_topk",)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The mixture-of-experts MLP of the layers in ``layers`` (the others keep the dense gated MLP): each
+    token's ``top_k`` experts of ``num_experts`` chosen by ``router``, each a gated MLP of width
+    ``intermediate_size``, their outputs summed weighted by the router's probabilities."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    layers: tuple[int, ...]
+    router: str = "softmax_topk"
+    renormalize: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            _positive(name, getattr(self, name), int)
+        if self.top_k > self.num_experts:
+            raise ArchSpecError("top_k", f"{self.top_k} exceeds num_experts {self.num_experts}",
+                                f"1..{self.num_experts}")
+        _one_of("router", self.router, ROUTERS)
+        _flag("renormalize", self.renormalize)
+        if not isinstance(self.layers, tuple) or not self.layers or \
+                not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers) or \
+                list(self.layers) != sorted(set(self.layers)):
+            raise ArchSpecError("layers", _show(self.layers), "a non-empty ascending list of layer indices")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "layers": list(self.layers)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Experts":
+        d = dict(_object(d, cls))
+        if isinstance(d.get("layers"), list):
+            d["layers"] = tuple(d["layers"])
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and
+                   f.default is dataclasses.MISSING]
+        if missing:
+            raise ArchSpecError(missing[0], "missing", ", ".join(missing))
+        return cls(**d)
+
+
 _ENUMS = {"norm": NORM_KINDS, "norm_placement": NORM_PLACEMENTS, "activation": ACTIVATIONS, "mlp": MLP_KINDS,
           "gate_up": TENSOR_LAYOUTS, "qkv": TENSOR_LAYOUTS, "embedding_scale": EMBEDDING_SCALES}
 _FLAGS = ("qk_norm", "qkv_bias", "o_bias", "mlp_bias", "tie_word_embeddings")
@@ -191,6 +236,7 @@ class ArchSpec:
     tie_word_embeddings: bool = False
     embedding_scale: str = "none"               # sqrt_hidden: embeddings times sqrt(hidden_size)
     query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power; None: head_dim's
+    experts: Experts | None = None              # mixture-of-experts layers; None: every MLP dense
 
     def __post_init__(self) -> None:
         for name, allowed in _ENUMS.items():
@@ -209,6 +255,12 @@ class ArchSpec:
             raise ArchSpecError("arch.layer_types", _show(self.layer_types), "a non-empty list, one per layer")
         for i, kind in enumerate(self.layer_types):
             _one_of(f"arch.layer_types[{i}]", kind, tuple(kinds))
+        if self.experts is not None:
+            if not isinstance(self.experts, Experts):
+                raise ArchSpecError("arch.experts", _show(self.experts), "an Experts")
+            if self.experts.layers[-1] >= self.num_layers:
+                raise ArchSpecError("arch.experts.layers", f"layer {self.experts.layers[-1]} does not exist",
+                                    f"0..{self.num_layers - 1}")
         unused = [k for k in kinds if k not in self.layer_types]
         if unused:
             raise ArchSpecError(f"arch.attention.{unused[0]}", "no layer uses it",
@@ -222,6 +274,10 @@ class ArchSpec:
         """Layer ``i``'s attention kind, window and rope."""
         return next(a for a in self.attention if a.kind == self.layer_types[i])
 
+    def sparse(self, i: int) -> bool:
+        """Layer ``i``'s MLP is the experts' (else the dense gated MLP)."""
+        return self.experts is not None and i in self.experts.layers
+
     def query_scale(self, head_dim: int) -> float:
         return (self.query_pre_attn_scalar or head_dim) ** -0.5
 
@@ -234,6 +290,10 @@ class ArchSpec:
                 value = {a.kind: a.to_dict() for a in value}
             elif f.name == "layer_types":
                 value = list(value)
+            elif f.name == "experts":
+                if value is None:   # absent, as in bundles built before expert layers existed
+                    continue
+                value = value.to_dict()
             out[f.name] = value
         return out
 
@@ -268,6 +328,11 @@ class ArchSpec:
             except ArchSpecError as exc:
                 raise exc.under(where) from None
         d["attention"] = tuple(parsed)
+        if d.get("experts") is not None:
+            try:
+                d["experts"] = Experts.from_dict(d["experts"])
+            except ArchSpecError as exc:
+                raise exc.under("arch.experts") from None
         if isinstance(d["layer_types"], list):
             d["layer_types"] = tuple(d["layer_types"])
         return cls(**d)

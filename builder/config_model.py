@@ -12,6 +12,39 @@ from backend.runtime.tp_rules import allowed_tp_sizes, group_problem, tp_problem
 from builder.config import GROUPED_FORMATS, BuildConfig
 from builder.schema import ConfigError
 
+# what an expert model (model.arch.experts) builds with today: key -> (its value in the config, the one
+# value allowed). The rest has no expert path yet and is refused, never run as a wrong graph: ModelOpt's
+# quantizers and the bundle's quantized linears (and its FP8 KV calibration) know no packed experts,
+# tensor parallelism does not split them, the EAGLE draft and the ONNX/TensorRT decoder graph have no
+# expert layer, and the fused Triton layer has no expert MLP (engine.attention_backend auto on a GPU is
+# refused when the engine loads)
+EXPERT_LIMITS = {
+    "quantization.format": (lambda c: c.quantization.format, "none"),
+    "quantization.kv_cache": (lambda c: c.quantization.kv_cache, "none"),
+    "engine.tp_size": (lambda c: c.engine.tp_size, 1),
+    "speculative.method": (lambda c: c.speculative.method, "none"),
+    "tensorrt.enabled": (lambda c: c.tensorrt.enabled, False),
+    "engine.attention_backend": (lambda c: "torch" if c.engine.attention_backend == "auto"
+                                 else c.engine.attention_backend, "torch"),
+}
+
+
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def check_experts(cfg: BuildConfig, model: dict[str, Any]) -> None:
+    """Refuse, naming the key, what an expert model cannot be built with yet (``EXPERT_LIMITS``)."""
+    experts = (model.get("arch") or {}).get("experts")
+    if not experts:
+        return
+    for key, (value_of, allowed) in EXPERT_LIMITS.items():
+        value = value_of(cfg)
+        if value != allowed:
+            raise ConfigError(cfg.file, key, f"{_show(value)} is not supported for a mixture-of-experts model "
+                              f"({model.get('architecture')}, {experts['num_experts']} experts) yet",
+                              _show(allowed))
+
 
 def check_against_model(cfg: BuildConfig, model: dict[str, Any]) -> None:
     """Checks that need the checkpoint's shape; ``model`` holds engine.json "model" keys.
@@ -19,6 +52,7 @@ def check_against_model(cfg: BuildConfig, model: dict[str, Any]) -> None:
     Raises ConfigError in the same one-line style as construction, naming the config key to change.
     """
     f, e, q = cfg.file, cfg.engine, cfg.quantization
+    check_experts(cfg, model)
     heads = model["num_heads"]
     problem = tp_problem(model, e.tp_size)   # backend's rules: refused here exactly when the runtime would
     if problem:

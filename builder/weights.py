@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
+from builder.expert_weights import expert_tensors
 from builder.sources import read_json_object
 from builder.stages.base import StageError
 
@@ -122,11 +123,17 @@ def runtime_tensors(ckpt: Checkpoint, model: dict, dtype: torch.dtype, fmt: str,
     norms = {**NORMS, **(QK_NORMS if arch.get("qk_norm") else {}),
              **(FF_NORMS if arch.get("norm_placement") == "pre_post" else {})}
     fused = {ours: FUSED_IN_CHECKPOINT[ours] if arch.get(ours) == "fused" else parts for ours, parts in FUSED.items()}
+    experts = arch.get("experts") or {}
+    # an expert layer's MLP is its router and packed experts (builder/expert_weights.py), not gate_up/down
+    attention_only = {ours: parts for ours, parts in fused.items() if ours in ("qkv", "o")}
     for i in range(model["num_layers"]):
         base = f"model.layers.{i}"
+        sparse = i in experts.get("layers", ())
         for hf, ours in norms.items():
             yield f"layers.{i}.{ours}.weight", need(f"{base}.{hf}.weight").to(dtype)
-        for ours, hf_parts in fused.items():
+        if sparse:
+            yield from expert_tensors(ckpt, base, i, experts["num_experts"], dtype)
+        for ours, hf_parts in (attention_only if sparse else fused).items():
             parts = [_module(ckpt, f"{base}.{p}") for p in hf_parts]
             for p, part in zip(hf_parts, parts):
                 if "weight" not in part:

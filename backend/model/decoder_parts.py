@@ -31,6 +31,9 @@ def check_spec(spec: ArchSpec | None) -> None:
         if got == value or name in SPEC_LAYER:
             continue
         raise ValueError(f"engine.json: model.arch.{name}: {got!r} is not run by this runtime yet; allowed: {value!r}")
+    if spec.experts is not None and spec.activation != "silu":   # backend/model/moe.py's experts are SwiGLU
+        raise ValueError(f"engine.json: model.arch.activation: {spec.activation!r} in expert layers is not run by "
+                         f"this runtime yet; allowed: 'silu'")
 
 
 def rope_args(config, spec: ArchSpec | None) -> tuple[float, dict | None]:

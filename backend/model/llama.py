@@ -17,7 +17,9 @@ from backend.ops import cpu_matmul
 from backend.ops.attention import AttentionBackend
 from backend.ops.linear import FP8Linear, QuantLinear, make_linear
 from backend.bundle_schema import ModelConfig
+from backend.arch_spec import Experts
 from backend.model import decoder_parts, spec_layer
+from backend.model.moe import ExpertMLP, build_experts
 from backend.model.layers import apply_rope, rms_norm, silu_and_mul
 from plugins import registry
 
@@ -47,10 +49,11 @@ class DecoderLayer:
     post_attn_norm: torch.Tensor
     qkv: QuantLinear
     o: QuantLinear
-    gate_up: QuantLinear
-    down: QuantLinear
+    gate_up: QuantLinear | None             # None on an expert layer, whose MLP is ``moe``
+    down: QuantLinear | None
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
+    moe: ExpertMLP | None = None            # model.arch.experts.layers has this layer (backend/model/moe.py)
     q_norm: torch.Tensor | None = None      # per-head RMSNorm weights [D] (model.arch.qk_norm: Qwen3)
     k_norm: torch.Tensor | None = None
     # model.arch.norm_placement pre_post (Gemma 3): post_attn_norm then normalizes the attention output,
@@ -63,13 +66,19 @@ FF_NORMS = ("pre_ff_norm", "post_ff_norm")
 
 
 def build_layer(weights: dict[str, torch.Tensor], i: int, quant_format: str, dtype: torch.dtype,
-                device: torch.device, aot=None) -> DecoderLayer:
+                device: torch.device, aot=None, experts: Experts | None = None) -> DecoderLayer:
     """Layer ``i`` from the bundle's tensors, its linears in the storage their kernels want
-    (the model builds every layer so; ``layer_probe`` builds one to time it)."""
+    (the model builds every layer so; ``layer_probe`` builds one to time it). ``experts``: the spec's
+    expert layers; layer ``i``'s MLP is then the experts' when it is one of them."""
     p = f"layers.{i}"
+    sparse = experts is not None and i in experts.layers
+    mlp = ("router", "experts") if sparse else ("gate_up", "down")
     lin = {name: make_linear(quant_format, _linear_tensors(weights, f"{p}.{name}"), dtype, device,
                              where=f"{p}.{name}", aot=aot)
-           for name in ("qkv", "o", "gate_up", "down")}
+           for name in ("qkv", "o") + (() if sparse else mlp)}
+    if sparse:
+        hidden = _tensor(weights, f"{p}.input_norm.weight").shape[0]
+        lin.update(gate_up=None, down=None, moe=build_experts(weights, p, experts, hidden, dtype, device))
     ks, vs = weights.get(f"{p}.attn.k_scale"), weights.get(f"{p}.attn.v_scale")
     return DecoderLayer(
         input_norm=_tensor(weights, f"{p}.input_norm.weight").to(device=device, dtype=dtype),
@@ -108,6 +117,8 @@ def decoder_layer(c: ModelConfig, layer: DecoderLayer, hidden: torch.Tensor, cos
     # MLP block: the residual add, its norm and gate_up's input quantization in one kernel call on CPU
     hidden, x = _norm_input(layer.gate_up, hidden, row(layer.o, attn.reshape(t, c.q_size)),
                             layer.post_attn_norm, c.rms_norm_eps)
+    if layer.moe is not None:
+        return hidden + layer.moe(x)
     return hidden + row(layer.down, _down_input(layer.down, _apply(layer.gate_up, x)))
 
 
@@ -141,7 +152,8 @@ class LlamaModel:
         # column-major); a tied head then becomes a second copy, since the embedding gather needs rows.
         self.lm_head = cpu_matmul.prepare_from(_tensor(weights, head), f"as {dt}", lambda: lm_head)
         aot = attention.aot   # the bundle's cubins (GPU) serve the 4-bit GEMMs too
-        self.layers = [build_layer(weights, i, quant_format, dt, dev, aot) for i in range(config.num_layers)]
+        experts = spec.experts if spec is not None else None
+        self.layers = [build_layer(weights, i, quant_format, dt, dev, aot, experts) for i in range(config.num_layers)]
         self._check_shapes()
         # one table per attention kind (Gemma 3: sliding layers rope base 10k, full ones 1M)
         self.ropes = spec_layer.rope_tables(spec, config, dev)
@@ -154,6 +166,9 @@ class LlamaModel:
         # The kernel table says whether the backend's kind has them (None: the plain layer).
         self._kernels = registry.fused_layer_kernels(attention.name, dev, dt)
         self.fused = self._kernels is not None
+        if self.fused and experts is not None:
+            raise ValueError(f"engine.attention_backend: {attention.name} runs the fused Triton layer, which has no "
+                             f"expert MLP yet (model.arch.experts); allowed: torch")
         decoder_parts.check_spec(spec)
         decoder_parts.check_qk_norms(spec, self.layers)
         if self.plan.one_plus:   # (1 + w) norms: the multiplier once, in fp32 as transformers computes it
@@ -179,6 +194,8 @@ class LlamaModel:
                 "down": c.hidden_size}
         for i, layer in enumerate(self.layers):
             for name, out in want.items():
+                if getattr(layer, name) is None:    # an expert layer's MLP: build_experts checked it
+                    continue
                 got = getattr(layer, name).out_features
                 if got != out:
                     raise ValueError(f"weights.safetensors: layers.{i}.{name} has {got} output features; "

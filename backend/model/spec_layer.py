@@ -123,6 +123,9 @@ def spec_layer(c, plan: LayerPlan, layer, hidden: torch.Tensor, cos: torch.Tenso
     else:
         hidden = hidden + out
         x = norm(hidden, layer.post_attn_norm, eps, op)
-    gate, up = apply(layer.gate_up, x).chunk(2, dim=-1)
-    out = row_linear(layer.down, ACTIVATIONS[plan.activation](gate) * up)
+    if layer.moe is not None:   # an expert layer (backend/model/moe.py: SiLU experts, as the spec's check says)
+        out = layer.moe(x)
+    else:
+        gate, up = apply(layer.gate_up, x).chunk(2, dim=-1)
+        out = row_linear(layer.down, ACTIVATIONS[plan.activation](gate) * up)
     return hidden + (norm(out, layer.post_ff_norm, eps, op) if plan.post_norms else out)

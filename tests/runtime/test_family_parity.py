@@ -54,6 +54,15 @@ FAMILIES = {
         "head_dim": 32, "num_hidden_layers": 4, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
         "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
         "tie_word_embeddings": True}),
+    # mixture of experts: Mixtral's top-2 of 4 renormalised on every layer; Qwen3-MoE's top-2 of 8 not
+    # renormalised, layer 0 dense (mlp_only_layers); one renormalised on every second layer (decoder_sparse_step)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 16, "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "mlp_only_layers": [0]}),
+    "qwen3_moe_step": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "decoder_sparse_step": 2, "norm_topk_prob": True}),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -70,6 +79,8 @@ def _checkpoint(name: str, out: Path, tokenizer_src: Path, **extra) -> Path:
         for pname, p in model.named_parameters():
             if "norm" in pname or pname.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.2)
+            elif pname.endswith("mlp.gate.weight"):   # a router: decisive choices, not near-ties of a random init
+                p.copy_(torch.randn_like(p))
     model.save_pretrained(out)
     for f in TOKENIZER_FILES:
         shutil.copy2(tokenizer_src / f, out / f)

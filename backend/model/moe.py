@@ -1,0 +1,77 @@
+"""The mixture-of-experts MLP (model.arch.experts): route, run each chosen expert's SwiGLU over the tokens
+routed to it, combine. The torch reference path of the expert layer; a fused expert kernel (plugins/) is
+held to it.
+
+Numbers follow transformers' MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock: router logits in the model
+dtype, softmax and top-k in fp32 (renormalised when the spec says), each expert's output times its weight,
+added into a zero buffer in the model dtype, experts in ascending order.
+
+Batch invariance (docs/contracts.md): a token's output must not depend on the step's other tokens. Each
+expert's rows go through the dense path's linears (``cpu_matmul``: a row's result is the same at every row
+count), and a token's k contributions are added in expert order whatever else was routed, so it holds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.arch_spec import Experts
+from backend.model.layers import silu_and_mul
+from backend.ops.linear import QuantLinear, make_linear
+
+
+@dataclass
+class ExpertMLP:
+    """One layer's experts: ``router [E, H]``, per expert ``gate_up [2I, H]`` and ``down [H, I]`` linears."""
+    router: QuantLinear
+    gate_up: list[QuantLinear]
+    down: list[QuantLinear]
+    top_k: int
+    renormalize: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` (normed) -> ``[T, H]``."""
+        weights, ids = route(self.router(x), self.top_k, self.renormalize)
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():   # only the experts that received tokens (sorted)
+            tokens, slot = torch.nonzero(ids == e, as_tuple=True)
+            y = self.down[e](silu_and_mul(self.gate_up[e](x.index_select(0, tokens))))
+            out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(out.dtype))
+        return out
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [T, E]`` -> (``weights [T, k]`` fp32, ``ids [T, k]``): softmax over the experts, the k
+    largest probabilities, divided by their sum when ``renormalize`` (Mixtral, norm_topk_prob)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def build_experts(weights: dict[str, torch.Tensor], prefix: str, spec: Experts, hidden: int, dtype: torch.dtype,
+                  device: torch.device) -> ExpertMLP:
+    """Layer ``prefix``'s (``layers.3``) experts from the bundle's packed tensors, each expert's slice as
+    a dense linear in the storage the CPU matmul wants; a shape that disagrees with the spec is refused."""
+    e, width = spec.num_experts, spec.intermediate_size
+    want = {"router.weight": (e, hidden), "experts.gate_up.weight": (e, 2 * width, hidden),
+            "experts.down.weight": (e, hidden, width)}
+    for name, shape in want.items():
+        got = weights.get(f"{prefix}.{name}")
+        if got is None:
+            raise KeyError(f"weights.safetensors: missing tensor {prefix}.{name!r} (model.arch.experts.layers "
+                           f"has this layer); rebuild the bundle")
+        if tuple(got.shape) != shape:
+            raise ValueError(f"weights.safetensors: {prefix}.{name} is {tuple(got.shape)}; model.arch.experts "
+                             f"implies {shape}")
+
+    def linear(w: torch.Tensor, where: str) -> QuantLinear:
+        return make_linear("none", {"weight": w}, dtype, device, where=where)
+
+    gate_up, down = weights[f"{prefix}.experts.gate_up.weight"], weights[f"{prefix}.experts.down.weight"]
+    return ExpertMLP(router=linear(weights[f"{prefix}.router.weight"], f"{prefix}.router"),
+                     gate_up=[linear(gate_up[k], f"{prefix}.experts.gate_up[{k}]") for k in range(e)],
+                     down=[linear(down[k], f"{prefix}.experts.down[{k}]") for k in range(e)],
+                     top_k=spec.top_k, renormalize=spec.renormalize)
