@@ -330,3 +330,26 @@ def test_the_load_time_dtype_probe_runs_the_family_layer(name, built, tmp_path):
     runner = ModelRunner(load_engine_spec(bundle_dir, {"cpu_dtype": "auto"}), device="cpu")
     # (a CPU without bf16 instructions skips the timing; one that has them times both dtypes)
     assert "timing failed" not in runner.dtype_choice.reason, runner.dtype_choice
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_the_bundle_packs_each_expert_as_the_checkpoint_has_it(built, name):
+    """Expert e of layer i in the bundle is the checkpoint's expert e (gate rows, then up, then down apart),
+    only on the spec's sparse layers; a dense layer keeps its gate_up/down."""
+    from safetensors import safe_open
+
+    _, src, bundle_dir = built(name)
+    hf, ours = safe_open(str(src / "model.safetensors"), "pt"), safe_open(str(bundle_dir / "weights.safetensors"), "pt")
+    experts = json.loads((bundle_dir / "engine.json").read_text())["model"]["arch"]["experts"]
+    moe, names = (("block_sparse_moe", ("w1", "w3", "w2")) if name == "mixtral"
+                  else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    for i in range(json.loads((src / "config.json").read_text())["num_hidden_layers"]):
+        assert (f"layers.{i}.experts.gate_up.weight" in ours.keys()) == (i in experts["layers"]) \
+            != (f"layers.{i}.gate_up.weight" in ours.keys()), i
+        if i not in experts["layers"]:
+            continue
+        assert torch.equal(ours.get_tensor(f"layers.{i}.router.weight"), hf.get_tensor(f"model.layers.{i}.{moe}.gate.weight"))
+        gate_up, down = ours.get_tensor(f"layers.{i}.experts.gate_up.weight"), ours.get_tensor(f"layers.{i}.experts.down.weight")
+        for e in range(experts["num_experts"]):
+            g, u, d = (hf.get_tensor(f"model.layers.{i}.{moe}.experts.{e}.{n}.weight") for n in names)
+            assert torch.equal(gate_up[e], torch.cat([g, u])) and torch.equal(down[e], d), (i, e)

@@ -1,0 +1,134 @@
+"""Mixture-of-experts checkpoints (Mixtral, Qwen3-MoE): the config.json transformers' own config class writes
+maps to the spec's ``Experts`` (count, top-k, renormalisation, which layers are sparse, expert width); what
+cannot be mapped, and what the build has no expert path for yet, is refused in one line naming the key; the
+packed expert tensors are the checkpoint's, in every layout checkpoints store them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from backend.arch_spec import ArchSpec, ArchSpecError, Experts
+from builder import families
+from builder.config import BuildConfig
+from builder.config_model import check_against_model
+from builder.expert_weights import expert_tensors
+from builder.schema import ConfigError
+from builder.stages.base import StageError
+from tests.builder.test_families import saved
+
+
+def spec_of(tmp_path, cls, **kw) -> ArchSpec:
+    hf, path = saved(tmp_path, cls, **kw)
+    _, spec = families.read_spec(hf, path)
+    assert ArchSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec   # engine.json round trip
+    return spec
+
+
+def test_mixtral_routes_top_k_renormalised_on_every_layer(tmp_path):
+    spec = spec_of(tmp_path, "MixtralConfig", num_local_experts=4, num_experts_per_tok=2)
+    assert spec.experts == Experts(num_experts=4, top_k=2, intermediate_size=96, layers=(0, 1), renormalize=True)
+    assert [a.kind for a in spec.attention] == ["full"]    # MixtralConfig: no window unless sliding_window
+
+
+@pytest.mark.parametrize("kw, layers, renorm", [
+    ({"mlp_only_layers": [0]}, (1, 2), False),
+    ({"decoder_sparse_step": 2, "norm_topk_prob": True}, (1,), True),
+    ({"decoder_sparse_step": 2, "mlp_only_layers": [1]}, None, False),    # no sparse layer left
+])
+def test_qwen3_moe_sparse_layers_follow_step_and_mlp_only_layers(tmp_path, kw, layers, renorm):
+    args = dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, **kw)
+    if layers is None:
+        with pytest.raises(StageError, match="no layer has experts"):
+            spec_of(tmp_path, "Qwen3MoeConfig", **args)
+        return
+    spec = spec_of(tmp_path, "Qwen3MoeConfig", **args)
+    assert spec.experts == Experts(8, 2, 32, layers, renormalize=renorm) and spec.qk_norm
+    assert [spec.sparse(i) for i in range(3)] == [i in layers for i in range(3)]
+
+
+@pytest.mark.parametrize("cls, change, field", [
+    ("MixtralConfig", {"scoring_func": "sigmoid"}, "scoring_func"),          # another router: not ignored
+    ("MixtralConfig", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ("Qwen3MoeConfig", {"num_experts_per_tok": 0}, "num_experts_per_tok"),
+    ("Qwen3MoeConfig", {"mlp_only_layers": [7]}, "mlp_only_layers"),
+    ("Qwen3MoeConfig", {"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
+])
+def test_unmappable_expert_fields_are_refused_by_name(tmp_path, cls, change, field):
+    hf, path = saved(tmp_path, cls, num_experts_per_tok=2, **({"num_local_experts": 8} if cls == "MixtralConfig"
+                                                               else {"num_experts": 8, "head_dim": 16}))
+    hf.update(change)
+    with pytest.raises(StageError) as exc:
+        families.read_spec(hf, path)
+    assert str(exc.value).startswith(f"{path}: {field}: ") and "\n" not in str(exc.value)
+
+
+def test_the_spec_refuses_a_bad_expert_entry():
+    with pytest.raises(ArchSpecError, match="^arch.experts.router: 'sigmoid' is not supported; allowed: softmax_topk"):
+        ArchSpec.from_dict({"layer_types": ["full"], "experts": {"num_experts": 4, "top_k": 2, "intermediate_size": 8,
+                                                                 "layers": [0], "router": "sigmoid"}})
+    with pytest.raises(ArchSpecError, match="^arch.experts.layers: layer 3 does not exist"):
+        ArchSpec(layer_types=("full",), experts=Experts(4, 2, 8, (3,)))
+
+
+MOE_MODEL = {"architecture": "mixtral", "num_kv_heads": 2, "num_heads": 4, "head_dim": 16, "hidden_size": 64,
+             "intermediate_size": 96, "num_layers": 2, "max_position_embeddings": 8192, "vocab_size": 256,
+             "arch": {"experts": {"num_experts": 4}}}
+
+
+@pytest.mark.parametrize("override, key, allowed", [
+    ("quantization.format=fp8", "quantization.format", "none"),
+    ("quantization.format=nvfp4", "quantization.format", "none"),
+    ("quantization.kv_cache=fp8", "quantization.kv_cache", "none"),
+    ("engine.tp_size=2", "engine.tp_size", "1"),
+    ("speculative.method=eagle3", "speculative.method", "none"),
+    ("tensorrt.enabled=true", "tensorrt.enabled", "false"),
+    ("engine.attention_backend=triton", "engine.attention_backend", "torch"),
+])
+def test_the_build_refuses_what_has_no_expert_path_yet(override, key, allowed):
+    base = ["quantization.format=none", "quantization.kv_cache=none"]
+    cfg = BuildConfig.from_dict({}, "x.yaml", [*base, override])
+    with pytest.raises(ConfigError) as exc:
+        check_against_model(cfg, MOE_MODEL)
+    msg = str(exc.value)
+    assert msg.startswith(f"x.yaml: {key}: ") and msg.endswith(f"allowed: {allowed}") and "mixture-of-experts" in msg
+    check_against_model(BuildConfig.from_dict({}, "x.yaml", base), MOE_MODEL)   # the plain build passes
+
+
+class FakeCheckpoint(dict):
+    path = "ckpt"
+
+    def get(self, name):
+        return self[name]
+
+
+def test_every_checkpoint_layout_packs_to_the_same_tensors():
+    """Mixtral's per-expert w1/w3/w2, Qwen's per-expert gate/up/down_proj and transformers 5's packed
+    gate_up_proj/down_proj give the same [E, 2I, H] / [E, H, I] tensors (gate rows, then up rows)."""
+    g = torch.Generator().manual_seed(0)
+    e, i, h = 3, 4, 5
+    gate, up, down = (torch.randn(e, i, h, generator=g), torch.randn(e, i, h, generator=g),
+                      torch.randn(e, h, i, generator=g))
+    router = torch.randn(e, h, generator=g)
+    b = "model.layers.0"
+    layouts = {
+        "mixtral": {f"{b}.block_sparse_moe.gate.weight": router,
+                    **{f"{b}.block_sparse_moe.experts.{k}.{w}.weight": t[k] for k in range(e)
+                       for w, t in (("w1", gate), ("w3", up), ("w2", down))}},
+        "qwen": {f"{b}.mlp.gate.weight": router,
+                 **{f"{b}.mlp.experts.{k}.{w}.weight": t[k] for k in range(e)
+                    for w, t in (("gate_proj", gate), ("up_proj", up), ("down_proj", down))}},
+        "packed": {f"{b}.mlp.gate.weight": router, f"{b}.mlp.experts.gate_up_proj": torch.cat([gate, up], dim=1),
+                   f"{b}.mlp.experts.down_proj": down},
+    }
+    for name, tensors in layouts.items():
+        got = dict(expert_tensors(FakeCheckpoint(tensors), b, 0, e, torch.float32))
+        assert set(got) == {"layers.0.router.weight", "layers.0.experts.gate_up.weight", "layers.0.experts.down.weight"}
+        assert torch.equal(got["layers.0.router.weight"], router), name
+        assert torch.equal(got["layers.0.experts.gate_up.weight"][:, :i], gate), name
+        assert torch.equal(got["layers.0.experts.gate_up.weight"][:, i:], up), name
+        assert torch.equal(got["layers.0.experts.down.weight"], down), name
+    incomplete = {k: v for k, v in layouts["mixtral"].items() if "experts.2.w2" not in k}
+    with pytest.raises(StageError, match="experts.2.w2.weight is missing"):
+        dict(expert_tensors(FakeCheckpoint(incomplete), b, 0, e, torch.float32))
