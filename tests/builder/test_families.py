@@ -177,7 +177,8 @@ def test_what_a_family_cannot_map_is_refused_in_one_line(cls, change, fragment, 
 def test_runtime_tables_come_from_the_families():
     assert sources.SUPPORTED_HF_ARCHITECTURES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                                                   "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                                                  "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
+                                                  "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
+                                                  "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
     assert sources.SUPPORTED_GGUF_ARCHITECTURES == {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
                                                     "qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3"}
     assert families.BY_GGUF["gemma3"].name == "gemma3" and families.BY_MODEL_TYPE["gemma3_text"].name == "gemma3"
@@ -197,7 +198,8 @@ def test_a_family_the_runtime_does_not_run_yet_is_refused_at_build(tmp_path, mon
     config.architectures = ["Phi3ForCausalLM"]
     config.save_pretrained(tmp_path)
     line = f"{tmp_path / 'config.json'}: architectures: phi3 is a known family but the runtime does not run it " \
-           f"yet; allowed: llama, mistral, qwen2, qwen3, gemma3"
+           f"yet; allowed: llama, mistral, qwen2, qwen3, gemma3, mixtral, " \
+           f"qwen3_moe"
     with pytest.raises(StageError) as exc:
         sources.resolve(str(tmp_path), "x.yaml")
     assert str(exc.value) == line
