@@ -56,7 +56,8 @@ class _Case:
         c, bs = spec.model, spec.engine.kv_block_size
         dev = torch.device("cpu")
         self.c, self.dtype = c, dtype
-        self.layer = build_layer(weights, 0, spec.quant_format, dtype, dev)
+        arch = c.arch_spec   # layer 0 as the model builds it: an expert layer's MLP is its experts
+        self.layer = build_layer(weights, 0, spec.quant_format, dtype, dev, experts=arch.experts if arch else None)
         head = weights.get("lm_head.weight", weights.get("embed_tokens.weight"))
         self.head_scale = c.vocab_size / min(HEAD_ROWS, head.shape[0])
         self.head = cpu_matmul.prepare(head[:HEAD_ROWS].to(dtype))

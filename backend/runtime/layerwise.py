@@ -98,7 +98,9 @@ class LayerwiseRunner:
     def run_layer(self, i: int, hidden: list[torch.Tensor]) -> None:
         """Replace every prompt's hidden states by layer ``i``'s output; only layer ``i`` is read."""
         c, bs = self.config, self.spec.engine.kv_block_size
-        layer = build_layer(self._read(prefix=f"layers.{i}."), i, self.spec.quant_format, self.dtype, self.device)
+        arch = c.arch_spec
+        layer = build_layer(self._read(prefix=f"layers.{i}."), i, self.spec.quant_format, self.dtype, self.device,
+                            experts=arch.experts if arch else None)
         if self.kv_dtype == torch.float8_e4m3fn and layer.k_scale is None:
             raise EngineError(FP8_KV_NEEDS_SCALES)
         shape = (-(-max(self._lengths) // bs), bs, c.num_kv_heads, c.head_dim)

@@ -318,7 +318,7 @@ def test_the_onnx_export_refuses_what_its_graph_does_not_compute(built, name, fi
     assert decoder_model(llama_dir, bundle.read(llama_dir)).graph.node   # the llama layer still exports
 
 
-@pytest.mark.parametrize("name", ["phi3_longrope", "qwen3"])
+@pytest.mark.parametrize("name", ["phi3_longrope", "qwen3", "mixtral"])
 def test_the_load_time_dtype_probe_runs_the_family_layer(name, built, tmp_path):
     """A bf16 bundle with engine.cpu_dtype auto times one decoder layer in each dtype at load
     (backend/runtime/layer_probe.py), with the bundle's own rope and q/k norms; the fp32 parity builds skip it."""
