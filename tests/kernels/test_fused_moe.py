@@ -8,8 +8,10 @@ interpreter (its bf16 tl.dot is wrong); the bf16 tensor-core path is checked on 
 import pytest
 import torch
 
+from plugins.fused_moe import fused_moe, moe_config
 from plugins.moe_align import max_padded, moe_align
-from plugins.reference.moe import align_ref
+from plugins.reference.moe import align_ref, moe_ref
+from tests.kernels.kernel_utils import assert_close, poison
 
 
 def routing(T: int, k: int, E: int, device: str):
@@ -21,6 +23,28 @@ def routing(T: int, k: int, E: int, device: str):
     p = p[torch.randperm(E)]                       # the empty experts anywhere, not only at the end
     ids = torch.stack([torch.multinomial(p, k) for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
     return ids.to(device), torch.rand(T, k, device=device) + 0.05
+
+
+def experts(E: int, H: int, I: int, dtype, device, fp8: bool = False):
+    gu = torch.randn(E, 2 * I, H, device=device) / H ** 0.5
+    dn = torch.randn(E, H, I, device=device) / I ** 0.5
+    if not fp8:
+        return gu.to(dtype), dn.to(dtype), None, None
+    gus, ds = torch.rand(E, device=device) * 0.01 + 0.002, torch.rand(E, device=device) * 0.01 + 0.002
+    q = lambda w, s: (w / s[:, None, None]).clamp(-448, 448).to(torch.float8_e4m3fn)  # noqa: E731
+    return q(gu, gus), q(dn, ds), gus, ds
+
+
+def run(x, ids, w, gu, dn, gus=None, ds=None, block_m=None):
+    """fused_moe into poisoned output and scratch buffers."""
+    T, H = x.shape
+    n, inter = ids.numel(), gu.shape[1] // 2
+    out = poison(torch.empty(T, H, dtype=x.dtype, device=x.device))
+    scratch = (poison(torch.empty(n, inter, dtype=x.dtype, device=x.device)),
+               poison(torch.empty(n, H, dtype=torch.float32, device=x.device)))
+    got = fused_moe(x, ids, w, gu, dn, gus, ds, block_m=block_m, out=out, scratch=scratch)
+    assert got is out
+    return got
 
 
 @pytest.mark.parametrize("T,k,E,block", [(37, 2, 8, 16), (1, 8, 128, 16), (5, 1, 3, 4), (9, 4, 16, 64), (0, 2, 4, 16)])
@@ -45,3 +69,64 @@ def test_align_matches_reference_and_brute_force(device, T, k, E, block):
     assert npad.tolist() == [P]
     assert torch.equal(sorted_ids[:P], s_ref) and (sorted_ids[P:] == n).all()
     assert torch.equal(expert_ids[:P // block], e_ref)
+
+
+CASES = [  # T, k, E, H, I, dtype
+    (37, 1, 8, 32, 48, torch.float32),       # top-1, row block 64 (37 slots over 8 experts)
+    (37, 2, 4, 32, 16, torch.float32),
+    (37, 4, 16, 64, 32, torch.bfloat16),
+    (37, 8, 128, 32, 32, torch.float32),     # 296 slots over 128 experts: the decode block (16)
+    (1, 8, 128, 32, 16, torch.bfloat16),     # decode: 8 blocks of 16, not 128 experts' worth
+    (1, 1, 128, 16, 16, torch.float32),
+    (1, 2, 8, 64, 64, torch.float16),
+    (3, 4, 4, 16, 32, torch.float16),        # every expert in use, N tiles partly masked
+]
+
+
+@pytest.mark.parametrize("T,k,E,H,I,dtype", CASES)
+def test_fused_moe_matches_reference(device, fresh_seed, T, k, E, H, I, dtype):
+    x = torch.randn(T, H, device=device).to(dtype)
+    ids, w = routing(T, k, E, device)
+    gu, dn, _, _ = experts(E, H, I, dtype, device)
+    assert_close(run(x, ids, w, gu, dn), moe_ref(x, ids, w, gu, dn), dtype, f"moe T{T} k{k} E{E}", fresh_seed)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_either_row_block_gives_the_reference(device, fresh_seed, block_m):
+    """The row block is a tuning choice: decode forced onto 64 (its blocks mostly padding) and a prefill
+    onto 16 give the reference's numbers."""
+    for T, k, E in ((1, 4, 32), (21, 2, 6)):
+        x = torch.randn(T, 32, device=device)
+        ids, w = routing(T, k, E, device)
+        gu, dn, _, _ = experts(E, 32, 32, torch.float32, device)
+        assert_close(run(x, ids, w, gu, dn, block_m=block_m), moe_ref(x, ids, w, gu, dn), torch.float32,
+                     f"block_m {block_m} T{T}", fresh_seed)
+
+
+def test_decode_does_not_pad_every_expert():
+    """T = 1, top-8 of 128 experts: the small row block, and a grid of 8 blocks (one per chosen expert at
+    most), not 128 x 64 rows."""
+    cfg = moe_config(8, 128)
+    assert cfg["block_m"] == 16 and max_padded(8, 128, 16) // 16 == 8
+    assert moe_config(37 * 2, 4)["block_m"] == 64
+
+
+@pytest.mark.parametrize("T,k,E,dtype", [(37, 2, 8, torch.float32), (1, 8, 128, torch.float16),
+                                         (5, 4, 16, torch.bfloat16)])
+def test_fp8_experts_with_per_expert_scales(device, fresh_seed, T, k, E, dtype):
+    x = torch.randn(T, 32, device=device).to(dtype)
+    ids, w = routing(T, k, E, device)
+    gu, dn, gus, ds = experts(E, 32, 32, dtype, device, fp8=True)
+    assert_close(run(x, ids, w, gu, dn, gus, ds), moe_ref(x, ids, w, gu, dn, gus, ds), dtype, "fp8 moe", fresh_seed)
+
+
+def test_refuses_mismatched_shapes(device):
+    x = torch.zeros(2, 16, device=device)
+    ids, w = torch.zeros(2, 2, dtype=torch.long, device=device), torch.ones(2, 2, device=device)
+    gu, dn = torch.zeros(4, 32, 16, device=device), torch.zeros(4, 16, 16, device=device)
+    with pytest.raises(ValueError, match="are not"):
+        fused_moe(x, ids, w, gu, dn[:, :8])
+    with pytest.raises(ValueError, match="need fp32"):
+        fused_moe(x, ids, w, gu.to(torch.float8_e4m3fn), dn.to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="do not agree on T"):
+        fused_moe(x, ids[:1], w[:1], gu, dn)
