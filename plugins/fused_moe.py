@@ -108,7 +108,8 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     E, I2, Hw = gate_up.shape
     inter = I2 // 2
     check(Hw == H and I2 % 2 == 0 and down.shape == (E, H, inter),
-          f"fused_moe: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} are not [E, 2I, {H}] and [E, {H}, I]")
+          f"fused_moe: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} are not [E, 2I, {H}] and "
+          f"[E, {H}, I]")
     fp8 = gate_up.dtype == torch.float8_e4m3fn
     check(down.dtype == gate_up.dtype and (gate_up.dtype == x.dtype or fp8),
           f"fused_moe: weights {gate_up.dtype}/{down.dtype}; allowed: {x.dtype} or float8_e4m3fn (both)")

@@ -5,9 +5,17 @@ fp8 e4m3 experts with per-expert scales; outputs and scratch poisoned so an unwr
 are tiny (H, I in 16..64): every program costs Python time here. bf16 runs its dots in fp32 in the
 interpreter (its bf16 tl.dot is wrong); the bf16 tensor-core path is checked on a GPU
 (KILN_KERNEL_TESTS_ON_GPU=1)."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
+from plugins import aot, registry
+from plugins.common import EngineShapes
 from plugins.fused_moe import fused_moe, moe_config
 from plugins.moe_align import max_padded, moe_align
 from plugins.reference.moe import align_ref, moe_ref
@@ -130,3 +138,73 @@ def test_refuses_mismatched_shapes(device):
         fused_moe(x, ids, w, gu.to(torch.float8_e4m3fn), dn.to(torch.float8_e4m3fn))
     with pytest.raises(ValueError, match="do not agree on T"):
         fused_moe(x, ids[:1], w[:1], gu, dn)
+
+
+def test_registered_in_the_table(device):
+    assert registry.get("fused_moe", device, torch.float32) is fused_moe
+    assert registry.get("fused_moe", "cpu", torch.float32, kind="torch") is moe_ref
+
+
+MOE = EngineShapes(  # a small MoE (Qwen3-30B-A3B-like proportions, tiny): bf16, fp8 experts
+    act="bf16", kv="bf16", num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=256, intermediate_size=512,
+    block_size=16, quant_format="fp8", group_size=None, speculative=False, num_experts=128, moe_intermediate_size=64)
+
+_COMPILE = r"""
+import json, sys
+from plugins import aot, fused_moe
+from plugins.common import EngineShapes
+res = []
+for shapes in json.loads(sys.argv[1]):
+    for v in fused_moe.aot_variants(EngineShapes(**shapes)):
+        for sm in (90, 100):
+            k, meta = aot.compile_variant(v, sm)
+            res.append({"key": v.key, "sm": sm, "elf": k.asm["cubin"][:4] == b"\x7fELF",
+                        "ptx_target": f".target sm_{sm}" in k.asm["ptx"], "shared": meta["shared"],
+                        "extra": meta["extra_params"]})
+print(json.dumps(res))
+"""
+
+
+def test_planned_only_with_experts_and_compiled_for_both_sms():
+    """No variant for a dense engine; an MoE engine plans both GEMMs at both row blocks, fp8 experts in
+    an fp8 engine, and each compiles for sm_90 and sm_100 with no GPU (in a child process: the
+    interpreter's kernels cannot be compiled)."""
+    dense = dataclasses.replace(MOE, num_experts=0, moe_intermediate_size=0)
+    assert not [v for v in aot.plan(dense) if v.fn.__name__ == "moe_gemm_kernel"]
+    moe = [v for v in aot.plan(MOE) if v.fn.__name__ == "moe_gemm_kernel"]
+    assert len(moe) == 4 and all(v.constexprs["FP8_W"] for v in moe)
+    assert {v.constexprs["BLOCK_M"] for v in moe} == {16, 64}
+    bf16 = dataclasses.replace(MOE, quant_format="none")
+    with pytest.raises(aot.AotError, match="moe_intermediate_size: 0"):
+        aot.plan(dataclasses.replace(MOE, moe_intermediate_size=0))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    arg = json.dumps([dataclasses.asdict(MOE), dataclasses.asdict(bf16)])
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, arg], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(res) == 16 and {r["sm"] for r in res} == {90, 100}
+    for r in res:
+        assert r["elf"] and r["ptx_target"] and r["extra"] == 2 and 0 < r["shared"] <= 227 * 1024, r
+
+
+class _Recorder:
+    """Stands in for a KernelSet: records the variants the wrapper asks for, then lets it JIT."""
+    def __init__(self):
+        self.keys = set()
+
+    def launch(self, key, grid, args):
+        self.keys.add(key)
+        return False
+
+
+def test_plan_covers_what_the_wrapper_launches(device):
+    """Decode and prefill launches of an fp8-expert engine (fp32 activations: the interpreter's bf16
+    stand-in compiles another variant) ask for planned variants, so a bundle's cubins are found."""
+    shapes = dataclasses.replace(MOE, act="fp32", kv="fp32", hidden_size=32, moe_intermediate_size=32, num_experts=16)
+    rec = _Recorder()
+    gu, dn, gus, ds = experts(16, 32, 32, torch.float32, device, fp8=True)
+    for T in (1, 64):
+        ids, w = routing(T, 4, 16, device)
+        fused_moe(torch.randn(T, 32, device=device), ids, w, gu, dn, gus, ds, aot=rec)
+    planned = {v.key for v in aot.plan(shapes)}
+    assert len(rec.keys) == 4 and rec.keys <= planned, rec.keys - planned
