@@ -24,13 +24,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import (act_quant, gemm_fp8, gemm_fp8_small, gemm_w4a16, gemm_w4a16_small, kv_write, norm_quant,
+from . import (act_quant, fused_moe, gemm_fp8, gemm_fp8_small, gemm_w4a16, gemm_w4a16_small, kv_write, norm_quant,
                paged_decode, paged_prefill, rmsnorm, rope, rope_kv)
 from .common import ACT_TYPES, AOT_META_VERSION, EngineShapes, Variant
 from .rope_kv import QK_NORMS
 
 KERNEL_MODULES = (kv_write, paged_decode, paged_prefill, rmsnorm, rope, gemm_w4a16, gemm_w4a16_small, gemm_fp8,
-                  gemm_fp8_small, norm_quant, act_quant, rope_kv)
+                  gemm_fp8_small, norm_quant, act_quant, rope_kv, fused_moe)
 DEFAULT_SMS = (90, 100)
 META_VERSION = AOT_META_VERSION
 
@@ -52,6 +52,13 @@ def check_shapes(shapes: EngineShapes) -> EngineShapes:
             raise AotError(f"shapes.{name}: {value!r}; allowed: a positive integer")
     if not isinstance(shapes.sliding_window, bool):
         raise AotError(f"shapes.sliding_window: {shapes.sliding_window!r}; allowed: true, false")
+    for name in ("num_experts", "moe_intermediate_size"):
+        value = getattr(shapes, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise AotError(f"shapes.{name}: {value!r}; allowed: an integer >= 0 (0: no experts)")
+    if shapes.num_experts and not shapes.moe_intermediate_size:
+        raise AotError(f"shapes.moe_intermediate_size: 0 with {shapes.num_experts} experts; "
+                       "allowed: a positive integer")
     if shapes.qk_norm not in QK_NORMS:
         raise AotError(f"shapes.qk_norm: {shapes.qk_norm!r}; allowed: {', '.join(QK_NORMS)}")
     return shapes

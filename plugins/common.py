@@ -120,6 +120,10 @@ class EngineShapes:
     # rope + KV write: "none", "rms" (x_normed * w, Qwen3) or "rms_1p" (x_normed * (1 + w), Gemma 3)
     sliding_window: bool = False
     qk_norm: str = "none"
+    # a mixture-of-experts MLP (plugins/fused_moe.py): experts per layer (0: a dense MLP) and each
+    # expert's intermediate size (one rank's)
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
 
 
 def linear_in_features(e: EngineShapes) -> set[int]:

@@ -19,6 +19,8 @@ Ops and their call signatures (shapes on the functions themselves):
   rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
                 k_scale, v_scale) -> q (rotated in place in qkv; k, v written to the caches)
   fp8_gemm_small_m(xq, weight, weight_scale, input_scale, out_dtype, locks=None) -> y  (M <= 16, fp8 codes in)
+  fused_moe(x, topk_ids, topk_weights, gate_up, down, gate_up_scale=None, down_scale=None) -> out
+            (SwiGLU experts on the model's routing; layouts in plugins/reference/moe.py)
   linear(x, **tensors of the format: weight, weight_scale, weight_scale_2, input_scale, pre_quant_scale) -> y
 The "cpu" kind's ops take float32 CPU tensors and return None (False for write_kv_fp8) where they do
 not apply (no compiler, another dtype or layout): the caller then runs its PyTorch ops, same numbers.
@@ -91,6 +93,8 @@ REGISTRY: dict[tuple[str, str, str | None], Impl] = {
     ("rope_write_kv", "torch", None): Impl(f"{_REF}.fused:rope_write_kv_ref"),
     ("fp8_gemm_small_m", "triton", None): Impl("plugins.gemm_fp8_small:fp8_gemm_small_m"),
     ("fp8_gemm_small_m", "torch", None): Impl(f"{_REF}.gemm:fp8_gemm_codes_ref"),
+    ("fused_moe", "triton", None): Impl("plugins.fused_moe:fused_moe"),
+    ("fused_moe", "torch", None): Impl(f"{_REF}.moe:moe_ref"),
     ("linear", "triton", "nvfp4"): Impl("plugins.linear_impls:nvfp4_triton"),
     ("linear", "torch", "nvfp4"): Impl("plugins.linear_impls:nvfp4_torch"),
     ("linear", "triton", "int4_awq"): Impl("plugins.linear_impls:int4_awq_triton"),
