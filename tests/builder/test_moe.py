@@ -1,5 +1,6 @@
-"""Mixture-of-experts checkpoints (Mixtral, Qwen3-MoE): the config.json transformers' own config class writes
-maps to the spec's ``Experts`` (count, top-k, renormalisation, which layers are sparse, expert width); what
+"""Mixture-of-experts checkpoints (Mixtral, Qwen3-MoE, Qwen2-MoE): the config.json transformers' own config class writes
+maps to the spec's ``Experts`` (count, top-k, renormalisation, which layers are sparse, expert width, a shared
+expert and its gate); what
 cannot be mapped, and what the build has no expert path for yet, is refused in one line naming the key; the
 packed expert tensors are the checkpoint's, in every layout checkpoints store them."""
 from __future__ import annotations
@@ -62,6 +63,18 @@ def test_unmappable_expert_fields_are_refused_by_name(tmp_path, cls, change, fie
     with pytest.raises(StageError) as exc:
         families.read_spec(hf, path)
     assert str(exc.value).startswith(f"{path}: {field}: ") and "\n" not in str(exc.value)
+
+
+def test_a_shared_expert_is_in_the_spec_only_when_present():
+    """engine.json of a bundle without one keeps its keys (its bytes); with one it round-trips."""
+    plain = Experts(4, 2, 8, (0,), renormalize=True)
+    assert list(plain.to_dict()) == ["num_experts", "top_k", "intermediate_size", "layers", "router", "renormalize"]
+    shared = Experts(4, 2, 8, (0,), shared_intermediate_size=16, shared_gate=True)
+    assert Experts.from_dict(json.loads(json.dumps(shared.to_dict()))) == shared
+    with pytest.raises(ArchSpecError, match="^shared_gate: true without a shared expert"):
+        Experts(4, 2, 8, (0,), shared_gate=True)
+    with pytest.raises(ArchSpecError, match="^shared_intermediate_size: 0 is not a positive integer"):
+        Experts(4, 2, 8, (0,), shared_intermediate_size=0)
 
 
 def test_the_spec_refuses_a_bad_expert_entry():
