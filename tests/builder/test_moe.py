@@ -14,7 +14,7 @@ from backend.arch_spec import ArchSpec, ArchSpecError, Experts
 from builder import families
 from builder.config import BuildConfig
 from builder.config_model import check_against_model
-from builder.expert_weights import expert_tensors
+from builder.expert_weights import expert_tensors, shared_expert_tensors
 from builder.schema import ConfigError
 from builder.stages.base import StageError
 from tests.builder.test_families import saved
@@ -145,3 +145,22 @@ def test_every_checkpoint_layout_packs_to_the_same_tensors():
     incomplete = {k: v for k, v in layouts["mixtral"].items() if "experts.2.w2" not in k}
     with pytest.raises(StageError, match="experts.2.w2.weight is missing"):
         dict(expert_tensors(FakeCheckpoint(incomplete), b, 0, e, torch.float32))
+
+
+def test_a_shared_expert_packs_gate_then_up_rows_and_its_gate():
+    g = torch.Generator().manual_seed(0)
+    h, i = 5, 3
+    gate, up, down, out_gate = (torch.randn(i, h, generator=g), torch.randn(i, h, generator=g),
+                                torch.randn(h, i, generator=g), torch.randn(1, h, generator=g))
+    b = "model.layers.2"
+    tensors = {f"{b}.mlp.shared_expert.gate_proj.weight": gate, f"{b}.mlp.shared_expert.up_proj.weight": up,
+               f"{b}.mlp.shared_expert.down_proj.weight": down, f"{b}.mlp.shared_expert_gate.weight": out_gate}
+    got = dict(shared_expert_tensors(FakeCheckpoint(tensors), b, 2, True, torch.float32))
+    assert torch.equal(got["layers.2.shared_expert.gate_up.weight"], torch.cat([gate, up]))
+    assert torch.equal(got["layers.2.shared_expert.down.weight"], down)
+    assert torch.equal(got["layers.2.shared_expert_gate.weight"], out_gate)
+    del tensors[f"{b}.mlp.shared_expert_gate.weight"]
+    assert "layers.2.shared_expert_gate.weight" not in dict(shared_expert_tensors(FakeCheckpoint(tensors), b, 2, False,
+                                                                                   torch.float32))
+    with pytest.raises(StageError, match="shared_expert_gate.weight is missing"):
+        dict(shared_expert_tensors(FakeCheckpoint(tensors), b, 2, True, torch.float32))
