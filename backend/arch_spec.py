@@ -177,17 +177,27 @@ ROUTERS = ("softmax_topk",)
 class Experts:
     """The mixture-of-experts MLP of the layers in ``layers`` (the others keep the dense gated MLP): each
     token's ``top_k`` experts of ``num_experts`` chosen by ``router``, each a gated MLP of width
-    ``intermediate_size``, their outputs summed weighted by the router's probabilities."""
+    ``intermediate_size``, their outputs summed weighted by the router's probabilities. A shared expert
+    (Qwen2-MoE), a gated MLP of width ``shared_intermediate_size`` that every token runs, adds its output
+    to that sum, times ``sigmoid(shared_gate(x))`` (a [1, H] linear) when ``shared_gate``."""
     num_experts: int
     top_k: int
     intermediate_size: int
     layers: tuple[int, ...]
     router: str = "softmax_topk"
     renormalize: bool = False
+    shared_intermediate_size: int | None = None     # None: no shared expert
+    shared_gate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "intermediate_size"):
             _positive(name, getattr(self, name), int)
+        if self.shared_intermediate_size is not None:
+            _positive("shared_intermediate_size", self.shared_intermediate_size, int)
+        _flag("shared_gate", self.shared_gate)
+        if self.shared_gate and self.shared_intermediate_size is None:
+            raise ArchSpecError("shared_gate", "true without a shared expert",
+                                "false, or a shared_intermediate_size")
         if self.top_k > self.num_experts:
             raise ArchSpecError("top_k", f"{self.top_k} exceeds num_experts {self.num_experts}",
                                 f"1..{self.num_experts}")
@@ -199,7 +209,10 @@ class Experts:
             raise ArchSpecError("layers", _show(self.layers), "a non-empty ascending list of layer indices")
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "layers": list(self.layers)}
+        out = {**dataclasses.asdict(self), "layers": list(self.layers)}
+        if self.shared_intermediate_size is None:   # absent, as in bundles built before shared experts
+            del out["shared_intermediate_size"], out["shared_gate"]
+        return out
 
     @classmethod
     def from_dict(cls, d: Any) -> "Experts":

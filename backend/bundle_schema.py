@@ -52,7 +52,7 @@ class BundleError(RuntimeError):
 
 # -- the model section ----------------------------------------------------------------------------
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe")
 
 
 class ModelConfigError(SectionError):

@@ -2,7 +2,9 @@
 
 ``layers.{i}.router.weight [E, H]``, ``layers.{i}.experts.gate_up.weight [E, 2I, H]`` (each expert's gate rows,
 then its up rows, as the dense ``gate_up``) and ``layers.{i}.experts.down.weight [E, H, I]``: one tensor per
-projection, so a grouped kernel reads expert ``e`` at a fixed stride.
+projection, so a grouped kernel reads expert ``e`` at a fixed stride. A shared expert (Qwen2-MoE) is one
+dense gated MLP, ``layers.{i}.shared_expert.gate_up.weight [2Is, H]`` and ``.down.weight [H, Is]``, with
+its gate ``layers.{i}.shared_expert_gate.weight [1, H]``.
 
 Checkpoints store experts in one of the layouts below (found by the names present, not by family: a Mixtral
 and a Qwen3-MoE differ only in names). Plain weights only: the build refuses quantized formats for expert
@@ -65,3 +67,29 @@ def expert_tensors(ckpt, base: str, i: int, num_experts: int, dtype: torch.dtype
     known = [p[1].format(e=0) for p in PER_EXPERT] + [p[1] for p in PACKED]
     raise StageError(f"{ckpt.path}: layer {i} is an expert layer (model.arch.experts.layers) but has none of the "
                      f"expert tensors Kiln reads; allowed: {base}.<" + " | ".join(known) + ">")
+
+
+# Qwen2-MoE's shared expert: (gate, up, down) and the gate of its output
+SHARED = (("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"),
+          "mlp.shared_expert_gate")
+
+
+def shared_expert_tensors(ckpt, base: str, i: int, gated: bool, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Layer ``i``'s shared expert (gate rows, then up rows) and, when ``gated``, its output gate."""
+    (gate, up, down), gate_of_output = SHARED
+    names = [gate, up, down] + ([gate_of_output] if gated else [])
+    for name in names:
+        if f"{base}.{name}.weight" not in ckpt:
+            raise StageError(f"{ckpt.path}: tensor {base}.{name}.weight is missing; the checkpoint is incomplete "
+                             f"(model.arch.experts.shared_intermediate_size is set)")
+        if f"{base}.{name}.weight_scale" in ckpt:
+            raise StageError(f"{ckpt.path}: {base}.{name} is quantized; allowed: an unquantized checkpoint "
+                             f"(quantization.format=none) for an expert model")
+
+    def get(name: str) -> torch.Tensor:
+        return ckpt.get(f"{base}.{name}.weight").to(dtype)
+
+    yield f"layers.{i}.shared_expert.gate_up.weight", torch.cat([get(gate), get(up)])
+    yield f"layers.{i}.shared_expert.down.weight", get(down)
+    if gated:
+        yield f"layers.{i}.shared_expert_gate.weight", get(gate_of_output)

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from builder.expert_weights import expert_tensors
+from builder.expert_weights import expert_tensors, shared_expert_tensors
 from builder.sources import read_json_object
 from builder.stages.base import StageError
 
@@ -133,6 +133,8 @@ def runtime_tensors(ckpt: Checkpoint, model: dict, dtype: torch.dtype, fmt: str,
             yield f"layers.{i}.{ours}.weight", need(f"{base}.{hf}.weight").to(dtype)
         if sparse:
             yield from expert_tensors(ckpt, base, i, experts["num_experts"], dtype)
+            if experts.get("shared_intermediate_size"):
+                yield from shared_expert_tensors(ckpt, base, i, experts["shared_gate"], dtype)
         for ours, hf_parts in (attention_only if sparse else fused).items():
             parts = [_module(ckpt, f"{base}.{p}") for p in hf_parts]
             for p, part in zip(hf_parts, parts):

@@ -4,7 +4,8 @@ held to it.
 
 Numbers follow transformers' MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock: router logits in the model
 dtype, softmax and top-k in fp32 (renormalised when the spec says), each expert's output times its weight,
-added into a zero buffer in the model dtype, experts in ascending order.
+added into a zero buffer in the model dtype, experts in ascending order. A shared expert
+(Qwen2MoeSparseMoeBlock) is added to that sum, in the model dtype, times ``sigmoid(gate(x))`` when gated.
 
 Batch invariance (docs/contracts.md): a token's output must not depend on the step's other tokens. Each
 expert's rows go through the dense path's linears (``cpu_matmul``: a row's result is the same at every row
@@ -29,6 +30,7 @@ class ExpertMLP:
     down: list[QuantLinear]
     top_k: int
     renormalize: bool
+    shared: "SharedExpert | None" = None    # model.arch.experts.shared_intermediate_size
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` (normed) -> ``[T, H]``."""
@@ -38,7 +40,21 @@ class ExpertMLP:
             tokens, slot = torch.nonzero(ids == e, as_tuple=True)
             y = self.down[e](silu_and_mul(self.gate_up[e](x.index_select(0, tokens))))
             out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(out.dtype))
+        if self.shared is not None:   # after the routed sum, as transformers adds it
+            out = out + self.shared(x)
         return out
+
+
+@dataclass
+class SharedExpert:
+    """The expert every token runs: ``gate_up [2Is, H]``, ``down [H, Is]``; ``gate [1, H]`` or None (ungated)."""
+    gate_up: QuantLinear
+    down: QuantLinear
+    gate: QuantLinear | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(silu_and_mul(self.gate_up(x)))
+        return y if self.gate is None else torch.sigmoid(self.gate(x)) * y
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,9 +71,12 @@ def build_experts(weights: dict[str, torch.Tensor], prefix: str, spec: Experts, 
                   device: torch.device) -> ExpertMLP:
     """Layer ``prefix``'s (``layers.3``) experts from the bundle's packed tensors, each expert's slice as
     a dense linear in the storage the CPU matmul wants; a shape that disagrees with the spec is refused."""
-    e, width = spec.num_experts, spec.intermediate_size
+    e, width, shared = spec.num_experts, spec.intermediate_size, spec.shared_intermediate_size
     want = {"router.weight": (e, hidden), "experts.gate_up.weight": (e, 2 * width, hidden),
-            "experts.down.weight": (e, hidden, width)}
+            "experts.down.weight": (e, hidden, width),
+            **({"shared_expert.gate_up.weight": (2 * shared, hidden), "shared_expert.down.weight": (hidden, shared)}
+               if shared else {}),
+            **({"shared_expert_gate.weight": (1, hidden)} if spec.shared_gate else {})}
     for name, shape in want.items():
         got = weights.get(f"{prefix}.{name}")
         if got is None:
@@ -74,4 +93,9 @@ def build_experts(weights: dict[str, torch.Tensor], prefix: str, spec: Experts, 
     return ExpertMLP(router=linear(weights[f"{prefix}.router.weight"], f"{prefix}.router"),
                      gate_up=[linear(gate_up[k], f"{prefix}.experts.gate_up[{k}]") for k in range(e)],
                      down=[linear(down[k], f"{prefix}.experts.down[{k}]") for k in range(e)],
-                     top_k=spec.top_k, renormalize=spec.renormalize)
+                     top_k=spec.top_k, renormalize=spec.renormalize,
+                     shared=SharedExpert(
+                         gate_up=linear(weights[f"{prefix}.shared_expert.gate_up.weight"], f"{prefix}.shared_expert.gate_up"),
+                         down=linear(weights[f"{prefix}.shared_expert.down.weight"], f"{prefix}.shared_expert.down"),
+                         gate=linear(weights[f"{prefix}.shared_expert_gate.weight"], f"{prefix}.shared_expert_gate")
+                         if spec.shared_gate else None) if shared else None)

@@ -28,7 +28,7 @@ _LOG = get_logger("model.runner")
 # Model architectures this runtime builds, by engine.json model.architecture.
 MODEL_CLASSES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "qwen3": LlamaModel,
                  "phi3": LlamaModel, "gemma3": LlamaModel, "mixtral": LlamaModel,
-                 "qwen3_moe": LlamaModel}
+                 "qwen3_moe": LlamaModel, "qwen2_moe": LlamaModel}
 
 
 def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:

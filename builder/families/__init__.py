@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from backend.arch_spec import ArchSpec
-from builder.families import gemma3, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
+from builder.families import gemma3, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
 from builder.families.base import Family
 from builder.stages.base import StageError
 
 FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (llama, mistral, qwen2, qwen3, gemma3, phi3, mixtral,
-                                                        qwen3_moe))
+                                                        qwen3_moe, qwen2_moe))
 BY_NAME = {f.name: f for f in FAMILIES}
 BY_ARCHITECTURE = {cls: f for f in FAMILIES for cls in f.architectures}
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -26,7 +26,7 @@ def to_spec(cfg: HfConfig) -> ArchSpec:
         activation=cfg.choice("hidden_act", HF_ACTIVATIONS, "silu"),
         tie_word_embeddings=cfg.flag("tie_word_embeddings", False),
         experts=experts(cfg, "num_local_experts", "intermediate_size", list(range(n)), renormalize=True,
-                        default_experts=8))
+                        defaults={"num_local_experts": 8, "num_experts_per_tok": 2}))
 
 
 FAMILY = Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), (), FIELDS, to_spec, LAYER, runtime=True)

@@ -6,24 +6,17 @@ transformers 5 saves the expert count as ``num_local_experts``; published checkp
 from __future__ import annotations
 
 from backend.arch_spec import ArchSpec
-from builder.families.base import HF_ACTIVATIONS, LLAMA_LAYER, Family, HfConfig, num_layers
-from builder.families.experts import TRAINING_ONLY, experts
+from builder.families.base import HF_ACTIVATIONS, LLAMA_LAYER, Family, HfConfig
+from builder.families.experts import TRAINING_ONLY, experts, qwen_sparse_layers
 from builder.families.qwen2 import qwen_layers
 from builder.families.qwen3 import FIELDS as QWEN3_FIELDS
 
 FIELDS = QWEN3_FIELDS | TRAINING_ONLY | {"num_experts", "num_local_experts", "num_experts_per_tok",
                                          "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
                                          "mlp_only_layers"}
+# Qwen3MoeConfig's values, for a config.json that leaves one out
+DEFAULTS = {"num_experts": 128, "num_local_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}
 LAYER = {**LLAMA_LAYER, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm", "router": "mlp.gate"}
-
-
-def _sparse_layers(cfg: HfConfig) -> list[int]:
-    n, step = num_layers(cfg), cfg.positive_int("decoder_sparse_step", 1)
-    dense = cfg.get("mlp_only_layers", [])
-    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n
-                                              for i in dense):
-        raise cfg.refuse("mlp_only_layers", f"{dense!r:.60} is not a list of layer indices", f"indices in 0..{n - 1}")
-    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
 
 
 def to_spec(cfg: HfConfig) -> ArchSpec:
@@ -31,8 +24,8 @@ def to_spec(cfg: HfConfig) -> ArchSpec:
     bias = cfg.flag("attention_bias", False)
     return ArchSpec(**qwen_layers(cfg), activation=cfg.choice("hidden_act", HF_ACTIVATIONS, "silu"), qk_norm=True,
                     qkv_bias=bias, o_bias=bias, tie_word_embeddings=cfg.flag("tie_word_embeddings", False),
-                    experts=experts(cfg, count, "moe_intermediate_size", _sparse_layers(cfg),
-                                    renormalize=cfg.flag("norm_topk_prob", False), default_experts=128))
+                    experts=experts(cfg, count, "moe_intermediate_size", qwen_sparse_layers(cfg),
+                                    renormalize=cfg.flag("norm_topk_prob", False), defaults=DEFAULTS))
 
 
 FAMILY = Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), (), FIELDS, to_spec, LAYER, runtime=True)

@@ -178,7 +178,8 @@ def test_runtime_tables_come_from_the_families():
     assert sources.SUPPORTED_HF_ARCHITECTURES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                                                   "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                                                   "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
-                                                  "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+                                                  "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
+                                                  "Qwen2MoeForCausalLM": "qwen2_moe"}
     assert sources.SUPPORTED_GGUF_ARCHITECTURES == {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
                                                     "qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3"}
     assert families.BY_GGUF["gemma3"].name == "gemma3" and families.BY_MODEL_TYPE["gemma3_text"].name == "gemma3"
@@ -199,7 +200,7 @@ def test_a_family_the_runtime_does_not_run_yet_is_refused_at_build(tmp_path, mon
     config.save_pretrained(tmp_path)
     line = f"{tmp_path / 'config.json'}: architectures: phi3 is a known family but the runtime does not run it " \
            f"yet; allowed: llama, mistral, qwen2, qwen3, gemma3, mixtral, " \
-           f"qwen3_moe"
+           f"qwen3_moe, qwen2_moe"
     with pytest.raises(StageError) as exc:
         sources.resolve(str(tmp_path), "x.yaml")
     assert str(exc.value) == line

@@ -1,5 +1,6 @@
-"""Mixture-of-experts checkpoints (Mixtral, Qwen3-MoE): the config.json transformers' own config class writes
-maps to the spec's ``Experts`` (count, top-k, renormalisation, which layers are sparse, expert width); what
+"""Mixture-of-experts checkpoints (Mixtral, Qwen3-MoE, Qwen2-MoE): the config.json transformers' own config class writes
+maps to the spec's ``Experts`` (count, top-k, renormalisation, which layers are sparse, expert width, a shared
+expert and its gate); what
 cannot be mapped, and what the build has no expert path for yet, is refused in one line naming the key; the
 packed expert tensors are the checkpoint's, in every layout checkpoints store them."""
 from __future__ import annotations
@@ -13,7 +14,7 @@ from backend.arch_spec import ArchSpec, ArchSpecError, Experts
 from builder import families
 from builder.config import BuildConfig
 from builder.config_model import check_against_model
-from builder.expert_weights import expert_tensors
+from builder.expert_weights import expert_tensors, shared_expert_tensors
 from builder.schema import ConfigError
 from builder.stages.base import StageError
 from tests.builder.test_families import saved
@@ -62,6 +63,70 @@ def test_unmappable_expert_fields_are_refused_by_name(tmp_path, cls, change, fie
     with pytest.raises(StageError) as exc:
         families.read_spec(hf, path)
     assert str(exc.value).startswith(f"{path}: {field}: ") and "\n" not in str(exc.value)
+
+
+QWEN2_MOE = dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=48)
+
+
+@pytest.mark.parametrize("kw, layers, renorm", [
+    ({"mlp_only_layers": [1]}, (0, 2), False),
+    ({"decoder_sparse_step": 2, "norm_topk_prob": True}, (1,), True),
+])
+def test_qwen2_moe_has_a_gated_shared_expert_beside_the_routed_ones(tmp_path, kw, layers, renorm):
+    spec = spec_of(tmp_path, "Qwen2MoeConfig", **QWEN2_MOE, **kw)
+    assert spec.experts == Experts(8, 2, 32, layers, renormalize=renorm, shared_intermediate_size=48, shared_gate=True)
+    assert spec.qkv_bias and not spec.o_bias and not spec.qk_norm
+    assert not spec_of(tmp_path, "Qwen2MoeConfig", **QWEN2_MOE, qkv_bias=False).qkv_bias
+    assert spec_of(tmp_path, "Qwen2MoeConfig", **{**QWEN2_MOE, "num_experts": 0}).experts is None   # all dense
+
+
+def test_qwen2_moe_windows_follow_its_own_layer_rule(tmp_path):
+    """Qwen2MoeConfig slides the even-indexed layers below max_window_layers (Qwen2 the ones from it on):
+    the file's layer_types, and the same rule when a hand-made file leaves them out."""
+    hf, path = saved(tmp_path, "Qwen2MoeConfig", **QWEN2_MOE, use_sliding_window=True, sliding_window=16,
+                     max_window_layers=2)
+    assert hf["layer_types"] == ["sliding_attention", "full_attention", "full_attention"]
+    for data in (hf, {k: v for k, v in hf.items() if k != "layer_types"}):
+        _, spec = families.read_spec(data, path)
+        assert spec.layer_types == ("sliding", "full", "full") and spec.layer(0).window == 16
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"mlp_only_layers": [7]}, "mlp_only_layers"),
+    ({"qkv_bias": "yes"}, "qkv_bias"),
+    ({"scoring_func": "sigmoid"}, "scoring_func"),
+    ({"moe_shared_expert_ungated": True}, "moe_shared_expert_ungated"),   # unknown: refused, not ignored
+])
+def test_qwen2_moe_refuses_what_it_cannot_map_by_name(tmp_path, change, field):
+    hf, path = saved(tmp_path, "Qwen2MoeConfig", **QWEN2_MOE)
+    hf.update(change)
+    with pytest.raises(StageError) as exc:
+        families.read_spec(hf, path)
+    assert str(exc.value).startswith(f"{path}: {field}: ") and "\n" not in str(exc.value)
+
+
+def test_a_hand_made_config_gets_the_config_classes_expert_defaults(tmp_path):
+    """A config.json without num_experts_per_tok routes as the config class would (Qwen3-MoE: 8, Qwen2-MoE: 4)."""
+    for cls, kw, top_k in (("Qwen3MoeConfig", {"num_experts": 8, "moe_intermediate_size": 32, "head_dim": 16}, 8),
+                           ("Qwen2MoeConfig", QWEN2_MOE, 4)):
+        hf, path = saved(tmp_path, cls, **kw)
+        del hf["num_experts_per_tok"]
+        assert families.read_spec(hf, path)[1].experts.top_k == top_k, cls
+
+
+def test_a_shared_expert_is_in_the_spec_only_when_present():
+    """engine.json of a bundle without one keeps its keys (its bytes); with one it round-trips."""
+    plain = Experts(4, 2, 8, (0,), renormalize=True)
+    assert list(plain.to_dict()) == ["num_experts", "top_k", "intermediate_size", "layers", "router", "renormalize"]
+    shared = Experts(4, 2, 8, (0,), shared_intermediate_size=16, shared_gate=True)
+    assert Experts.from_dict(json.loads(json.dumps(shared.to_dict()))) == shared
+    with pytest.raises(ArchSpecError, match="^shared_gate: true without a shared expert"):
+        Experts(4, 2, 8, (0,), shared_gate=True)
+    with pytest.raises(ArchSpecError, match="^shared_intermediate_size: 0 is not a positive integer"):
+        Experts(4, 2, 8, (0,), shared_intermediate_size=0)
 
 
 def test_the_spec_refuses_a_bad_expert_entry():
@@ -132,3 +197,22 @@ def test_every_checkpoint_layout_packs_to_the_same_tensors():
     incomplete = {k: v for k, v in layouts["mixtral"].items() if "experts.2.w2" not in k}
     with pytest.raises(StageError, match="experts.2.w2.weight is missing"):
         dict(expert_tensors(FakeCheckpoint(incomplete), b, 0, e, torch.float32))
+
+
+def test_a_shared_expert_packs_gate_then_up_rows_and_its_gate():
+    g = torch.Generator().manual_seed(0)
+    h, i = 5, 3
+    gate, up, down, out_gate = (torch.randn(i, h, generator=g), torch.randn(i, h, generator=g),
+                                torch.randn(h, i, generator=g), torch.randn(1, h, generator=g))
+    b = "model.layers.2"
+    tensors = {f"{b}.mlp.shared_expert.gate_proj.weight": gate, f"{b}.mlp.shared_expert.up_proj.weight": up,
+               f"{b}.mlp.shared_expert.down_proj.weight": down, f"{b}.mlp.shared_expert_gate.weight": out_gate}
+    got = dict(shared_expert_tensors(FakeCheckpoint(tensors), b, 2, True, torch.float32))
+    assert torch.equal(got["layers.2.shared_expert.gate_up.weight"], torch.cat([gate, up]))
+    assert torch.equal(got["layers.2.shared_expert.down.weight"], down)
+    assert torch.equal(got["layers.2.shared_expert_gate.weight"], out_gate)
+    del tensors[f"{b}.mlp.shared_expert_gate.weight"]
+    assert "layers.2.shared_expert_gate.weight" not in dict(shared_expert_tensors(FakeCheckpoint(tensors), b, 2, False,
+                                                                                   torch.float32))
+    with pytest.raises(StageError, match="shared_expert_gate.weight is missing"):
+        dict(shared_expert_tensors(FakeCheckpoint(tensors), b, 2, True, torch.float32))

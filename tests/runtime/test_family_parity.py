@@ -63,6 +63,10 @@ FAMILIES = {
     "qwen3_moe_step": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "decoder_sparse_step": 2, "norm_topk_prob": True}),
+    # Qwen2-MoE: q/k/v biases, top-2 of 8 not renormalised plus a sigmoid-gated shared expert, layer 1 dense
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]}),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -81,6 +85,8 @@ def _checkpoint(name: str, out: Path, tokenizer_src: Path, **extra) -> Path:
                 p.add_(torch.randn_like(p) * 0.2)
             elif pname.endswith("mlp.gate.weight"):   # a router: decisive choices, not near-ties of a random init
                 p.copy_(torch.randn_like(p))
+            elif pname.endswith("shared_expert_gate.weight"):   # a gate that varies per token, not ~0.5 for all
+                p.copy_(torch.randn_like(p) * 0.2)
     model.save_pretrained(out)
     for f in TOKENIZER_FILES:
         shutil.copy2(tokenizer_src / f, out / f)
@@ -332,10 +338,10 @@ def test_the_load_time_dtype_probe_runs_the_family_layer(name, built, tmp_path):
     assert "timing failed" not in runner.dtype_choice.reason, runner.dtype_choice
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_the_bundle_packs_each_expert_as_the_checkpoint_has_it(built, name):
     """Expert e of layer i in the bundle is the checkpoint's expert e (gate rows, then up, then down apart),
-    only on the spec's sparse layers; a dense layer keeps its gate_up/down."""
+    only on the spec's sparse layers; a dense layer keeps its gate_up/down. So is a shared expert and its gate."""
     from safetensors import safe_open
 
     _, src, bundle_dir = built(name)
@@ -353,3 +359,11 @@ def test_the_bundle_packs_each_expert_as_the_checkpoint_has_it(built, name):
         for e in range(experts["num_experts"]):
             g, u, d = (hf.get_tensor(f"model.layers.{i}.{moe}.experts.{e}.{n}.weight") for n in names)
             assert torch.equal(gate_up[e], torch.cat([g, u])) and torch.equal(down[e], d), (i, e)
+        shared = {f"layers.{i}.shared_expert.gate_up.weight": torch.cat(
+                      [hf.get_tensor(f"model.layers.{i}.mlp.shared_expert.{n}.weight") for n in ("gate_proj", "up_proj")]),
+                  f"layers.{i}.shared_expert.down.weight": hf.get_tensor(f"model.layers.{i}.mlp.shared_expert.down_proj.weight"),
+                  f"layers.{i}.shared_expert_gate.weight": hf.get_tensor(f"model.layers.{i}.mlp.shared_expert_gate.weight")
+                  } if "shared_intermediate_size" in experts else {}
+        assert (f"layers.{i}.shared_expert.gate_up.weight" in ours.keys()) == bool(shared) == (name == "qwen2_moe")
+        for runtime, want in shared.items():
+            assert torch.equal(ours.get_tensor(runtime), want), runtime
