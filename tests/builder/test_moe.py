@@ -84,7 +84,6 @@ MOE_MODEL = {"architecture": "mixtral", "num_kv_heads": 2, "num_heads": 4, "head
     ("engine.tp_size=2", "engine.tp_size", "1"),
     ("speculative.method=eagle3", "speculative.method", "none"),
     ("tensorrt.enabled=true", "tensorrt.enabled", "false"),
-    ("engine.attention_backend=triton", "engine.attention_backend", "torch"),
 ])
 def test_the_build_refuses_what_has_no_expert_path_yet(override, key, allowed):
     base = ["quantization.format=none", "quantization.kv_cache=none"]
@@ -94,6 +93,13 @@ def test_the_build_refuses_what_has_no_expert_path_yet(override, key, allowed):
     msg = str(exc.value)
     assert msg.startswith(f"x.yaml: {key}: ") and msg.endswith(f"allowed: {allowed}") and "mixture-of-experts" in msg
     check_against_model(BuildConfig.from_dict({}, "x.yaml", base), MOE_MODEL)   # the plain build passes
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
+def test_every_attention_backend_builds_an_expert_model(backend):
+    """The fused Triton layer runs expert layers (the fused expert kernel), so no backend is refused."""
+    base = ["quantization.format=none", "quantization.kv_cache=none", f"engine.attention_backend={backend}"]
+    check_against_model(BuildConfig.from_dict({}, "x.yaml", base), MOE_MODEL)
 
 
 class FakeCheckpoint(dict):
