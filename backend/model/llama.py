@@ -80,7 +80,8 @@ def build_layer(weights: dict[str, torch.Tensor], i: int, quant_format: str, dty
            for name in ("qkv", "o") + (() if sparse else mlp)}
     if sparse:
         hidden = _tensor(weights, f"{p}.input_norm.weight").shape[0]
-        lin.update(gate_up=None, down=None, moe=build_experts(weights, p, experts, hidden, dtype, device, expert_kernel, aot))
+        lin.update(gate_up=None, down=None,
+                   moe=build_experts(weights, p, experts, hidden, dtype, device, expert_kernel, aot))
     ks, vs = weights.get(f"{p}.attn.k_scale"), weights.get(f"{p}.attn.v_scale")
     return DecoderLayer(
         input_norm=_tensor(weights, f"{p}.input_norm.weight").to(device=device, dtype=dtype),
@@ -168,7 +169,8 @@ class LlamaModel:
         self.windows = list(self.plan.windows)
         # With the Triton attention backend (a GPU, or the interpreter in tests) a decoder layer runs
         # fused kernels: norm, QKV GEMM, rope+KV write, attention, O GEMM, norm, gate/up GEMM, act, down
-        # GEMM, or an expert layer's router and fused expert kernel (see _forward_fused). The torch backend keeps the plain ops below, numbers unchanged.
+        # GEMM, or an expert layer's router and fused expert kernel (see _forward_fused). The torch
+        # backend keeps the plain ops below, numbers unchanged.
         # The kernel table says whether the backend's kind has them (None: the plain layer).
         self._kernels = registry.fused_layer_kernels(attention.name, dev, dt)
         self.fused = self._kernels is not None

@@ -90,7 +90,8 @@ def build_experts(weights: dict[str, torch.Tensor], prefix: str, spec: Experts, 
         return make_linear("none", {"weight": w}, dtype, device, where=where)
 
     # the packed tensors, converted once: the kernel's operands, or what the per-expert linears view
-    gate_up, down = (weights[f"{prefix}.experts.{n}.weight"].to(device=device, dtype=dtype) for n in ("gate_up", "down"))
+    gate_up, down = (weights[f"{prefix}.experts.{n}.weight"].to(device=device, dtype=dtype)
+                     for n in ("gate_up", "down"))
     router = linear(weights[f"{prefix}.router.weight"], f"{prefix}.router")
     if kernel is not None:
         return ExpertMLP(router=router, gate_up=[], down=[], top_k=spec.top_k, renormalize=spec.renormalize,
