@@ -15,17 +15,14 @@ from builder.schema import ConfigError
 # what an expert model (model.arch.experts) builds with today: key -> (its value in the config, the one
 # value allowed). The rest has no expert path yet and is refused, never run as a wrong graph: ModelOpt's
 # quantizers and the bundle's quantized linears (and its FP8 KV calibration) know no packed experts,
-# tensor parallelism does not split them, the EAGLE draft and the ONNX/TensorRT decoder graph have no
-# expert layer, and the fused Triton layer has no expert MLP (engine.attention_backend auto on a GPU is
-# refused when the engine loads)
+# tensor parallelism does not split them, and the EAGLE draft and the ONNX/TensorRT decoder graph have no
+# expert layer. Every attention backend runs them (the fused Triton layer with the fused expert kernel).
 EXPERT_LIMITS = {
     "quantization.format": (lambda c: c.quantization.format, "none"),
     "quantization.kv_cache": (lambda c: c.quantization.kv_cache, "none"),
     "engine.tp_size": (lambda c: c.engine.tp_size, 1),
     "speculative.method": (lambda c: c.speculative.method, "none"),
     "tensorrt.enabled": (lambda c: c.tensorrt.enabled, False),
-    "engine.attention_backend": (lambda c: "torch" if c.engine.attention_backend == "auto"
-                                 else c.engine.attention_backend, "torch"),
 }
 
 

@@ -4,7 +4,7 @@ Triton kernels on NVIDIA GPUs, PyTorch references on CPU (or anywhere on request
 kernels (plugins/cpu) as the "cpu" kind. Entries are "module:function" strings so that looking
 something up on CPU never imports a kernel module. Every kernel the runtime launches is chosen here:
 the model, the linears, the CPU matmul and the attention backends ask this table (``get``, ``load``,
-``fused_layer_kernels``) rather than importing a kernel themselves.
+``fused_layer_kernels``, ``expert_kernel``) rather than importing a kernel themselves.
 
 Ops and their call signatures (shapes on the functions themselves):
   write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None
@@ -128,6 +128,9 @@ FUSED_LAYER_OPS = ("add_rms_norm_quant", "silu_mul_quant", "rope_write_kv",
                    # Gemma 3's layer: its post norms (no residual) and the GELU output's fp8 codes
                    "rms_norm", "quantize_fp8")
 FUSED_LAYER_KINDS = ("triton",)
+# The kinds whose fused_moe runs a model's expert layers; elsewhere the model's per-expert loop over the
+# dense path's linears (backend/model/moe.py: on CPU, batch-invariant and held to transformers).
+EXPERT_KERNEL_KINDS = ("triton",)
 
 
 def default_kind(device: str | torch.device) -> str:
@@ -184,6 +187,17 @@ def available(op: str, kind: str, fmt: str | None = None) -> bool:
 def load_if_available(op: str, kind: str, fmt: str | None = None) -> Callable | None:
     """``load``, or None where this machine does not run it (``available``)."""
     return load(op, kind, fmt) if available(op, kind, fmt) else None
+
+
+def expert_kernel(kind: str, device: str | torch.device, dtype: torch.dtype) -> Callable | None:
+    """The fused expert kernel (fused_moe) for an expert layer under an attention backend of ``kind`` (its
+    registry kind): Triton's on an NVIDIA GPU whatever the backend, or where ``kind`` has it (the triton
+    backend under the interpreter); None: the model's own per-expert loop."""
+    if torch.device(device).type == "cuda":
+        kind = "triton"
+    if kind not in EXPERT_KERNEL_KINDS:
+        return None
+    return get("fused_moe", device, dtype, kind=kind)
 
 
 def fused_layer_kernels(kind: str, device: str | torch.device, dtype: torch.dtype) -> dict[str, Callable] | None:

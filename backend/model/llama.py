@@ -66,10 +66,12 @@ FF_NORMS = ("pre_ff_norm", "post_ff_norm")
 
 
 def build_layer(weights: dict[str, torch.Tensor], i: int, quant_format: str, dtype: torch.dtype,
-                device: torch.device, aot=None, experts: Experts | None = None) -> DecoderLayer:
+                device: torch.device, aot=None, experts: Experts | None = None,
+                expert_kernel: Callable | None = None) -> DecoderLayer:
     """Layer ``i`` from the bundle's tensors, its linears in the storage their kernels want
     (the model builds every layer so; ``layer_probe`` builds one to time it). ``experts``: the spec's
-    expert layers; layer ``i``'s MLP is then the experts' when it is one of them."""
+    expert layers; layer ``i``'s MLP is then the experts' when it is one of them, run by
+    ``expert_kernel`` (the kernel table's fused_moe; None: the per-expert loop, backend/model/moe.py)."""
     p = f"layers.{i}"
     sparse = experts is not None and i in experts.layers
     mlp = ("router", "experts") if sparse else ("gate_up", "down")
@@ -78,7 +80,8 @@ def build_layer(weights: dict[str, torch.Tensor], i: int, quant_format: str, dty
            for name in ("qkv", "o") + (() if sparse else mlp)}
     if sparse:
         hidden = _tensor(weights, f"{p}.input_norm.weight").shape[0]
-        lin.update(gate_up=None, down=None, moe=build_experts(weights, p, experts, hidden, dtype, device))
+        lin.update(gate_up=None, down=None,
+                   moe=build_experts(weights, p, experts, hidden, dtype, device, expert_kernel, aot))
     ks, vs = weights.get(f"{p}.attn.k_scale"), weights.get(f"{p}.attn.v_scale")
     return DecoderLayer(
         input_norm=_tensor(weights, f"{p}.input_norm.weight").to(device=device, dtype=dtype),
@@ -153,7 +156,11 @@ class LlamaModel:
         self.lm_head = cpu_matmul.prepare_from(_tensor(weights, head), f"as {dt}", lambda: lm_head)
         aot = attention.aot   # the bundle's cubins (GPU) serve the 4-bit GEMMs too
         experts = spec.experts if spec is not None else None
-        self.layers = [build_layer(weights, i, quant_format, dt, dev, aot, experts) for i in range(config.num_layers)]
+        # an expert layer's MLP: the fused expert kernel where the kernel table has one for this backend
+        # and device, else the per-expert loop (backend/model/moe.py)
+        moe = registry.expert_kernel(attention.name, dev, dt) if experts is not None else None
+        self.layers = [build_layer(weights, i, quant_format, dt, dev, aot, experts, moe)
+                       for i in range(config.num_layers)]
         self._check_shapes()
         # one table per attention kind (Gemma 3: sliding layers rope base 10k, full ones 1M)
         self.ropes = spec_layer.rope_tables(spec, config, dev)
@@ -162,13 +169,11 @@ class LlamaModel:
         self.windows = list(self.plan.windows)
         # With the Triton attention backend (a GPU, or the interpreter in tests) a decoder layer runs
         # fused kernels: norm, QKV GEMM, rope+KV write, attention, O GEMM, norm, gate/up GEMM, act, down
-        # GEMM (see _forward_fused). The torch backend keeps the plain ops below, numbers unchanged.
+        # GEMM, or an expert layer's router and fused expert kernel (see _forward_fused). The torch
+        # backend keeps the plain ops below, numbers unchanged.
         # The kernel table says whether the backend's kind has them (None: the plain layer).
         self._kernels = registry.fused_layer_kernels(attention.name, dev, dt)
         self.fused = self._kernels is not None
-        if self.fused and experts is not None:
-            raise ValueError(f"engine.attention_backend: {attention.name} runs the fused Triton layer, which has no "
-                             f"expert MLP yet (model.arch.experts); allowed: torch")
         decoder_parts.check_spec(spec)
         decoder_parts.check_qk_norms(spec, self.layers)
         if self.plan.one_plus:   # (1 + w) norms: the multiplier once, in fp32 as transformers computes it
@@ -260,7 +265,7 @@ class LlamaModel:
         heads/columns alone, with the replicated per-tensor input scales."""
         c, k, aot, plan = self.config, self._kernels, self.attention.aot, self.plan
         t, eps = input_ids.shape[0], c.rms_norm_eps
-        norm, act = k["add_rms_norm_quant"], k["silu_mul_quant"]
+        norm = k["add_rms_norm_quant"]
         captured: dict[int, torch.Tensor] = {}
         hidden = self.embed(input_ids)
         if plan.embedding_scale is not None:   # Gemma: sqrt(hidden), rounded to the model's dtype first
@@ -290,15 +295,10 @@ class LlamaModel:
                 x, hidden = norm(delta, layer.pre_ff_norm, eps, hidden, _fp8_in(layer.gate_up), aot=aot)
             else:
                 x, hidden = norm(delta, layer.post_attn_norm, eps, hidden, _fp8_in(layer.gate_up), aot=aot)
-            gate_up = _apply(layer.gate_up, x)
-            if plan.activation == "silu":
-                y = act(gate_up, _fp8_in(layer.down), aot=aot)
-            else:   # GELU-tanh (Gemma): PyTorch's op, then the down GEMM's fp8 codes when it takes them
-                gate, up = gate_up.chunk(2, dim=-1)
-                y = spec_layer.ACTIVATIONS[plan.activation](gate) * up
-                if _fp8_in(layer.down) is not None:
-                    y = k["quantize_fp8"](y.contiguous(), _fp8_in(layer.down), aot=aot)
-            delta = self.row_linear(layer.down, y)
+            if layer.moe is not None:   # an expert layer: router, then the fused expert kernel (__init__)
+                delta = layer.moe(x)
+            else:
+                delta = self.row_linear(layer.down, self._fused_act(layer, _apply(layer.gate_up, x)))
             if plan.post_norms:
                 delta = k["rms_norm"](delta, layer.post_ff_norm, eps, aot=aot)
             if i in capture_hidden_layers:
@@ -306,6 +306,17 @@ class LlamaModel:
         if delta is None:
             return rms_norm(hidden, self.norm, eps), captured
         return norm(delta, self.norm, eps, hidden, None, aot=aot)[0], captured
+
+    def _fused_act(self, layer: DecoderLayer, gate_up: torch.Tensor) -> torch.Tensor:
+        """The fused layer's activation of a dense MLP: ``down``'s input (its fp8 codes when it takes them)."""
+        aot = self.attention.aot
+        if self.plan.activation == "silu":
+            return self._kernels["silu_mul_quant"](gate_up, _fp8_in(layer.down), aot=aot)
+        gate, up = gate_up.chunk(2, dim=-1)   # GELU-tanh (Gemma): PyTorch's op, then the fp8 codes if wanted
+        y = spec_layer.ACTIVATIONS[self.plan.activation](gate) * up
+        if _fp8_in(layer.down) is not None:
+            y = self._kernels["quantize_fp8"](y.contiguous(), _fp8_in(layer.down), aot=aot)
+        return y
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -280,12 +280,17 @@ def kernel_shapes(manifest: bundle.Manifest):
     m, q, e = manifest.model, manifest.quantization, manifest.engine
     act = ACT_TYPES[m.dtype]   # ModelConfig has checked the dtype
     tp = e.tp_size             # divides these (builder/config.py checks it with tp_rules)
+    arch = getattr(m, "arch_spec", None)   # engine.json model.arch (None: a Llama-shaped model)
+    experts = arch.experts if arch is not None else None
     return EngineShapes(
         act=act, kv="fp8e4nv" if e.kv_cache_dtype.startswith("fp8") else act,
         num_heads=m.num_heads // tp, num_kv_heads=kv_heads_per_rank(m.num_kv_heads, tp), head_dim=m.head_dim,
         hidden_size=m.hidden_size, intermediate_size=m.intermediate_size // tp, block_size=e.kv_block_size,
         quant_format=q.format,
-        group_size=q.group_size, speculative=manifest.speculative is not None)
+        group_size=q.group_size, speculative=manifest.speculative is not None,
+        # the fused expert kernel's variants (one rank's expert width, should tp ever split experts)
+        num_experts=experts.num_experts if experts else 0,
+        moe_intermediate_size=experts.intermediate_size // tp if experts else 0)
 
 
 def _modelopt_version() -> str:

@@ -149,7 +149,6 @@ MOE_MODEL = {"architecture": "mixtral", "num_kv_heads": 2, "num_heads": 4, "head
     ("engine.tp_size=2", "engine.tp_size", "1"),
     ("speculative.method=eagle3", "speculative.method", "none"),
     ("tensorrt.enabled=true", "tensorrt.enabled", "false"),
-    ("engine.attention_backend=triton", "engine.attention_backend", "torch"),
 ])
 def test_the_build_refuses_what_has_no_expert_path_yet(override, key, allowed):
     base = ["quantization.format=none", "quantization.kv_cache=none"]
@@ -159,6 +158,36 @@ def test_the_build_refuses_what_has_no_expert_path_yet(override, key, allowed):
     msg = str(exc.value)
     assert msg.startswith(f"x.yaml: {key}: ") and msg.endswith(f"allowed: {allowed}") and "mixture-of-experts" in msg
     check_against_model(BuildConfig.from_dict({}, "x.yaml", base), MOE_MODEL)   # the plain build passes
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
+def test_every_attention_backend_builds_an_expert_model(backend):
+    """The fused Triton layer runs expert layers (the fused expert kernel), so no backend is refused."""
+    base = ["quantization.format=none", "quantization.kv_cache=none", f"engine.attention_backend={backend}"]
+    check_against_model(BuildConfig.from_dict({}, "x.yaml", base), MOE_MODEL)
+
+
+def test_an_expert_bundle_plans_the_fused_expert_kernel():
+    """kernel_shapes reads the experts from engine.json's model.arch, so the AOT stage compiles the fused
+    expert kernel's variants (both GEMMs, both row blocks) for an expert bundle, and none for a dense one."""
+    from types import SimpleNamespace
+
+    from builder.stages.compile import kernel_shapes
+    from plugins import aot
+
+    def manifest(experts):
+        arch = None if experts is None else ArchSpec(layer_types=("full",) * 3, experts=experts)
+        return SimpleNamespace(
+            model=SimpleNamespace(dtype="bfloat16", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64,
+                                  intermediate_size=96, arch_spec=arch),
+            quantization=SimpleNamespace(format="none", group_size=None),
+            engine=SimpleNamespace(kv_cache_dtype="auto", kv_block_size=16, tp_size=1), speculative=None)
+    shapes = kernel_shapes(manifest(Experts(8, 2, 32, (1, 2))))
+    assert (shapes.num_experts, shapes.moe_intermediate_size) == (8, 32)
+    moe = [v for v in aot.plan(shapes) if v.fn.__name__ == "moe_gemm_kernel"]
+    assert len(moe) == 4 and {v.constexprs["GATED"] for v in moe} == {True, False}
+    dense = kernel_shapes(manifest(None))
+    assert dense.num_experts == 0 and not any(v.fn.__name__ == "moe_gemm_kernel" for v in aot.plan(dense))
 
 
 class FakeCheckpoint(dict):
